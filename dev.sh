@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# lossparity's two commands: `./dev.sh main` (the main job) and `./dev.sh test` (the whole test suite).
+# Each does its own set-up: creates or reuses ./.venv, installs the project, and installs the CPU build
+# torch==2.13.0 only when no torch is importable (a bare `torch` requirement would pull a CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV="${LOSSPARITY_VENV:-.venv}"
+PY="${PYTHON:-python3}"
+
+ensure_env() {  # $1 = extras profile: main | test
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+    "$VENV/bin/pip" install -q "torch==2.13.0"
+  fi
+  local stamp="$VENV/.lossparity-$1-$(cat pyproject.toml dev.sh | sha1sum | cut -c1-12)"
+  [ -f "$stamp" ] && return 0
+  if [ "$1" = test ]; then
+    "$VENV/bin/pip" install -q -e ".[dev,report,tensorboard,jax]"
+    # megatron-core is the oracle of the MoE tests; --no-deps keeps it from touching torch.
+    "$VENV/bin/pip" install -q --no-deps "megatron-core"
+  else
+    "$VENV/bin/pip" install -q -e .
+  fi
+  touch "$stamp"
+}
+
+cmd="${1:-main}"
+shift || true
+case "$cmd" in
+  main)
+    ensure_env main
+    "$VENV/bin/lossparity" modes "$@"
+    ;;
+  test)
+    ensure_env test
+    "$VENV/bin/python" -m pytest -q "$@"
+    ;;
+  *)
+    echo "usage: ./dev.sh main|test [args...]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,506 @@
+"""The accountant: exact, layout-invariant loss accounting inside a training loop (SPEC §2, §3).
+
+One optimizer step::
+
+    acc.begin_step(masks)                 # pre-count normalizers: one all-reduce
+    for mb in microbatches:
+        loss = acc.lm_loss(per_token_loss, mask)  # this microbatch's exact share of J
+        (loss + acc.mtp_loss(...)).backward()
+    acc.finish_step(model)                # engine-dependent gradient scaling
+    optimizer.step()
+    logs = acc.logs()                     # every logged scalar of the step, one all-reduce
+
+Two mechanisms make the objective layout-invariant (SPEC §3). ``normalization="precount"`` (default):
+the global denominators are counted from the masks before the first forward, and each microbatch
+back-propagates ``numerator / denominator``. ``normalization="deferred"`` (Megatron
+``calculate_per_token_loss=True``): raw numerators are back-propagated, the denominator is summed
+as microbatches pass, and ``finish_step`` divides every gradient by it. In both, gradients must be
+*summed* over data-parallel ranks: ``finish_step`` multiplies by ``D`` when the engine averages (DDP,
+FSDP), or all-reduces them itself for a plain module.
+
+The log channel is independent of the mode: per step ``lm_loss = S / Ntok``, ``objective = J``,
+``tokens``, ``samples``, MTP per-depth losses and any declared auxiliary metric, all reduced in one
+collective (torchmetrics style: state, update, one synchronised reduction, compute).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..losses.logchannel import ratio_or_none
+from ..losses.modes import MODES, check_mode, numerator
+from ..losses.mtp import check_convention, mtp_numerator, roll_mask
+from ..losses.stats import check_inputs, rows_documents, sample_stats
+from .groups import ParallelGroups, resolve_groups
+
+__all__ = ["Accountant", "NORMALIZATIONS", "GRAD_REDUCTIONS"]
+
+NORMALIZATIONS = ("precount", "deferred")
+GRAD_REDUCTIONS = ("auto", "sum", "mean", "allreduce")
+
+# Layout of the per-step count vector reduced in begin_step / finish_step.
+_C_TOKENS, _C_SAMPLES, _C_DOCS, _C_MBS = range(4)
+_COUNT_KEYS = {"tokens": _C_TOKENS, "samples": _C_SAMPLES, "documents": _C_DOCS, "microbatches": _C_MBS}
+_DEN_KEY = {
+    "per_token": "tokens",
+    "per_sample": "samples",
+    "per_microbatch": "microbatches",
+    "per_document": "documents",
+    "sample_sum": "samples",
+    "sample_sum_norm": "samples",
+}
+
+
+def _is_averaging_engine(model: object) -> bool:
+    """DDP and FSDP (1 and 2) divide gradients by the data-parallel size."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return True
+    try:
+        from torch.distributed.fsdp import FSDPModule  # FSDP2, torch >= 2.6
+
+        if isinstance(model, FSDPModule):
+            return True
+    except ImportError:  # pragma: no cover - older torch
+        pass
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return isinstance(model, FullyShardedDataParallel)
+    except ImportError:  # pragma: no cover
+        return False
+
+
+def _unique_grads(model: nn.Module | Iterable[Tensor] | None) -> list[Tensor]:
+    if model is None:
+        return []
+    params = model.parameters() if isinstance(model, nn.Module) else model
+    seen: set[int] = set()
+    grads = []
+    for p in params:
+        if id(p) in seen or p.grad is None:
+            continue
+        seen.add(id(p))
+        grads.append(p.grad)
+    return grads
+
+
+class Accountant:
+    """Exact loss accounting for one training loop (see the module docstring for the protocol).
+
+    Args:
+        mode: normalization mode of the language-model objective (SPEC §1), one of :data:`MODES`.
+        group: data-parallel process group (``None``: the default group if initialized, else single
+            process). Mutually exclusive with ``mesh``.
+        mesh: ``DeviceMesh`` with named dimensions among ``dp, cp, tp, pp``.
+        normalization: ``"precount"`` (default) or ``"deferred"`` (SPEC §3).
+        grad_reduction: how gradients are reduced over data-parallel ranks: ``"auto"`` (detect DDP/FSDP
+            from the module given to ``finish_step``, else all-reduce plain modules), ``"mean"`` (the
+            engine averages: multiply by ``D``), ``"sum"`` (already summed, or one process),
+            ``"allreduce"`` (``finish_step`` sums the gradients itself).
+        fixed_length: the ``L`` of ``sample_sum_norm``.
+        mtp_depths: number of MTP depths ``Dm`` (0: no MTP); their masks are pre-counted by rolling.
+        mtp_convention: ``own`` | ``main`` | ``pooled`` (SPEC §4).
+        mtp_log_estimator: ``"token_mean"`` (``S_k/Ntok_k``, default) or ``"microbatch_mean"``
+            (Megatron: mean over microbatches and ranks of local means).
+        check_finite: raise on NaN/Inf losses, naming rank and microbatch (costs one sync per call).
+    """
+
+    def __init__(
+        self,
+        mode: str = "per_token",
+        group: object | None = None,
+        *,
+        mesh: object | None = None,
+        normalization: str = "precount",
+        grad_reduction: str = "auto",
+        fixed_length: int | None = None,
+        mtp_depths: int = 0,
+        mtp_convention: str = "own",
+        mtp_log_estimator: str = "token_mean",
+        check_finite: bool = True,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.mode = check_mode(mode)
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(f"unknown normalization {normalization!r}; valid: {', '.join(NORMALIZATIONS)}")
+        if grad_reduction not in GRAD_REDUCTIONS:
+            raise ValueError(f"unknown grad_reduction {grad_reduction!r}; valid: {', '.join(GRAD_REDUCTIONS)}")
+        if mode == "sample_sum_norm" and (fixed_length is None or fixed_length <= 0):
+            raise ValueError(f"mode 'sample_sum_norm' needs fixed_length > 0, got fixed_length={fixed_length}")
+        if mtp_depths < 0:
+            raise ValueError(f"mtp_depths must be >= 0, got {mtp_depths}")
+        check_convention(mtp_convention)
+        if mtp_log_estimator not in ("token_mean", "microbatch_mean"):
+            raise ValueError(
+                f"unknown mtp_log_estimator {mtp_log_estimator!r}; valid: token_mean, microbatch_mean"
+            )
+        if normalization == "deferred" and mtp_depths and mode == "per_token" and mtp_convention != "main":
+            # One division of all gradients by one count cannot give each depth its own count.
+            raise ValueError(
+                "normalization='deferred' with mode 'per_token' divides every gradient by the main token "
+                f"count, so it needs mtp_convention='main' (got {mtp_convention!r})"
+            )
+        self.normalization = normalization
+        self.grad_reduction = grad_reduction
+        self.fixed_length = fixed_length
+        self.mtp_depths = mtp_depths
+        self.mtp_convention = mtp_convention
+        self.mtp_log_estimator = mtp_log_estimator
+        self.check_finite = check_finite
+        self.groups: ParallelGroups = resolve_groups(group, mesh)
+        self.device = torch.device(device) if device is not None else self._default_device()
+        self.mtp_weight = 1.0
+        self._metrics: list[str] = []  # declared auxiliary metrics (name -> (num, den) slots)
+        self._in_step = False
+        self._counts: Tensor | None = None
+        self._local_mb_tokens: list[int] = []
+        self._mb = 0
+        self._acc: Tensor | None = None
+        self._objective_direct: Tensor | None = None
+        self._finished = False
+
+    # ------------------------------------------------------------------ setup
+    def _default_device(self) -> torch.device:
+        g = self.groups.log_group
+        if g is not None and dist.get_backend(g) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def declare_metric(self, name: str) -> None:
+        """Declare an auxiliary log metric reduced as ``Σ num / Σ den`` over all ranks and microbatches.
+
+        Must be called identically on every rank (it fixes the layout of the logging collective); a
+        rank that has nothing to record still takes part with zeros (SPEC §6).
+        """
+        if self._in_step:
+            raise RuntimeError(f"declare_metric({name!r}) must be called outside a step")
+        if name not in self._metrics:
+            self._metrics.append(name)
+
+    @property
+    def where(self) -> str:
+        return f"rank {self.groups.token_rank()}, microbatch {self._mb}"
+
+    # ------------------------------------------------------------------ step
+    def _slots(self) -> int:
+        # S, Ntok, N, Ndoc, mbs, lm numerator | per depth: S_k, Ntok_k, local means, numerator | pooled num
+        return 6 + 4 * self.mtp_depths + 1 + 2 * len(self._metrics)
+
+    def begin_step(
+        self,
+        masks: Sequence[Tensor],
+        segment_ids: Sequence[Tensor | None] | None = None,
+        *,
+        mtp_weight: float | None = None,
+    ) -> None:
+        """Start a step: pre-count the normalizers of every microbatch of this rank and sum them over
+        the token group in one all-reduce (``precount``), or only remember the local counts (``deferred``).
+
+        ``masks`` are this rank's microbatch loss masks ``[b, S]`` in the order ``lm_loss`` will see them;
+        ``segment_ids`` (packed rows) likewise, needed by ``per_document`` and by MTP rolling within
+        documents. ``mtp_weight`` is the MTP ``λ`` of this step.
+        """
+        if self._in_step and not self._finished:
+            raise RuntimeError("begin_step called twice without finish_step")
+        masks = list(masks)
+        if not masks:
+            raise ValueError("begin_step needs the masks of at least one microbatch (masks is empty)")
+        segs = list(segment_ids) if segment_ids is not None else [None] * len(masks)
+        if len(segs) != len(masks):
+            raise ValueError(f"segment_ids has {len(segs)} entries but masks has {len(masks)}")
+        if self.mode == "per_document" and any(s is None for s in segs):
+            raise ValueError("mode 'per_document' needs segment_ids for every microbatch in begin_step")
+        if mtp_weight is not None:
+            if mtp_weight < 0:
+                raise ValueError(f"mtp_weight must be >= 0, got {mtp_weight}")
+            self.mtp_weight = float(mtp_weight)
+        # The last slot flags bad input: every rank still enters the all-reduce, so a rank with bad
+        # masks raises its own error and the others raise too instead of hanging (SPEC §7).
+        counts = torch.zeros(5 + self.mtp_depths, dtype=torch.float64, device=self.device)
+        self._local_mb_tokens = []
+        error: Exception | None = None
+        try:
+            for i, (w, seg) in enumerate(zip(masks, segs)):
+                w2 = w if w.dim() == 2 else w.unsqueeze(0)
+                seg2 = seg if seg is None or seg.dim() == 2 else seg.unsqueeze(0)
+                check_inputs(w2.to(torch.float32), w2, seg2,
+                             where=f"rank {self.groups.token_rank()}, microbatch {i}", check_finite=False)
+                ntok = w2.sum()
+                self._local_mb_tokens.append(int(ntok.item()))
+                counts[_C_TOKENS] += ntok.to(torch.float64)
+                counts[_C_SAMPLES] += w2.shape[0]
+                counts[_C_MBS] += 1
+                if seg2 is not None:
+                    counts[_C_DOCS] += rows_documents(seg2)[1]
+                for k in range(1, self.mtp_depths + 1):
+                    counts[3 + k] += roll_mask(w2, seg2, k).sum().to(torch.float64)
+        except (ValueError, TypeError) as e:
+            error = e
+            counts[-1] = 1.0
+        if self.normalization == "precount":  # deferred has no collective here: errors stay local
+            self._all_reduce(counts, self.groups.token_group)
+        if error is not None:
+            raise error
+        if counts[-1] > 0:
+            raise RuntimeError(
+                f"{int(counts[-1].item())} other rank(s) reported invalid input in begin_step (see their error); "
+                f"rank {self.groups.token_rank()} stops too"
+            )
+        self._counts = counts
+        self._n_mbs = len(masks)
+        self._mb = 0
+        self._acc = torch.zeros(self._slots(), dtype=torch.float64, device=self.device)
+        self._objective_direct = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._in_step = True
+        self._finished = False
+        self._grad_factor: float | None = None
+
+    def _all_reduce(self, t: Tensor, group: object | None) -> None:
+        if group is not None:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+
+    def _denominator(self, key: str) -> float:
+        assert self._counts is not None
+        return float(max(self._counts[_COUNT_KEYS[key]].item(), 1.0))
+
+    def lm_loss(self, per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor | None = None) -> Tensor:
+        """This microbatch's share of the language-model objective; call once per microbatch, in order.
+
+        ``precount``: returns ``numerator(mb) / denominator`` so that the shares of all microbatches and
+        ranks sum to ``J`` (SPEC §1, §3). ``deferred``: returns the raw ``numerator(mb)``; ``finish_step``
+        divides the gradients. ``per_token_loss`` and ``mask`` are ``[b, S]``.
+        """
+        self._require_step("lm_loss")
+        if self._mb >= self._n_mbs:
+            raise RuntimeError(
+                f"lm_loss called for microbatch {self._mb} but begin_step received only {self._n_mbs} masks "
+                f"(rank {self.groups.token_rank()})"
+            )
+        loss = per_token_loss if per_token_loss.dim() == 2 else per_token_loss.unsqueeze(0)
+        w = mask if mask.dim() == 2 else mask.unsqueeze(0)
+        seg = segment_ids if segment_ids is None or segment_ids.dim() == 2 else segment_ids.unsqueeze(0)
+        check_inputs(loss, w, seg, where=self.where, check_finite=self.check_finite)
+        ntok = int(w.sum().item())
+        if ntok != self._local_mb_tokens[self._mb]:
+            raise ValueError(
+                f"mask of microbatch {self._mb} has {ntok} tokens but begin_step counted "
+                f"{self._local_mb_tokens[self._mb]} for it (rank {self.groups.token_rank()}): pass the same "
+                "masks, in the same order"
+            )
+        num = numerator(self.mode, loss, w, segment_ids=seg, fixed_length=self.fixed_length)
+        s, n = sample_stats(loss.detach(), w)
+        acc = self._acc
+        assert acc is not None
+        acc[0] += s.sum().to(torch.float64)
+        acc[1] += n.sum().to(torch.float64)
+        acc[2] += w.shape[0]
+        if seg is not None:
+            acc[3] += rows_documents(seg)[1]
+        acc[4] += 1
+        acc[5] += num.detach().to(torch.float64)
+        self._mb += 1
+        if self.normalization == "deferred":
+            return num
+        return num / self._denominator(_DEN_KEY[self.mode])
+
+    def _mtp_denominators(self) -> list[float]:
+        """Per-depth denominators (precount) of the MTP term (SPEC §4)."""
+        assert self._counts is not None
+        key = _DEN_KEY[self.mode]
+        if self.mode != "per_token" or self.mtp_convention == "main":
+            return [self._denominator(key)] * self.mtp_depths
+        if self.mtp_convention == "own":
+            return [float(max(self._counts[3 + k].item(), 1.0)) for k in range(1, self.mtp_depths + 1)]
+        pooled = float(max(self._counts[4 : 4 + self.mtp_depths].sum().item(), 1.0))
+        return [pooled]
+
+    def mtp_loss(
+        self,
+        losses: Sequence[Tensor],
+        masks: Sequence[Tensor],
+        segment_ids: Tensor | None = None,
+        *,
+        correct: Sequence[Tensor] | None = None,
+    ) -> Tensor:
+        """This microbatch's share of the MTP objective term ``λ·(1/Dm)·Σ_k J_k`` (or the pooled form).
+
+        ``losses[k-1]``/``masks[k-1]`` are depth ``k``'s per-token losses and rolled masks (see
+        :func:`lossparity.losses.mtp.roll_mtp`). Call after ``lm_loss`` of the same microbatch.
+        ``correct`` (optional, per depth, 0/1 at masked positions) feeds the acceptance-rate log.
+        """
+        self._require_step("mtp_loss")
+        if self.mtp_depths == 0:
+            raise RuntimeError("mtp_loss called but the accountant was built with mtp_depths=0")
+        if len(losses) != self.mtp_depths or len(masks) != self.mtp_depths:
+            raise ValueError(
+                f"mtp_loss needs {self.mtp_depths} losses and masks (one per depth), got {len(losses)} and "
+                f"{len(masks)} ({self.where})"
+            )
+        mb = self._mb - 1  # lm_loss of this microbatch came first
+        where = f"rank {self.groups.token_rank()}, microbatch {mb}"
+        losses = [x if x.dim() == 2 else x.unsqueeze(0) for x in losses]
+        masks = [x if x.dim() == 2 else x.unsqueeze(0) for x in masks]
+        for k, (x, w) in enumerate(zip(losses, masks), start=1):
+            check_inputs(x, w, segment_ids, where=f"{where}, MTP depth {k}", check_finite=self.check_finite)
+        nums = mtp_numerator(self.mode, losses, masks, convention=self.mtp_convention,
+                             segment_ids=segment_ids, fixed_length=self.fixed_length)
+        acc = self._acc
+        assert acc is not None
+        base = 6
+        for k, (x, w) in enumerate(zip(losses, masks)):
+            s, n = sample_stats(x.detach(), w)
+            s_sum, n_sum = s.sum().to(torch.float64), n.sum().to(torch.float64)
+            acc[base + 4 * k] += s_sum
+            acc[base + 4 * k + 1] += n_sum
+            acc[base + 4 * k + 2] += s_sum / n_sum.clamp(min=1)
+            if self.mtp_convention != "pooled":
+                acc[base + 4 * k + 3] += nums[k].detach().to(torch.float64)
+        if self.mtp_convention == "pooled":
+            acc[base + 4 * self.mtp_depths] += nums[0].detach().to(torch.float64)
+        scale = self.mtp_weight / (1 if self.mtp_convention == "pooled" else self.mtp_depths)
+        if self.normalization == "deferred":
+            return scale * torch.stack(nums).sum()
+        dens = self._mtp_denominators()
+        return scale * sum(num / den for num, den in zip(nums, dens))
+
+    def record(self, name: str, num: Tensor | float, den: Tensor | float = 1.0) -> None:
+        """Add ``num``/``den`` to the declared log metric ``name`` (reported as ``Σ num / Σ den``)."""
+        self._require_step("record")
+        try:
+            i = self._metrics.index(name)
+        except ValueError:
+            raise KeyError(f"metric {name!r} was not declared; declared: {self._metrics}") from None
+        base = 6 + 4 * self.mtp_depths + 1 + 2 * i
+        acc = self._acc
+        assert acc is not None
+        acc[base] += torch.as_tensor(num, dtype=torch.float64).detach().to(acc.device)
+        acc[base + 1] += torch.as_tensor(den, dtype=torch.float64).detach().to(acc.device)
+
+    def add_objective(self, value: Tensor | float) -> None:
+        """Add an already-normalized objective contribution (e.g. an auxiliary loss share) to the logged
+        ``objective``; summed over ranks and microbatches."""
+        self._require_step("add_objective")
+        assert self._objective_direct is not None
+        self._objective_direct += torch.as_tensor(value, dtype=torch.float64).detach().to(self.device)
+
+    def _require_step(self, what: str) -> None:
+        if not self._in_step:
+            raise RuntimeError(f"{what} called outside a step: call begin_step(masks) first")
+
+    # ------------------------------------------------------------------ gradients
+    def finish_step(self, model: nn.Module | Iterable[Tensor] | None = None) -> float:
+        """Scale (and, for plain modules, reduce) the gradients so that they are those of ``J``.
+
+        Checks that every pre-counted microbatch was seen. ``deferred``: all-reduces the step's
+        denominator over the token group and divides all gradients by it. Averaging engines (DDP,
+        FSDP) get a factor ``D``; ``grad_reduction="allreduce"`` (or ``auto`` with a plain module and
+        ``D > 1``) sums the gradients over the data-parallel group. Returns the factor applied.
+        """
+        self._require_step("finish_step")
+        if self._finished:
+            raise RuntimeError("finish_step called twice in one step")
+        if self._mb != self._n_mbs:
+            raise RuntimeError(
+                f"begin_step received {self._n_mbs} masks but lm_loss was called for {self._mb} microbatches "
+                f"(rank {self.groups.token_rank()})"
+            )
+        reduction = self.grad_reduction
+        if reduction == "auto":
+            if model is not None and _is_averaging_engine(model):
+                reduction = "mean"
+            elif model is not None and self.groups.dp_size > 1:
+                reduction = "allreduce"
+            else:
+                reduction = "sum"
+        factor = 1.0
+        if reduction == "mean":
+            factor *= self.groups.dp_size
+        if self.normalization == "deferred":
+            assert self._counts is not None and self._acc is not None
+            self._all_reduce(self._counts, self.groups.token_group)
+            factor /= self._denominator(_DEN_KEY[self.mode])
+        grads = _unique_grads(model)
+        if reduction == "allreduce" and self.groups.dp_group is not None and grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups.dp_group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        if factor != 1.0:
+            for g in grads:
+                g.mul_(factor)
+        self._finished = True
+        self._grad_factor = factor
+        return factor
+
+    # ------------------------------------------------------------------ logs
+    def logs(self) -> dict[str, float | None]:
+        """All log-channel scalars of the step, reduced over every rank in one collective (SPEC §2).
+
+        ``lm_loss = S/Ntok`` (``None`` when ``Ntok = 0``), ``objective = J`` (language model plus MTP plus
+        added auxiliary contributions), ``tokens``, ``samples``, ``microbatches``, ``documents`` (packed),
+        ``mtp_<k>_loss`` and every declared metric. Ends the step.
+        """
+        self._require_step("logs")
+        if self._mb != self._n_mbs:
+            raise RuntimeError(
+                f"logs() called after {self._mb} of {self._n_mbs} microbatches (rank {self.groups.token_rank()})"
+            )
+        acc, direct = self._acc, self._objective_direct
+        assert acc is not None and direct is not None
+        buf = torch.cat([acc, direct.reshape(1)])
+        if not self.groups.log_owner:
+            buf.zero_()  # tensor-parallel replicas hold copies of the owner's numbers
+        self._all_reduce(buf, self.groups.log_group)
+        v = buf.tolist()
+        S, ntok, nsamp, ndoc, nmb, lm_num = v[:6]
+        out: dict[str, float | None] = {
+            "lm_loss": ratio_or_none(S, ntok),
+            "tokens": ntok,
+            "samples": nsamp,
+            "microbatches": nmb,
+        }
+        if ndoc:
+            out["documents"] = ndoc
+        dens = {"tokens": max(ntok, 1.0), "samples": max(nsamp, 1.0), "microbatches": max(nmb, 1.0),
+                "documents": max(ndoc, 1.0)}
+        objective = lm_num / dens[_DEN_KEY[self.mode]]
+        base = 6
+        if self.mtp_depths:
+            term = 0.0
+            pooled_tokens = 0.0
+            for k in range(self.mtp_depths):
+                s_k, n_k, means_k, num_k = v[base + 4 * k : base + 4 * k + 4]
+                pooled_tokens += n_k
+                if self.mtp_log_estimator == "token_mean":
+                    out[f"mtp_{k + 1}_loss"] = ratio_or_none(s_k, n_k)
+                else:
+                    out[f"mtp_{k + 1}_loss"] = means_k / max(nmb, 1.0)
+                out[f"mtp_{k + 1}_tokens"] = n_k
+                if self.mtp_convention == "own" and self.mode == "per_token":
+                    term += num_k / max(n_k, 1.0)
+                elif self.mtp_convention != "pooled":
+                    term += num_k / dens[_DEN_KEY[self.mode]]
+            if self.mtp_convention == "pooled":
+                pooled_num = v[base + 4 * self.mtp_depths]
+                den = max(pooled_tokens, 1.0) if self.mode == "per_token" else dens[_DEN_KEY[self.mode]]
+                term = pooled_num / den
+            else:
+                term /= self.mtp_depths
+            out["mtp_weight"] = self.mtp_weight
+            objective += self.mtp_weight * term
+        base = 6 + 4 * self.mtp_depths + 1
+        for i, name in enumerate(self._metrics):
+            out[name] = ratio_or_none(v[base + 2 * i], v[base + 2 * i + 1])
+        objective += v[-1]
+        out["objective"] = objective
+        self._in_step = False
+        return out
+
+
+assert set(_DEN_KEY) == set(MODES)

@@ -1,0 +1,103 @@
+"""Which process groups a loss number is reduced over (SPEC §3, §5, §6).
+
+The semantics never name a process group; this module maps a layout onto groups once, so that the
+accountant and the trackers can ask for *roles* instead of hard-coding groups:
+
+- ``token_group``: the ranks that hold distinct tokens of the step (DP × CP). Normalizers (``Ntok``,
+  ``N``, ``Ndoc``) and log sums are summed over it.
+- ``dp_size``: the factor by which an averaging gradient engine (DDP, FSDP) divides gradients.
+- ``log_group``: every rank that takes part in the step's single logging collective. With pipeline
+  stages or tensor-parallel replicas it is larger than ``token_group``; ranks that only replicate a
+  value (TP peers) contribute zeros, see ``log_owner``.
+
+Built from a ``DeviceMesh`` with named dimensions (``dp``, ``cp``, ``tp``, ``pp``; any subset), from a
+single process group (taken as the data-parallel group), or from nothing (one process).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+__all__ = ["ParallelGroups", "resolve_groups"]
+
+_DIMS = ("dp", "cp", "tp", "pp")
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """Resolved groups and sizes of one rank (see module docstring). ``None`` groups mean a single
+    process, where every collective is skipped."""
+
+    token_group: object | None
+    log_group: object | None
+    dp_group: object | None
+    dp_size: int
+    cp_size: int
+    tp_size: int
+    pp_size: int
+    log_owner: bool
+
+    @property
+    def distributed(self) -> bool:
+        """True when any collective has to run."""
+        return self.token_group is not None or self.log_group is not None
+
+    def token_rank(self) -> int:
+        """This rank's index in the token group (0 in a single process)."""
+        return 0 if self.token_group is None else dist.get_rank(self.token_group)
+
+
+def _size(group: object | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def resolve_groups(group: object | None = None, mesh: object | None = None) -> ParallelGroups:
+    """Resolve ``group`` (a data-parallel process group) or ``mesh`` (a ``DeviceMesh`` whose dimension
+    names are a subset of ``dp, cp, tp, pp``) into a :class:`ParallelGroups`.
+
+    With neither, and ``torch.distributed`` initialized, the default (world) group is taken as the
+    data-parallel group; with neither and no process group, a single process is assumed.
+    """
+    if group is not None and mesh is not None:
+        raise ValueError("pass either group= or mesh=, not both")
+    if mesh is None:
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+        size = _size(group)
+        g = group if size > 1 else None
+        return ParallelGroups(g, g, g, size, 1, 1, 1, True)
+    names = tuple(mesh.mesh_dim_names or ())
+    unknown = [n for n in names if n not in _DIMS]
+    if unknown or not names:
+        raise ValueError(f"mesh dimension names must be a subset of {_DIMS}, got {names}")
+    sizes = {n: (mesh.size(names.index(n)) if n in names else 1) for n in _DIMS}
+    if mesh.size() != dist.get_world_size():
+        raise ValueError(
+            f"mesh sizes {dict(zip(names, mesh.mesh.shape))} multiply to {mesh.size()}, "
+            f"but the world size is {dist.get_world_size()}"
+        )
+
+    def sub(dims: tuple[str, ...]) -> object | None:
+        dims = tuple(d for d in dims if d in names and sizes[d] > 1)
+        if not dims:
+            return None
+        if len(dims) == 1:
+            return mesh.get_group(dims[0])
+        return mesh[dims]._flatten().get_group()
+
+    coord = mesh.get_coordinate() or []
+    tp_rank = coord[names.index("tp")] if "tp" in names else 0
+    token = sub(("dp", "cp"))
+    log = sub(("dp", "cp", "tp", "pp"))
+    return ParallelGroups(
+        token_group=token,
+        log_group=log,
+        dp_group=sub(("dp",)),
+        dp_size=sizes["dp"],
+        cp_size=sizes["cp"],
+        tp_size=sizes["tp"],
+        pp_size=sizes["pp"],
+        log_owner=(tp_rank == 0),
+    )

@@ -1,0 +1,204 @@
+"""Normalization modes of the language-model objective (SPEC §1) and their microbatch shares (SPEC §3).
+
+Every mode is written as ``J = Σ_mb numerator(mb) / denominator``: a per-microbatch *numerator*
+computed from that microbatch's own sample/document statistics, and one *global denominator*
+(``Ntok``, ``N``, ``Ndoc``, ``D·K`` or ``N·L``) that can be pre-counted from the masks before the first
+forward (pre-counted normalizers) or summed as microbatches pass (deferred normalization). This
+decomposition is what makes every mode layout-invariant: numerators only need rows, which are never
+split across microbatches, and the denominator is a global count.
+
+| mode             | numerator of one microbatch         | denominator   |
+|------------------|-------------------------------------|---------------|
+| per_token        | Σ_i s_i                             | max(Ntok, 1)  |
+| per_sample       | Σ_i s_i / max(n_i, 1)               | N             |
+| per_microbatch   | Σ_i s_i / max(Σ_i n_i, 1)           | D·K           |
+| per_document     | Σ_j s_j / max(n_j, 1)               | Ndoc          |
+| sample_sum       | Σ_i s_i                             | N             |
+| sample_sum_norm  | Σ_i s_i / L                         | N             |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .stats import document_stats, masked_token_sum, sample_stats
+
+__all__ = [
+    "MODES",
+    "MODE_INFO",
+    "Normalizers",
+    "check_mode",
+    "count_normalizers",
+    "numerator",
+    "denominator",
+    "objective",
+]
+
+MODES: tuple[str, ...] = (
+    "per_token",
+    "per_sample",
+    "per_microbatch",
+    "per_document",
+    "sample_sum",
+    "sample_sum_norm",
+)
+
+# mode -> (formula, frameworks whose objective it matches). Printed by `lossparity modes`.
+MODE_INFO: Mapping[str, tuple[str, str]] = {
+    "per_token": (
+        "S / max(Ntok, 1)",
+        "Megatron calculate_per_token_loss=True; MaxText default; HF Trainer >= 4.46; torchtitan; "
+        "verl token-mean; DAPO",
+    ),
+    "per_sample": (
+        "(1/N) Σ_i s_i / max(n_i, 1)",
+        "MaxText RFC-0032 calculate_per_token_loss=False; Megatron =False with b=1; "
+        "verl seq-mean-token-mean; GRPO",
+    ),
+    "per_microbatch": (
+        "(1/(D·K)) Σ_mb s_mb / max(n_mb, 1)",
+        "Megatron =False with any b; HF Trainer < 4.46 (legacy GA); DDP mean of local means",
+    ),
+    "per_document": ("(1/Ndoc) Σ_j s_j / max(n_j, 1)", "packed SFT: every conversation counts once"),
+    "sample_sum": ("(1/N) Σ_i s_i", "verl seq-mean-token-sum"),
+    "sample_sum_norm": ("S / (N · L)", "Dr. GRPO; verl seq-mean-token-sum-norm"),
+}
+
+# Which global count divides each mode's numerators.
+_DENOMINATOR_KEY: Mapping[str, str] = {
+    "per_token": "tokens",
+    "per_sample": "samples",
+    "per_microbatch": "microbatches",
+    "per_document": "documents",
+    "sample_sum": "samples",
+    "sample_sum_norm": "samples",
+}
+
+
+def check_mode(mode: str) -> str:
+    """Return ``mode`` if it is one of :data:`MODES`, else raise ``ValueError`` listing the valid ones."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
+    return mode
+
+
+@dataclass(frozen=True)
+class Normalizers:
+    """Global counts of one optimizer step (summed over all microbatches and data-parallel ranks).
+
+    ``tokens = Ntok = Σ_i n_i``, ``samples = N``, ``documents = Ndoc`` (0 when rows are not packed),
+    ``microbatches = D·K``. They are exact integers; the divisions of SPEC §1 use ``max(·, 1)`` only
+    for ``tokens`` (and for the local counts inside numerators).
+    """
+
+    tokens: int
+    samples: int
+    documents: int
+    microbatches: int
+
+    def __add__(self, other: Normalizers) -> Normalizers:
+        return Normalizers(
+            self.tokens + other.tokens,
+            self.samples + other.samples,
+            self.documents + other.documents,
+            self.microbatches + other.microbatches,
+        )
+
+
+def count_normalizers(mask: Tensor, segment_ids: Tensor | None = None) -> Normalizers:
+    """Normalizers of one microbatch ``[b, S]``: token count, sample count ``b``, documents, 1 microbatch."""
+    w = mask if mask.dim() == 2 else mask.unsqueeze(0)
+    docs = 0
+    if segment_ids is not None:
+        from .stats import rows_documents
+
+        docs = rows_documents(segment_ids)[1]
+    return Normalizers(int(w.sum().item()), int(w.shape[0]), docs, 1)
+
+
+def denominator(mode: str, norms: Normalizers, fixed_length: int | None = None) -> float:
+    """The global denominator of ``mode`` (see module table): ``max(Ntok,1)``, ``N``, ``Ndoc``, ``D·K``
+    or (``sample_sum_norm``) ``N·L``. Returns 1.0 for an empty count so that an empty batch gives J=0."""
+    check_mode(mode)
+    if mode == "per_token":
+        return float(max(norms.tokens, 1))
+    value = getattr(norms, _DENOMINATOR_KEY[mode])
+    return float(max(value, 1))
+
+
+def numerator(
+    mode: str,
+    per_token_loss: Tensor,
+    mask: Tensor,
+    *,
+    segment_ids: Tensor | None = None,
+    fixed_length: int | None = None,
+) -> Tensor:
+    """The numerator of ``mode`` for one microbatch (module table); differentiable w.r.t. the loss.
+
+    ``per_token_loss`` and ``mask`` are ``[b, S]``. ``per_document`` needs ``segment_ids``;
+    ``sample_sum_norm`` needs ``fixed_length`` (the ``L`` of Dr. GRPO), and the division by ``L`` is
+    done here so that every mode's denominator is a plain global count.
+    """
+    check_mode(mode)
+    if mode == "per_document":
+        if segment_ids is None:
+            raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
+        s, n = document_stats(per_token_loss, mask, segment_ids)
+        return (s / n.clamp(min=1)).sum()
+    if mode in ("per_token", "sample_sum"):
+        return masked_token_sum(per_token_loss, mask)
+    s, n = sample_stats(per_token_loss, mask)
+    if mode == "per_sample":
+        return (s / n.clamp(min=1)).sum()
+    if mode == "per_microbatch":
+        return s.sum() / n.sum().clamp(min=1)
+    # sample_sum_norm
+    if fixed_length is None or fixed_length <= 0:
+        raise ValueError(f"mode 'sample_sum_norm' needs fixed_length > 0 (the L of Dr. GRPO), got {fixed_length}")
+    return s.sum() / fixed_length
+
+
+def objective(
+    mode: str,
+    per_token_loss: Tensor,
+    mask: Tensor,
+    *,
+    segment_ids: Tensor | None = None,
+    microbatch_size: int | None = None,
+    fixed_length: int | None = None,
+) -> Tensor:
+    """The objective ``J`` of SPEC §1 on a whole global batch ``[N, S]`` held in one process.
+
+    ``per_microbatch`` cuts the rows into consecutive microbatches of ``microbatch_size`` rows (the
+    layout convention of lossparity: rank ``d`` holds rows ``[d·K·b, (d+1)·K·b)``, microbatch ``k`` of
+    it the ``k``-th block of ``b`` rows); the other modes ignore ``microbatch_size``. Equivalent to
+    ``Σ_mb numerator(mb) / denominator``, but computed directly from the formula.
+    """
+    check_mode(mode)
+    loss = per_token_loss if per_token_loss.dim() == 2 else per_token_loss.unsqueeze(0)
+    w = mask if mask.dim() == 2 else mask.unsqueeze(0)
+    n_rows = loss.shape[0]
+    if mode == "per_microbatch":
+        if microbatch_size is None or microbatch_size <= 0 or n_rows % microbatch_size:
+            raise ValueError(
+                f"mode 'per_microbatch' needs microbatch_size dividing the {n_rows} rows, got {microbatch_size}"
+            )
+        parts = [
+            numerator(mode, loss[i : i + microbatch_size], w[i : i + microbatch_size])
+            for i in range(0, n_rows, microbatch_size)
+        ]
+        return torch.stack(parts).sum() / max(len(parts), 1)
+    if mode == "per_token":
+        return masked_token_sum(loss, w) / max(float(w.sum()), 1.0)
+    if mode == "per_document":
+        if segment_ids is None:
+            raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
+        s, n = document_stats(loss, w, segment_ids)
+        return (s / n.clamp(min=1)).sum() / max(s.numel(), 1)
+    num = numerator(mode, loss, w, fixed_length=fixed_length)
+    return num / max(n_rows, 1)

@@ -1,0 +1,139 @@
+"""Multi-token prediction (MTP) labels, masks and objective (SPEC §4).
+
+Depth ``k`` predicts, from position ``t``, the token that the main head predicts from ``t + k``:
+its labels and mask are the main ones rolled left by ``k`` within each sequence (and within each
+document of a packed row), the vacated tail masked. The objective term is built from per-depth
+statistics with one of three count conventions:
+
+- ``own`` (default, exact): ``λ·(1/Dm)·Σ_k J_k`` with ``J_k`` the active mode on depth ``k`` alone
+  (``per_token``: ``S_k / max(Ntok_k, 1)``; ``per_sample``: every (depth, sample) pair weighs the same,
+  which is MaxText's ``mtp_per_layer_loss_norm=True``).
+- ``main`` (DeepSeek-V3 paper, torchtitan, Megatron ``calculate_per_token_loss=True``): as ``own`` but
+  every depth is divided by the main loss's denominator (differs from ``own`` only for ``per_token``).
+- ``pooled`` (MaxText): one ``J`` over all depths pooled, no ``1/Dm``: ``per_token``:
+  ``λ·Σ_k S_k / max(Σ_k Ntok_k, 1)``; ``per_sample``: ``λ·(1/N) Σ_i Σ_k s_ki / max(Σ_k n_ki, 1)``
+  (``mtp_per_layer_loss_norm=False``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .modes import check_mode, numerator, objective
+from .stats import check_inputs
+
+__all__ = ["CONVENTIONS", "roll_mtp", "roll_mask", "mtp_numerator", "mtp_objective", "check_convention"]
+
+CONVENTIONS: tuple[str, ...] = ("own", "main", "pooled")
+
+
+def check_convention(convention: str) -> str:
+    """Return ``convention`` if it is one of :data:`CONVENTIONS`, else raise ``ValueError``."""
+    if convention not in CONVENTIONS:
+        raise ValueError(f"unknown mtp_convention {convention!r}; valid: {', '.join(CONVENTIONS)}")
+    return convention
+
+
+def _shift_left(x: Tensor, k: int, fill: int | float) -> Tensor:
+    out = torch.full_like(x, fill)
+    if k < x.shape[-1]:
+        out[..., : x.shape[-1] - k] = x[..., k:]
+    return out
+
+
+def roll_mask(mask: Tensor, segment_ids: Tensor | None, k: int) -> Tensor:
+    """The depth-``k`` loss mask: ``w_k[i,t] = w[i,t+k]`` when ``t+k`` is inside row ``i`` and (with
+    ``segment_ids``) in the same document as ``t``, else 0. Works on ``[B, S]`` or ``[S]``."""
+    if k < 0:
+        raise ValueError(f"MTP depth k must be >= 0, got {k}")
+    if k == 0:
+        return mask
+    w = _shift_left(mask, k, 0)
+    if segment_ids is not None:
+        same = (_shift_left(segment_ids, k, -1) == segment_ids) & (segment_ids > 0)
+        w = torch.where(same, w, torch.zeros_like(w))
+    return w
+
+
+def roll_mtp(labels: Tensor, mask: Tensor, segment_ids: Tensor | None, k: int, *, ignore_index: int = -100
+             ) -> tuple[Tensor, Tensor]:
+    """Labels and mask of MTP depth ``k`` (SPEC §4): both rolled left by ``k`` within each row and each
+    document; rolled-out positions get ``ignore_index`` and mask 0. Raises if ``k`` is not smaller than
+    the sequence length (the depth would have no position at all)."""
+    if labels.shape != mask.shape:
+        raise ValueError(f"labels shape {tuple(labels.shape)} does not match mask shape {tuple(mask.shape)}")
+    if k >= labels.shape[-1]:
+        raise ValueError(f"MTP depth k={k} must be smaller than the sequence length {labels.shape[-1]}")
+    w = roll_mask(mask, segment_ids, k)
+    lab = torch.where(w > 0, _shift_left(labels, k, ignore_index), torch.full_like(labels, ignore_index))
+    return lab, w
+
+
+def mtp_numerator(
+    mode: str,
+    losses: Sequence[Tensor],
+    masks: Sequence[Tensor],
+    *,
+    convention: str = "own",
+    segment_ids: Tensor | None = None,
+    fixed_length: int | None = None,
+) -> list[Tensor]:
+    """Per-microbatch numerators of the MTP term, before ``λ`` and before the global denominators.
+
+    ``own``/``main``: one numerator per depth, each the mode's numerator (:func:`numerator`) of that
+    depth's per-token losses and rolled mask. ``pooled``: a one-element list holding the numerator of
+    the depths pooled: the per-token losses of all depths concatenated along the sequence axis, so that
+    each sample (document, microbatch) pools its sums and counts over the depths.
+    """
+    check_mode(mode)
+    check_convention(convention)
+    if len(losses) != len(masks) or not losses:
+        raise ValueError(f"need one mask per MTP depth and at least one depth: {len(losses)} losses, {len(masks)} masks")
+    if convention == "pooled":
+        loss = torch.cat([x if x.dim() == 2 else x.unsqueeze(0) for x in losses], dim=-1)
+        mask = torch.cat([x if x.dim() == 2 else x.unsqueeze(0) for x in masks], dim=-1)
+        seg = None if segment_ids is None else torch.cat([segment_ids] * len(losses), dim=-1)
+        return [numerator(mode, loss, mask, segment_ids=seg, fixed_length=fixed_length)]
+    return [numerator(mode, x, w, segment_ids=segment_ids, fixed_length=fixed_length) for x, w in zip(losses, masks)]
+
+
+def mtp_objective(
+    mode: str,
+    losses: Sequence[Tensor],
+    masks: Sequence[Tensor],
+    main_mask: Tensor,
+    *,
+    weight: float = 1.0,
+    convention: str = "own",
+    segment_ids: Tensor | None = None,
+    microbatch_size: int | None = None,
+    fixed_length: int | None = None,
+) -> Tensor:
+    """The MTP objective term on a whole global batch in one process (see module docstring).
+
+    ``losses[k-1]`` and ``masks[k-1]`` are depth ``k``'s per-token losses and rolled mask ``[N, S]``;
+    ``main_mask`` is the main loss mask (for the ``main`` convention's count). Returns
+    ``λ·(1/Dm)·Σ_k J_k`` (``own``/``main``) or ``λ·J_pooled`` (``pooled``).
+    """
+    check_convention(convention)
+    for k, (x, w) in enumerate(zip(losses, masks), start=1):
+        check_inputs(x, w, segment_ids, where=f"MTP depth {k}")
+    kw = dict(segment_ids=segment_ids, microbatch_size=microbatch_size, fixed_length=fixed_length)
+    if convention == "pooled":
+        seg = None if segment_ids is None else torch.cat([segment_ids] * len(losses), dim=-1)
+        if mode == "per_token":
+            s = sum((x * w).sum() for x, w in zip(losses, masks))
+            n = sum(w.sum() for w in masks)
+            return weight * s / max(float(n), 1.0)
+        kw["segment_ids"] = seg
+        return weight * objective(mode, torch.cat(list(losses), dim=-1), torch.cat(list(masks), dim=-1), **kw)
+    terms = []
+    for x, w in zip(losses, masks):
+        if convention == "main" and mode == "per_token":
+            terms.append(torch.where(w > 0, x, torch.zeros_like(x)).sum() / max(float(main_mask.sum()), 1.0))
+        else:
+            terms.append(objective(mode, x, w, **kw))
+    return weight * torch.stack(terms).mean()

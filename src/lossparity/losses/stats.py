@@ -1,0 +1,141 @@
+"""Per-sample and per-document sums and counts (SPEC §0).
+
+Pure tensor functions, no process groups. Every normalization mode of SPEC §1 is a function of
+these statistics only, which is why they are the one place where per-token losses are reduced.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["check_inputs", "sample_stats", "document_stats", "rows_documents", "masked_token_sum"]
+
+
+def check_inputs(
+    per_token_loss: Tensor,
+    mask: Tensor,
+    segment_ids: Tensor | None = None,
+    *,
+    where: str = "",
+    check_finite: bool = True,
+) -> None:
+    """Validate a (per-token loss, mask, segment ids) triple, raising a clear error (SPEC §7).
+
+    Checks that ``per_token_loss`` and ``mask`` are ``[B, S]`` (or ``[S]``) tensors of the same shape,
+    that ``mask`` only holds 0/1, that ``segment_ids`` (when given) is an integer tensor of the same
+    shape, and (when ``check_finite``) that the loss has no NaN/Inf where the mask is 1. ``where`` (e.g.
+    ``"rank 1, microbatch 3"``) is appended to every message.
+    """
+    loc = f" ({where})" if where else ""
+    if not isinstance(per_token_loss, Tensor):
+        raise TypeError(f"per_token_loss must be a torch.Tensor, got {type(per_token_loss).__name__}{loc}")
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}{loc}")
+    if per_token_loss.dim() not in (1, 2):
+        raise ValueError(
+            f"per_token_loss must be [batch, seq] or [seq], got shape {tuple(per_token_loss.shape)}{loc}"
+        )
+    if mask.shape != per_token_loss.shape:
+        raise ValueError(
+            f"mask shape {tuple(mask.shape)} does not match per_token_loss shape "
+            f"{tuple(per_token_loss.shape)}{loc}"
+        )
+    if not per_token_loss.is_floating_point():
+        raise TypeError(f"per_token_loss must be floating point, got dtype {per_token_loss.dtype}{loc}")
+    if mask.is_complex():
+        raise TypeError(f"mask must be real with values in {{0, 1}}, got dtype {mask.dtype}{loc}")
+    if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+        bad = mask[(mask != 0) & (mask != 1)].flatten()[:3].tolist()
+        raise ValueError(f"mask values must be 0 or 1, found {bad}{loc}")
+    if segment_ids is not None:
+        if not isinstance(segment_ids, Tensor) or segment_ids.is_floating_point() or segment_ids.is_complex():
+            dtype = getattr(segment_ids, "dtype", type(segment_ids).__name__)
+            raise TypeError(f"segment_ids must be an integer tensor, got {dtype}{loc}")
+        if segment_ids.shape != per_token_loss.shape:
+            raise ValueError(
+                f"segment_ids shape {tuple(segment_ids.shape)} does not match per_token_loss shape "
+                f"{tuple(per_token_loss.shape)}{loc}"
+            )
+        if segment_ids.numel() and bool((segment_ids < 0).any()):
+            raise ValueError(f"segment_ids must be >= 0 (0 = padding), found negative ids{loc}")
+    if check_finite and per_token_loss.numel():
+        # Only loss-bearing positions matter: garbage under mask 0 is ignored by every formula.
+        finite = torch.isfinite(per_token_loss.detach()) | (mask == 0)
+        if not bool(finite.all()):
+            idx = (~finite).nonzero()[0].tolist()
+            raise FloatingPointError(f"per_token_loss has NaN/Inf at index {idx}{loc}")
+
+
+def _as_2d(x: Tensor) -> Tensor:
+    return x.unsqueeze(0) if x.dim() == 1 else x
+
+
+def sample_stats(per_token_loss: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-sample loss sums and token counts: ``s_i = Σ_t w[i,t]·l[i,t]``, ``n_i = Σ_t w[i,t]``.
+
+    ``per_token_loss`` and ``mask`` are ``[B, S]`` (a 1-D input is one sample). Returns ``(s, n)``,
+    both ``[B]``; ``s`` keeps the loss dtype and autograd graph, ``n`` is in the loss dtype (exact for
+    counts below 2**24 in float32). Masked positions contribute exactly 0 even if the loss there is
+    non-finite-free garbage, because the product is taken with the 0/1 mask.
+    """
+    l2, w2 = _as_2d(per_token_loss), _as_2d(mask).to(per_token_loss.dtype)
+    # torch.where rather than a product: a masked position holding Inf must not give NaN.
+    s = torch.where(w2 > 0, l2, torch.zeros_like(l2)).sum(dim=-1)
+    return s, w2.sum(dim=-1)
+
+
+def masked_token_sum(per_token_loss: Tensor, mask: Tensor) -> Tensor:
+    """``Σ_{i,t} w[i,t]·l[i,t]`` over all positions, summed exactly as ``F.cross_entropy(reduction='sum')``.
+
+    The sum goes through ``F.nll_loss`` on a one-class input, so PyTorch's own (cascade) summation
+    order is used: with one microbatch, the ``per_token`` objective is then bit-for-bit
+    ``F.cross_entropy(logits, labels, reduction='sum') / count`` — the "default path unchanged"
+    guarantee that users porting an existing loop check first. Masked positions are ignored (never
+    multiplied), so a NaN/Inf there does not leak into the sum.
+    """
+    flat = per_token_loss.reshape(-1, 1)
+    target = torch.where(mask.reshape(-1) > 0, 0, -100)
+    return F.nll_loss(-flat, target, reduction="sum", ignore_index=-100)
+
+
+def rows_documents(segment_ids: Tensor) -> tuple[Tensor, int]:
+    """Map every position to a document index of the batch: documents are the distinct non-zero
+    ``(row, segment_id)`` pairs, numbered in order of first appearance (row-major).
+
+    Returns ``(doc_index [B,S] with -1 at padding positions (segment id 0), num_documents)``.
+    A document with no loss-bearing token still exists (and counts in ``Ndoc``, SPEC §1).
+    """
+    seg = _as_2d(segment_ids).long()
+    b, s = seg.shape
+    key = torch.arange(b, device=seg.device).unsqueeze(1) * (int(seg.max().item()) + 1 if seg.numel() else 1) + seg
+    key = torch.where(seg > 0, key, torch.full_like(key, -1))
+    valid = key >= 0
+    if not bool(valid.any()):
+        return torch.full_like(key, -1), 0
+    uniq, inverse = torch.unique(key[valid], sorted=True, return_inverse=True)
+    doc = torch.full_like(key, -1)
+    doc[valid] = inverse
+    return doc, int(uniq.numel())
+
+
+def document_stats(per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-document sums and counts for packed rows: ``s_j = Σ_{t in doc j} w·l``, ``n_j = Σ w``.
+
+    A document is a distinct non-zero ``(row, segment_id)`` pair (segment id 0 marks padding, the
+    MaxText ``*_segmentation`` convention). Returns ``(s [Ndoc], n [Ndoc])`` ordered by row, then id.
+    Loss-bearing tokens at segment id 0 are rejected: they would belong to no document.
+    """
+    l2, w2 = _as_2d(per_token_loss), _as_2d(mask).to(per_token_loss.dtype)
+    doc, ndoc = rows_documents(segment_ids)
+    if bool(((doc < 0) & (w2 > 0)).any()):
+        raise ValueError("mask has loss-bearing tokens at segment_ids == 0 (padding); they belong to no document")
+    if ndoc == 0:
+        empty = l2.new_zeros(0)
+        return empty + l2.sum() * 0, empty
+    contrib = torch.where(w2 > 0, l2, torch.zeros_like(l2))
+    idx = doc.clamp(min=0).flatten()
+    s = torch.zeros(ndoc, dtype=l2.dtype, device=l2.device).index_add(0, idx, contrib.flatten())
+    n = torch.zeros(ndoc, dtype=l2.dtype, device=l2.device).index_add(0, idx, w2.flatten())
+    return s, n

@@ -1,0 +1,99 @@
+"""Worker functions run on spawned gloo ranks by the multi-process tests (must be importable)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from _models import TinyLM, global_batch
+
+import lossparity as lp
+
+MODES_B = {"per_microbatch": 1}  # per_microbatch is compared at fixed b
+
+
+def run_layout(rank: int, world: int, n_rows: int, ks: list[int], configs: list[tuple[str, str, str]]):
+    """For each K in ``ks`` and each (mode, engine, normalization) in ``configs``: one step of TinyLM on
+    this rank's rows, return {(mode, engine, norm, K): (grads, logs, returned_sum)}.
+
+    engine: "plain" (accountant all-reduces the grads) or "ddp" (DistributedDataParallel averages).
+    """
+    tokens, labels, mask, seg = global_batch(n_rows)
+    out = {}
+    for K in ks:
+        per_rank = n_rows // world
+        b = per_rank // K
+        lo = rank * per_rank
+        mbs = [slice(lo + k * b, lo + (k + 1) * b) for k in range(K)]
+        for mode, engine, norm in configs:
+            model = TinyLM()
+            net = nn_ddp(model) if engine == "ddp" else model
+            acc = lp.Accountant(mode, normalization=norm, fixed_length=tokens.shape[1])
+            acc.begin_step([mask[m] for m in mbs], [seg[m] for m in mbs])
+            returned = 0.0
+            for i, m in enumerate(mbs):
+                sync = engine != "ddp" or i == K - 1
+                ctx = net.no_sync() if not sync else _null()
+                with ctx:
+                    loss = acc.lm_loss(net(tokens[m], labels[m]), mask[m], seg[m])
+                    loss.backward()
+                returned += float(loss)
+            acc.finish_step(net)
+            logs = acc.logs()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            out[(mode, engine, norm, K)] = (grads, logs, returned)
+    return out
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def nn_ddp(model):
+    return torch.nn.parallel.DistributedDataParallel(model)
+
+
+def count_collectives(rank: int, world: int):
+    """Count the collectives the accountant issues in one precount step with K=4 (expect 2 + grads)."""
+    calls = []
+    orig = dist.all_reduce
+
+    def counting(t, *a, **k):
+        calls.append(t.numel())
+        return orig(t, *a, **k)
+
+    dist.all_reduce = counting
+    import lossparity.distributed.accountant as A
+
+    A.dist.all_reduce = counting
+    try:
+        tokens, labels, mask, seg = global_batch(8 * world)
+        lo = rank * 8
+        model = TinyLM()
+        acc = lp.Accountant("per_sample", grad_reduction="sum")
+        mbs = [slice(lo + 2 * k, lo + 2 * k + 2) for k in range(4)]
+        acc.begin_step([mask[m] for m in mbs])
+        for m in mbs:
+            acc.lm_loss(model(tokens[m], labels[m]), mask[m]).backward()
+        acc.finish_step(model)
+        acc.logs()
+    finally:
+        dist.all_reduce = orig
+        A.dist.all_reduce = orig
+    return calls
+
+
+def bad_mask_on_rank1(rank: int, world: int):
+    """Rank 1 passes a mask with a 2 in it: its error must name rank and microbatch; rank 0 must not hang."""
+    mask = torch.ones(2, 4)
+    if rank == 1:
+        mask[1, 2] = 2.0
+    acc = lp.Accountant("per_token")
+    try:
+        acc.begin_step([torch.ones(2, 4), mask])
+    except (ValueError, RuntimeError) as e:
+        return str(e)
+    return "no error"
