@@ -25,7 +25,7 @@ collective (torchmetrics style: state, update, one synchronised reduction, compu
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -74,16 +74,23 @@ def _is_averaging_engine(model: object) -> bool:
         return False
 
 
-def _unique_grads(model: nn.Module | Iterable[Tensor] | None) -> list[Tensor]:
+def _unique_grads(model: nn.Module | Iterable[Tensor] | None, fill_missing: bool = False) -> list[Tensor]:
+    """Gradients of the distinct parameters; with ``fill_missing``, parameters that require grad but got
+    none (e.g. an expert that received no token on this rank) get zeros, so that every rank reduces a
+    buffer of the same layout."""
     if model is None:
         return []
     params = model.parameters() if isinstance(model, nn.Module) else model
     seen: set[int] = set()
     grads = []
     for p in params:
-        if id(p) in seen or p.grad is None:
+        if id(p) in seen:
             continue
         seen.add(id(p))
+        if p.grad is None:
+            if not (fill_missing and p.requires_grad):
+                continue
+            p.grad = torch.zeros_like(p)
         grads.append(p.grad)
     return grads
 
@@ -155,6 +162,8 @@ class Accountant:
         self.device = torch.device(device) if device is not None else self._default_device()
         self.mtp_weight = 1.0
         self._metrics: list[str] = []  # declared auxiliary metrics (name -> (num, den) slots)
+        self._metric_reduce: dict[str, str] = {}
+        self._extra_names: list[str] = []
         self._in_step = False
         self._counts: Tensor | None = None
         self._local_mb_tokens: list[int] = []
@@ -170,16 +179,20 @@ class Accountant:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def declare_metric(self, name: str) -> None:
-        """Declare an auxiliary log metric reduced as ``Σ num / Σ den`` over all ranks and microbatches.
+    def declare_metric(self, name: str, reduce: str = "ratio") -> None:
+        """Declare an auxiliary log metric: ``reduce="ratio"`` reports ``Σ num / Σ den`` (``None`` when
+        ``Σ den = 0``), ``reduce="sum"`` reports ``Σ num``, sums over all ranks and microbatches.
 
         Must be called identically on every rank (it fixes the layout of the logging collective); a
         rank that has nothing to record still takes part with zeros (SPEC §6).
         """
         if self._in_step:
             raise RuntimeError(f"declare_metric({name!r}) must be called outside a step")
+        if reduce not in ("ratio", "sum"):
+            raise ValueError(f"declare_metric: reduce must be 'ratio' or 'sum', got {reduce!r}")
         if name not in self._metrics:
             self._metrics.append(name)
+            self._metric_reduce[name] = reduce
 
     @property
     def where(self) -> str:
@@ -196,13 +209,16 @@ class Accountant:
         segment_ids: Sequence[Tensor | None] | None = None,
         *,
         mtp_weight: float | None = None,
+        extra_counts: Mapping[str, float] | None = None,
     ) -> None:
         """Start a step: pre-count the normalizers of every microbatch of this rank and sum them over
         the token group in one all-reduce (``precount``), or only remember the local counts (``deferred``).
 
         ``masks`` are this rank's microbatch loss masks ``[b, S]`` in the order ``lm_loss`` will see them;
         ``segment_ids`` (packed rows) likewise, needed by ``per_document`` and by MTP rolling within
-        documents. ``mtp_weight`` is the MTP ``λ`` of this step.
+        documents. ``mtp_weight`` is the MTP ``λ`` of this step. ``extra_counts`` are further local
+        counts (e.g. the router's non-padding tokens) summed in the same all-reduce; read them back
+        with :meth:`global_count`. Their names must be the same on every rank.
         """
         if self._in_step and not self._finished:
             raise RuntimeError("begin_step called twice without finish_step")
@@ -220,7 +236,11 @@ class Accountant:
             self.mtp_weight = float(mtp_weight)
         # The last slot flags bad input: every rank still enters the all-reduce, so a rank with bad
         # masks raises its own error and the others raise too instead of hanging (SPEC §7).
-        counts = torch.zeros(5 + self.mtp_depths, dtype=torch.float64, device=self.device)
+        extra = dict(extra_counts or {})
+        self._extra_names = list(extra)
+        counts = torch.zeros(5 + self.mtp_depths + len(extra), dtype=torch.float64, device=self.device)
+        for j, value in enumerate(extra.values()):
+            counts[4 + self.mtp_depths + j] = float(value)
         self._local_mb_tokens = []
         error: Exception | None = None
         try:
@@ -258,6 +278,27 @@ class Accountant:
         self._in_step = True
         self._finished = False
         self._grad_factor: float | None = None
+
+    def global_count(self, name: str) -> float:
+        """A count of this step: ``tokens``, ``samples``, ``documents``, ``microbatches``, ``mtp_<k>_tokens``
+        or an ``extra_counts`` name, summed over the token group (``precount``; local in ``deferred``
+        until ``finish_step``)."""
+        self._require_step("global_count")
+        assert self._counts is not None
+        if name in _COUNT_KEYS:
+            return float(self._counts[_COUNT_KEYS[name]].item())
+        if name.startswith("mtp_") and name.endswith("_tokens"):
+            k = int(name[4:-7])
+            if 1 <= k <= self.mtp_depths:
+                return float(self._counts[3 + k].item())
+        if name in self._extra_names:
+            return float(self._counts[4 + self.mtp_depths + self._extra_names.index(name)].item())
+        raise KeyError(f"unknown count {name!r}; extra counts of this step: {self._extra_names}")
+
+    @property
+    def num_microbatches(self) -> int:
+        """``D·K`` of this step (pre-counted)."""
+        return int(self.global_count("microbatches"))
 
     def _all_reduce(self, t: Tensor, group: object | None) -> None:
         if group is not None:
@@ -423,7 +464,7 @@ class Accountant:
             assert self._counts is not None and self._acc is not None
             self._all_reduce(self._counts, self.groups.token_group)
             factor /= self._denominator(_DEN_KEY[self.mode])
-        grads = _unique_grads(model)
+        grads = _unique_grads(model, fill_missing=reduction == "allreduce")
         if reduction == "allreduce" and self.groups.dp_group is not None and grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups.dp_group)
@@ -496,7 +537,10 @@ class Accountant:
             objective += self.mtp_weight * term
         base = 6 + 4 * self.mtp_depths + 1
         for i, name in enumerate(self._metrics):
-            out[name] = ratio_or_none(v[base + 2 * i], v[base + 2 * i + 1])
+            if self._metric_reduce[name] == "sum":
+                out[name] = v[base + 2 * i]
+            else:
+                out[name] = ratio_or_none(v[base + 2 * i], v[base + 2 * i + 1])
         objective += v[-1]
         out["objective"] = objective
         self._in_step = False

@@ -1,0 +1,266 @@
+"""Memory-lean output-layer cross-entropy: per-token losses without materializing ``[T, V]`` logits.
+
+For hidden states ``h [T, H]``, output weight ``W [V, H]`` and labels ``y [T]`` the per-token loss is
+
+    l[t] = lse[t] - z[t, y[t]] + λz · lse[t]²,   z = h @ W.T,   lse[t] = logsumexp_v z[t, v]
+
+(SPEC §1: the optional z-loss is part of ``l``), and ``l[t] = 0`` where ``y[t] == ignore_index``.
+
+:func:`chunked_cross_entropy` computes it tile by tile: a tile is ``chunk_size`` tokens ×
+``vocab_chunk_size`` vocabulary rows. The forward keeps an online (streaming) logsumexp across vocabulary
+tiles and saves only ``h``, ``W``, the labels and ``lse``; the backward recomputes each tile's logits and
+turns them into probabilities with the saved ``lse``. With ``g[t]`` the incoming per-token gradient and
+``P = softmax(z)``,
+
+    dl[t]/dz[t, v] = (1 + 2 λz lse[t]) · P[t, v] - [v == y[t]]
+    dh = diag(g·(1 + 2 λz lse)) · (P @ W) - g ⊙ W[y]
+    dW = P.T @ (diag(g·(1 + 2 λz lse)) · h) - Σ_t g[t] · e_{y[t]} h[t]ᵀ
+
+so the per-token scale and the one-hot term are applied to ``[c, H]`` operands, never to a logits tile:
+a tile only sees one matmul, ``z -= lse``, ``exp_`` and the two gradient matmuls. Ignored tokens are
+dropped before any tile is formed, so masked prompt tokens cost nothing.
+
+Cost: 4 ``T·V·H`` matmuls per forward+backward (the forward's logits are recomputed in the backward)
+against 3 for the naive version; in exchange the peak extra memory is one tile plus ``[V, H]`` (the
+weight gradient) instead of several ``[T, V]`` tensors. bf16/fp16 inputs are computed in float32 (the
+weight is upcast once per call); float64 inputs are computed in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["chunked_cross_entropy", "naive_cross_entropy", "default_chunk_size"]
+
+# One logits tile is about this many bytes: large enough that the matmuls run at full speed and the
+# Python loop overhead is negligible, small enough to be noise next to activations (and to mostly stay
+# in a CPU's last-level cache).
+TILE_BYTES = 32 * 2**20
+
+
+def default_chunk_size(vocab_tile: int, dtype: torch.dtype = torch.float32) -> int:
+    """Token chunk size such that a ``[chunk, vocab_tile]`` logits tile of ``dtype`` takes about
+    :data:`TILE_BYTES` bytes: ``max(1, TILE_BYTES // (vocab_tile · itemsize))``, e.g. 64 tokens for
+    ``V = 131072`` in float32, 1024 tokens for ``V = 8192``."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return max(1, TILE_BYTES // (max(vocab_tile, 1) * itemsize))
+
+
+def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    return torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
+
+
+def _check_inputs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    ignore_index: int,
+    chunk_size: int | None,
+    z_loss_coeff: float,
+    vocab_chunk_size: int | None,
+) -> None:
+    if not hidden.is_floating_point() or hidden.dim() not in (2, 3):
+        raise ValueError(
+            f"hidden must be a floating-point [T, H] or [B, S, H] tensor, got {hidden.dtype} "
+            f"of shape {tuple(hidden.shape)}"
+        )
+    if not weight.is_floating_point() or weight.dim() != 2:
+        raise ValueError(
+            f"weight must be a floating-point [V, H] tensor, got {weight.dtype} of shape {tuple(weight.shape)}"
+        )
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight hidden size {weight.shape[1]} (weight shape {tuple(weight.shape)}) does not match "
+            f"hidden size {hidden.shape[-1]} (hidden shape {tuple(hidden.shape)})"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError(f"weight must have at least one vocabulary row, got shape {tuple(weight.shape)}")
+    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
+        raise TypeError(f"labels must be an integer tensor, got dtype {labels.dtype}")
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} does not match the tokens of hidden "
+            f"{tuple(hidden.shape)} (expected labels shape {tuple(hidden.shape[:-1])})"
+        )
+    if not (hidden.device == weight.device == labels.device):
+        raise ValueError(
+            f"hidden, weight and labels must be on one device, got hidden on {hidden.device}, "
+            f"weight on {weight.device}, labels on {labels.device}"
+        )
+    if chunk_size is not None and chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+    if vocab_chunk_size is not None and vocab_chunk_size <= 0:
+        raise ValueError(f"vocab_chunk_size must be a positive number of vocabulary rows, got {vocab_chunk_size}")
+    if not (math.isfinite(z_loss_coeff) and z_loss_coeff >= 0):
+        raise ValueError(f"z_loss_coeff must be a finite number >= 0, got {z_loss_coeff}")
+    vocab = weight.shape[0]
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if bool(bad.any()):
+        pos = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; "
+            f"labels{list(pos)} = {int(labels[pos])}"
+        )
+
+
+def _tiles(n: int, size: int) -> list[tuple[int, int]]:
+    return [(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+def _tile_view(buf: Tensor, rows: int, cols: int) -> Tensor:
+    """A contiguous ``[rows, cols]`` view of the front of a flat buffer (``mm(out=)`` needs contiguous)."""
+    return buf[: rows * cols].view(rows, cols)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Autograd Function over the non-ignored tokens. ``idx`` (or None when every token counts) maps
+    them back to rows of ``hidden``; all per-token tensors below are over those tokens only."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        idx: Tensor | None,
+        chunk: int,
+        vchunk: int,
+        z_coeff: float,
+    ) -> Tensor:
+        cdt = _compute_dtype(hidden, weight)
+        w = weight.to(cdt)
+        n, vocab = labels.shape[0], w.shape[0]
+        lse = torch.empty(n, dtype=cdt, device=hidden.device)
+        target = torch.empty_like(lse)
+        buf = torch.empty(min(chunk, n) * min(vchunk, vocab), dtype=cdt, device=hidden.device)
+        for t0, t1 in _tiles(n, chunk):
+            h = _rows(hidden, idx, t0, t1).to(cdt)
+            y = labels[t0:t1]
+            run_max = torch.full((t1 - t0,), -math.inf, dtype=cdt, device=hidden.device)
+            run_sum = torch.zeros_like(run_max)
+            tgt = torch.zeros_like(run_max)
+            for v0, v1 in _tiles(vocab, vchunk):
+                z = torch.mm(h, w[v0:v1].t(), out=_tile_view(buf, t1 - t0, v1 - v0))
+                in_tile = (y >= v0) & (y < v1)
+                picked = z.gather(1, (y - v0).clamp_(0, v1 - v0 - 1).unsqueeze(1)).squeeze(1)
+                tgt += picked.where(in_tile, 0.0)
+                new_max = torch.maximum(run_max, z.amax(1))
+                # online logsumexp: rescale the running sum to the new max (exp(-inf) = 0 on the first tile)
+                run_sum.mul_((run_max - new_max).exp_())
+                run_sum += z.sub_(new_max.unsqueeze(1)).exp_().sum(1)
+                run_max = new_max
+            lse[t0:t1] = run_sum.log_().add_(run_max)
+            target[t0:t1] = tgt
+        loss = lse - target
+        if z_coeff:
+            loss += z_coeff * lse.square()
+        ctx.save_for_backward(hidden, weight, labels, idx, lse)
+        ctx.tiling = (chunk, vchunk, z_coeff)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        hidden, weight, labels, idx, lse = ctx.saved_tensors
+        chunk, vchunk, z_coeff = ctx.tiling
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        cdt = lse.dtype
+        w = weight.to(cdt)
+        n, vocab, hsize = labels.shape[0], w.shape[0], w.shape[1]
+        g = grad_loss.to(cdt)
+        scale = g * (1.0 + 2.0 * z_coeff * lse) if z_coeff else g
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = torch.zeros(vocab, hsize, dtype=cdt, device=w.device) if need_w else None
+        buf = torch.empty(min(chunk, n) * min(vchunk, vocab), dtype=cdt, device=w.device)
+        for t0, t1 in _tiles(n, chunk):
+            h = _rows(hidden, idx, t0, t1).to(cdt)
+            y, g_c = labels[t0:t1], g[t0:t1].unsqueeze(1)
+            h_scaled = h * scale[t0:t1].unsqueeze(1) if need_w else None
+            pw = torch.zeros(t1 - t0, hsize, dtype=cdt, device=w.device) if need_h else None
+            for v0, v1 in _tiles(vocab, vchunk):
+                z = torch.mm(h, w[v0:v1].t(), out=_tile_view(buf, t1 - t0, v1 - v0))
+                p = z.sub_(lse[t0:t1].unsqueeze(1)).exp_()
+                if need_h:
+                    pw.addmm_(p, w[v0:v1])
+                if need_w:
+                    grad_w[v0:v1].addmm_(p.t(), h_scaled)
+            if need_h:
+                dh = pw.mul_(scale[t0:t1].unsqueeze(1)).sub_(w.index_select(0, y) * g_c)
+                if idx is None:
+                    grad_h[t0:t1] = dh
+                else:
+                    grad_h.index_copy_(0, idx[t0:t1], dh.to(grad_h.dtype))
+            if need_w:
+                grad_w.index_add_(0, y, h * -g_c)
+        if need_w:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def _rows(hidden: Tensor, idx: Tensor | None, start: int, end: int) -> Tensor:
+    return hidden[start:end] if idx is None else hidden.index_select(0, idx[start:end])
+
+
+def chunked_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    z_loss_coeff: float = 0.0,
+    vocab_chunk_size: int | None = None,
+) -> Tensor:
+    """Per-token cross-entropy of the output layer, ``l[t] = logsumexp(z[t]) - z[t, y[t]] + z_loss_coeff ·
+    logsumexp(z[t])²`` with ``z = hidden @ weight.T``, and ``l[t] = 0`` where ``labels[t] == ignore_index``,
+    computed without ever materializing the ``[T, V]`` logits (forward or backward). ``hidden`` is
+    ``[T, H]`` with ``labels [T]`` (returns ``[T]``) or ``[B, S, H]`` with ``labels [B, S]`` (returns
+    ``[B, S]``); ``weight`` is ``[V, H]``. Tokens are processed ``chunk_size`` at a time (default
+    :func:`default_chunk_size`: a ~32 MiB logits tile) and, if ``vocab_chunk_size`` is given, the
+    vocabulary too, with a streaming logsumexp. Differentiable w.r.t. ``hidden`` and ``weight`` for any
+    per-token incoming gradient. Losses are float32 for float32/bf16/fp16 inputs (float64 if an input is
+    float64); gradients have the dtype of their input.
+    """
+    _check_inputs(hidden, weight, labels, ignore_index, chunk_size, z_loss_coeff, vocab_chunk_size)
+    out_shape = labels.shape
+    hidden2d = hidden.reshape(-1, hidden.shape[-1])
+    flat = labels.reshape(-1)
+    vchunk = min(vocab_chunk_size or weight.shape[0], weight.shape[0])
+    chunk = chunk_size or default_chunk_size(vchunk, _compute_dtype(hidden, weight))
+    valid = flat != ignore_index
+    if bool(valid.all()):
+        return _ChunkedCrossEntropy.apply(
+            hidden2d, weight, flat.long(), None, chunk, vchunk, float(z_loss_coeff)
+        ).view(out_shape)
+    idx = valid.nonzero().squeeze(1)
+    loss = _ChunkedCrossEntropy.apply(
+        hidden2d, weight, flat[idx].long(), idx, chunk, vchunk, float(z_loss_coeff)
+    )
+    return loss.new_zeros(flat.shape[0]).index_copy(0, idx, loss).view(out_shape)
+
+
+def naive_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    ignore_index: int = -100,
+    z_loss_coeff: float = 0.0,
+) -> Tensor:
+    """Reference per-token cross-entropy that materializes the logits: ``z = hidden @ weight.T`` (in
+    float32 for bf16/fp16 inputs), ``l = F.cross_entropy(z, labels, reduction='none') + z_loss_coeff ·
+    logsumexp(z)²`` and 0 where ``labels == ignore_index``. Same shapes and semantics as
+    :func:`chunked_cross_entropy`; it is the baseline of the benchmark and costs several ``[T, V]``
+    tensors of memory.
+    """
+    _check_inputs(hidden, weight, labels, ignore_index, None, z_loss_coeff, None)
+    cdt = _compute_dtype(hidden, weight)
+    logits = hidden.reshape(-1, hidden.shape[-1]).to(cdt) @ weight.to(cdt).t()
+    flat = labels.reshape(-1).long()
+    loss = F.cross_entropy(logits, flat, ignore_index=ignore_index, reduction="none")
+    if z_loss_coeff:
+        loss = loss + z_loss_coeff * torch.logsumexp(logits, dim=-1).square() * (flat != ignore_index)
+    return loss.view(labels.shape)

@@ -1,0 +1,144 @@
+"""DeepSeek-V3.2 sparse-attention indexer loss (SPEC §5, "Indexer loss").
+
+Pure tensor functions, float32 math. Per valid query token ``t`` the loss is ``KL(p_t || q_t)`` where
+``q_t = softmax(I_t)`` is the indexer's distribution over keys and ``p_t`` the main attention summed
+over heads and L1-normalized (a detached target: gradient flows only into the indexer logits).
+
+Key set. A key is *kept* for query ``t`` when its indexer logit is finite (``-inf`` marks causal or
+otherwise invalid keys); with ``topk`` only the ``topk`` largest indexer logits are kept as well. Both
+distributions live on the kept set: ``q_t`` is the softmax over kept keys, and each head's attention is
+renormalized over kept keys *before* the heads are summed — exactly Megatron-LM's
+``compute_dsa_indexer_loss`` (which adds the same ``-inf`` mask to the attention scores and the indexer
+scores before both softmaxes). When the main attention already has no mass outside the kept set (the
+dense loss with a causal mask) this renormalization is the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["INDEXER_REDUCTIONS", "indexer_kl", "indexer_token_count"]
+
+INDEXER_REDUCTIONS = ("sum", "none")
+
+
+def _check_mask(mask: Tensor | None, shape: torch.Size, device: torch.device) -> Tensor:
+    if mask is None:
+        return torch.ones(shape, dtype=torch.bool, device=device)
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.shape != shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} must be [batch, query_len] = {tuple(shape)}")
+    if mask.is_complex():
+        raise TypeError(f"mask must be bool or 0/1, got dtype {mask.dtype}")
+    if mask.dtype != torch.bool:
+        if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+            bad = mask[(mask != 0) & (mask != 1)].flatten()[:3].tolist()
+            raise ValueError(f"mask values must be 0 or 1 (1 = valid query token), found {bad}")
+        mask = mask != 0
+    return mask.to(device)
+
+
+def indexer_token_count(mask: Tensor) -> Tensor:
+    """Number of valid query tokens ``Σ_t mask[t]`` (int64 scalar): the local share of ``Tq_global``.
+
+    The invariant indexer loss is ``Σ_t KL_t / Tq_global`` with ``Tq_global`` the sum of these counts
+    over microbatches and the ranks holding distinct query tokens.
+    """
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+    return _check_mask(mask, mask.shape, mask.device).sum(dtype=torch.int64)
+
+
+def indexer_kl(
+    main_attn_probs: Tensor,
+    indexer_logits: Tensor,
+    mask: Tensor | None,
+    *,
+    topk: int | None = None,
+    reduction: str = "sum",
+) -> Tensor:
+    """Indexer KL loss ``Σ_{valid t} KL(p_t || softmax(I_t))`` (``reduction="sum"``, float32 scalar).
+
+    ``main_attn_probs`` ``[B, H, Tq, Tk]`` (or ``[H, Tq, Tk]``) are the main attention probabilities,
+    ``indexer_logits`` ``[B, Tq, Tk]`` (or ``[Tq, Tk]``) the indexer scores with ``-inf`` at invalid keys,
+    ``mask`` ``[B, Tq]`` (or ``[Tq]``, ``None`` = all valid) marks valid query tokens. With ``K_t`` the
+    kept keys (finite logit, and among the ``topk`` largest when ``topk`` is given):
+    ``p_t ∝ Σ_h a[h,t,·]|K_t / Σ_{K_t} a[h,t,·]`` (L1-normalized), ``q_t = softmax(I_t over K_t)``,
+    ``KL_t = Σ_{j in K_t, p>0} p_t[j] (log p_t[j] − log q_t[j])`` (``0·log 0 = 0``). ``reduction="none"``
+    returns ``KL_t`` as ``[B, Tq]`` (``[Tq]``) with 0 at invalid queries. ``p_t`` is detached.
+    Errors: NaN/``+inf`` logits, negative/NaN probabilities, a valid query with no kept key or with no
+    attention mass on its kept keys.
+    """
+    if reduction not in INDEXER_REDUCTIONS:
+        raise ValueError(f"reduction must be one of {INDEXER_REDUCTIONS}, got {reduction!r}")
+    for name, x in (("main_attn_probs", main_attn_probs), ("indexer_logits", indexer_logits)):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
+    unbatched = main_attn_probs.dim() == 3
+    if main_attn_probs.dim() not in (3, 4):
+        raise ValueError(
+            "main_attn_probs must be [B, heads, Tq, Tk] or [heads, Tq, Tk], "
+            f"got {tuple(main_attn_probs.shape)}"
+        )
+    a = main_attn_probs.unsqueeze(0) if unbatched else main_attn_probs
+    logits = indexer_logits.unsqueeze(0) if unbatched and indexer_logits.dim() == 2 else indexer_logits
+    b, _, tq, tk = a.shape
+    if logits.shape != (b, tq, tk):
+        expect = (tq, tk) if unbatched else (b, tq, tk)
+        raise ValueError(
+            f"indexer_logits shape {tuple(indexer_logits.shape)} does not match main_attn_probs "
+            f"{tuple(main_attn_probs.shape)}: expected {expect}"
+        )
+    if mask is not None and unbatched and isinstance(mask, Tensor) and mask.dim() == 1:
+        mask = mask.unsqueeze(0)
+    valid_q = _check_mask(mask, torch.Size((b, tq)), logits.device)
+    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
+        raise ValueError(f"topk must be a positive int or None, got {topk!r}")
+
+    i = logits.float()
+    if i.numel() and bool((torch.isnan(i) | (i == float("inf"))).any()):
+        raise ValueError("indexer_logits contain NaN or +inf (only -inf is allowed, for excluded keys)")
+    target = a.detach().float()
+    if target.numel() and bool((torch.isnan(target) | (target < 0)).any()):
+        raise ValueError("main_attn_probs must be non-negative probabilities without NaN")
+
+    keep = torch.isfinite(i)
+    if topk is not None and topk < tk:
+        top = torch.topk(i.detach(), k=topk, dim=-1).indices
+        keep = keep & torch.zeros_like(keep).scatter(-1, top, True)
+    has_key = keep.any(dim=-1)
+    if bool((valid_q & ~has_key).any()):
+        bi, ti = (valid_q & ~has_key).nonzero()[0].tolist()
+        raise ValueError(
+            f"valid query token (batch {bi}, position {ti}) has no key with a finite indexer logit"
+        )
+    active = valid_q  # every valid query has a kept key from here on
+
+    # Rows without any kept key get finite dummy logits so that no NaN enters the graph.
+    i_safe = torch.where(keep, i, torch.where(has_key.unsqueeze(-1), float("-inf"), 0.0))
+    log_q = torch.log_softmax(i_safe, dim=-1).masked_fill(~keep, 0.0)
+
+    kept = target * keep.unsqueeze(1)
+    head_mass = kept.sum(dim=-1, keepdim=True)
+    per_head = kept / torch.where(head_mass > 0, head_mass, torch.ones_like(head_mass))
+    p = per_head.sum(dim=1)  # [B, Tq, Tk]
+    mass = p.sum(dim=-1, keepdim=True)
+    no_mass = active & (mass.squeeze(-1) <= 0)
+    if bool(no_mass.any()):
+        bi, ti = no_mass.nonzero()[0].tolist()
+        raise ValueError(
+            f"main_attn_probs has no attention mass on the kept keys of valid query token "
+            f"(batch {bi}, position {ti})"
+        )
+    p = p / torch.where(mass > 0, mass, torch.ones_like(mass))
+    pos = p > 0
+    log_p = torch.log(torch.where(pos, p, torch.ones_like(p)))
+    kl = torch.where(pos, p * (log_p - log_q), torch.zeros_like(p)).sum(dim=-1)
+    kl = torch.where(active, kl, torch.zeros_like(kl))
+    if reduction == "none":
+        return kl.squeeze(0) if unbatched else kl
+    return kl.sum()

@@ -1,0 +1,438 @@
+"""MoE auxiliary losses and expert-bias balancing (SPEC §5).
+
+Pure tensor functions, no process groups, float32 math (float64 inputs stay float64, so that the
+float64 reference runs of ``verify`` are exact). The caller chooses the token set ``X`` (a
+microbatch, a sequence, the whole global batch) by what it passes in: ``probs`` are always the router
+scores of the *local* tokens, counts are at the level the scope needs (reduced over ranks by the
+caller). Notation: ``E`` routed experts, top-``k`` routing, ``p[x,e]`` router scores, ``c_e`` tokens
+whose plain top-k contains ``e``, ``T`` tokens in the scope.
+
+Masks: ``padding_mask`` is ``True`` at padding positions (Megatron ``z_loss_func`` convention); padded
+tokens neither count nor carry probability.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "SCORE_FUNCTIONS",
+    "router_probs",
+    "topk_routing_map",
+    "tokens_per_expert",
+    "switch_load_balancing_loss",
+    "sequence_tokens_per_expert",
+    "sequence_load_balancing_loss",
+    "router_z_loss",
+    "router_z_loss_sum",
+    "expert_bias_update",
+    "max_violation",
+]
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+# Megatron adds this to the sigmoid row sum; it only matters when every sigmoid underflows (0/0).
+_SIGMOID_EPS = 1e-20
+
+
+# ---------------------------------------------------------------------------------------------------
+# validation helpers
+# ---------------------------------------------------------------------------------------------------
+
+
+def _wide(x: Tensor) -> Tensor:
+    """``x`` in at least float32 (float64 stays float64)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def _check_tensor(name: str, x: object) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def _check_float_tensor(name: str, x: object) -> Tensor:
+    x = _check_tensor(name, x)
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    return x
+
+
+def _check_nonneg(name: str, value: float | Tensor) -> None:
+    v = float(value.item()) if isinstance(value, Tensor) else value
+    if isinstance(v, bool) or not isinstance(v, Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+
+
+def _check_topk(topk: int, num_experts: int) -> None:
+    if isinstance(topk, bool) or not isinstance(topk, int):
+        raise TypeError(f"topk must be an int, got {type(topk).__name__}")
+    if not 1 <= topk <= num_experts:
+        raise ValueError(f"topk must be in 1..num_experts={num_experts}, got {topk}")
+
+
+def _check_num_experts(num_experts: int) -> None:
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+
+
+def _check_padding_mask(padding_mask: Tensor | None, leading: torch.Size, against: str) -> Tensor | None:
+    if padding_mask is None:
+        return None
+    _check_tensor("padding_mask", padding_mask)
+    if padding_mask.shape != leading:
+        raise ValueError(
+            f"padding_mask shape {tuple(padding_mask.shape)} does not match the token dims "
+            f"{tuple(leading)} of {against}"
+        )
+    if padding_mask.dtype != torch.bool:
+        if padding_mask.is_floating_point() or padding_mask.is_complex():
+            raise TypeError(f"padding_mask must be bool or integer 0/1, got dtype {padding_mask.dtype}")
+        if padding_mask.numel() and not bool(((padding_mask == 0) | (padding_mask == 1)).all()):
+            raise ValueError("padding_mask values must be 0 or 1 (True = padding)")
+        padding_mask = padding_mask.bool()
+    return padding_mask
+
+
+def _check_scores(name: str, x: object, num_experts: int | None = None) -> Tensor:
+    x = _check_float_tensor(name, x)
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"{name} must be [..., num_experts] with num_experts >= 1, got {tuple(x.shape)}")
+    if num_experts is not None and x.shape[-1] != num_experts:
+        raise ValueError(
+            f"{name} has {x.shape[-1]} experts (shape {tuple(x.shape)}), num_experts={num_experts}"
+        )
+    return x
+
+
+# ---------------------------------------------------------------------------------------------------
+# routing
+# ---------------------------------------------------------------------------------------------------
+
+
+def router_probs(logits: Tensor, score_function: str = "softmax") -> Tensor:
+    """Router scores ``p[x,e]`` used by the auxiliary losses, in float32.
+
+    ``softmax``: ``p[x,:] = softmax(logits[x,:])``. ``sigmoid`` (DeepSeek-V3): ``s = sigmoid(logits)``,
+    ``p[x,e] = s[x,e] / (Σ_e' s[x,e'] + 1e-20)`` (the tiny constant, as in Megatron, only avoids 0/0
+    when every sigmoid underflows). ``logits`` is ``[..., E]``; the result has the same shape.
+    """
+    _check_scores("logits", logits)
+    x = _wide(logits)
+    if score_function == "softmax":
+        return torch.softmax(x, dim=-1)
+    if score_function == "sigmoid":
+        s = torch.sigmoid(x)
+        return s / (s.sum(dim=-1, keepdim=True) + _SIGMOID_EPS)
+    raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
+
+
+def topk_routing_map(probs: Tensor, topk: int) -> Tensor:
+    """Boolean routing map ``m[x,e] = (e in top-k of p[x,:])``, shape of ``probs`` (``[..., E]``).
+
+    This is the plain top-k of the unbiased scores that the auxiliary loss counts (SPEC §5: the aux map
+    ignores expert bias and capacity). Ties are broken by ``torch.topk``.
+    """
+    _check_scores("probs", probs)
+    _check_topk(topk, probs.shape[-1])
+    idx = torch.topk(probs.detach(), k=topk, dim=-1).indices
+    return torch.zeros(probs.shape, dtype=torch.bool, device=probs.device).scatter(-1, idx, True)
+
+
+def tokens_per_expert(routing_map: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+    """Counts ``c_e = Σ_x m[x,e]`` over all non-padding tokens, as an int64 ``[E]`` tensor.
+
+    ``routing_map`` is ``[..., E]`` (bool or 0/1); ``padding_mask`` (``True`` = padding) has its
+    leading shape.
+    """
+    _check_tensor("routing_map", routing_map)
+    if routing_map.dim() < 1:
+        raise ValueError(f"routing_map must be [..., num_experts], got shape {tuple(routing_map.shape)}")
+    pm = _check_padding_mask(padding_mask, routing_map.shape[:-1], "routing_map")
+    m = routing_map.bool()
+    if pm is not None:
+        m = m & ~pm.unsqueeze(-1)
+    return m.reshape(-1, m.shape[-1]).sum(dim=0, dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------------
+# load-balancing losses
+# ---------------------------------------------------------------------------------------------------
+
+
+def switch_load_balancing_loss(
+    probs: Tensor,
+    tokens_per_expert: Tensor,
+    total_num_tokens: int | float | Tensor,
+    topk: int,
+    num_experts: int,
+    coeff: float,
+    *,
+    padding_mask: Tensor | None = None,
+) -> Tensor:
+    """Switch load-balancing loss ``A = coeff · E/(k·T²) · Σ_e c_e · Σ_x p[x,e]`` (float32 scalar).
+
+    ``probs`` ``[tokens, E]`` are the scores of the local tokens ``x``; ``tokens_per_expert`` ``[E]``
+    are the counts ``c_e`` and ``total_num_tokens`` ``T > 0`` the token count, both at the chosen scope
+    level (already reduced over ranks by the caller). At perfect balance over one token set the value
+    is exactly ``coeff``. Gradient flows only through ``probs`` (counts are detached). Rows of padding
+    tokens (``padding_mask`` True) carry no probability. Numerically equal to Megatron-LM's
+    ``switch_load_balancing_loss_func`` (same evaluation order).
+    """
+    _check_num_experts(num_experts)
+    _check_scores("probs", probs, num_experts)
+    if probs.dim() != 2:
+        raise ValueError(f"probs must be [tokens, num_experts], got shape {tuple(probs.shape)}")
+    _check_tensor("tokens_per_expert", tokens_per_expert)
+    if tokens_per_expert.shape != (num_experts,):
+        raise ValueError(
+            f"tokens_per_expert must have shape ({num_experts},) to match num_experts, "
+            f"got {tuple(tokens_per_expert.shape)}"
+        )
+    _check_topk(topk, num_experts)
+    _check_nonneg("coeff", coeff)
+    if isinstance(total_num_tokens, Tensor):
+        if total_num_tokens.numel() != 1:
+            raise ValueError(f"total_num_tokens must be a scalar, got shape {tuple(total_num_tokens.shape)}")
+        t_val = float(total_num_tokens.item())
+    else:
+        t_val = total_num_tokens
+    if isinstance(t_val, bool) or not isinstance(t_val, Real) or not math.isfinite(t_val) or t_val <= 0:
+        raise ValueError(f"total_num_tokens must be a finite number > 0, got {total_num_tokens!r}")
+    pm = _check_padding_mask(padding_mask, probs.shape[:-1], "probs")
+    p = _wide(probs)
+    if pm is not None:
+        p = torch.where(pm.unsqueeze(-1), torch.zeros_like(p), p)
+    c = tokens_per_expert.detach().to(device=p.device, dtype=p.dtype)
+    if isinstance(total_num_tokens, Tensor):
+        t = total_num_tokens.detach().to(device=p.device, dtype=p.dtype)
+        scale = num_experts * float(coeff) / (topk * t * t)
+    else:
+        scale = num_experts * float(coeff) / (topk * total_num_tokens * total_num_tokens)
+    return torch.sum(p.sum(dim=0) * c) * scale
+
+
+def _flatten_sequences(
+    x: Tensor, seq_ids: Tensor | None, num_sequences: int | None, name: str
+) -> tuple[Tensor, Tensor, int]:
+    """Return ``(x [tokens, E], group id per token [tokens] (-1 = none), number of groups)``."""
+    if seq_ids is None:
+        if x.dim() == 2:
+            x = x.unsqueeze(0)
+        if x.dim() != 3:
+            raise ValueError(
+                f"{name} must be [num_sequences, seq_len, num_experts] (or [seq_len, num_experts]) "
+                f"when seq_ids is None, got shape {tuple(x.shape)}"
+            )
+        n, length = x.shape[0], x.shape[1]
+        if num_sequences is not None and num_sequences != n:
+            raise ValueError(
+                f"num_sequences={num_sequences} but {name} has {n} rows (shape {tuple(x.shape)})"
+            )
+        gid = torch.arange(n, device=x.device).repeat_interleave(length)
+        return x.reshape(-1, x.shape[-1]), gid, n
+    _check_tensor("seq_ids", seq_ids)
+    if seq_ids.is_floating_point() or seq_ids.is_complex() or seq_ids.dtype == torch.bool:
+        raise TypeError(f"seq_ids must be an integer tensor, got dtype {seq_ids.dtype}")
+    if seq_ids.shape != x.shape[:-1]:
+        raise ValueError(
+            f"seq_ids shape {tuple(seq_ids.shape)} does not match the token dims "
+            f"{tuple(x.shape[:-1])} of {name}"
+        )
+    gid = seq_ids.reshape(-1).long()
+    if gid.numel() and bool((gid < -1).any()):
+        raise ValueError(f"seq_ids must be >= -1 (-1 = token of no sequence), found {int(gid.min())}")
+    inferred = int(gid.max().item()) + 1 if gid.numel() else 0
+    if num_sequences is None:
+        num_sequences = inferred
+    elif isinstance(num_sequences, bool) or not isinstance(num_sequences, int) or num_sequences < inferred:
+        raise ValueError(f"num_sequences must be an int >= max(seq_ids)+1={inferred}, got {num_sequences!r}")
+    return x.reshape(-1, x.shape[-1]), gid, num_sequences
+
+
+def _valid_tokens(gid: Tensor, padding_mask: Tensor | None, token_shape: torch.Size, name: str) -> Tensor:
+    pm = _check_padding_mask(padding_mask, token_shape, name)
+    valid = gid >= 0
+    return valid if pm is None else valid & ~pm.reshape(-1)
+
+
+def _sequence_counts(m2: Tensor, gid: Tensor, g: int, valid: Tensor) -> tuple[Tensor, Tensor]:
+    idx = gid.clamp(min=0)
+    m = (m2.bool() & valid.unsqueeze(-1)).long()
+    counts = torch.zeros(g, m2.shape[-1], dtype=torch.int64, device=m2.device).index_add(0, idx, m)
+    ntok = torch.zeros(g, dtype=torch.int64, device=m2.device).index_add(0, idx, valid.long())
+    return counts, ntok
+
+
+def sequence_tokens_per_expert(
+    routing_map: Tensor,
+    seq_ids: Tensor | None = None,
+    *,
+    padding_mask: Tensor | None = None,
+    num_sequences: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per-sequence counts ``c[j,e] = Σ_{x in seq j} m[x,e]`` and ``n[j] = |seq j|`` (non-padding tokens).
+
+    ``routing_map`` is ``[N, L, E]`` (each row a sequence; ``[L, E]`` is one sequence) or, with
+    ``seq_ids``, any ``[..., E]`` whose tokens belong to sequence ``seq_ids[...]`` in
+    ``0..num_sequences-1`` (``-1``: no sequence, e.g. padding; per-document ids come from
+    ``stats.rows_documents``). ``padding_mask`` (``True`` = padding) has the token shape
+    ``routing_map.shape[:-1]``. Returns int64 ``(c [G, E], n [G])``. Sum these over the context-parallel
+    shards of each sequence before passing them to ``sequence_load_balancing_loss(counts=...)``.
+    """
+    _check_tensor("routing_map", routing_map)
+    m2, gid, g = _flatten_sequences(routing_map, seq_ids, num_sequences, "routing_map")
+    valid = _valid_tokens(gid, padding_mask, routing_map.shape[:-1], "routing_map")
+    return _sequence_counts(m2, gid, g, valid)
+
+
+def sequence_load_balancing_loss(
+    probs: Tensor,
+    routing_map: Tensor,
+    seq_ids: Tensor | None = None,
+    *,
+    topk: int,
+    num_experts: int,
+    coeff: float,
+    padding_mask: Tensor | None = None,
+    num_sequences: int | None = None,
+    counts: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """DeepSeek complementary sequence-wise balance loss, as ``(Σ_j A(X_j), number of sequences)``.
+
+    For each sequence ``j`` with ``n_j`` non-padding tokens: ``A(X_j) = coeff · E/(k·n_j²) · Σ_e c[j,e] ·
+    Σ_{x in j} p[x,e]``; a sequence with ``n_j = 0`` contributes 0 and still counts. The objective term is
+    the mean over all ``N`` sequences of the global batch: sum both returned values (float32 sum, int64
+    count) over microbatches and ranks, then divide. Layout: ``probs``/``routing_map`` ``[N, L, E]`` (rows
+    are sequences) or any ``[..., E]`` with ``seq_ids`` (see ``sequence_tokens_per_expert``). ``counts``
+    optionally supplies ``(c [G,E], n [G])`` already summed over the shards of each sequence (context
+    parallel); ``probs`` is then the local shard only, and the sum over shards of the returned sums is the
+    full-sequence loss (count each sequence on one shard only). Gradient flows only through ``probs``.
+    """
+    _check_num_experts(num_experts)
+    _check_scores("probs", probs, num_experts)
+    _check_tensor("routing_map", routing_map)
+    if routing_map.shape != probs.shape:
+        raise ValueError(
+            f"routing_map shape {tuple(routing_map.shape)} does not match probs shape {tuple(probs.shape)}"
+        )
+    _check_topk(topk, num_experts)
+    _check_nonneg("coeff", coeff)
+    p2, gid, g = _flatten_sequences(probs, seq_ids, num_sequences, "probs")
+    valid = _valid_tokens(gid, padding_mask, probs.shape[:-1], "probs")
+    if counts is None:
+        c, n = _sequence_counts(routing_map.reshape(-1, num_experts), gid, g, valid)
+    else:
+        if not isinstance(counts, (tuple, list)) or len(counts) != 2:
+            raise TypeError(
+                "counts must be a pair (tokens_per_sequence_expert [G, E], tokens_per_sequence [G])"
+            )
+        c = _check_tensor("counts[0]", counts[0])
+        n = _check_tensor("counts[1]", counts[1])
+        if c.shape != (g, num_experts) or n.shape != (g,):
+            raise ValueError(
+                f"counts must have shapes ([{g}, {num_experts}], [{g}]) for {g} sequences, "
+                f"got ({tuple(c.shape)}, {tuple(n.shape)})"
+            )
+    zero = torch.zeros((), dtype=_wide(p2).dtype, device=p2.device)
+    p = torch.where(valid.unsqueeze(-1), _wide(p2), zero)
+    psum = torch.zeros(g, num_experts, dtype=p.dtype, device=p.device).index_add(0, gid.clamp(min=0), p)
+    cf = c.detach().to(device=p.device, dtype=p.dtype)
+    nf = n.detach().to(device=p.device, dtype=p.dtype)
+    # where() rather than clamp: an empty sequence must give exactly 0 without a 0/0 in the graph.
+    safe_n = torch.where(nf > 0, nf, torch.ones_like(nf))
+    per_seq = (psum * cf).sum(dim=-1) * (num_experts * float(coeff) / topk) / (safe_n * safe_n)
+    per_seq = torch.where(nf > 0, per_seq, torch.zeros_like(per_seq))
+    return per_seq.sum(), torch.tensor(g, dtype=torch.int64, device=p.device)
+
+
+# ---------------------------------------------------------------------------------------------------
+# router z-loss
+# ---------------------------------------------------------------------------------------------------
+
+
+def router_z_loss_sum(logits: Tensor, padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``(Σ_x logsumexp(logits[x])², number of valid tokens)`` over the non-padding tokens, float32 / int64.
+
+    Building block of the invariant z-loss ``β · Σ_x lse² / Ntok_global``: sum both values over
+    microbatches and ranks, then divide. ``logits`` is ``[..., E]``; ``padding_mask`` (``True`` = padding)
+    has its leading shape. Padding rows never enter the graph (a NaN there does not leak).
+    """
+    _check_scores("logits", logits)
+    pm = _check_padding_mask(padding_mask, logits.shape[:-1], "logits")
+    lse2 = torch.logsumexp(_wide(logits), dim=-1).square()
+    if pm is None:
+        return lse2.sum(), torch.tensor(lse2.numel(), dtype=torch.int64, device=lse2.device)
+    lse2 = torch.where(pm, torch.zeros_like(lse2), lse2)
+    return lse2.sum(), (~pm).sum(dtype=torch.int64)
+
+
+def router_z_loss(logits: Tensor, coeff: float, padding_mask: Tensor | None = None) -> Tensor:
+    """Router z-loss ``coeff · (1/|valid|) · Σ_{valid x} logsumexp(logits[x])²`` (float32 scalar).
+
+    The mean is over non-padding tokens (``padding_mask`` True = padding); an all-padding input gives
+    exactly 0. This is Megatron's per-microbatch ``z_loss_func`` (the parity form); the invariant form
+    uses ``router_z_loss_sum`` with a global count.
+    """
+    _check_nonneg("coeff", coeff)
+    s, n = router_z_loss_sum(logits, padding_mask)
+    return s / n.clamp(min=1).to(s.dtype) * float(coeff)
+
+
+# ---------------------------------------------------------------------------------------------------
+# aux-loss-free balancing
+# ---------------------------------------------------------------------------------------------------
+
+
+def expert_bias_update(
+    tokens_per_expert: Tensor, expert_bias: Tensor, rate: float, zero_mean: bool = False
+) -> Tensor:
+    """New expert bias ``b + Δb`` with ``Δb_e = rate · sign(mean_e'(c) − c_e)`` (float32, no grad).
+
+    ``tokens_per_expert`` and ``expert_bias`` are ``[E]`` or ``[layers, E]`` (means per layer, over
+    experts). With ``zero_mean`` (torchtitan) the step's update is centred: ``Δb -= mean_e(Δb)``.
+    Counts must be the step's dispatch counts summed over every microbatch and every rank holding
+    distinct tokens (SPEC §5). The inputs are not modified.
+    """
+    _check_tensor("tokens_per_expert", tokens_per_expert)
+    _check_float_tensor("expert_bias", expert_bias)
+    _check_nonneg("rate", rate)
+    if tokens_per_expert.dim() not in (1, 2) or tokens_per_expert.shape[-1] < 1:
+        raise ValueError(
+            f"tokens_per_expert must be [E] or [layers, E], got shape {tuple(tokens_per_expert.shape)}"
+        )
+    if expert_bias.shape != tokens_per_expert.shape:
+        raise ValueError(
+            f"expert_bias shape {tuple(expert_bias.shape)} does not match tokens_per_expert shape "
+            f"{tuple(tokens_per_expert.shape)}"
+        )
+    with torch.no_grad():
+        c = tokens_per_expert.to(device=expert_bias.device, dtype=torch.float32)
+        mean = c.sum(dim=-1, keepdim=True) / c.shape[-1]
+        delta = torch.sign(mean - c) * float(rate)
+        if zero_mean:
+            delta = delta - delta.mean(dim=-1, keepdim=True)
+        return expert_bias.detach().float() + delta
+
+
+def max_violation(tokens_per_expert: Tensor) -> Tensor:
+    """Load imbalance ``MaxVio = (max_e c_e − mean_e c) / mean_e c`` per layer (float32).
+
+    ``tokens_per_expert`` ``[E]`` gives a scalar, ``[layers, E]`` gives ``[layers]``. A layer whose
+    counts are all 0 has ``MaxVio = 0``.
+    """
+    _check_tensor("tokens_per_expert", tokens_per_expert)
+    if tokens_per_expert.dim() not in (1, 2) or tokens_per_expert.shape[-1] < 1:
+        raise ValueError(
+            f"tokens_per_expert must be [E] or [layers, E], got shape {tuple(tokens_per_expert.shape)}"
+        )
+    c = _wide(tokens_per_expert.detach())
+    mean = c.mean(dim=-1)
+    safe = torch.where(mean > 0, mean, torch.ones_like(mean))
+    return torch.where(mean > 0, (c.amax(dim=-1) - mean) / safe, torch.zeros_like(mean))

@@ -1,0 +1,101 @@
+"""Causal self-attention with document masking (GQA optional), and the DSA-style indexer head.
+
+The mask is an explicit boolean ``[B, 1, S, S]`` tensor (``True`` = may attend): key ``s`` is visible to
+query ``t`` iff ``s <= t`` and both carry the same segment id. Every query sees at least itself, so no
+softmax row is empty (padding, id 0, attends within its own padding run).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .rope import apply_rope, rope_cos_sin
+
+__all__ = ["attention_mask", "Attention", "Indexer"]
+
+
+def attention_mask(segment_ids: Tensor | None, seq_len: int, device: torch.device | None = None) -> Tensor:
+    """Boolean mask ``[B, 1, S, S]`` (``[1, 1, S, S]`` without segment ids):
+    ``m[b, 0, t, s] = (s <= t) and (seg[b, t] == seg[b, s])``."""
+    if segment_ids is not None:
+        device = segment_ids.device
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    if segment_ids is None:
+        return causal[None, None]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (causal[None] & same)[:, None]
+
+
+class Attention(nn.Module):
+    """Multi-head (or grouped-query) causal attention with RoPE, no biases.
+
+    ``out = Wo · concat_h softmax(q_h k_h^T / sqrt(d) + mask) v_h``, where with GQA each key/value
+    head serves ``n_heads / n_kv_heads`` consecutive query heads.
+    """
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, *, return_probs: bool = False
+                ) -> tuple[Tensor, Tensor | None]:
+        """Attend over ``x [B, S, dim]`` under ``mask``; returns ``(out [B, S, dim], probs)`` where
+        ``probs`` is ``None`` unless ``return_probs``: then the attention probabilities
+        ``[B, n_heads, S, S]`` (detached, in ``max(dtype, float32)``, exactly 0 at masked keys)."""
+        B, S, _ = x.shape
+        q = apply_rope(self.wq(x).view(B, S, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.wk(x).view(B, S, self.n_kv_heads, self.head_dim), cos, sin)
+        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.n_kv_heads != self.n_heads:
+            rep = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        probs = None
+        if return_probs:
+            with torch.no_grad():
+                dtype = torch.promote_types(q.dtype, torch.float32)
+                scores = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) / math.sqrt(self.head_dim)
+                probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        return self.wo(out.transpose(1, 2).reshape(B, S, -1)), probs
+
+
+class Indexer(nn.Module):
+    """Lightning-indexer head after DeepSeek-V3.2 (DSA), trained only by the indexer KL loss.
+
+    ``I[b, t, s] = Σ_h w_h(x_t) · relu(q_h(x_t) · k(x_s))`` with ``H`` small query heads, one shared
+    key head (both RoPE-rotated, width ``d``) and per-query head weights ``w(x_t) = W_w x_t / sqrt(H)``;
+    the dot products are scaled by ``1/sqrt(d)``. Masked keys get ``-inf``. The input is detached so the
+    indexer loss does not reach the main model.
+    """
+
+    def __init__(self, dim: int, n_heads: int, head_dim: int, rope_theta: float) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_theta = n_heads, head_dim, rope_theta
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, head_dim, bias=False)
+        self.ww = nn.Linear(dim, n_heads, bias=False)
+
+    def forward(self, x: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
+        """Indexer logits ``[B, S, S]`` in ``max(dtype, float32)`` for the attention input ``x [B, S, dim]``
+        (detached here), with ``-inf`` where ``mask [B|1, 1, S, S]`` is False."""
+        x = x.detach()
+        B, S, _ = x.shape
+        dtype = torch.promote_types(self.wq.weight.dtype, torch.float32)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, dtype)
+        q = apply_rope(self.wq(x).view(B, S, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.wk(x).view(B, S, 1, self.head_dim), cos, sin)
+        w = self.ww(x) / math.sqrt(self.n_heads)
+        # The scores feed a KL against float32 attention probabilities: keep them out of bf16 autocast.
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            qk = torch.einsum("bthd,bsd->bhts", q.to(dtype), k[:, :, 0].to(dtype)) / math.sqrt(self.head_dim)
+            logits = torch.einsum("bth,bhts->bts", w.to(dtype), torch.relu(qk))
+        return logits.masked_fill(~mask[:, 0], float("-inf"))

@@ -1,0 +1,143 @@
+"""The lossparity reference model: a small GPT with RoPE, GQA, first-k dense + MoE layers, DeepSeek-V3
+MTP and an optional DSA-style indexer. The output head is not applied in :meth:`GPT.forward`: the loss
+code computes per-token cross-entropy from ``hidden`` and ``model.output.weight`` (chunked).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .attention import attention_mask
+from .block import Block
+from .config import ModelConfig
+from .moe import MoE
+from .mtp import MTPModule, shift_tokens
+from .norm import RMSNorm
+from .recompute import checkpoint
+from .rope import positions_from_segments, rope_cos_sin
+from .router import Router, RouterRecord
+
+__all__ = ["ModelOutput", "GPT"]
+
+_OUT_PROJ_SUFFIXES = ("attention.wo.weight", "ffn.w2.weight", "experts.w2", "shared.w2.weight")
+
+
+@dataclass
+class ModelOutput:
+    """Result of :meth:`GPT.forward`: final-normed ``hidden [B, S, dim]`` of the main model,
+    ``mtp_hidden`` (one final-normed ``[B, S, dim]`` per MTP depth), ``routers`` (one record per MoE layer,
+    main layers then MTP depths, in forward order) and ``indexer`` = ``(main attention probs
+    [B, heads, S, S] detached, indexer logits [B, S, S] with -inf at masked keys)`` or ``None``."""
+
+    hidden: Tensor
+    mtp_hidden: list[Tensor]
+    routers: list[RouterRecord]
+    indexer: tuple[Tensor, Tensor] | None
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer configured by :class:`ModelConfig` (see the module docstring)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(
+            Block(config, i, moe=config.is_moe_layer(i), indexer=i == config.indexer_layer)
+            for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.mtp = nn.ModuleList(MTPModule(config, k) for k in range(1, config.mtp_depths + 1))
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Re-initialize every parameter in ``named_parameters`` order (deterministic given the torch
+        seed): norm weights 1, output projections (attention ``wo``, every ``w2``) ``N(0, σ²/(2·n_layers))``,
+        everything else ``N(0, σ²)`` with ``σ = init_std``; router buffers are zeroed."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if isinstance(self.get_submodule(name.rsplit(".", 1)[0]), RMSNorm):
+                p.fill_(1.0)
+            elif name.endswith(_OUT_PROJ_SUFFIXES):
+                p.normal_(0.0, std / math.sqrt(2 * self.config.n_layers))
+            else:
+                p.normal_(0.0, std)
+        for router in self.moe_routers():
+            router.expert_bias.zero_()
+            router.reset_counts()
+
+    def moe_routers(self) -> list[Router]:
+        """Every router module, main layers in order then MTP depths in order (the order of
+        ``ModelOutput.routers``)."""
+        blocks = list(self.layers) + [m.block for m in self.mtp]
+        return [b.ffn.router for b in blocks if isinstance(b.ffn, MoE)]
+
+    def num_params(self) -> int:
+        """Number of distinct parameter elements (a tied embedding/head counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def _check_inputs(self, tokens: Tensor, segment_ids: Tensor | None, positions: Tensor | None) -> None:
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"tokens must be an int64/int32 [B, S] tensor, got {tokens.dtype} "
+                             f"shape {tuple(tokens.shape)}")
+        if tokens.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"tokens sequence length {tokens.shape[1]} exceeds max_seq_len "
+                             f"{self.config.max_seq_len}")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
+            raise ValueError(f"tokens values must be in [0, {self.config.vocab_size}), got range "
+                             f"[{int(tokens.min())}, {int(tokens.max())}]")
+        for name, t in (("segment_ids", segment_ids), ("positions", positions)):
+            if t is None:
+                continue
+            if t.shape != tokens.shape or t.dtype.is_floating_point or t.dtype == torch.bool:
+                raise ValueError(f"{name} must be an integer tensor of tokens' shape {tuple(tokens.shape)}, "
+                                 f"got {t.dtype} shape {tuple(t.shape)}")
+            if t.numel() and int(t.min()) < 0:
+                raise ValueError(f"{name} must be >= 0, got min {int(t.min())}")
+
+    def forward(self, tokens: Tensor, *, segment_ids: Tensor | None = None, positions: Tensor | None = None,
+                recompute: bool = False) -> ModelOutput:
+        """Run the model on ``tokens [B, S]``.
+
+        ``segment_ids [B, S]`` (optional) marks documents of packed rows (attention and MTP inputs stay
+        inside a document; id 0 = padding, excluded from the routers' dispatch counts). ``positions``
+        default to the index within the document (``arange(S)`` without segment ids). ``recompute``
+        checkpoints every transformer block (main and MTP); the re-runs record and count nothing."""
+        self._check_inputs(tokens, segment_ids, positions)
+        c = self.config
+        B, S = tokens.shape
+        if positions is None:
+            positions = (positions_from_segments(segment_ids) if segment_ids is not None
+                         else torch.arange(S, device=tokens.device).expand(B, S))
+        mask = attention_mask(segment_ids, S, tokens.device)
+        valid = None if segment_ids is None else segment_ids != 0
+        dtype = torch.promote_types(self.tok_embeddings.weight.dtype, torch.float32)
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype)
+
+        h = self.tok_embeddings(tokens)
+        routers: list[RouterRecord] = []
+        indexer = None
+        for layer in self.layers:
+            args = (h, cos, sin, mask, positions, valid)
+            h, record, idx = checkpoint(layer, *args) if recompute else layer(*args)
+            if record is not None:
+                routers.append(record)
+            if idx is not None:
+                indexer = idx
+        hidden = self.norm(h)
+
+        mtp_hidden = []
+        for module in self.mtp:
+            emb = self.tok_embeddings(shift_tokens(tokens, module.depth, segment_ids))
+            h, normed, record = module(h, emb, cos, sin, mask, positions, valid, recompute=recompute)
+            mtp_hidden.append(normed)
+            if record is not None:
+                routers.append(record)
+        return ModelOutput(hidden=hidden, mtp_hidden=mtp_hidden, routers=routers, indexer=indexer)

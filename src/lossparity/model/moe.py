@@ -1,0 +1,69 @@
+"""Mixture-of-experts layer: routed SwiGLU experts (no capacity, no token dropping) + optional shared expert.
+
+Experts are computed by a loop over experts that gathers the expert's tokens with ``index_select`` and
+adds the gated outputs back with ``index_add_``. There is no capacity and nothing is dropped, so a
+token's output depends only on that token: the layer is invariant to how tokens are batched. It is
+also deterministic: within one ``index_add_`` the indices are distinct (a token picks an expert at most
+once), so even atomic-add kernels never race, and experts are added in a fixed order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .mlp import SwiGLU
+from .router import Router, RouterRecord
+
+__all__ = ["GroupedExperts", "MoE"]
+
+
+class GroupedExperts(nn.Module):
+    """``E`` SwiGLU experts stored as stacked weights ``w1, w3 [E, dim, hidden]``, ``w2 [E, hidden, dim]``:
+    expert ``e`` maps ``x -> (silu(x w1[e]) ⊙ x w3[e]) w2[e]``."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        for w in (self.w1, self.w3, self.w2):
+            nn.init.normal_(w, std=1.0 / math.sqrt(w.shape[1]))
+
+    def forward(self, x: Tensor, gates: Tensor, dispatch_map: Tensor) -> Tensor:
+        """``out[t] = Σ_{e: dispatch_map[t, e]} gates[t, e] · expert_e(x[t])`` for ``x [T, dim]``,
+        ``gates [T, E]``, ``dispatch_map`` bool ``[T, E]``; ``out`` has ``x``'s dtype."""
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            idx = dispatch_map[:, e].nonzero().squeeze(1)
+            xe = x.index_select(0, idx)
+            ye = (F.silu(xe @ self.w1[e]) * (xe @ self.w3[e])) @ self.w2[e]
+            ge = gates[:, e].index_select(0, idx).unsqueeze(1)
+            out.index_add_(0, idx, ye.to(out.dtype) * ge.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    """``y = Σ_e gate_e · expert_e(x) + shared(x)`` with the experts chosen by a :class:`Router`."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, topk: int, score_function: str,
+                 shared_expert: bool, layer_id: int) -> None:
+        super().__init__()
+        self.router = Router(dim, num_experts, topk, score_function, layer_id)
+        self.experts = GroupedExperts(dim, hidden, num_experts)
+        self.shared = SwiGLU(dim, hidden) if shared_expert else None
+
+    def forward(self, x: Tensor, valid: Tensor | None = None) -> tuple[Tensor, RouterRecord]:
+        """Apply the layer to ``x [B, S, dim]``; ``valid [B, S]`` bool marks the non-padding tokens for
+        the router's dispatch counts. Returns ``(y [B, S, dim], record)``."""
+        B, S, D = x.shape
+        flat = x.reshape(B * S, D)
+        gates, record = self.router(flat, None if valid is None else valid.reshape(-1))
+        y = self.experts(flat, gates, record.dispatch_map)
+        if self.shared is not None:
+            y = y + self.shared(flat)
+        return y.view(B, S, D), record

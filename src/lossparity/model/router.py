@@ -1,0 +1,111 @@
+"""Top-k MoE router with aux-loss-free expert bias (DeepSeek-V3) and per-forward routing records.
+
+Three routing views of one forward (SPEC §5):
+
+- ``probs``: the scores the auxiliary losses use: ``softmax(logits)``, or ``sigmoid(logits)`` divided by
+  its row sum;
+- ``topk_map``: plain top-k of ``probs``, ignoring the expert bias (the aux-loss map ``c_e``);
+- ``dispatch_map``: top-k of ``scores + expert_bias`` (``scores`` = softmax, or the raw sigmoid): the
+  experts that actually process the token.
+
+The bias only selects experts; the gate weights are the unbiased ``scores`` at the dispatched experts.
+For ``sigmoid`` they are renormalized over the ``k`` selected experts (DeepSeek-V3). For ``softmax`` they
+are the full-softmax probabilities, NOT renormalized over the selected experts (DeepSeek-V2, torchtitan
+``route_norm=False``): renormalizing would make top-1 routing blind to the LM-loss gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .recompute import is_recomputing
+
+__all__ = ["RouterRecord", "Router", "topk_map"]
+
+
+@dataclass
+class RouterRecord:
+    """Routing of one MoE layer in one forward. ``layer`` is the main layer index, or
+    ``n_layers + k - 1`` for the MoE of MTP depth ``k``. ``logits``/``probs`` ``[tokens, E]`` are in
+    ``max(param dtype, float32)`` and carry gradients; ``topk_map``/``dispatch_map`` are bool
+    ``[tokens, E]``. Tokens are the ``B·S`` positions in row-major order, padding included."""
+
+    layer: int
+    logits: Tensor
+    probs: Tensor
+    topk_map: Tensor
+    dispatch_map: Tensor
+
+
+def topk_map(scores: Tensor, k: int) -> Tensor:
+    """Boolean ``[T, E]`` map with exactly ``k`` True per row, at the ``k`` largest entries of ``scores``."""
+    idx = scores.topk(k, dim=-1).indices
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, True)
+
+
+class Router(nn.Module):
+    """Linear router ``logits = x W_r^T`` (``W_r [E, dim]``) with top-``k`` selection.
+
+    Buffers: ``expert_bias`` (float32 ``[E]``, used only for selection; updated by the trainer) and
+    ``tokens_per_expert`` (float64 ``[E]``, dispatch counts accumulated over forwards for aux-loss-free
+    balancing, reset by :meth:`reset_counts`).
+    """
+
+    def __init__(self, dim: int, num_experts: int, topk: int, score_function: str, layer_id: int) -> None:
+        super().__init__()
+        if score_function not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_function must be 'softmax' or 'sigmoid', got {score_function!r}")
+        self.num_experts, self.topk, self.layer_id = num_experts, topk, layer_id
+        self.score_function = score_function
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        nn.init.normal_(self.weight, std=1.0 / math.sqrt(dim))
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float64))
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Router:
+        # ``model.to(dtype)`` casts every floating buffer; the counts must stay exact float64 and the
+        # bias at least float32 whatever the parameters' dtype.
+        counts, bias = self.tokens_per_expert, self.expert_bias
+        super()._apply(fn, recurse)
+        if self.tokens_per_expert.dtype != torch.float64:
+            self.tokens_per_expert = counts.to(self.tokens_per_expert.device, torch.float64)
+        if self.expert_bias.dtype not in (torch.float32, torch.float64):
+            self.expert_bias = bias.to(self.expert_bias.device, torch.float32)
+        return self
+
+    def reset_counts(self) -> None:
+        """Zero ``tokens_per_expert`` (once per optimizer step, after the bias update)."""
+        self.tokens_per_expert.zero_()
+
+    def forward(self, x: Tensor, valid: Tensor | None = None) -> tuple[Tensor, RouterRecord]:
+        """Route ``x [T, dim]``. Returns ``(gates [T, E], record)``: ``gates`` is 0 outside
+        ``dispatch_map`` and the unbiased score (normalized over the selected experts for sigmoid) inside.
+
+        Side effect: when autograd is enabled and this is not an activation-recompute re-run,
+        ``tokens_per_expert += Σ_t dispatch_map[t] · valid[t]`` (``valid [T]`` bool, all True if None), so
+        evaluation under ``no_grad`` and recompute never count."""
+        dtype = torch.promote_types(self.weight.dtype, torch.float32)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = F.linear(x.to(dtype), self.weight.to(dtype))
+            if self.score_function == "softmax":
+                scores = logits.softmax(dim=-1)
+                probs = scores
+            else:
+                scores = logits.sigmoid()
+                probs = scores / scores.sum(dim=-1, keepdim=True)
+            plain = topk_map(probs.detach(), self.topk)
+            dispatch = topk_map(scores.detach() + self.expert_bias.to(dtype), self.topk)
+            gates = scores * dispatch
+            if self.score_function == "sigmoid":
+                gates = gates / gates.sum(dim=-1, keepdim=True)
+        if torch.is_grad_enabled() and not is_recomputing():
+            with torch.no_grad():
+                used = dispatch if valid is None else dispatch & valid.reshape(-1, 1)
+                self.tokens_per_expert += used.sum(dim=0).to(self.tokens_per_expert.dtype)
+        return gates, RouterRecord(self.layer_id, logits, probs, plain, dispatch)

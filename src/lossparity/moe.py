@@ -1,0 +1,29 @@
+"""Public alias of :mod:`lossparity.losses.moe` (``lossparity.moe.switch_load_balancing_loss`` etc.)."""
+
+from lossparity.losses.moe import (
+    SCORE_FUNCTIONS,
+    expert_bias_update,
+    max_violation,
+    router_probs,
+    router_z_loss,
+    router_z_loss_sum,
+    sequence_load_balancing_loss,
+    sequence_tokens_per_expert,
+    switch_load_balancing_loss,
+    tokens_per_expert,
+    topk_routing_map,
+)
+
+__all__ = [
+    "SCORE_FUNCTIONS",
+    "expert_bias_update",
+    "max_violation",
+    "router_probs",
+    "router_z_loss",
+    "router_z_loss_sum",
+    "sequence_load_balancing_loss",
+    "sequence_tokens_per_expert",
+    "switch_load_balancing_loss",
+    "tokens_per_expert",
+    "topk_routing_map",
+]

@@ -1,0 +1,142 @@
+"""Report directory of a comparison: ``summary.md`` and one PNG per compared metric.
+
+Each plot has two panels over the alignment coordinate: both curves overlaid, and the signed
+relative difference ``(c - r) / |r|`` with the pass band ``±(abs + rel·|r|) / |r|`` shaded and the
+failing points marked. Plots use matplotlib's Agg canvas directly (no pyplot, no global backend
+switch). Without matplotlib only ``summary.md`` is written, and it says that plots were skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .compare import CompareResult, MetricResult
+
+
+@dataclass
+class ReportFiles:
+    """Paths written by :func:`write_report`; ``plots_skipped`` says why no PNG was written."""
+
+    summary: Path
+    plots: dict[str, Path] = field(default_factory=dict)
+    plots_skipped: str | None = None
+
+
+def _file_stem(metric: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", metric).strip("_") or "metric"
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.6g}" if np.isfinite(v) else str(v)
+
+
+def summary_markdown(result: CompareResult, plots: dict[str, Path], plots_skipped: str | None) -> str:
+    """Markdown text of ``summary.md``: inputs, settings, one table row per metric, skipped metrics."""
+    verdict = "PARITY" if result.passed else "VIOLATION"
+    out = [f"# lossparity compare: {verdict}", ""]
+    for role, run in (("Reference", result.ref), ("Candidate", result.cand)):
+        notes = [f"format `{run.format}`", f"first step {run.step_base}"]
+        if run.restarts:
+            notes.append(f"{run.restarts} restart(s), {run.dropped_values} superseded value(s) dropped")
+        if run.skipped_steps:
+            notes.append(f"{len(run.skipped_steps)} step(s) flagged skipped/NaN/overflow by the log")
+        out.append(f"- {role}: `{os.path.basename(run.source) or run.source}` ({', '.join(notes)})")
+    window = "all" if result.window is None else f"{result.window[0]} .. {result.window[1]}"
+    rule = "Megatron functional-test rule (min(max(n//100,1),50) failures allowed)" if result.megatron_rule \
+        else "every point must pass"
+    out += [
+        f"- Alignment: {result.align}; window: {window}; smoothing: {result.smooth}; verdict rule: {rule}",
+        "",
+        "| metric | tolerance | points | failed | allowed | first failing step | worst step | "
+        "max rel diff | ref at worst | cand at worst | result |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in result.metrics.values():
+        w = m.worst_index
+        first = m.first_fail_step
+        out.append(
+            f"| {m.metric} | {m.tolerance} | {m.n_compared} | {m.n_failed} | {m.allowed_failures} | "
+            f"{'-' if first is None else first} | {m.worst_step} | {m.max_rel_diff:.3e} | "
+            f"{_fmt(m.ref[w])} | {_fmt(m.cand[w])} | {'ok' if m.passed else '**FAIL**'} |"
+        )
+    out.append("")
+    for name, why in result.skipped.items():
+        out.append(f"- `{name}` skipped: {why}")
+    if result.not_compared:
+        out.append(f"- Shared but not compared (not canonical): {', '.join(result.not_compared)}")
+    if result.skipped or result.not_compared:
+        out.append("")
+    if plots_skipped:
+        out += [f"Plots skipped: {plots_skipped}.", ""]
+    else:
+        out += ["## Plots", ""]
+        out += [f"### {name}\n\n![{name}]({path.name})\n" for name, path in plots.items()]
+    return "\n".join(out)
+
+
+def plot_metric(m: MetricResult, path: Path, xlabel: str, smooth: int) -> None:
+    """Write the two-panel PNG of one metric to ``path`` (curves; relative difference with band)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 6), dpi=100)
+    FigureCanvasAgg(fig)
+    top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    suffix = f" (moving average {smooth})" if smooth > 1 else ""
+    top.plot(m.x, m.ref, label="reference", lw=1.4)
+    top.plot(m.x, m.cand, label="candidate", lw=1.0, ls="--")
+    top.set_ylabel(m.metric + suffix)
+    top.set_title(f"{m.metric}: {'ok' if m.passed else 'FAIL'} ({m.n_failed}/{m.n_compared} points outside "
+                  f"{m.tolerance})")
+    top.legend(loc="best")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        scale = np.abs(m.ref)
+        signed = np.where(np.isfinite(m.rel_diff), (m.cand - m.ref) / scale, np.nan)
+        band = np.where(scale > 0, m.tolerance.bound(m.ref) / scale, np.nan)
+    bottom.fill_between(m.x, -band, band, color="tab:green", alpha=0.25, label="tolerance")
+    bottom.plot(m.x, signed, color="tab:blue", lw=1.0, label="(cand - ref) / |ref|")
+    bad = ~m.ok
+    if bad.any():
+        bottom.scatter(m.x[bad], np.nan_to_num(signed[bad], nan=0.0, posinf=0.0, neginf=0.0),
+                       color="tab:red", s=12, zorder=3, label="failing")
+    bottom.axhline(0.0, color="black", lw=0.5)
+    bottom.set_ylabel("relative difference")
+    bottom.set_xlabel(xlabel)
+    bottom.legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def write_report(result: CompareResult, out_dir: str | os.PathLike[str]) -> ReportFiles:
+    """Write ``summary.md`` and ``<metric>.png`` for every compared metric into ``out_dir``.
+
+    Creates ``out_dir`` if needed. Without matplotlib the PNGs are skipped and ``summary.md`` says
+    so. Returns the written paths.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plots: dict[str, Path] = {}
+    skipped: str | None = None
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        skipped = "matplotlib is not installed (pip install lossparity[report])"
+    if skipped is None:
+        xlabel = "consumed samples" if result.align == "samples" else "step (reference numbering)"
+        used: set[str] = set()
+        for name, m in result.metrics.items():
+            stem = _file_stem(name)
+            while stem in used:
+                stem += "_"
+            used.add(stem)
+            path = out / f"{stem}.png"
+            plot_metric(m, path, xlabel, result.smooth)
+            plots[name] = path
+    summary = out / "summary.md"
+    summary.write_text(summary_markdown(result, plots, skipped), encoding="utf-8")
+    return ReportFiles(summary=summary, plots=plots, plots_skipped=skipped)

@@ -1,0 +1,1 @@
+"""Reference trainer of lossparity: data pipeline, model driver and training loop."""

@@ -1,0 +1,415 @@
+"""Reference trainer: the small MoE+MTP GPT trained with every loss term going through the accountant.
+
+One optimizer step (``train_step``) of data-parallel rank ``d``:
+
+1. the global batch of the step (a pure function of the seed and the step) is cut into this rank's
+   ``K`` microbatches of ``b`` rows (:func:`split_batch`);
+2. ``acc.begin_step`` pre-counts ``Ntok, N, Ndoc, D·K``, the MTP depths' counts and the routers'
+   non-padding tokens in one all-reduce;
+3. per microbatch: forward (optionally with activation recompute), chunked cross-entropy of the main
+   head and of every MTP depth, MoE auxiliary shares, one ``backward`` of the sum of the shares;
+4. ``acc.finish_step`` (gradient scaling), MoE end of step (expert-bias update from the step's global
+   dispatch counts, every step), gradient clipping, AdamW;
+5. ``acc.logs()``: every logged scalar in one collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..distributed.accountant import Accountant
+from ..distributed.moe_accounting import SCOPES, MoEAccounting
+from ..losses.cross_entropy import chunked_cross_entropy
+from ..losses.logchannel import IntervalMean
+from ..losses.modes import check_mode
+from ..losses.mtp import check_convention, roll_mtp
+from ..model import GPT, RouterRecord, get_config
+from .checkpoint import load_latest, rng_state, save_checkpoint, set_rng_state
+from .data import Batch, Corpus, JsonlCorpus, SyntheticCorpus, TextFileCorpus, global_batch, split_batch
+
+__all__ = ["TrainConfig", "Trainer", "build_corpus", "run_training"]
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bf16": torch.float32}
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a run. Layout fields (``dp``, ``ga``, ``recompute``, ``engine``) must not
+    change the numbers (SPEC §3), all others may."""
+
+    model: str = "tiny"
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    mode: str = "per_token"
+    normalization: str = "precount"
+    fixed_length: int | None = None
+    dp: int = 1
+    ga: int = 1
+    global_batch: int = 8
+    seq_len: int = 64
+    packed: bool = False
+    data: str = "synthetic"
+    data_field: str = "text"
+    steps: int = 20
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 2
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    dtype: str = "float32"
+    recompute: bool = False
+    engine: str = "ddp"
+    mtp_weight: float = 0.3
+    mtp_weight_after: float = 0.1
+    mtp_switch_step: int | None = None
+    mtp_convention: str = "own"
+    aux_scope: str = "global_lagged"
+    aux_coeff: float = 1e-2
+    z_coeff: float = 1e-3
+    z_form: str = "global"
+    bias_rate: float = 1e-3
+    bias_freeze_step: int | None = None
+    bias_zero_mean: bool = False
+    out: str | None = None
+    log_interval: int = 1
+    ckpt_interval: int = 0
+    resume: bool = False
+    tensorboard: bool = True
+    progress: bool = True
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the offending field for any inconsistent setting."""
+        check_mode(self.mode)
+        check_convention(self.mtp_convention)
+        if self.aux_scope not in SCOPES:
+            raise ValueError(f"unknown aux_scope {self.aux_scope!r}; valid: {', '.join(SCOPES)}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; valid: {', '.join(_DTYPES)}")
+        if self.engine not in ("ddp", "plain"):
+            raise ValueError(f"unknown engine {self.engine!r}; valid: ddp, plain")
+        for name in ("dp", "ga", "global_batch", "seq_len", "steps", "log_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.global_batch % (self.dp * self.ga):
+            raise ValueError(
+                f"global_batch={self.global_batch} is not divisible by dp*ga={self.dp}*{self.ga}: every rank "
+                "needs the same number of whole rows per microbatch"
+            )
+        if self.mode == "sample_sum_norm" and self.fixed_length is None:
+            self.fixed_length = self.seq_len
+        if self.data != "synthetic" and not os.path.exists(self.data):
+            raise FileNotFoundError(f"data file not found: {self.data}")
+
+    @property
+    def microbatch_size(self) -> int:
+        """``b = N / (D·K)``."""
+        return self.global_batch // (self.dp * self.ga)
+
+
+def build_corpus(cfg: TrainConfig, vocab_size: int) -> Corpus:
+    """The corpus named by ``cfg.data``: ``synthetic`` (embedded generator), a ``.jsonl`` file or a text file
+    (both with the byte-level tokenizer)."""
+    from .data import ByteTokenizer
+
+    if cfg.data == "synthetic":
+        return SyntheticCorpus(vocab_size=vocab_size, seed=cfg.seed)
+    tok = ByteTokenizer()
+    if tok.vocab_size > vocab_size:
+        raise ValueError(f"model vocab_size {vocab_size} is smaller than the byte tokenizer's {tok.vocab_size}")
+    if cfg.data.endswith(".jsonl"):
+        return JsonlCorpus(cfg.data, tok, field=cfg.data_field)
+    return TextFileCorpus(cfg.data, tok)
+
+
+def _valid_tokens(mb: Batch) -> tuple[Tensor, Tensor]:
+    """``(segment_ids, valid)``: packed rows keep their ids; a padded row is one document (id 1) over
+    its non-padding positions (position 0 and every position > 0 of the document)."""
+    if mb.segment_ids is not None:
+        return mb.segment_ids, mb.segment_ids > 0
+    S = mb.tokens.shape[1]
+    valid = (mb.positions > 0) | (torch.arange(S, device=mb.tokens.device) == 0)
+    return valid.long(), valid
+
+
+def _lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine from ``lr`` to ``min_lr`` at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(cfg.steps - cfg.warmup, 1)
+    t = min((step - cfg.warmup) / span, 1.0)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * t))
+
+
+class LossForward(nn.Module):
+    """The model plus its output head applied by the chunked cross-entropy, as one module, so that an
+    engine wrapping it (DDP) sees every parameter used inside its ``forward``.
+
+    Returns ``(per_token_loss [b,S], [per_token_loss_k for MTP depths], [(logits, probs, topk_map,
+    dispatch_map) per MoE layer])``; router records are flattened to tuples so DDP can walk them."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, tokens: Tensor, labels: Tensor, mtp_labels: list[Tensor], segment_ids: Tensor,
+                positions: Tensor, recompute: bool = False, autocast_dtype: torch.dtype | None = None
+                ) -> tuple[Tensor, list[Tensor], list[tuple[Tensor, ...]]]:
+        with torch.autocast(tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            out = self.gpt(tokens, segment_ids=segment_ids, positions=positions, recompute=recompute)
+            weight = self.gpt.output.weight
+            main = chunked_cross_entropy(out.hidden, weight, labels)
+            mtp = [chunked_cross_entropy(h, weight, lab) for h, lab in zip(out.mtp_hidden, mtp_labels)]
+        routers = [(r.logits, r.probs, r.topk_map, r.dispatch_map) for r in out.routers]
+        # Low-precision losses are accumulated in float32; float64 runs (verify) stay float64.
+        up = (lambda x: x.float() if x.dtype in (torch.bfloat16, torch.float16) else x)
+        return up(main), [up(x) for x in mtp], routers
+
+
+class Trainer:
+    """A reference training run on this process (rank ``dist.get_rank()`` when distributed)."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        if self.world != cfg.dp:
+            raise ValueError(f"dp={cfg.dp} but the process group has {self.world} ranks")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and \
+            dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
+        overrides = dict(cfg.model_overrides)
+        self.model_config = get_config(cfg.model, **overrides)
+        torch.manual_seed(cfg.seed)
+        raw = GPT(self.model_config)
+        raw.to(device=self.device, dtype=torch.float64 if cfg.dtype == "float64" else torch.float32)
+        self.raw = raw
+        fwd = LossForward(raw)
+        if self.world > 1 and cfg.engine == "ddp":
+            # broadcast_buffers=False: the routers' dispatch counters are per-rank until end_step sums them.
+            # find_unused_parameters: an expert may receive no token of this rank's microbatch.
+            self.model: nn.Module = nn.parallel.DistributedDataParallel(
+                fwd, broadcast_buffers=False, find_unused_parameters=True)
+        else:
+            self.model = fwd
+        self.corpus = build_corpus(cfg, self.model_config.vocab_size)
+        depths = self.model_config.mtp_depths
+        self.acc = Accountant(cfg.mode, normalization=cfg.normalization, fixed_length=cfg.fixed_length,
+                              mtp_depths=depths, mtp_convention=cfg.mtp_convention, device=self.device)
+        self.routers = raw.moe_routers()
+        self.moe = MoEAccounting(self.acc, len(self.routers), max(self.model_config.num_experts, 1),
+                                 max(self.model_config.topk, 1), scope=cfg.aux_scope, aux_coeff=cfg.aux_coeff,
+                                 z_coeff=cfg.z_coeff, z_form=cfg.z_form)
+        decay = [p for n, p in raw.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in raw.named_parameters() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ one step
+    def mtp_weight(self, step: int) -> float:
+        """The MTP ``λ`` schedule: ``mtp_weight`` until ``mtp_switch_step``, then ``mtp_weight_after``."""
+        c = self.cfg
+        return c.mtp_weight if c.mtp_switch_step is None or step < c.mtp_switch_step else c.mtp_weight_after
+
+    def bias_rate(self, step: int) -> float:
+        """Expert-bias update rate: constant, then frozen (0) from ``bias_freeze_step`` on."""
+        c = self.cfg
+        return 0.0 if c.bias_freeze_step is not None and step >= c.bias_freeze_step else c.bias_rate
+
+    def train_step(self) -> dict[str, Any]:
+        """Run optimizer step ``self.step`` and return its log line."""
+        cfg, acc, model = self.cfg, self.acc, self.model
+        t0 = time.perf_counter()
+        batch = global_batch(self.corpus, self.step, global_batch_size=cfg.global_batch, seq_len=cfg.seq_len,
+                             packed=cfg.packed, seed=cfg.seed).to(self.device)
+        mbs = split_batch(batch, cfg.dp, self.rank, cfg.ga, cfg.microbatch_size)
+        segs, valids = zip(*(_valid_tokens(mb) for mb in mbs))
+        depths = self.model_config.mtp_depths
+        acc.begin_step([mb.mask for mb in mbs], list(segs), mtp_weight=self.mtp_weight(self.step),
+                       extra_counts=self.moe.router_tokens(valids))
+        dtype = torch.bfloat16 if cfg.dtype == "bf16" else None
+        for i, (mb, seg, valid) in enumerate(zip(mbs, segs, valids)):
+            last = i == len(mbs) - 1
+            sync = model.no_sync() if isinstance(model, nn.parallel.DistributedDataParallel) and not last \
+                else _NullContext()
+            rolled = [roll_mtp(mb.labels, mb.mask, seg, k) for k in range(1, depths + 1)]
+            with sync:
+                per_tok, mtp_losses, routers = model(mb.tokens, mb.labels, [r[0] for r in rolled], seg,
+                                                     mb.positions, cfg.recompute, dtype)
+                loss = acc.lm_loss(per_tok, mb.mask, seg)
+                if depths:
+                    loss = loss + acc.mtp_loss(mtp_losses, [r[1] for r in rolled], seg)
+                if self.routers:
+                    records = [RouterRecord(r.layer_id, *t) for r, t in zip(self.routers, routers)]
+                    loss = loss + self.moe.microbatch_loss(records, valid)
+                loss.backward()
+        acc.finish_step(model)
+        moe_logs = self.moe.end_step(self.routers, bias_rate=self.bias_rate(self.step),
+                                     zero_mean=cfg.bias_zero_mean)
+        params = [p for p in self.raw.parameters() if p.grad is not None]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf))
+        lr = _lr_at(cfg, self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        logs = acc.logs()
+        elapsed = time.perf_counter() - t0
+        line: dict[str, Any] = {"step": self.step + 1, **logs, **moe_logs, "grad_norm": grad_norm, "lr": lr,
+                                "tokens_per_s": cfg.global_batch * cfg.seq_len / elapsed, "step_time_s": elapsed}
+        self.step += 1
+        return line
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything an exact resume needs: model (with expert biases), optimizer, MoE accounting state,
+        step (the data position: batches are a function of the step), RNG states and the config."""
+        return {"step": self.step, "model": self.raw.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "moe": self.moe.state_dict(), "rng": rng_state(), "config": dataclasses.asdict(self.cfg),
+                "mtp_weight": self.acc.mtp_weight}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.raw.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.moe.load_state_dict(state["moe"])
+        set_rng_state(state["rng"])
+        self.step = int(state["step"])
+
+    # ------------------------------------------------------------------ loop
+    def fit(self, steps: int | None = None, crash_after: int | None = None) -> list[dict[str, Any]]:
+        """Train until ``steps`` (default ``cfg.steps``) optimizer steps are done; logs, checkpoints and
+        resumes as configured. ``crash_after`` (tests) raises after that many steps of this call."""
+        cfg = self.cfg
+        total = cfg.steps if steps is None else steps
+        out = cfg.out if self.rank == 0 else None
+        ckpt_dir = os.path.join(cfg.out, "checkpoints") if cfg.out else None
+        if cfg.resume and ckpt_dir:
+            state = load_latest(ckpt_dir)
+            if state is not None:
+                self.load_state_dict(state)
+        writer = _open_logs(out, self.step, cfg.tensorboard) if out else None
+        interval = IntervalMean()
+        done = 0
+        try:
+            while self.step < total:
+                line = self.train_step()
+                self.history.append(line)
+                interval.update(line)
+                if writer:
+                    writer.write(line)
+                if self.step % cfg.log_interval == 0 or self.step == total:
+                    if self.rank == 0 and cfg.progress:
+                        _progress(self.step, total, interval.compute())
+                    interval.reset()
+                if ckpt_dir and cfg.ckpt_interval and (self.step % cfg.ckpt_interval == 0 or self.step == total):
+                    if self.rank == 0:
+                        save_checkpoint(ckpt_dir, self.step, self.state_dict())
+                    if dist.is_initialized():
+                        dist.barrier()
+                done += 1
+                if crash_after is not None and done >= crash_after:
+                    raise KeyboardInterrupt(f"simulated crash after step {self.step}")
+        finally:
+            if writer:
+                writer.close()
+            if self.rank == 0 and cfg.progress and sys.stdout.isatty():
+                print()
+        return self.history
+
+
+class _NullContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+class _LogWriter:
+    """``metrics.jsonl`` (one line per step, the schema is the README's) and TensorBoard scalars."""
+
+    def __init__(self, out: str, start_step: int, tensorboard: bool) -> None:
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, "metrics.jsonl")
+        kept = []
+        if start_step and os.path.exists(path):
+            # Resume: drop lines of steps after the checkpoint (they will be recomputed identically).
+            with open(path) as f:
+                kept = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= start_step]
+        self.f = open(path, "w" if not start_step else "w")
+        self.f.writelines(kept)
+        self.f.flush()
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(os.path.join(out, "tensorboard"))
+            except Exception:  # noqa: BLE001 - tensorboard is optional
+                self.tb = None
+
+    def write(self, line: dict[str, Any]) -> None:
+        self.f.write(json.dumps(line, sort_keys=False) + "\n")
+        self.f.flush()
+        if self.tb:
+            for k, v in line.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, line["step"])
+
+    def close(self) -> None:
+        self.f.close()
+        if self.tb:
+            self.tb.close()
+
+
+def _open_logs(out: str, start_step: int, tensorboard: bool) -> _LogWriter:
+    return _LogWriter(out, start_step, tensorboard)
+
+
+def _progress(step: int, total: int, means: dict[str, float]) -> None:
+    width = 24
+    filled = int(width * step / total)
+    bar = "#" * filled + "." * (width - filled)
+    loss = means.get("lm_loss")
+    text = (f"[{bar}] step {step}/{total}  lm_loss {loss:.4f}" if loss is not None else
+            f"[{bar}] step {step}/{total}")
+    text += f"  objective {means.get('objective', float('nan')):.4f}  tok/s {means.get('tokens_per_s', 0):.0f}"
+    if sys.stdout.isatty():
+        print("\r" + text, end="", flush=True)
+    else:
+        print(text, flush=True)
+
+
+def _train_entry(rank: int, world: int, cfg: TrainConfig) -> list[dict[str, Any]]:
+    return Trainer(cfg).fit()
+
+
+def run_training(cfg: TrainConfig) -> list[dict[str, Any]]:
+    """Run ``cfg``: under ``torchrun`` (``WORLD_SIZE`` set) on the existing ranks, else on ``cfg.dp`` local
+    ranks started here (gloo on CPU). Returns rank 0's per-step log lines."""
+    from ..distributed.launch import init_from_env, spawn
+
+    cfg.validate()
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
+        init_from_env()
+        try:
+            return Trainer(cfg).fit()
+        finally:
+            dist.destroy_process_group()
+    if cfg.dp == 1:
+        return Trainer(cfg).fit()
+    return spawn(_train_entry, cfg.dp, cfg)[0]

@@ -1,0 +1,374 @@
+"""compare_runs and the compare CLI on synthetic curves with hand-computed expectations."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lossparity.parity import (
+    CompareInputError,
+    Run,
+    Tolerance,
+    add_compare_arguments,
+    compare_runs,
+    megatron_allowed_failures,
+    moving_average,
+    parse_tolerances,
+    run_compare,
+    tolerance_for,
+    write_report,
+)
+
+LOGS = Path(__file__).parent / "fixtures" / "logs"
+STEPS = range(1, 201)
+
+
+def loss_curve(step: int) -> float:
+    return 2.0 + 9.0 * math.exp(-step / 40.0) + 0.01 * math.sin(step)
+
+
+def make_run(metrics: dict[str, dict[int, float]], *, name: str = "run", step_base: int = 1,
+             samples: dict[int, float] | None = None) -> Run:
+    return Run(source=name, format="jsonl", metrics=metrics, consumed_samples=samples or {}, step_base=step_base)
+
+
+def base_metrics() -> dict[str, dict[int, float]]:
+    return {
+        "lm_loss": {s: loss_curve(s) for s in STEPS},
+        "mtp_1_loss": {s: loss_curve(s) + 0.1 for s in STEPS},
+        "tokens": {s: 4096.0 for s in STEPS},
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# verdicts on synthetic curves
+
+
+def test_identical_runs_pass():
+    res = compare_runs(make_run(base_metrics()), make_run(base_metrics()))
+    assert res.passed
+    assert list(res.metrics) == ["lm_loss", "mtp_1_loss", "tokens"]
+    for m in res.metrics.values():
+        assert m.n_compared == 200 and m.n_failed == 0 and m.first_fail_step is None and m.max_rel_diff == 0.0
+
+
+def test_injected_drift_is_found_at_the_right_step():
+    cand = base_metrics()
+    # relative drift 1.5e-4 * (s - 135) from step 136: 1.5e-4 passes the 2e-4 default, 3e-4 at 137 fails
+    for s in range(136, 201):
+        cand["lm_loss"][s] *= 1.0 + 1.5e-4 * (s - 135)
+    res = compare_runs(make_run(base_metrics()), make_run(cand))
+    lm = res.metrics["lm_loss"]
+    assert not res.passed and not lm.passed and res.metrics["mtp_1_loss"].passed
+    assert lm.first_fail_step == 137
+    assert lm.n_failed == 200 - 137 + 1
+    assert lm.worst_step == 200
+    assert lm.max_rel_diff == pytest.approx(1.5e-4 * 65, rel=1e-9)
+    assert [v.metric for v in res.violations] == ["lm_loss"]
+
+
+def test_tolerance_is_relative_to_the_reference():
+    # |c - r| <= abs + rel * |r|, checked by hand at r = 4.0: rel 2e-4 allows 8e-4
+    ref = make_run({"lm_loss": {1: 4.0, 2: 4.0}})
+    cand = make_run({"lm_loss": {1: 4.0 + 7.9e-4, 2: 4.0 + 8.1e-4}})
+    lm = compare_runs(ref, cand).metrics["lm_loss"]
+    assert lm.ok.tolist() == [True, False]
+    assert lm.rel_diff[1] == pytest.approx(8.1e-4 / 4.0, rel=1e-9)
+    # abs tolerance on tokens: equal integers pass, one token off fails
+    ref = make_run({"tokens": {1: 100.0, 2: 100.0}})
+    cand = make_run({"tokens": {1: 100.0, 2: 101.0}})
+    assert compare_runs(ref, cand).metrics["tokens"].ok.tolist() == [True, False]
+
+
+def test_nan_handling():
+    ref = make_run({"lm_loss": {1: 2.0, 2: math.nan, 3: 2.0, 4: math.inf}})
+    cand = make_run({"lm_loss": {1: 2.0, 2: math.nan, 3: math.nan, 4: math.inf}})
+    lm = compare_runs(ref, cand).metrics["lm_loss"]
+    assert lm.ok.tolist() == [True, True, False, True]  # both NaN agree, one NaN fails
+    assert lm.first_fail_step == 3 and lm.worst_step == 3 and math.isinf(lm.max_rel_diff)
+
+
+def test_zero_reference_value():
+    ref = make_run({"load_balancing_loss": {1: 0.0, 2: 0.0}})
+    cand = make_run({"load_balancing_loss": {1: 0.0, 2: 1e-9}})
+    m = compare_runs(ref, cand).metrics["load_balancing_loss"]
+    assert m.ok.tolist() == [True, False] and m.rel_diff[0] == 0.0 and math.isinf(m.rel_diff[1])
+    # an absolute tolerance accepts it
+    m = compare_runs(ref, cand, tolerances="load_balancing_loss=abs:1e-8").metrics["load_balancing_loss"]
+    assert m.passed
+
+
+def test_megatron_rule_counts():
+    # min(max(n // 100, 1), 50) for n > 1, computed by hand
+    for n, allowed in [(0, 0), (1, 0), (2, 1), (99, 1), (100, 1), (199, 1), (250, 2), (4999, 49), (5000, 50),
+                       (10**6, 50)]:
+        assert megatron_allowed_failures(n) == allowed, n
+
+
+@pytest.mark.parametrize(("bad_steps", "with_rule"), [(2, True), (3, False)])
+def test_megatron_rule_verdict(bad_steps, with_rule):
+    metrics = {"lm_loss": {s: 3.0 for s in range(1, 251)}}  # n = 250 -> 2 failures allowed
+    cand = {"lm_loss": dict(metrics["lm_loss"])}
+    for s in (10, 20, 30)[:bad_steps]:
+        cand["lm_loss"][s] = 3.1
+    strict = compare_runs(make_run(metrics), make_run(cand))
+    rule = compare_runs(make_run(metrics), make_run(cand), megatron_rule=True)
+    assert not strict.passed and strict.metrics["lm_loss"].allowed_failures == 0
+    assert rule.metrics["lm_loss"].allowed_failures == 2
+    assert rule.passed is with_rule
+    assert rule.metrics["lm_loss"].first_fail_step == 10
+
+
+def test_window():
+    cand = base_metrics()
+    for s in range(150, 201):
+        cand["lm_loss"][s] += 0.01
+    assert compare_runs(make_run(base_metrics()), make_run(cand), window=(1, 149)).passed
+    res = compare_runs(make_run(base_metrics()), make_run(cand), window=(140, None))
+    lm = res.metrics["lm_loss"]
+    assert lm.n_compared == 61 and lm.first_fail_step == 150 and lm.steps[0] == 140
+
+
+def test_moving_average_matches_naive_formula():
+    rng = np.random.default_rng(0)
+    y = rng.normal(size=57)
+    y[20] = np.nan
+    for w in (1, 2, 5, 13):
+        got = moving_average(y, w)
+        for i in range(y.size):
+            window = y[max(0, i - w + 1): i + 1]
+            expected = sum(window) / len(window)  # NaN propagates
+            if math.isnan(expected):
+                assert math.isnan(got[i]), (w, i)
+            else:
+                assert got[i] == pytest.approx(expected, rel=1e-12, abs=1e-12), (w, i)
+
+
+def test_smoothing_absorbs_a_single_spike():
+    ref = {"lm_loss": {s: 3.0 for s in STEPS}}
+    cand = {"lm_loss": {s: 3.0 for s in STEPS}}
+    cand["lm_loss"][50] = 3.0 * (1 + 1e-3)  # rel 1e-3 at one step; over 10 steps the mean moves by 1e-4
+    assert compare_runs(make_run(ref), make_run(cand)).metrics["lm_loss"].first_fail_step == 50
+    smoothed = compare_runs(make_run(ref), make_run(cand), smooth=10).metrics["lm_loss"]
+    assert smoothed.passed and smoothed.max_rel_diff == pytest.approx(1e-4, rel=1e-9)
+
+
+def test_samples_alignment_with_different_batch_sizes():
+    # ref: global batch 8, steps 1..20; cand: global batch 16, steps 1..10; loss is a function of samples
+    def f(samples: float) -> float:
+        return 5.0 - samples / 100.0
+
+    ref = make_run({"lm_loss": {s: f(8 * s) for s in range(1, 21)}}, samples={s: 8.0 * s for s in range(1, 21)})
+    cand_values = {s: f(16 * s) for s in range(1, 11)}
+    cand = make_run({"lm_loss": cand_values}, samples={s: 16.0 * s for s in range(1, 11)})
+    res = compare_runs(ref, cand, align="samples")
+    lm = res.metrics["lm_loss"]
+    assert res.passed and lm.n_compared == 10
+    assert lm.x.tolist() == [16.0 * k for k in range(1, 11)]
+    assert lm.steps.tolist() == list(range(2, 21, 2))  # reference steps
+    assert lm.only_ref == 10
+    cand_values[7] *= 1.01  # candidate step 7 = 112 samples = reference step 14
+    lm = compare_runs(ref, make_run({"lm_loss": cand_values}, samples=cand.consumed_samples),
+                      align="samples").metrics["lm_loss"]
+    assert lm.first_fail_step == 14 and lm.x[~lm.ok].tolist() == [112.0]
+    # by step the same runs do not agree at all
+    assert not compare_runs(ref, cand).passed
+
+
+def test_samples_alignment_from_constant_batch_size():
+    ref = make_run({"lm_loss": {s: 1.0 / s for s in range(1, 9)}})
+    cand = make_run({"lm_loss": {s: 1.0 / (2 * s) for s in range(1, 5)}})
+    with pytest.raises(CompareInputError, match="ref run .* has no consumed samples"):
+        compare_runs(ref, cand, align="samples")
+    res = compare_runs(ref.with_constant_batch_size(4), cand.with_constant_batch_size(8), align="samples")
+    assert res.passed and res.metrics["lm_loss"].steps.tolist() == [2, 4, 6, 8]
+
+
+def test_step_base_alignment_maxtext_vs_megatron():
+    values = [3.0, 2.9, 2.8, 2.7]
+    megatron = make_run({"lm_loss": {s + 1: v for s, v in enumerate(values)}}, step_base=1)
+    maxtext = make_run({"lm_loss": {s: v for s, v in enumerate(values)}}, step_base=0)
+    res = compare_runs(megatron, maxtext)
+    assert res.passed and res.metrics["lm_loss"].steps.tolist() == [1, 2, 3, 4]
+    maxtext.metrics["lm_loss"][2] = 2.0  # MaxText step 2 = Megatron iteration 3
+    assert compare_runs(megatron, maxtext).metrics["lm_loss"].first_fail_step == 3
+
+
+def test_default_metric_selection():
+    ref = make_run({"lm_loss": {1: 1.0}, "iteration-time": {1: 0.5}, "objective": {1: 1.0}, "mtp_2_loss": {1: 1.0},
+                    "mtp_1_loss": {1: 1.0}})
+    cand = make_run({"lm_loss": {1: 1.0}, "iteration-time": {1: 0.9}, "mtp_2_loss": {1: 1.0}, "mtp_1_loss": {1: 1.0}})
+    res = compare_runs(ref, cand)
+    assert list(res.metrics) == ["lm_loss", "mtp_1_loss", "mtp_2_loss"]
+    assert res.not_compared == ["iteration-time"]
+    explicit = compare_runs(ref, cand, metrics=["iteration-time"])
+    assert list(explicit.metrics) == ["iteration-time"] and not explicit.passed  # default rel 1e-3
+
+
+def test_metric_without_overlap_is_skipped_by_default():
+    ref = make_run({"lm_loss": {1: 1.0, 2: 1.0}, "grad_norm": {1: 1.0}})
+    cand = make_run({"lm_loss": {1: 1.0, 2: 1.0}, "grad_norm": {2: 1.0}})
+    res = compare_runs(ref, cand)
+    assert list(res.metrics) == ["lm_loss"] and "grad_norm" in res.skipped
+
+
+# ---------------------------------------------------------------------------------------------------
+# tolerances
+
+
+def test_parse_tolerances():
+    got = parse_tolerances("lm_loss=1e-3,mtp_1_loss=rel:1e-3,grad_norm=abs:0.01, tokens = rel:1e-6+abs:2")
+    assert got == {
+        "lm_loss": Tolerance(rel=1e-3),
+        "mtp_1_loss": Tolerance(rel=1e-3),
+        "grad_norm": Tolerance(abs=0.01),
+        "tokens": Tolerance(rel=1e-6, abs=2.0),
+    }
+    for bad, needle in [("lm_loss", "metric=tolerance"), ("lm_loss=x", "'x' is not a number"),
+                        ("lm_loss=pct:1", "expected"), ("lm_loss=-1", ">= 0"), ("a=1,a=2", "given twice"),
+                        ("lm_loss=rel:1+rel:2", "expected")]:
+        with pytest.raises(ValueError, match=needle):
+            parse_tolerances(bad)
+
+
+def test_tolerance_lookup_defaults_patterns_and_fallback():
+    assert tolerance_for("lm_loss") == Tolerance(rel=2e-4)
+    assert tolerance_for("mtp_3_loss") == Tolerance(rel=2e-3)
+    assert tolerance_for("tokens") == Tolerance(abs=0.5)
+    assert tolerance_for("something_else") == Tolerance(rel=1e-3)
+    user = parse_tolerances("mtp_*_loss=rel:1e-2,*=abs:1,lm_loss=5e-4")
+    assert tolerance_for("mtp_2_loss", user) == Tolerance(rel=1e-2)
+    assert tolerance_for("lm_loss", user) == Tolerance(rel=5e-4)
+    assert tolerance_for("grad_norm", user) == Tolerance(abs=1.0)  # the user's * beats the defaults
+    assert tolerance_for("grad_norm") == Tolerance(rel=1e-2)
+
+
+def test_tolerance_mapping_forms():
+    ref = make_run({"lm_loss": {1: 1.0}})
+    cand = make_run({"lm_loss": {1: 1.0005}})
+    assert not compare_runs(ref, cand).passed
+    for tol in ({"lm_loss": 1e-3}, {"lm_loss": "rel:1e-3"}, {"lm_loss": Tolerance(abs=1e-3)}, "lm_loss=1e-3"):
+        assert compare_runs(ref, cand, tolerances=tol).passed, tol
+
+
+# ---------------------------------------------------------------------------------------------------
+# input errors
+
+
+def test_input_errors():
+    run = make_run({"lm_loss": {1: 1.0}})
+    with pytest.raises(CompareInputError, match="no shared canonical metric"):
+        compare_runs(run, make_run({"objective": {1: 1.0}}))
+    with pytest.raises(CompareInputError, match="no overlapping steps"):
+        compare_runs(run, make_run({"lm_loss": {5: 1.0}}))
+    with pytest.raises(CompareInputError, match="'grad_norm' is not in the ref and cand run"):
+        compare_runs(run, run, metrics=["grad_norm"])
+    with pytest.raises(CompareInputError, match="smooth"):
+        compare_runs(run, run, smooth=0)
+    with pytest.raises(CompareInputError, match="align"):
+        compare_runs(run, run, align="time")
+    with pytest.raises(CompareInputError, match="window: start 5 is after end 2"):
+        compare_runs(run, run, window=(5, 2))
+    with pytest.raises(CompareInputError, match="tolerances"):
+        compare_runs(run, run, tolerances="lm_loss=abc")
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLI and report
+
+
+def write_jsonl(path: Path, metrics: dict[str, dict[int, float]]) -> Path:
+    steps = sorted({s for v in metrics.values() for s in v})
+    with path.open("w") as f:
+        for s in steps:
+            f.write(json.dumps({"step": s, **{k: v[s] for k, v in metrics.items() if s in v}}) + "\n")
+    return path
+
+
+def cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lossparity compare")
+    add_compare_arguments(parser)
+    return run_compare(parser.parse_args(argv))
+
+
+def test_cli_exit_codes_and_json(tmp_path, capsys):
+    ref = write_jsonl(tmp_path / "ref.jsonl", base_metrics())
+    drift = base_metrics()
+    for s in range(120, 201):
+        drift["mtp_1_loss"][s] *= 1.01
+    cand = write_jsonl(tmp_path / "cand.jsonl", drift)
+
+    assert cli([str(ref), str(ref)]) == 0
+    assert "PARITY" in capsys.readouterr().out
+
+    assert cli([str(ref), str(cand), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["passed"] is False
+    assert out["metrics"]["mtp_1_loss"]["first_fail_step"] == 120
+    assert out["metrics"]["mtp_1_loss"]["n_failed"] == 81
+    assert out["metrics"]["lm_loss"]["passed"] is True
+
+    assert cli([str(ref), str(cand), "--tol", "mtp_1_loss=rel:2e-2"]) == 0
+    assert cli([str(ref), str(cand), "--window", ":119"]) == 0
+    assert cli([str(ref), str(cand), "--metrics", "lm_loss,tokens"]) == 0
+    capsys.readouterr()
+
+    assert cli([str(ref), str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 1, "lm_loss": 2.0}\n{"step": 2, "lm_loss": \n')
+    assert cli([str(ref), str(bad), "--json"]) == 2
+    captured = capsys.readouterr()
+    assert "bad.jsonl:2" in captured.err and json.loads(captured.out)["exit_code"] == 2
+    late = write_jsonl(tmp_path / "late.jsonl", {"lm_loss": {1000: 1.0}})
+    assert cli([str(ref), str(late)]) == 2
+    assert "no overlapping" in capsys.readouterr().err
+    assert cli([str(ref), str(cand), "--align", "samples"]) == 2  # no consumed samples in these logs
+    assert cli([str(ref), str(cand), "--align", "samples", "--ref-gbs", "8", "--cand-gbs", "8"]) == 1
+
+
+def test_cli_across_formats_megatron_vs_lossparity(capsys):
+    # the fixtures share steps 1 and 2 with equal values; the learning rate differs at step 4
+    code = cli([str(LOGS / "megatron_restart.log"), str(LOGS / "lossparity.jsonl"), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 1
+    assert set(out["metrics"]) == {"lm_loss", "mtp_1_loss", "load_balancing_loss", "grad_norm", "lr"}
+    assert out["metrics"]["lm_loss"]["passed"] and out["metrics"]["lm_loss"]["n_compared"] == 2
+    assert out["metrics"]["lr"]["first_fail_step"] == 4
+    assert out["ref"]["restarts"] == 1 and out["ref"]["skipped_steps"] == [3, 4]
+
+
+def test_report_files(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    ref = write_jsonl(tmp_path / "ref.jsonl", base_metrics())
+    drift = base_metrics()
+    drift["lm_loss"][77] += 0.05
+    cand = write_jsonl(tmp_path / "cand.jsonl", drift)
+    report = tmp_path / "report"
+    assert cli([str(ref), str(cand), "--report", str(report), "--smooth", "3"]) == 1
+    summary = (report / "summary.md").read_text()
+    assert "VIOLATION" in summary
+    for metric in ("lm_loss", "mtp_1_loss", "tokens"):
+        assert f"| {metric} |" in summary
+        png = report / f"{metric}.png"
+        data = png.read_bytes()
+        assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({metric}.png)" in summary
+    assert "| 77 |" in summary  # first failing step of lm_loss
+
+
+def test_report_without_matplotlib(tmp_path, monkeypatch):
+    res = compare_runs(make_run(base_metrics()), make_run(base_metrics()))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    files = write_report(res, tmp_path / "r")
+    assert files.plots == {} and "matplotlib" in (files.plots_skipped or "")
+    summary = files.summary.read_text()
+    assert "Plots skipped" in summary and "PARITY" in summary
+    assert all(f"| {m} |" in summary for m in ("lm_loss", "mtp_1_loss", "tokens"))
+    assert not list((tmp_path / "r").glob("*.png"))

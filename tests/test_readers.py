@@ -1,0 +1,455 @@
+"""Log readers: every format on a hand-written fixture in its real format, detection, errors, names.
+
+Expected values below are copied by hand from the fixture files in tests/fixtures/logs/.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lossparity.parity import (
+    FORMATS,
+    LogParseError,
+    canonical_name,
+    detect_format,
+    is_canonical,
+    parse_name_map,
+    read_log,
+)
+
+LOGS = Path(__file__).parent / "fixtures" / "logs"
+
+
+def assert_series(actual: dict[int, float], expected: dict[int, float]) -> None:
+    assert sorted(actual) == sorted(expected)
+    for step, value in expected.items():
+        if math.isnan(value):
+            assert math.isnan(actual[step]), step
+        else:
+            assert actual[step] == pytest.approx(value, rel=1e-12, abs=0.0), step
+
+
+# ---------------------------------------------------------------------------------------------------
+# one test per format
+
+
+def test_megatron_text_restart_skipped_and_nan_iterations():
+    run = read_log(LOGS / "megatron_restart.log")
+    assert run.format == "megatron" and run.step_base == 1
+    # iterations 3 (skipped) and 4 (NaN) print no losses: left out; 6 and 7 come from the restarted run
+    assert_series(run.metrics["lm_loss"], {1: 10.8234, 2: 10.5012, 5: 9.8765, 6: 9.5431, 7: 9.301, 8: 9.1234})
+    assert_series(run.metrics["mtp_1_loss"], {1: 10.8312, 2: 10.5187, 5: 9.9012, 6: 9.5803, 7: 9.3451, 8: 9.1702})
+    assert_series(run.metrics["load_balancing_loss"],
+                  {1: 1.02134, 2: 1.01876, 5: 1.0123, 6: 1.0097, 7: 1.0076, 8: 1.0055})
+    assert_series(run.metrics["grad_norm"], {1: 5.432, 2: 4.987, 5: 3.21, 6: 2.988, 7: 2.766, 8: 2.543})
+    assert_series(run.metrics["lr"], {1: 1.5e-5, 2: 3e-5, 3: 3e-5, 4: 3e-5, 5: 4.5e-5, 6: 6e-5, 7: 7.5e-5, 8: 9e-5})
+    assert_series(run.metrics["loss_scale"], {1: 1.0, 2: 1.0, 3: 0.5, 4: 0.5, 5: 0.5, 6: 0.5, 7: 0.5, 8: 0.5})
+    assert run.consumed_samples == {s: 8.0 * s for s in range(1, 9)}
+    assert run.skipped_steps == {3, 4}
+    assert run.restarts == 1
+    # the first run's iterations 6 and 7 had 9 numeric fields each besides consumed samples
+    assert run.dropped_values == 18
+    # 30 lines, 10 of them iteration lines (the validation line is not an iteration line)
+    assert run.skipped_lines == 20
+    assert run.raw_names["lm_loss"] == "lm loss" and run.raw_names["mtp_1_loss"] == "mtp_1 loss"
+
+
+def test_restart_discards_the_abandoned_trajectory(tmp_path):
+    def line(it: int, loss: float) -> str:
+        return (f" [2026-03-01 10:00:00] iteration {it:8d}/{20:8d} | consumed samples: {4 * it:12d} | "
+                f"lm loss: {loss:.6E} | loss scale: 1.0 | number of skipped iterations:   0 | "
+                "number of nan iterations:   0 |")
+
+    first = [line(i, 10.0 - i) for i in range(1, 9)]  # run A reaches iteration 8
+    second = [line(i, 20.0 - i) for i in range(5, 7)]  # run B restarts from 4 and stops at 6
+    log = tmp_path / "restart.log"
+    log.write_text("\n".join([*first, "restarting", *second]) + "\n")
+    run = read_log(log, fmt="megatron")
+    # A's 7 and 8 belong to the abandoned trajectory: dropped although B never reached them
+    assert_series(run.metrics["lm_loss"], {1: 9.0, 2: 8.0, 3: 7.0, 4: 6.0, 5: 15.0, 6: 14.0})
+    assert sorted(run.consumed_samples) == [1, 2, 3, 4, 5, 6]
+    assert run.restarts == 1 and run.dropped_values == 2 * 4  # lm loss + loss scale at A's 5..8
+
+
+def _write_events(directory: Path, name: str, events: list[tuple[int, dict[str, float]]]) -> None:
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    tmp = directory / f"writer_{name}"
+    writer = EventFileWriter(str(tmp))
+    for step, scalars in events:
+        values = [summary_pb2.Summary.Value(tag=t, simple_value=v) for t, v in scalars.items()]
+        writer.add_event(event_pb2.Event(step=step, wall_time=1.0e9 + step, summary=summary_pb2.Summary(value=values)))
+    writer.close()
+    (produced,) = list(tmp.iterdir())
+    directory.mkdir(parents=True, exist_ok=True)
+    produced.rename(directory / name)
+    tmp.rmdir()
+
+
+def test_tensorboard_megatron_tags_restart_and_samples(tmp_path):
+    pytest.importorskip("tensorboard")
+    tb = tmp_path / "tb"
+
+    def ev(step: int, loss: float) -> tuple[int, dict[str, float]]:
+        return step, {"lm loss": loss, "grad-norm": 0.25 * step, "mtp_1 loss": loss + 0.5}
+
+    run1 = [ev(s, 10.0 - 0.5 * s) for s in range(1, 7)]
+    run1 += [(8 * s, {"lm loss vs samples": 10.0 - 0.5 * s}) for s in range(1, 7)]
+    run2 = [ev(s, 20.0 - 0.5 * s) for s in range(5, 8)]
+    run2 += [(8 * s, {"lm loss vs samples": 20.0 - 0.5 * s}) for s in range(5, 8)]
+    # file names carry the creation time; the restarted job's file is the later one
+    _write_events(tb, "events.out.tfevents.1700000000.node0.11.0", run1)
+    _write_events(tb, "events.out.tfevents.1700000500.node0.12.0", run2)
+
+    assert detect_format(tb) == "tensorboard"
+    run = read_log(tb)
+    assert run.format == "tensorboard" and run.step_base == 1
+    assert_series(run.metrics["lm_loss"], {1: 9.5, 2: 9.0, 3: 8.5, 4: 8.0, 5: 17.5, 6: 17.0, 7: 16.5})
+    assert_series(run.metrics["mtp_1_loss"], {1: 10.0, 2: 9.5, 3: 9.0, 4: 8.5, 5: 18.0, 6: 17.5, 7: 17.0})
+    assert_series(run.metrics["grad_norm"], {s: 0.25 * s for s in range(1, 8)})  # float32-exact values
+    assert "lm loss vs samples" not in run.metrics
+    assert run.consumed_samples == {s: 8.0 * s for s in range(1, 8)}
+
+
+def test_tensorboard_maxtext_tags_and_tensor_summaries(tmp_path):
+    pytest.importorskip("tensorboard")
+    import numpy as np
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    from tensorboard.util import tensor_util
+
+    out = tmp_path / "maxtext_tb" / "moe-parity"
+    writer = EventFileWriter(str(out))
+    scalars_plugin = summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
+    for step in range(3):
+        values = [
+            summary_pb2.Summary.Value(tag="learning/loss", simple_value=11.0 - step),
+            summary_pb2.Summary.Value(tag="learning/moe_lb_loss", simple_value=0.25),
+            summary_pb2.Summary.Value(tag="learning/total_weights", simple_value=4096.0 + step),
+            # TF2-style tensor summary, as jax/flax writers produce
+            summary_pb2.Summary.Value(tag="learning/lm_loss", metadata=scalars_plugin,
+                                      tensor=tensor_util.make_tensor_proto(np.float32(10.5 - step))),
+        ]
+        writer.add_event(event_pb2.Event(step=step, wall_time=1.0e9 + step, summary=summary_pb2.Summary(value=values)))
+    writer.close()
+
+    run = read_log(tmp_path / "maxtext_tb")  # searched recursively
+    assert run.step_base == 0  # MaxText counts steps from 0
+    assert_series(run.metrics["objective"], {0: 11.0, 1: 10.0, 2: 9.0})
+    assert_series(run.metrics["lm_loss"], {0: 10.5, 1: 9.5, 2: 8.5})
+    assert_series(run.metrics["load_balancing_loss"], {0: 0.25, 1: 0.25, 2: 0.25})
+    assert_series(run.metrics["tokens"], {0: 4096.0, 1: 4097.0, 2: 4098.0})
+
+
+def test_jsonl_lossparity_log():
+    run = read_log(LOGS / "lossparity.jsonl")
+    assert run.format == "jsonl" and run.step_base == 1
+    # null = missing (left out); "nan" and NaN are recorded as NaN
+    assert_series(run.metrics["lm_loss"], {1: 10.8234, 2: 10.5012, 4: math.nan})
+    assert_series(run.metrics["objective"], {1: 10.8401, 2: 10.5187, 3: 0.0, 4: math.nan})
+    assert_series(run.metrics["tokens"], {1: 32640.0, 2: 32512.0, 3: 0.0, 4: 32500.0})
+    assert_series(run.metrics["mtp_1_loss"], {1: 10.8312, 2: 10.5187})
+    assert_series(run.metrics["lr"], {1: 1.5e-5, 2: 3e-5, 3: 3e-5, 4: 4.5e-5})
+    assert run.consumed_samples == {1: 8.0, 2: 16.0, 3: 24.0, 4: 32.0}
+    assert "consumed_samples" not in run.metrics
+    assert run.skipped_lines == 1  # the blank line
+
+
+def test_jsonl_maxtext_metrics_file():
+    run = read_log(LOGS / "maxtext_metrics.jsonl")
+    assert run.format == "jsonl" and run.step_base == 0
+    assert_series(run.metrics["objective"], {0: 10.8693265914917, 1: 10.5521})
+    assert_series(run.metrics["lm_loss"], {0: 10.8512, 1: 10.5342})
+    assert_series(run.metrics["load_balancing_loss"], {0: 0.0123, 1: 0.0121})
+    # raw_grad_norm is the pre-clip norm = canonical grad_norm; grad_norm is post-clip
+    assert_series(run.metrics["grad_norm"], {0: 5.087409973144531, 1: 4.6})
+    assert_series(run.metrics["clipped_grad_norm"], {0: 1.0000004768371582, 1: 0.9999998807907104})
+    assert_series(run.metrics["tokens"], {0: 79694.0, 1: 79701.0})
+    assert_series(run.metrics["lr"], {0: 2.9999999242136255e-05, 1: 5.999999848427251e-05})
+    assert "run_name" not in run.metrics
+
+
+def test_jsonl_long_form(tmp_path):
+    log = tmp_path / "long.jsonl"
+    log.write_text(
+        '{"step": 1, "metric": "lm loss", "value": 2.5}\n{"step": 1, "metric": "grad norm", "value": 0.75}\n'
+        '{"step": 2, "metric": "lm loss", "value": 2.25}\n{"step": 2, "metric": "grad norm", "value": null}\n'
+    )
+    run = read_log(log)
+    assert_series(run.metrics["lm_loss"], {1: 2.5, 2: 2.25})
+    assert_series(run.metrics["grad_norm"], {1: 0.75})
+
+
+def test_jsonl_long_form_series_one_after_another(tmp_path):
+    lines = [{"step": s, "metric": "lm_loss", "value": 3.0 - 0.1 * s} for s in (1, 2, 3)]
+    lines += [{"step": s, "metric": "grad_norm", "value": 1.0 * s} for s in (1, 2, 3)]
+    # lm_loss written again at its last step: replaced; grad_norm going back to 2: a restart of grad_norm only
+    lines += [{"step": 3, "metric": "lm_loss", "value": 9.0}, {"step": 2, "metric": "grad_norm", "value": 7.0},
+              {"step": 2, "metric": "consumed_samples", "value": 8}]
+    log = tmp_path / "series.jsonl"
+    log.write_text("".join(json.dumps(obj) + "\n" for obj in lines))
+    run = read_log(log)
+    assert_series(run.metrics["lm_loss"], {1: 2.9, 2: 2.8, 3: 9.0})
+    assert_series(run.metrics["grad_norm"], {1: 1.0, 2: 7.0})
+    assert run.consumed_samples == {2: 8.0}
+    assert run.restarts == 1 and run.dropped_values == 2
+
+
+def test_csv_wandb_export():
+    run = read_log(LOGS / "wandb_export.csv")
+    assert run.format == "csv"
+    assert set(run.metrics) == {"objective", "grad_norm", "lr", "train/epoch"}  # __MIN/__MAX ignored
+    assert_series(run.metrics["objective"], {10: 2.4567, 20: 2.3012, 40: math.nan})  # empty cell = missing
+    assert_series(run.metrics["grad_norm"], {10: 3.2108, 30: 2.5432, 40: 2.4001})
+    assert_series(run.metrics["lr"], {10: 4.9e-5, 20: 4.7e-5, 30: 4.5e-5, 40: 4.3e-5})
+
+
+def test_megatron_golden_values():
+    run = read_log(LOGS / "golden_values.json")
+    assert run.format == "megatron_golden"
+    assert_series(run.metrics["lm_loss"], {1: 10.84781, 2: 10.85463, 3: 10.84622, 4: 10.81205, 5: 10.75634})
+    assert_series(run.metrics["mtp_1_loss"], {1: 10.86012, 3: 10.85109, 5: 10.77777})
+    assert_series(run.metrics["num_zeros"], {1: 1123.0, 2: math.nan, 3: 1098.0, 4: 1120.0, 5: 1101.0})
+    assert_series(run.metrics["iteration-time"], {1: math.nan, 2: 0.53124, 3: 0.52011, 4: 0.52203, 5: 0.51987})
+
+
+def test_megatron_golden_values_list_form(tmp_path):
+    log = tmp_path / "golden_list.json"
+    log.write_text('{"lm loss": {"start_step": 0, "end_step": 10, "step_interval": 5, "values": [3.0, 2.5, "nan"]}}')
+    run = read_log(log)
+    assert_series(run.metrics["lm_loss"], {0: 3.0, 5: 2.5, 10: math.nan})
+
+
+def test_hf_trainer_state():
+    run = read_log(LOGS / "trainer_state.json")
+    assert run.format == "hf_trainer_state" and run.step_base == 1
+    assert_series(run.metrics["objective"], {10: 2.4567, 20: 2.3012, 30: 2.2109})
+    assert_series(run.metrics["grad_norm"], {10: 3.2108, 20: 2.8765, 30: 2.5432})
+    assert_series(run.metrics["lr"], {10: 4.9e-5, 20: 4.7e-5, 30: 4.5e-5})
+    assert_series(run.metrics["eval_loss"], {20: 2.2891})
+    assert_series(run.metrics["train_loss"], {30: 2.3229})
+    assert run.restarts == 0
+
+
+def test_maxtext_console():
+    run = read_log(LOGS / "maxtext_console.log")
+    assert run.format == "maxtext" and run.step_base == 0
+    assert_series(run.metrics["objective"], {0: 10.876, 1: 10.832, 2: 10.514})
+    assert_series(run.metrics["lm_loss"], {1: 10.817, 2: 10.499})  # older lines have no lm_loss
+    assert_series(run.metrics["tokens"], {0: 65536.0, 1: 65530.0, 2: 65519.0})
+    assert_series(run.metrics["load_balancing_loss"], {1: 0.015, 2: 0.015})
+    assert_series(run.metrics["Tokens/s/device"], {0: 663.52, 1: 16001.234, 2: 16007.821})
+    assert run.skipped_lines == 5
+
+
+def test_torchtitan_console_with_ansi_codes():
+    run = read_log(LOGS / "torchtitan.log")
+    assert run.format == "torchtitan" and run.step_base == 1
+    assert_series(run.metrics["objective"], {1: 12.2345, 2: 11.8765, 3: 11.5012})  # not the validate line
+    assert_series(run.metrics["grad_norm"], {1: 4.5678, 2: 3.9012, 3: 3.4567})
+    assert_series(run.metrics["tps"], {1: 1234.0, 2: 12345.0, 3: 12401.0})
+    assert_series(run.metrics["memory"], {1: 18.42, 2: 20.11, 3: 20.11})
+    assert_series(run.metrics["mfu"], {1: 7.22, 2: 72.25, 3: 72.58})
+    assert run.skipped_lines == 5
+
+
+def test_mindformers_epochs_and_overflow():
+    run = read_log(LOGS / "mindformers.log")
+    assert run.format == "mindformers"
+    # step within epoch -> global: (epoch - 1) * 3 + step
+    assert_series(run.metrics["objective"], {1: 10.873456, 2: 10.512345, 3: 10.498765, 4: 10.301234})
+    assert_series(run.metrics["grad_norm"], {1: 4.567891, 2: 4.123456, 3: math.inf, 4: 3.876543})
+    assert_series(run.metrics["lr"], {1: 1e-5, 2: 2e-5, 3: 3e-5, 4: 4e-5})
+    assert_series(run.metrics["per_step_time"], {1: 5123.0, 2: 878.0, 3: 899.0, 4: 900.0})
+    assert run.skipped_steps == {3}
+    assert run.skipped_lines == 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# detection
+
+
+@pytest.mark.parametrize(
+    ("name", "fmt"),
+    [
+        ("megatron_restart.log", "megatron"),
+        ("lossparity.jsonl", "jsonl"),
+        ("maxtext_metrics.jsonl", "jsonl"),
+        ("wandb_export.csv", "csv"),
+        ("golden_values.json", "megatron_golden"),
+        ("trainer_state.json", "hf_trainer_state"),
+        ("maxtext_console.log", "maxtext"),
+        ("torchtitan.log", "torchtitan"),
+        ("mindformers.log", "mindformers"),
+    ],
+)
+def test_detect_format(name, fmt):
+    assert fmt in FORMATS
+    assert detect_format(LOGS / name) == fmt
+
+
+def test_detect_format_does_not_depend_on_the_file_name(tmp_path):
+    for name, fmt in [("trainer_state.json", "hf_trainer_state"), ("wandb_export.csv", "csv"),
+                      ("torchtitan.log", "torchtitan"), ("golden_values.json", "megatron_golden")]:
+        copy = tmp_path / f"copy_of_{fmt}.txt"
+        copy.write_bytes((LOGS / name).read_bytes())
+        assert detect_format(copy) == fmt
+
+
+def test_detect_format_unknown_and_missing(tmp_path):
+    other = tmp_path / "notes.txt"
+    other.write_text("nothing to see here\njust text\n")
+    with pytest.raises(LogParseError, match="notes.txt"):
+        detect_format(other)
+    with pytest.raises(FileNotFoundError, match="missing.log"):
+        read_log(tmp_path / "missing.log")
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    with pytest.raises(LogParseError, match="tfevents"):
+        detect_format(empty_dir)
+    with pytest.raises(ValueError, match="unknown log format 'nope'"):
+        read_log(LOGS / "torchtitan.log", fmt="nope")
+
+
+def test_explicit_format_and_alias():
+    assert read_log(LOGS / "trainer_state.json", fmt="hf").format == "hf_trainer_state"
+    assert read_log(LOGS / "golden_values.json", fmt="golden").format == "megatron_golden"
+
+
+# ---------------------------------------------------------------------------------------------------
+# malformed input: file name, line number, what was expected
+
+
+def test_megatron_malformed_line_names_file_and_line():
+    with pytest.raises(LogParseError) as info:
+        read_log(LOGS / "megatron_malformed.log")
+    err = info.value
+    assert err.line == 3 and err.path.endswith("megatron_malformed.log")
+    assert "megatron_malformed.log:3" in str(err) and "lm loss" in str(err) and "1.05x120E+01" in str(err)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text", "line", "needle"),
+    [
+        ("megatron", "noise\n [x] iteration        2/ | lm loss: 1.0 |\n", 2, "iteration N/ M"),
+        ("megatron", " iteration 1/ 5 | lm loss: 1.0 | garbage |\n", 1, "name: value"),
+        ("jsonl", '{"step": 1, "lm_loss": 2.0}\n{"step": 2, "lm_loss": 1.9\n', 2, "JSON object"),
+        ("jsonl", '{"step": 1, "lm_loss": 2.0}\n\n{"lm_loss": 1.9}\n', 3, "'step'"),
+        ("jsonl", '{"step": 1.5, "lm_loss": 2.0}\n', 1, "integer 'step'"),
+        ("csv", "step,loss\n1,2.0\n2,oops\n3,1.8\n", 3, "column 'loss'"),
+        ("csv", "step,loss\n1,2.0\nx,1.9\n", 3, "integer step"),
+        ("csv", "time,loss\n1,2.0\n", 1, "step column"),
+        ("maxtext", "hello\ncompleted step: 1, seconds: 0.5, loss: 1.0\ncompleted step: 2, loss: abc\n", 3, "'loss'"),
+        ("maxtext", "completed step: two, loss: 1.0\n", 1, "integer"),
+        ("torchtitan", "x - INFO - step:  1  loss: 2.0\nx - INFO - step:  2  loss: nope  grad_norm: 1\n", 2, "'loss'"),
+        ("torchtitan", "x - INFO - step:  abc  loss: 2.0\n", 1, "step: N"),
+        ("mindformers", "a\nb\n{ Epoch:[  1/  2], step:[ x/ 3], loss: 1.0\n", 3, "Epoch:[e/E]"),
+        ("mindformers", "{ Epoch:[  1/  2], step:[ 1/ 3], loss: 1.0, overflow cond: maybe\n", 1, "overflow cond"),
+    ],
+)
+def test_malformed_lines(tmp_path, fmt, text, line, needle):
+    log = tmp_path / f"bad_{fmt}.log"
+    log.write_text(text)
+    with pytest.raises(LogParseError) as info:
+        read_log(log, fmt=fmt)
+    assert info.value.line == line
+    assert f"bad_{fmt}.log:{line}:" in str(info.value)
+    assert needle in str(info.value)
+
+
+def test_malformed_json_documents(tmp_path):
+    golden = tmp_path / "golden.json"
+    golden.write_text(
+        '{"lm loss": {"start_step": 1, "end_step": 2, "step_interval": 1, "values": {"1": 2.0, "2": "x"}}}'
+    )
+    with pytest.raises(LogParseError, match=r"golden.json \(metric 'lm loss'\): expected a number"):
+        read_log(golden, fmt="megatron_golden")
+    state = tmp_path / "trainer_state.json"
+    state.write_text('{"log_history": [{"step": 1, "loss": 2.0}, {"loss": 1.0}]}')
+    with pytest.raises(LogParseError, match=r"log_history\[1\]"):
+        read_log(state)
+    broken = tmp_path / "broken.json"
+    broken.write_text('{\n  "log_history": [\n    {"step": 1,, "loss": 2.0}\n  ]\n}\n')
+    with pytest.raises(LogParseError) as info:
+        read_log(broken, fmt="hf_trainer_state")
+    assert info.value.line == 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# names
+
+
+def test_canonical_names_across_frameworks():
+    table = {
+        "lm loss": "lm_loss", "learning/lm_loss": "lm_loss", "lm_loss": "lm_loss",
+        "mtp_1 loss": "mtp_1_loss", "mtp_2_loss": "mtp_2_loss", "mtp_1_loss": "mtp_1_loss",
+        "learning/loss": "objective", "loss": "objective", "train/loss": "objective",
+        "loss_metrics/global_avg_loss": "objective",
+        "load_balancing_loss": "load_balancing_loss", "learning/moe_lb_loss": "load_balancing_loss",
+        "seq_load_balancing_loss": "seq_load_balancing_loss", "z_loss": "z_loss",
+        "learning/z_loss": "logit_z_loss",
+        "grad norm": "grad_norm", "grad-norm": "grad_norm", "global_norm": "grad_norm",
+        "learning/raw_grad_norm": "grad_norm", "learning/grad_norm": "clipped_grad_norm",
+        "learning rate": "lr", "learning_rate": "lr", "learning/current_learning_rate": "lr",
+        "total_weights": "tokens", "learning/total_weights": "tokens",
+        "some custom thing": "some custom thing",
+    }
+    for raw, canon in table.items():
+        assert canonical_name(raw) == canon, raw
+    assert is_canonical("mtp_3_loss") and is_canonical("tokens")
+    assert not is_canonical("mtp_0_loss") and not is_canonical("clipped_grad_norm")
+
+
+def test_parse_name_map_and_overrides(tmp_path):
+    assert parse_name_map("a=b, lm loss = objective ,c=") == {"a": "b", "lm loss": "objective", "c": ""}
+    assert parse_name_map("") == {} and parse_name_map(None) == {}
+    with pytest.raises(ValueError, match="name_map: entry 'oops'"):
+        parse_name_map("a=b,oops")
+    with pytest.raises(ValueError, match="mapped twice"):
+        parse_name_map("a=b,a=c")
+    # raw name override, canonical rename, drop
+    nm = parse_name_map("learning/mtp_loss=mtp_1_loss,objective=total,perf/step_time_seconds=-")
+    assert canonical_name("learning/mtp_loss", nm) == "mtp_1_loss"
+    assert canonical_name("learning/loss", nm) == "total"
+    assert canonical_name("perf/step_time_seconds", nm) is None
+    run = read_log(LOGS / "maxtext_metrics.jsonl", name_map=nm)
+    assert "total" in run.metrics and "objective" not in run.metrics
+    assert "perf/step_time_seconds" not in run.metrics
+
+
+def test_two_raw_names_for_one_metric_is_an_error(tmp_path):
+    log = tmp_path / "dup.jsonl"
+    log.write_text('{"step": 1, "lm_loss": 2.0, "lm loss": 2.0}\n')
+    with pytest.raises(LogParseError, match="both map to 'lm_loss'"):
+        read_log(log)
+    run = read_log(log, name_map={"lm loss": "megatron_lm_loss"})
+    assert_series(run.metrics["megatron_lm_loss"], {1: 2.0})
+
+
+def test_with_constant_batch_size():
+    run = read_log(LOGS / "maxtext_console.log").with_constant_batch_size(16)  # steps 0, 1, 2
+    assert run.consumed_samples == {0: 16.0, 1: 32.0, 2: 48.0}
+    with pytest.raises(ValueError, match="global_batch_size"):
+        run.with_constant_batch_size(0)
+
+
+def test_parity_modules_do_not_import_torch():
+    import subprocess
+    import sys
+
+    # load lossparity.parity with a stub parent package, so the package __init__ (torch) is not run
+    root = Path(__file__).resolve().parents[1] / "src" / "lossparity"
+    probe = (
+        "import sys, types\n"
+        f"pkg = types.ModuleType('lossparity'); pkg.__path__ = [{str(root)!r}]; sys.modules['lossparity'] = pkg\n"
+        "import lossparity.parity\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
