@@ -29,7 +29,7 @@ shift || true
 case "$cmd" in
   main)
     ensure_env main
-    "$VENV/bin/lossparity" modes "$@"
+    "$VENV/bin/lossparity" verify "$@"
     ;;
   test)
     ensure_env test

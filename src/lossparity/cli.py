@@ -6,6 +6,7 @@ Exit codes: 0 success / parity, 1 a check failed (FAIL in a table, parity violat
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 
@@ -36,6 +37,111 @@ def _cmd_modes(args: argparse.Namespace) -> int:
     return 0 if all(r[3] for r in rows) else 1
 
 
+def _train_config(args: argparse.Namespace):
+    from .training.trainer import TrainConfig
+
+    overrides = {}
+    for item in args.model_set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--set expects FIELD=VALUE, got {item!r}")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    cfg = TrainConfig(
+        model=args.model, model_overrides=overrides, mode=args.mode, normalization=args.normalization,
+        dp=args.dp, ga=args.ga, global_batch=args.global_batch, seq_len=args.seq_len, packed=args.packed,
+        data=args.data, steps=args.steps, lr=args.lr, seed=args.seed, dtype=args.dtype, recompute=args.recompute,
+        engine=args.engine, mtp_convention=args.mtp_convention, aux_scope=args.aux_scope, aux_coeff=args.aux_coeff,
+        z_coeff=args.z_coeff, bias_rate=args.bias_rate, out=args.out, log_interval=args.log_interval,
+        ckpt_interval=args.ckpt_interval, resume=args.resume, progress=not args.no_progress,
+    )
+    try:
+        cfg.validate()
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    return cfg
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .training.trainer import run_training
+
+    cfg = _train_config(args)
+    try:
+        from .model import get_config
+
+        get_config(cfg.model, **cfg.model_overrides)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    history = run_training(cfg)
+    if history:
+        last = history[-1]
+        print(f"done: {len(history)} steps, last lm_loss {last.get('lm_loss')}, objective {last.get('objective')}"
+              + (f"; logs in {cfg.out}" if cfg.out else ""))
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .losses.modes import MODES
+    from .training.verify import DEFAULT_LAYOUTS, QUICK_LAYOUTS, format_table, run_verify, write_json
+
+    modes = tuple(args.modes.split(",")) if args.modes else MODES
+    for m in modes:
+        if m not in MODES:
+            raise UsageError(f"unknown mode {m!r}; valid modes: {', '.join(MODES)}")
+    layouts = QUICK_LAYOUTS if args.quick else DEFAULT_LAYOUTS
+    steps = args.steps if args.steps else (2 if args.quick else 3)
+    overrides = {"aux_scope": args.aux_scope}
+    print(f"lossparity verify: tiny MoE+MTP model, {len(layouts)} layouts x {len(modes)} modes, {steps} steps, "
+          f"float64, reference = 1x1 run")
+    report = run_verify(layouts, modes, steps=steps, overrides=overrides)
+    print(format_table(report))
+    if args.json:
+        write_json(report, args.json)
+    return 0 if all(r["pass"] for r in report["rows"]) else 1
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .parity.compare import run_compare
+
+    return run_compare(args)
+
+
+def _add_train_args(t: argparse.ArgumentParser) -> None:
+    from .distributed.moe_accounting import SCOPES
+    from .losses.modes import MODES
+    from .losses.mtp import CONVENTIONS
+
+    t.add_argument("--model", default="tiny", help="model preset: tiny, small, medium, 100m")
+    t.add_argument("--set", dest="model_set", action="append", metavar="FIELD=VALUE",
+                   help="override a ModelConfig field (repeatable), e.g. --set mtp_depths=0")
+    t.add_argument("--mode", default="per_token", help=f"objective mode: {', '.join(MODES)}")
+    t.add_argument("--normalization", default="precount", choices=["precount", "deferred"])
+    t.add_argument("--dp", type=int, default=1, help="data-parallel ranks (started here unless under torchrun)")
+    t.add_argument("--ga", type=int, default=1, help="gradient-accumulation microbatches per rank")
+    t.add_argument("--global-batch", type=int, default=8, help="rows per optimizer step")
+    t.add_argument("--seq-len", type=int, default=64)
+    t.add_argument("--packed", action="store_true", help="pack documents into rows (segment ids)")
+    t.add_argument("--data", default="synthetic", help="'synthetic' or a .txt / .jsonl file")
+    t.add_argument("--steps", type=int, default=20)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--dtype", default="float32", choices=["float32", "float64", "bf16"])
+    t.add_argument("--recompute", action="store_true", help="activation recompute of every block")
+    t.add_argument("--engine", default="ddp", choices=["ddp", "plain"])
+    t.add_argument("--mtp-convention", default="own", choices=list(CONVENTIONS))
+    t.add_argument("--aux-scope", default="global_lagged", choices=list(SCOPES))
+    t.add_argument("--aux-coeff", type=float, default=1e-2)
+    t.add_argument("--z-coeff", type=float, default=1e-3)
+    t.add_argument("--bias-rate", type=float, default=1e-3)
+    t.add_argument("--out", default=None, help="run directory: metrics.jsonl, tensorboard/, checkpoints/")
+    t.add_argument("--log-interval", type=int, default=1)
+    t.add_argument("--ckpt-interval", type=int, default=0)
+    t.add_argument("--resume", action="store_true", help="resume from OUT/checkpoints/latest if present")
+    t.add_argument("--no-progress", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     p = argparse.ArgumentParser(prog="lossparity", description=__doc__.splitlines()[0])
@@ -43,6 +149,24 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("modes", help="print the normalization modes and run the built-in self-check")
     m.add_argument("--no-check", action="store_true", help="only print the table")
     m.set_defaults(func=_cmd_modes)
+
+    t = sub.add_parser("train", help="train the reference MoE+MTP model (JSONL metrics, checkpoints)")
+    _add_train_args(t)
+    t.set_defaults(func=_cmd_train)
+
+    v = sub.add_parser("verify", help="prove layout invariance of objective, logs, gradients, parameters")
+    v.add_argument("--quick", action="store_true", help="3 layouts, 2 steps (CI)")
+    v.add_argument("--steps", type=int, default=0, help="steps per run (default 3, --quick 2)")
+    v.add_argument("--modes", default="", help="comma-separated modes (default: all)")
+    v.add_argument("--aux-scope", default="global_lagged", help="MoE aux-loss scope of the runs")
+    v.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
+    v.set_defaults(func=_cmd_verify)
+
+    c = sub.add_parser("compare", help="compare two training logs for loss parity")
+    from .parity.compare import add_compare_arguments
+
+    add_compare_arguments(c)
+    c.set_defaults(func=_cmd_compare)
     return p
 
 
