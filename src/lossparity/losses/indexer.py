@@ -1,6 +1,6 @@
 """DeepSeek-V3.2 sparse-attention indexer loss (SPEC §5, "Indexer loss").
 
-Pure tensor functions, float32 math. Per valid query token ``t`` the loss is ``KL(p_t || q_t)`` where
+Pure tensor functions, float32 math (float64 inputs stay float64). Per valid query token ``t`` the loss is ``KL(p_t || q_t)`` where
 ``q_t = softmax(I_t)`` is the indexer's distribution over keys and ``p_t`` the main attention summed
 over heads and L1-normalized (a detached target: gradient flows only into the indexer logits).
 
@@ -99,10 +99,10 @@ def indexer_kl(
     if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
         raise ValueError(f"topk must be a positive int or None, got {topk!r}")
 
-    i = logits.float()
+    i = logits if logits.dtype == torch.float64 else logits.float()
     if i.numel() and bool((torch.isnan(i) | (i == float("inf"))).any()):
         raise ValueError("indexer_logits contain NaN or +inf (only -inf is allowed, for excluded keys)")
-    target = a.detach().float()
+    target = a.detach().to(i.dtype)
     if target.numel() and bool((torch.isnan(target) | (target < 0)).any()):
         raise ValueError("main_attn_probs must be non-negative probabilities without NaN")
 

@@ -29,8 +29,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..distributed.accountant import Accountant
-from ..distributed.moe_accounting import SCOPES, MoEAccounting
+from ..distributed.moe_accounting import ROUTER_TOKENS, SCOPES, MoEAccounting
 from ..losses.cross_entropy import chunked_cross_entropy
+from ..losses.indexer import indexer_kl
 from ..losses.logchannel import IntervalMean
 from ..losses.modes import check_mode
 from ..losses.mtp import check_convention, roll_mtp
@@ -81,6 +82,7 @@ class TrainConfig:
     bias_rate: float = 1e-3
     bias_freeze_step: int | None = None
     bias_zero_mean: bool = False
+    indexer_coeff: float = 1e-2
     out: str | None = None
     log_interval: int = 1
     ckpt_interval: int = 0
@@ -151,12 +153,18 @@ def _lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * t))
 
 
+def _up(x: Tensor) -> Tensor:
+    """Low-precision losses are accumulated in float32; float64 runs (verify) stay float64."""
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+
+
 class LossForward(nn.Module):
     """The model plus its output head applied by the chunked cross-entropy, as one module, so that an
     engine wrapping it (DDP) sees every parameter used inside its ``forward``.
 
     Returns ``(per_token_loss [b,S], [per_token_loss_k for MTP depths], [(logits, probs, topk_map,
-    dispatch_map) per MoE layer])``; router records are flattened to tuples so DDP can walk them."""
+    dispatch_map) per MoE layer], indexer outputs or None)``; router records are flattened to tuples so
+    DDP can walk them."""
 
     def __init__(self, gpt: GPT) -> None:
         super().__init__()
@@ -164,16 +172,14 @@ class LossForward(nn.Module):
 
     def forward(self, tokens: Tensor, labels: Tensor, mtp_labels: list[Tensor], segment_ids: Tensor,
                 positions: Tensor, recompute: bool = False, autocast_dtype: torch.dtype | None = None
-                ) -> tuple[Tensor, list[Tensor], list[tuple[Tensor, ...]]]:
+                ) -> tuple[Tensor, list[Tensor], list[tuple[Tensor, ...]], tuple[Tensor, Tensor] | None]:
         with torch.autocast(tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             out = self.gpt(tokens, segment_ids=segment_ids, positions=positions, recompute=recompute)
             weight = self.gpt.output.weight
             main = chunked_cross_entropy(out.hidden, weight, labels)
             mtp = [chunked_cross_entropy(h, weight, lab) for h, lab in zip(out.mtp_hidden, mtp_labels)]
         routers = [(r.logits, r.probs, r.topk_map, r.dispatch_map) for r in out.routers]
-        # Low-precision losses are accumulated in float32; float64 runs (verify) stay float64.
-        up = (lambda x: x.float() if x.dtype in (torch.bfloat16, torch.float16) else x)
-        return up(main), [up(x) for x in mtp], routers
+        return _up(main), [_up(x) for x in mtp], routers, out.indexer
 
 
 class Trainer:
@@ -207,6 +213,8 @@ class Trainer:
         self.acc = Accountant(cfg.mode, normalization=cfg.normalization, fixed_length=cfg.fixed_length,
                               mtp_depths=depths, mtp_convention=cfg.mtp_convention, device=self.device)
         self.routers = raw.moe_routers()
+        if self.model_config.indexer_layer is not None:
+            self.acc.declare_metric("indexer_loss", "ratio")
         self.moe = MoEAccounting(self.acc, len(self.routers), max(self.model_config.num_experts, 1),
                                  max(self.model_config.topk, 1), scope=cfg.aux_scope, aux_coeff=cfg.aux_coeff,
                                  z_coeff=cfg.z_coeff, z_form=cfg.z_form)
@@ -247,14 +255,16 @@ class Trainer:
                 else _NullContext()
             rolled = [roll_mtp(mb.labels, mb.mask, seg, k) for k in range(1, depths + 1)]
             with sync:
-                per_tok, mtp_losses, routers = model(mb.tokens, mb.labels, [r[0] for r in rolled], seg,
-                                                     mb.positions, cfg.recompute, dtype)
+                per_tok, mtp_losses, routers, indexer = model(mb.tokens, mb.labels, [r[0] for r in rolled], seg,
+                                                              mb.positions, cfg.recompute, dtype)
                 loss = acc.lm_loss(per_tok, mb.mask, seg)
                 if depths:
                     loss = loss + acc.mtp_loss(mtp_losses, [r[1] for r in rolled], seg)
                 if self.routers:
                     records = [RouterRecord(r.layer_id, *t) for r, t in zip(self.routers, routers)]
                     loss = loss + self.moe.microbatch_loss(records, valid)
+                if indexer is not None:
+                    loss = loss + self._indexer_share(indexer, valid)
                 loss.backward()
         acc.finish_step(model)
         moe_logs = self.moe.end_step(self.routers, bias_rate=self.bias_rate(self.step),
@@ -272,6 +282,17 @@ class Trainer:
                                 "tokens_per_s": cfg.global_batch * cfg.seq_len / elapsed, "step_time_s": elapsed}
         self.step += 1
         return line
+
+    def _indexer_share(self, indexer: tuple[Tensor, Tensor], valid: Tensor) -> Tensor:
+        """DeepSeek-V3.2 indexer loss in its invariant form ``c·Σ_t KL_t / Tq_global`` (SPEC §5), ``Tq`` =
+        the step's non-padding query tokens; logged as the global mean of ``KL_t``."""
+        probs, logits = indexer
+        kl = indexer_kl(probs, logits, valid)
+        tq = max(self.acc.global_count(ROUTER_TOKENS), 1.0)
+        share = self.cfg.indexer_coeff * kl / tq
+        self.acc.record("indexer_loss", kl.detach(), float(valid.sum()))
+        self.acc.add_objective(share.detach())
+        return share
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -118,7 +118,8 @@ def run_verify(
 
     t0 = time.perf_counter()
     base = dataclasses.asdict(TrainConfig(steps=steps, dtype=dtype, progress=False, tensorboard=False,
-                                          global_batch=8, seq_len=32, packed=True, warmup=1))
+                                          global_batch=8, seq_len=32, packed=True, warmup=1,
+                                          model_overrides={"indexer_layer": 1}))
     base.update(overrides or {})
     base.pop("mode")
     tol = TOL["float64" if dtype == "float64" else "float32"]
