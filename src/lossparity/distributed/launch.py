@@ -46,6 +46,8 @@ def init_from_env(backend: str | None = None, timeout_s: float = 120.0) -> None:
 
 def _entry(rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn: Callable[..., Any],
            args: tuple, result_dir: str) -> None:
+    # C++ reducer notices (e.g. "find_unused_parameters found no unused parameter this step") are noise here.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     # Each rank gets one thread: ranks share the machine's cores, oversubscription only slows them down.

@@ -21,6 +21,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,8 +205,11 @@ class Trainer:
         if self.world > 1 and cfg.engine == "ddp":
             # broadcast_buffers=False: the routers' dispatch counters are per-rank until end_step sums them.
             # find_unused_parameters: an expert may receive no token of this rank's microbatch.
-            self.model: nn.Module = nn.parallel.DistributedDataParallel(
-                fwd, broadcast_buffers=False, find_unused_parameters=True)
+            with warnings.catch_warnings():
+                # torch >= 2.12 deprecates broadcast_buffers; its replacement still syncs buffers at init.
+                warnings.simplefilter("ignore", FutureWarning)
+                self.model: nn.Module = nn.parallel.DistributedDataParallel(
+                    fwd, broadcast_buffers=False, find_unused_parameters=True)
         else:
             self.model = fwd
         self.corpus = build_corpus(cfg, self.model_config.vocab_size)
