@@ -97,3 +97,41 @@ def bad_mask_on_rank1(rank: int, world: int):
     except (ValueError, RuntimeError) as e:
         return str(e)
     return "no error"
+
+
+def run_cp_layout(rank: int, world: int, dp: int, cp: int, n_rows: int, modes: list[str], zigzag: bool):
+    """Context parallelism at the accountant level: mesh (dp, cp); every rank holds whole rows of its DP rank
+    (K=2 microbatches) and back-propagates only its columns (zig-zag or contiguous shards), main loss + 1 MTP
+    depth rolled on whole rows. Returns {mode: (grads, logs)}."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lossparity.losses.mtp import roll_mtp
+
+    mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
+    d, c = mesh.get_coordinate()
+    tokens, labels, mask, seg = global_batch(n_rows)
+    S = tokens.shape[1]
+    if zigzag:
+        chunks = torch.arange(S).tensor_split(2 * cp)
+        columns = torch.cat([chunks[c], chunks[2 * cp - 1 - c]])
+    else:
+        columns = torch.arange(S).tensor_split(cp)[c]
+    per_rank = n_rows // dp
+    K = 2
+    b = per_rank // K
+    mbs = [slice(d * per_rank + k * b, d * per_rank + (k + 1) * b) for k in range(K)]
+    out = {}
+    for mode in modes:
+        model = TinyLM()
+        acc = lp.Accountant(mode, mesh=mesh, fixed_length=S, mtp_depths=1, grad_reduction="allreduce")
+        acc.begin_step([mask[m] for m in mbs], [seg[m] for m in mbs], mtp_weight=0.5)
+        for m in mbs:
+            lab1, w1 = roll_mtp(labels[m], mask[m], seg[m], 1)
+            full = model(tokens[m], labels[m])
+            full1 = model(tokens[m], lab1)
+            loss = acc.lm_loss(full[:, columns], mask[m][:, columns], seg[m][:, columns], columns=columns)
+            loss = loss + acc.mtp_loss([full1[:, columns]], [w1[:, columns]], seg[m][:, columns], columns=columns)
+            loss.backward()
+        acc.finish_step(model)
+        out[mode] = ({n: p.grad.clone() for n, p in model.named_parameters()}, acc.logs())
+    return out

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..losses.logchannel import ratio_or_none
-from ..losses.modes import MODES, check_mode, numerator
+from ..losses.modes import MODES, check_mode, numerator, unit_count_map
 from ..losses.mtp import check_convention, mtp_numerator, roll_mask
 from ..losses.stats import check_inputs, rows_documents, sample_stats
 from .groups import ParallelGroups, resolve_groups
@@ -214,7 +214,8 @@ class Accountant:
         """Start a step: pre-count the normalizers of every microbatch of this rank and sum them over
         the token group in one all-reduce (``precount``), or only remember the local counts (``deferred``).
 
-        ``masks`` are this rank's microbatch loss masks ``[b, S]`` in the order ``lm_loss`` will see them;
+        ``masks`` are this rank's microbatch loss masks ``[b, S]`` of whole rows (with context parallelism:
+        the rows before sharding, identical on the CP peers) in the order ``lm_loss`` will see them;
         ``segment_ids`` (packed rows) likewise, needed by ``per_document`` and by MTP rolling within
         documents. ``mtp_weight`` is the MTP ``λ`` of this step. ``extra_counts`` are further local
         counts (e.g. the router's non-padding tokens) summed in the same all-reduce; read them back
@@ -262,7 +263,8 @@ class Accountant:
             error = e
             counts[-1] = 1.0
         if self.normalization == "precount":  # deferred has no collective here: errors stay local
-            self._all_reduce(counts, self.groups.token_group)
+            # Whole rows: context-parallel peers count the same rows, so the sum runs over DP only.
+            self._all_reduce(counts, self.groups.dp_group)
         if error is not None:
             raise error
         if counts[-1] > 0:
@@ -271,6 +273,8 @@ class Accountant:
                 f"rank {self.groups.token_rank()} stops too"
             )
         self._counts = counts
+        self._masks, self._segs = masks, segs
+        self._unit_maps: dict[tuple[int, int], Tensor | None] = {}
         self._n_mbs = len(masks)
         self._mb = 0
         self._acc = torch.zeros(self._slots(), dtype=torch.float64, device=self.device)
@@ -308,12 +312,36 @@ class Accountant:
         assert self._counts is not None
         return float(max(self._counts[_COUNT_KEYS[key]].item(), 1.0))
 
-    def lm_loss(self, per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor | None = None) -> Tensor:
+    def _unit_counts(self, mb: int, depth: int, columns: Tensor | None) -> Tensor | None:
+        """Whole-row unit counts of microbatch ``mb`` (depth 0 = main loss) restricted to ``columns``;
+        ``None`` without context parallelism (local counts are then the whole-row counts)."""
+        if columns is None:
+            return None
+        key = (mb, depth)
+        if key not in self._unit_maps:
+            w, seg = self._masks[mb], self._segs[mb]
+            w = w if w.dim() == 2 else w.unsqueeze(0)
+            if depth:
+                w = roll_mask(w, seg, depth)
+            self._unit_maps[key] = unit_count_map(self.mode, w, seg)
+        full = self._unit_maps[key]
+        return None if full is None else full[:, columns]
+
+    def _check_columns(self, columns: Tensor | None) -> None:
+        if self.groups.cp_size > 1 and columns is None:
+            raise ValueError(
+                f"context parallelism (cp={self.groups.cp_size}) needs columns= (the positions of the whole rows "
+                f"this shard holds) in lm_loss/mtp_loss ({self.where})"
+            )
+
+    def lm_loss(self, per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor | None = None, *,
+                columns: Tensor | None = None) -> Tensor:
         """This microbatch's share of the language-model objective; call once per microbatch, in order.
 
         ``precount``: returns ``numerator(mb) / denominator`` so that the shares of all microbatches and
         ranks sum to ``J`` (SPEC §1, §3). ``deferred``: returns the raw ``numerator(mb)``; ``finish_step``
-        divides the gradients. ``per_token_loss`` and ``mask`` are ``[b, S]``.
+        divides the gradients. ``per_token_loss`` and ``mask`` are ``[b, S]``; with context parallelism they
+        are this rank's shard and ``columns`` (``[S_shard]``) are its positions in the whole rows.
         """
         self._require_step("lm_loss")
         if self._mb >= self._n_mbs:
@@ -325,23 +353,28 @@ class Accountant:
         w = mask if mask.dim() == 2 else mask.unsqueeze(0)
         seg = segment_ids if segment_ids is None or segment_ids.dim() == 2 else segment_ids.unsqueeze(0)
         check_inputs(loss, w, seg, where=self.where, check_finite=self.check_finite)
+        self._check_columns(columns)
         ntok = int(w.sum().item())
-        if ntok != self._local_mb_tokens[self._mb]:
+        full = self._masks[self._mb]
+        expected = int((full if columns is None else (full if full.dim() == 2 else full.unsqueeze(0))[:, columns]).sum())
+        if ntok != expected:
             raise ValueError(
-                f"mask of microbatch {self._mb} has {ntok} tokens but begin_step counted "
-                f"{self._local_mb_tokens[self._mb]} for it (rank {self.groups.token_rank()}): pass the same "
-                "masks, in the same order"
+                f"mask of microbatch {self._mb} has {ntok} tokens but begin_step counted {expected} for it "
+                f"(rank {self.groups.token_rank()}): pass the same masks, in the same order"
             )
-        num = numerator(self.mode, loss, w, segment_ids=seg, fixed_length=self.fixed_length)
+        num = numerator(self.mode, loss, w, segment_ids=seg, fixed_length=self.fixed_length,
+                        unit_counts=self._unit_counts(self._mb, 0, columns))
         s, n = sample_stats(loss.detach(), w)
         acc = self._acc
         assert acc is not None
         acc[0] += s.sum().to(torch.float64)
         acc[1] += n.sum().to(torch.float64)
-        acc[2] += w.shape[0]
-        if seg is not None:
-            acc[3] += rows_documents(seg)[1]
-        acc[4] += 1
+        if self.groups.cp_rank == 0:  # units are counted once, by the first shard of the rows
+            full_seg = self._segs[self._mb]
+            acc[2] += w.shape[0]
+            if full_seg is not None:
+                acc[3] += rows_documents(full_seg)[1]
+            acc[4] += 1
         acc[5] += num.detach().to(torch.float64)
         self._mb += 1
         if self.normalization == "deferred":
@@ -365,13 +398,14 @@ class Accountant:
         masks: Sequence[Tensor],
         segment_ids: Tensor | None = None,
         *,
-        correct: Sequence[Tensor] | None = None,
+        columns: Tensor | None = None,
     ) -> Tensor:
         """This microbatch's share of the MTP objective term ``λ·(1/Dm)·Σ_k J_k`` (or the pooled form).
 
         ``losses[k-1]``/``masks[k-1]`` are depth ``k``'s per-token losses and rolled masks (see
         :func:`lossparity.losses.mtp.roll_mtp`). Call after ``lm_loss`` of the same microbatch.
-        ``correct`` (optional, per depth, 0/1 at masked positions) feeds the acceptance-rate log.
+        With context parallelism, ``losses``/``masks`` are this shard's columns (``columns``) of the depth
+        masks rolled on whole rows (rolling crosses shard boundaries exactly).
         """
         self._require_step("mtp_loss")
         if self.mtp_depths == 0:
@@ -387,8 +421,17 @@ class Accountant:
         masks = [x if x.dim() == 2 else x.unsqueeze(0) for x in masks]
         for k, (x, w) in enumerate(zip(losses, masks), start=1):
             check_inputs(x, w, segment_ids, where=f"{where}, MTP depth {k}", check_finite=self.check_finite)
-        nums = mtp_numerator(self.mode, losses, masks, convention=self.mtp_convention,
-                             segment_ids=segment_ids, fixed_length=self.fixed_length)
+        self._check_columns(columns)
+        if columns is not None and self.mtp_convention == "pooled" and self.mode != "per_token":
+            raise ValueError("mtp_convention='pooled' with a per-unit mode is not supported under context "
+                             "parallelism (its units pool several depths)")
+        if columns is not None and self.mtp_convention != "pooled":
+            nums = [numerator(self.mode, x, w, segment_ids=segment_ids, fixed_length=self.fixed_length,
+                              unit_counts=self._unit_counts(mb, k, columns))
+                    for k, (x, w) in enumerate(zip(losses, masks), start=1)]
+        else:
+            nums = mtp_numerator(self.mode, losses, masks, convention=self.mtp_convention,
+                                 segment_ids=segment_ids, fixed_length=self.fixed_length)
         acc = self._acc
         assert acc is not None
         base = 6
@@ -437,9 +480,9 @@ class Accountant:
         """Scale (and, for plain modules, reduce) the gradients so that they are those of ``J``.
 
         Checks that every pre-counted microbatch was seen. ``deferred``: all-reduces the step's
-        denominator over the token group and divides all gradients by it. Averaging engines (DDP,
-        FSDP) get a factor ``D``; ``grad_reduction="allreduce"`` (or ``auto`` with a plain module and
-        ``D > 1``) sums the gradients over the data-parallel group. Returns the factor applied.
+        denominator over the data-parallel group and divides all gradients by it. Averaging engines
+        (DDP, FSDP, over DP × CP) get a factor ``D·C``; ``grad_reduction="allreduce"`` (or ``auto`` with a
+        plain module and ``D·C > 1``) sums the gradients over DP × CP. Returns the factor applied.
         """
         self._require_step("finish_step")
         if self._finished:
@@ -453,21 +496,21 @@ class Accountant:
         if reduction == "auto":
             if model is not None and _is_averaging_engine(model):
                 reduction = "mean"
-            elif model is not None and self.groups.dp_size > 1:
+            elif model is not None and self.groups.grad_size > 1:
                 reduction = "allreduce"
             else:
                 reduction = "sum"
         factor = 1.0
         if reduction == "mean":
-            factor *= self.groups.dp_size
+            factor *= self.groups.grad_size
         if self.normalization == "deferred":
             assert self._counts is not None and self._acc is not None
-            self._all_reduce(self._counts, self.groups.token_group)
+            self._all_reduce(self._counts, self.groups.dp_group)
             factor /= self._denominator(_DEN_KEY[self.mode])
         grads = _unique_grads(model, fill_missing=reduction == "allreduce")
-        if reduction == "allreduce" and self.groups.dp_group is not None and grads:
+        if reduction == "allreduce" and self.groups.token_group is not None and grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups.dp_group)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups.token_group)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))

@@ -3,9 +3,11 @@
 The semantics never name a process group; this module maps a layout onto groups once, so that the
 accountant and the trackers can ask for *roles* instead of hard-coding groups:
 
-- ``token_group``: the ranks that hold distinct tokens of the step (DP × CP). Normalizers (``Ntok``,
-  ``N``, ``Ndoc``) and log sums are summed over it.
-- ``dp_size``: the factor by which an averaging gradient engine (DDP, FSDP) divides gradients.
+- ``token_group``: the ranks that hold distinct tokens of the step (DP × CP). Log sums, router counts
+  and gradients are summed over it.
+- ``dp_group``: the data-parallel ranks (distinct rows). Normalizers are pre-counted over it from the
+  *whole rows* of each rank's microbatches (context-parallel peers hold the same rows).
+- ``grad_size`` = DP × CP: the factor by which an averaging gradient engine divides gradients.
 - ``log_group``: every rank that takes part in the step's single logging collective. With pipeline
   stages or tensor-parallel replicas it is larger than ``token_group``; ranks that only replicate a
   value (TP peers) contribute zeros, see ``log_owner``.
@@ -38,6 +40,13 @@ class ParallelGroups:
     tp_size: int
     pp_size: int
     log_owner: bool
+    cp_rank: int = 0
+
+    @property
+    def grad_size(self) -> int:
+        """Ranks over which gradients are reduced: DP × CP (context-parallel peers hold the same replica
+        and each back-propagates its own shard of the rows)."""
+        return self.dp_size * self.cp_size
 
     @property
     def distributed(self) -> bool:
@@ -100,4 +109,5 @@ def resolve_groups(group: object | None = None, mesh: object | None = None) -> P
         tp_size=sizes["tp"],
         pp_size=sizes["pp"],
         log_owner=(tp_rank == 0),
+        cp_rank=coord[names.index("cp")] if "cp" in names else 0,
     )

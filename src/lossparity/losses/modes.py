@@ -28,6 +28,7 @@ from torch import Tensor
 from .stats import document_stats, masked_token_sum, sample_stats
 
 __all__ = [
+    "unit_count_map",
     "MODES",
     "MODE_INFO",
     "Normalizers",
@@ -130,6 +131,35 @@ def denominator(mode: str, norms: Normalizers, fixed_length: int | None = None) 
     return float(max(value, 1))
 
 
+_UNIT_MODES = ("per_sample", "per_document", "per_microbatch")
+
+
+def unit_count_map(mode: str, mask: Tensor, segment_ids: Tensor | None = None) -> Tensor | None:
+    """For the modes that normalize per unit (``per_sample``, ``per_document``, ``per_microbatch``): a
+    ``[b, S]`` map giving at every position the token count ``n`` of the unit (sample, document,
+    microbatch) that contains it, computed from whole rows; ``None`` for the other modes.
+
+    Context parallelism splits a row's columns over ranks; a shard's numerator is then
+    ``Σ_{shard positions} w·l / max(n_unit, 1)`` with ``n_unit`` read from this map, and the shards'
+    numerators add up to the unit's exact ``s_unit / max(n_unit, 1)``.
+    """
+    check_mode(mode)
+    if mode not in _UNIT_MODES:
+        return None
+    w = (mask if mask.dim() == 2 else mask.unsqueeze(0)).to(torch.float64)
+    if mode == "per_sample":
+        return w.sum(dim=-1, keepdim=True).expand_as(w)
+    if mode == "per_microbatch":
+        return w.sum().expand_as(w)
+    if segment_ids is None:
+        raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
+    from .stats import rows_documents
+
+    doc, ndoc = rows_documents(segment_ids)
+    n = torch.zeros(max(ndoc, 1), dtype=torch.float64).index_add(0, doc.clamp(min=0).flatten(), w.flatten())
+    return n[doc.clamp(min=0)].view_as(w)
+
+
 def numerator(
     mode: str,
     per_token_loss: Tensor,
@@ -137,14 +167,23 @@ def numerator(
     *,
     segment_ids: Tensor | None = None,
     fixed_length: int | None = None,
+    unit_counts: Tensor | None = None,
 ) -> Tensor:
     """The numerator of ``mode`` for one microbatch (module table); differentiable w.r.t. the loss.
 
     ``per_token_loss`` and ``mask`` are ``[b, S]``. ``per_document`` needs ``segment_ids``;
     ``sample_sum_norm`` needs ``fixed_length`` (the ``L`` of Dr. GRPO), and the division by ``L`` is
-    done here so that every mode's denominator is a plain global count.
+    done here so that every mode's denominator is a plain global count. ``unit_counts`` (a
+    :func:`unit_count_map` of the whole rows, restricted to these positions) replaces the local unit
+    counts of the unit modes: needed when the positions are a context-parallel shard of the rows.
     """
     check_mode(mode)
+    if unit_counts is not None and mode in _UNIT_MODES:
+        if unit_counts.shape != mask.shape:
+            raise ValueError(f"unit_counts shape {tuple(unit_counts.shape)} does not match mask {tuple(mask.shape)}")
+        loss = per_token_loss
+        per_pos = torch.where(mask > 0, loss / unit_counts.to(loss.dtype).clamp(min=1), torch.zeros_like(loss))
+        return per_pos.sum()
     if mode == "per_document":
         if segment_ids is None:
             raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
