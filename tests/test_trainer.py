@@ -26,8 +26,9 @@ def test_verify_quick_all_pass(tmp_path):
     table = format_table(report)
     assert all(r["pass"] for r in report["rows"]), table
     # the multi-rank recompute layout really ran every mode
-    assert {r["mode"] for r in report["rows"] if r["layout"] == "D2xK2+recompute"} == {
-        "per_token", "per_sample", "per_microbatch", "per_document", "sample_sum", "sample_sum_norm"}
+    modes = {"per_token", "per_sample", "per_microbatch", "per_document", "sample_sum", "sample_sum_norm"}
+    assert {r["mode"] for r in report["rows"] if r["layout"] == "D2xK2+recompute"} == modes
+    assert {r["mode"] for r in report["rows"] if r["layout"] == "C2xK2"} == modes  # context parallel
 
 
 def test_resume_is_bit_exact(tmp_path):
@@ -95,6 +96,8 @@ def test_atomic_save_keeps_previous_checkpoint_on_crash(tmp_path, monkeypatch):
     (["train", "--data", "no_such_file.jsonl"], "data file not found: no_such_file.jsonl"),
     (["train", "--model", "huge"], "unknown model preset 'huge'"),
     (["verify", "--modes", "per_token,bogus"], "unknown mode 'bogus'"),
+    (["train", "--cp", "2", "--seq-len", "30"], "seq_len=30 must be divisible by 4 for cp=2"),
+    (["train", "--cp", "2", "--aux-scope", "micro_batch"], "cp=2 supports aux_scope global_lagged/none"),
 ])
 def test_bad_cli_input_exits_2(argv, message, capsys):
     assert main(argv) == 2

@@ -51,7 +51,7 @@ def _train_config(args: argparse.Namespace):
             overrides[key] = value
     cfg = TrainConfig(
         model=args.model, model_overrides=overrides, mode=args.mode, normalization=args.normalization,
-        dp=args.dp, ga=args.ga, global_batch=args.global_batch, seq_len=args.seq_len, packed=args.packed,
+        dp=args.dp, cp=args.cp, ga=args.ga, global_batch=args.global_batch, seq_len=args.seq_len, packed=args.packed,
         data=args.data, steps=args.steps, lr=args.lr, seed=args.seed, dtype=args.dtype, recompute=args.recompute,
         engine=args.engine, mtp_convention=args.mtp_convention, aux_scope=args.aux_scope, aux_coeff=args.aux_coeff,
         z_coeff=args.z_coeff, bias_rate=args.bias_rate, out=args.out, log_interval=args.log_interval,
@@ -119,6 +119,7 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--mode", default="per_token", help=f"objective mode: {', '.join(MODES)}")
     t.add_argument("--normalization", default="precount", choices=["precount", "deferred"])
     t.add_argument("--dp", type=int, default=1, help="data-parallel ranks (started here unless under torchrun)")
+    t.add_argument("--cp", type=int, default=1, help="context-parallel ranks per data-parallel rank (zig-zag shards)")
     t.add_argument("--ga", type=int, default=1, help="gradient-accumulation microbatches per rank")
     t.add_argument("--global-batch", type=int, default=8, help="rows per optimizer step")
     t.add_argument("--seq-len", type=int, default=64)
@@ -155,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=_cmd_train)
 
     v = sub.add_parser("verify", help="prove layout invariance of objective, logs, gradients, parameters")
-    v.add_argument("--quick", action="store_true", help="3 layouts, 2 steps (CI)")
+    v.add_argument("--quick", action="store_true", help="4 layouts, 2 steps (CI)")
     v.add_argument("--steps", type=int, default=0, help="steps per run (default 3, --quick 2)")
     v.add_argument("--modes", default="", help="comma-separated modes (default: all)")
     v.add_argument("--aux-scope", default="global_lagged", help="MoE aux-loss scope of the runs")

@@ -46,8 +46,6 @@ def init_from_env(backend: str | None = None, timeout_s: float = 120.0) -> None:
 
 def _entry(rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn: Callable[..., Any],
            args: tuple, result_dir: str) -> None:
-    # C++ reducer notices (e.g. "find_unused_parameters found no unused parameter this step") are noise here.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     # Each rank gets one thread: ranks share the machine's cores, oversubscription only slows them down.
@@ -76,6 +74,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     with tempfile.TemporaryDirectory(prefix="lossparity-spawn-") as tmp:
         port = free_port()
+        # C++ reducer notices ("find_unused_parameters found no unused parameter") are read when the
+        # child imports torch, so the variable must be in the environment the children inherit.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         ctx = mp.start_processes(_entry, args=(world_size, port, backend, timeout_s, fn, args, tmp),
                                  nprocs=world_size, join=False, start_method="spawn")
         failed = None

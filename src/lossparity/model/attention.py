@@ -44,6 +44,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.cp = None  # a ContextParallel: keys/values are all-gathered over its group (set by GPT)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, *, return_probs: bool = False
                 ) -> tuple[Tensor, Tensor | None]:
@@ -55,6 +56,8 @@ class Attention(nn.Module):
         k = apply_rope(self.wk(x).view(B, S, self.n_kv_heads, self.head_dim), cos, sin)
         v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.cp is not None:  # context parallelism: keys/values of every shard, in all_columns order
+            k, v = self.cp.gather(k, dim=2), self.cp.gather(v, dim=2)
         if self.n_kv_heads != self.n_heads:
             rep = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .attention import attention_mask
+from .attention import Attention, attention_mask
+from .context_parallel import ContextParallel
 from .block import Block
 from .config import ModelConfig
 from .moe import MoE
@@ -52,6 +53,7 @@ class GPT(nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.mtp = nn.ModuleList(MTPModule(config, k) for k in range(1, config.mtp_depths + 1))
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.cp: ContextParallel | None = None
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.init_weights()
@@ -72,6 +74,17 @@ class GPT(nn.Module):
         for router in self.moe_routers():
             router.expert_bias.zero_()
             router.reset_counts()
+
+    def enable_context_parallel(self, cp: ContextParallel | None) -> None:
+        """Shard every sequence over ``cp`` (``None`` switches it off). ``forward`` then takes whole rows and
+        returns the outputs of this rank's positions ``cp.columns(S)`` only."""
+        if cp is not None and self.config.indexer_layer is not None:
+            raise ValueError("the indexer head is not supported with context parallelism (it needs every key's "
+                             "indexer score on every shard)")
+        self.cp = cp
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.cp = cp
 
     def moe_routers(self) -> list[Router]:
         """Every router module, main layers in order then MTP depths in order (the order of
@@ -109,7 +122,8 @@ class GPT(nn.Module):
         ``segment_ids [B, S]`` (optional) marks documents of packed rows (attention and MTP inputs stay
         inside a document; id 0 = padding, excluded from the routers' dispatch counts). ``positions``
         default to the index within the document (``arange(S)`` without segment ids). ``recompute``
-        checkpoints every transformer block (main and MTP); the re-runs record and count nothing."""
+        checkpoints every transformer block (main and MTP); the re-runs record and count nothing. Under
+        :meth:`enable_context_parallel` the inputs are whole rows and the outputs this shard's columns."""
         self._check_inputs(tokens, segment_ids, positions)
         c = self.config
         B, S = tokens.shape
@@ -117,6 +131,15 @@ class GPT(nn.Module):
             positions = (positions_from_segments(segment_ids) if segment_ids is not None
                          else torch.arange(S, device=tokens.device).expand(B, S))
         mask = attention_mask(segment_ids, S, tokens.device)
+        mtp_tokens = [shift_tokens(tokens, m.depth, segment_ids) for m in self.mtp]
+        cp = self.cp
+        if cp is not None:
+            # Whole rows in, this shard's columns out: queries are ours, keys come in all_columns order.
+            cols, all_cols = cp.columns(S).to(tokens.device), cp.all_columns(S).to(tokens.device)
+            mask = mask[:, :, cols][:, :, :, all_cols]
+            tokens, positions = tokens[:, cols], positions[:, cols]
+            segment_ids = None if segment_ids is None else segment_ids[:, cols]
+            mtp_tokens = [t[:, cols] for t in mtp_tokens]
         valid = None if segment_ids is None else segment_ids != 0
         dtype = torch.promote_types(self.tok_embeddings.weight.dtype, torch.float32)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype)
@@ -135,7 +158,7 @@ class GPT(nn.Module):
 
         mtp_hidden = []
         for module in self.mtp:
-            emb = self.tok_embeddings(shift_tokens(tokens, module.depth, segment_ids))
+            emb = self.tok_embeddings(mtp_tokens[module.depth - 1])
             h, normed, record = module(h, emb, cos, sin, mask, positions, valid, recompute=recompute)
             mtp_hidden.append(normed)
             if record is not None:

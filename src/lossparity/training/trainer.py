@@ -56,6 +56,8 @@ class TrainConfig:
     normalization: str = "precount"
     fixed_length: int | None = None
     dp: int = 1
+    cp: int = 1
+    cp_zigzag: bool = True
     ga: int = 1
     global_batch: int = 8
     seq_len: int = 64
@@ -101,7 +103,15 @@ class TrainConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; valid: {', '.join(_DTYPES)}")
         if self.engine not in ("ddp", "plain"):
             raise ValueError(f"unknown engine {self.engine!r}; valid: ddp, plain")
-        for name in ("dp", "ga", "global_batch", "seq_len", "steps", "log_interval"):
+        if self.cp > 1:
+            if self.aux_scope not in ("global_lagged", "none") or self.z_form != "global":
+                raise ValueError(f"cp={self.cp} supports aux_scope global_lagged/none and z_form global (got "
+                                 f"aux_scope={self.aux_scope!r}, z_form={self.z_form!r}): the other forms need the "
+                                 "counts of whole microbatches or sequences on every shard")
+            parts = 2 * self.cp if self.cp_zigzag else self.cp
+            if self.seq_len % parts:
+                raise ValueError(f"seq_len={self.seq_len} must be divisible by {parts} for cp={self.cp}")
+        for name in ("dp", "cp", "ga", "global_batch", "seq_len", "steps", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.global_batch % (self.dp * self.ga):
@@ -174,6 +184,9 @@ class LossForward(nn.Module):
     def forward(self, tokens: Tensor, labels: Tensor, mtp_labels: list[Tensor], segment_ids: Tensor,
                 positions: Tensor, recompute: bool = False, autocast_dtype: torch.dtype | None = None
                 ) -> tuple[Tensor, list[Tensor], list[tuple[Tensor, ...]], tuple[Tensor, Tensor] | None]:
+        if self.gpt.cp is not None:  # the model returns this shard's columns: cut the labels alike
+            cols = self.gpt.cp.columns(tokens.shape[1]).to(tokens.device)
+            labels, mtp_labels = labels[:, cols], [lab[:, cols] for lab in mtp_labels]
         with torch.autocast(tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             out = self.gpt(tokens, segment_ids=segment_ids, positions=positions, recompute=recompute)
             weight = self.gpt.output.weight
@@ -191,8 +204,20 @@ class Trainer:
         self.cfg = cfg
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        if self.world != cfg.dp:
-            raise ValueError(f"dp={cfg.dp} but the process group has {self.world} ranks")
+        if self.world != cfg.dp * cfg.cp:
+            raise ValueError(f"dp*cp={cfg.dp}*{cfg.cp} but the process group has {self.world} ranks")
+        self.mesh = None
+        self.dp_rank, self.cp_ctx = self.rank, None
+        if self.world > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.mesh = init_device_mesh("cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl"
+                                         else "cpu", (cfg.dp, cfg.cp), mesh_dim_names=("dp", "cp"))
+            self.dp_rank = self.mesh.get_coordinate()[0]
+            if cfg.cp > 1:
+                from ..model.context_parallel import ContextParallel
+
+                self.cp_ctx = ContextParallel.from_group(self.mesh.get_group("cp"), cfg.cp_zigzag)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and \
             dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
         overrides = dict(cfg.model_overrides)
@@ -200,6 +225,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         raw = GPT(self.model_config)
         raw.to(device=self.device, dtype=torch.float64 if cfg.dtype == "float64" else torch.float32)
+        raw.enable_context_parallel(self.cp_ctx)
         self.raw = raw
         fwd = LossForward(raw)
         if self.world > 1 and cfg.engine == "ddp":
@@ -208,14 +234,17 @@ class Trainer:
             with warnings.catch_warnings():
                 # torch >= 2.12 deprecates broadcast_buffers; its replacement still syncs buffers at init.
                 warnings.simplefilter("ignore", FutureWarning)
+                # Gradients are reduced over DP x CP: context-parallel peers hold the same replica.
+                group = self.mesh["dp", "cp"]._flatten().get_group() if cfg.cp > 1 else None
                 self.model: nn.Module = nn.parallel.DistributedDataParallel(
-                    fwd, broadcast_buffers=False, find_unused_parameters=True)
+                    fwd, broadcast_buffers=False, find_unused_parameters=True, process_group=group)
         else:
             self.model = fwd
         self.corpus = build_corpus(cfg, self.model_config.vocab_size)
         depths = self.model_config.mtp_depths
         self.acc = Accountant(cfg.mode, normalization=cfg.normalization, fixed_length=cfg.fixed_length,
-                              mtp_depths=depths, mtp_convention=cfg.mtp_convention, device=self.device)
+                              mtp_depths=depths, mtp_convention=cfg.mtp_convention, device=self.device,
+                              mesh=self.mesh)
         self.routers = raw.moe_routers()
         if self.model_config.indexer_layer is not None:
             self.acc.declare_metric("indexer_loss", "ratio")
@@ -247,7 +276,8 @@ class Trainer:
         t0 = time.perf_counter()
         batch = global_batch(self.corpus, self.step, global_batch_size=cfg.global_batch, seq_len=cfg.seq_len,
                              packed=cfg.packed, seed=cfg.seed).to(self.device)
-        mbs = split_batch(batch, cfg.dp, self.rank, cfg.ga, cfg.microbatch_size)
+        mbs = split_batch(batch, cfg.dp, self.dp_rank, cfg.ga, cfg.microbatch_size)
+        cols = None if self.cp_ctx is None else self.cp_ctx.columns(cfg.seq_len).to(self.device)
         segs, valids = zip(*(_valid_tokens(mb) for mb in mbs))
         depths = self.model_config.mtp_depths
         acc.begin_step([mb.mask for mb in mbs], list(segs), mtp_weight=self.mtp_weight(self.step),
@@ -261,12 +291,17 @@ class Trainer:
             with sync:
                 per_tok, mtp_losses, routers, indexer = model(mb.tokens, mb.labels, [r[0] for r in rolled], seg,
                                                               mb.positions, cfg.recompute, dtype)
-                loss = acc.lm_loss(per_tok, mb.mask, seg)
+                if cols is not None:  # context parallelism: this rank's columns of the whole rows
+                    mask_c, seg_c, valid_c = mb.mask[:, cols], seg[:, cols], valid[:, cols]
+                    masks_k = [r[1][:, cols] for r in rolled]
+                else:
+                    mask_c, seg_c, valid_c, masks_k = mb.mask, seg, valid, [r[1] for r in rolled]
+                loss = acc.lm_loss(per_tok, mask_c, seg_c, columns=cols)
                 if depths:
-                    loss = loss + acc.mtp_loss(mtp_losses, [r[1] for r in rolled], seg)
+                    loss = loss + acc.mtp_loss(mtp_losses, masks_k, seg_c, columns=cols)
                 if self.routers:
                     records = [RouterRecord(r.layer_id, *t) for r, t in zip(self.routers, routers)]
-                    loss = loss + self.moe.microbatch_loss(records, valid)
+                    loss = loss + self.moe.microbatch_loss(records, valid_c)
                 if indexer is not None:
                     loss = loss + self._indexer_share(indexer, valid)
                 loss.backward()
@@ -435,6 +470,6 @@ def run_training(cfg: TrainConfig) -> list[dict[str, Any]]:
             return Trainer(cfg).fit()
         finally:
             dist.destroy_process_group()
-    if cfg.dp == 1:
+    if cfg.dp * cfg.cp == 1:
         return Trainer(cfg).fit()
-    return spawn(_train_entry, cfg.dp, cfg)[0]
+    return spawn(_train_entry, cfg.dp * cfg.cp, cfg)[0]

@@ -35,6 +35,8 @@ class Layout:
     dp: int
     ga: int
     recompute: bool = False
+    cp: int = 1
+    indexer: bool = True  # the indexer head needs every key on every rank: off under context parallelism
 
 
 DEFAULT_LAYOUTS = (
@@ -43,8 +45,11 @@ DEFAULT_LAYOUTS = (
     Layout("D2xK2", 2, 2),
     Layout("D4", 4, 1),
     Layout("D2xK2+recompute", 2, 2, True),
+    Layout("C2xK2", 1, 2, cp=2, indexer=False),
+    Layout("D2xC2+recompute", 2, 1, True, cp=2, indexer=False),
 )
-QUICK_LAYOUTS = (Layout("1x1", 1, 1), Layout("K=4", 1, 4), Layout("D2xK2+recompute", 2, 2, True))
+QUICK_LAYOUTS = (Layout("1x1", 1, 1), Layout("K=4", 1, 4), Layout("D2xK2+recompute", 2, 2, True),
+                 Layout("C2xK2", 1, 2, cp=2, indexer=False))
 
 
 def _record(trainer: Trainer) -> dict[str, Any]:
@@ -57,8 +62,12 @@ def _record(trainer: Trainer) -> dict[str, Any]:
 
 def _run_modes(rank: int, world: int, base: dict[str, Any], modes: list[str], layout: Layout) -> dict[str, Any]:
     out = {}
+    overrides = dict(base.get("model_overrides") or {})
+    if not layout.indexer:
+        overrides.pop("indexer_layer", None)
     for mode in modes:
-        cfg = TrainConfig(**{**base, "mode": mode, "dp": layout.dp, "ga": layout.ga, "recompute": layout.recompute})
+        cfg = TrainConfig(**{**base, "mode": mode, "dp": layout.dp, "cp": layout.cp, "ga": layout.ga,
+                             "recompute": layout.recompute, "model_overrides": overrides})
         t = Trainer(cfg)
         t.fit()
         out[mode] = _record(t)
@@ -124,27 +133,32 @@ def run_verify(
     base.pop("mode")
     tol = TOL["float64" if dtype == "float64" else "float32"]
     results: dict[str, dict[str, Any]] = {}
+
+    def run(layout: Layout) -> dict[str, Any]:
+        if layout.name not in results:
+            if progress:
+                print(f"  running layout {layout.name} ({len(modes)} modes)...", flush=True)
+            world = layout.dp * layout.cp
+            results[layout.name] = (_run_modes(0, 1, base, list(modes), layout) if world == 1 else
+                                    spawn(_run_modes, world, base, list(modes), layout, timeout_s=300)[0])
+        return results[layout.name]
+
+    def reference(layout: Layout, mode: str) -> Layout:
+        # The single-process run of the same model (indexer on/off) and, where b matters, the same b.
+        N = base["global_batch"]
+        ga = N // (layout.dp * layout.ga) if _b_dependent(mode, base) else N
+        ga = N // ga
+        suffix = "" if layout.indexer else "/no-indexer"
+        name = ("1x1" if ga == 1 else f"K={ga}") + suffix
+        return Layout(name, 1, ga, indexer=layout.indexer)
+
     for layout in layouts:
-        if progress:
-            print(f"  running layout {layout.name} ({len(modes)} modes)...", flush=True)
-        if layout.dp == 1:
-            results[layout.name] = _run_modes(0, 1, base, list(modes), layout)
-        else:
-            results[layout.name] = spawn(_run_modes, layout.dp, base, list(modes), layout, timeout_s=300)[0]
-    N = base["global_batch"]
+        run(layout)
     rows = []
     for layout in layouts:
         for mode in modes:
-            ref_layout = layouts[0]
-            if _b_dependent(mode, base):
-                b = N // (layout.dp * layout.ga)
-                same_b = [x for x in layouts if x.dp == 1 and not x.recompute and N // x.ga == b]
-                if not same_b:  # add the single-process same-b reference on demand
-                    extra = Layout(f"K={N // b}", 1, N // b)
-                    results[extra.name] = _run_modes(0, 1, base, list(modes), extra)
-                    same_b = [extra]
-                ref_layout = same_b[0]
-            diffs = compare_records(results[layout.name][mode], results[ref_layout.name][mode])
+            ref_layout = reference(layout, mode)
+            diffs = compare_records(run(layout)[mode], run(ref_layout)[mode])
             rows.append({"layout": layout.name, "mode": mode, "reference": ref_layout.name, "diffs": diffs,
                          "pass": all(v <= tol for v in diffs.values())})
     return {"rows": rows, "tolerance": tol, "wall_s": time.perf_counter() - t0, "steps": steps,

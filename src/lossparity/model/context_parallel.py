@@ -1,0 +1,64 @@
+"""Context parallelism (CP) for the reference model: each sequence is split over ``C`` ranks.
+
+Sharding: with ``zigzag=True`` (default, Megatron's load-balanced order) a row of length ``S`` is cut
+into ``2C`` chunks and rank ``r`` holds chunks ``r`` and ``2C−1−r``, so every rank gets the same
+amount of causal-attention work; ``zigzag=False`` gives rank ``r`` the ``r``-th contiguous slice.
+
+Attention: keys and values of all shards are all-gathered with autograd
+(``torch.distributed.nn.functional.all_gather``: its backward sums each shard's key/value gradients
+back to the owner), and the causal + document mask is built from global positions, so every query
+attends exactly as in the unsharded row. Every rank holds the whole rows of its data-parallel rank
+(inputs are cheap), so MTP inputs and rolled labels are computed on whole rows and then sharded:
+rolling across shard boundaries is exact by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["ContextParallel", "shard_columns"]
+
+
+def shard_columns(seq_len: int, cp_size: int, cp_rank: int, zigzag: bool = True) -> Tensor:
+    """The positions ``[S/C]`` of a row held by CP rank ``cp_rank`` (see the module docstring)."""
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"need 0 <= cp_rank < cp_size, got cp_rank={cp_rank}, cp_size={cp_size}")
+    parts = 2 * cp_size if zigzag else cp_size
+    if seq_len % parts:
+        raise ValueError(f"seq_len={seq_len} must be divisible by {parts} for cp={cp_size} "
+                         f"({'zig-zag' if zigzag else 'contiguous'} sharding)")
+    chunks = torch.arange(seq_len).chunk(parts)
+    if zigzag:
+        return torch.cat([chunks[cp_rank], chunks[parts - 1 - cp_rank]])
+    return chunks[cp_rank]
+
+
+@dataclass
+class ContextParallel:
+    """A CP group and its sharding; ``columns(S)`` are this rank's positions, ``all_columns(S)`` the
+    positions of all ranks in rank order (the order of all-gathered keys)."""
+
+    group: object
+    size: int
+    rank: int
+    zigzag: bool = True
+
+    def columns(self, seq_len: int) -> Tensor:
+        return shard_columns(seq_len, self.size, self.rank, self.zigzag)
+
+    def all_columns(self, seq_len: int) -> Tensor:
+        return torch.cat([shard_columns(seq_len, self.size, r, self.zigzag) for r in range(self.size)])
+
+    def gather(self, x: Tensor, dim: int) -> Tensor:
+        """All-gather ``x`` along ``dim`` over the CP group, with autograd."""
+        from torch.distributed.nn.functional import all_gather
+
+        return torch.cat(all_gather(x.contiguous(), group=self.group), dim=dim)
+
+    @classmethod
+    def from_group(cls, group: object, zigzag: bool = True) -> ContextParallel:
+        return cls(group, dist.get_world_size(group), dist.get_rank(group), zigzag)
