@@ -243,6 +243,7 @@ class Accountant:
         for j, value in enumerate(extra.values()):
             counts[4 + self.mtp_depths + j] = float(value)
         self._local_mb_tokens = []
+        self._mb_docs: list[int] = []
         error: Exception | None = None
         try:
             for i, (w, seg) in enumerate(zip(masks, segs)):
@@ -252,11 +253,11 @@ class Accountant:
                              where=f"rank {self.groups.token_rank()}, microbatch {i}", check_finite=False)
                 ntok = w2.sum()
                 self._local_mb_tokens.append(int(ntok.item()))
+                self._mb_docs.append(rows_documents(seg2)[1] if seg2 is not None else 0)
                 counts[_C_TOKENS] += ntok.to(torch.float64)
                 counts[_C_SAMPLES] += w2.shape[0]
                 counts[_C_MBS] += 1
-                if seg2 is not None:
-                    counts[_C_DOCS] += rows_documents(seg2)[1]
+                counts[_C_DOCS] += self._mb_docs[-1]
                 for k in range(1, self.mtp_depths + 1):
                     counts[3 + k] += roll_mask(w2, seg2, k).sum().to(torch.float64)
         except (ValueError, TypeError) as e:
@@ -352,7 +353,7 @@ class Accountant:
         loss = per_token_loss if per_token_loss.dim() == 2 else per_token_loss.unsqueeze(0)
         w = mask if mask.dim() == 2 else mask.unsqueeze(0)
         seg = segment_ids if segment_ids is None or segment_ids.dim() == 2 else segment_ids.unsqueeze(0)
-        check_inputs(loss, w, seg, where=self.where, check_finite=self.check_finite)
+        check_inputs(loss, w, seg, where=self.where, check_finite=self.check_finite, check_mask_values=False)
         self._check_columns(columns)
         ntok = int(w.sum().item())
         full = self._masks[self._mb]
@@ -370,10 +371,8 @@ class Accountant:
         acc[0] += s.sum().to(torch.float64)
         acc[1] += n.sum().to(torch.float64)
         if self.groups.cp_rank == 0:  # units are counted once, by the first shard of the rows
-            full_seg = self._segs[self._mb]
             acc[2] += w.shape[0]
-            if full_seg is not None:
-                acc[3] += rows_documents(full_seg)[1]
+            acc[3] += self._mb_docs[self._mb]
             acc[4] += 1
         acc[5] += num.detach().to(torch.float64)
         self._mb += 1
@@ -507,8 +506,13 @@ class Accountant:
             assert self._counts is not None and self._acc is not None
             self._all_reduce(self._counts, self.groups.dp_group)
             factor /= self._denominator(_DEN_KEY[self.mode])
+        needs_reduce = reduction == "allreduce" and self.groups.token_group is not None
+        if not needs_reduce and factor == 1.0:
+            self._finished = True
+            self._grad_factor = factor
+            return factor  # nothing to touch: skip the walk over the parameters
         grads = _unique_grads(model, fill_missing=reduction == "allreduce")
-        if reduction == "allreduce" and self.groups.token_group is not None and grads:
+        if needs_reduce and grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups.token_group)
             offset = 0
@@ -516,8 +520,7 @@ class Accountant:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
         if factor != 1.0:
-            for g in grads:
-                g.mul_(factor)
+            torch._foreach_mul_(grads, factor) if grads else None
         self._finished = True
         self._grad_factor = factor
         return factor

@@ -20,13 +20,15 @@ def check_inputs(
     *,
     where: str = "",
     check_finite: bool = True,
+    check_mask_values: bool = True,
 ) -> None:
     """Validate a (per-token loss, mask, segment ids) triple, raising a clear error (SPEC §7).
 
     Checks that ``per_token_loss`` and ``mask`` are ``[B, S]`` (or ``[S]``) tensors of the same shape,
     that ``mask`` only holds 0/1, that ``segment_ids`` (when given) is an integer tensor of the same
     shape, and (when ``check_finite``) that the loss has no NaN/Inf where the mask is 1. ``where`` (e.g.
-    ``"rank 1, microbatch 3"``) is appended to every message.
+    ``"rank 1, microbatch 3"``) is appended to every message. ``check_mask_values=False`` skips the 0/1
+    scan (for a mask already validated, e.g. by ``Accountant.begin_step``).
     """
     loc = f" ({where})" if where else ""
     if not isinstance(per_token_loss, Tensor):
@@ -46,7 +48,7 @@ def check_inputs(
         raise TypeError(f"per_token_loss must be floating point, got dtype {per_token_loss.dtype}{loc}")
     if mask.is_complex():
         raise TypeError(f"mask must be real with values in {{0, 1}}, got dtype {mask.dtype}{loc}")
-    if mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+    if check_mask_values and mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
         bad = mask[(mask != 0) & (mask != 1)].flatten()[:3].tolist()
         raise ValueError(f"mask values must be 0 or 1, found {bad}{loc}")
     if segment_ids is not None:
