@@ -112,3 +112,17 @@ def test_cli_train_writes_jsonl_schema(tmp_path, capsys):
     for key in ("lm_loss", "objective", "tokens", "samples", "mtp_1_loss", "global_load_balancing_loss", "z_loss",
                 "max_vio", "grad_norm", "lr", "tokens_per_s"):
         assert key in lines[0], key
+
+
+def test_dump_samples_matches_logged_lm_loss(tmp_path):
+    from lossparity.parity.sample_dump import read_sample_dump
+
+    t = Trainer(small_cfg(steps=2, ga=2, out=str(tmp_path), dump_samples=True, dtype="float64"))
+    t.fit()
+    dump = read_sample_dump(str(tmp_path / "samples"))
+    assert sorted(dump) == [1, 2]
+    for line in t.history:
+        rows, n, s = dump[line["step"]]
+        assert rows.tolist() == list(range(4))
+        assert float(n.sum()) == line["tokens"]
+        assert float(s.sum() / n.sum()) == pytest.approx(line["lm_loss"], rel=1e-12)

@@ -56,6 +56,7 @@ def _train_config(args: argparse.Namespace):
         engine=args.engine, mtp_convention=args.mtp_convention, aux_scope=args.aux_scope, aux_coeff=args.aux_coeff,
         z_coeff=args.z_coeff, bias_rate=args.bias_rate, out=args.out, log_interval=args.log_interval,
         ckpt_interval=args.ckpt_interval, resume=args.resume, progress=not args.no_progress,
+        dump_samples=args.dump_samples,
     )
     try:
         cfg.validate()
@@ -141,6 +142,8 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--ckpt-interval", type=int, default=0)
     t.add_argument("--resume", action="store_true", help="resume from OUT/checkpoints/latest if present")
     t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--dump-samples", action="store_true",
+                   help="write per-sample (n_i, s_i) of every step to OUT/samples for `lossparity gap`")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,6 +36,7 @@ from ..losses.indexer import indexer_kl
 from ..losses.logchannel import IntervalMean
 from ..losses.modes import check_mode
 from ..losses.mtp import check_convention, roll_mtp
+from ..losses.stats import sample_stats
 from ..model import GPT, RouterRecord, get_config
 from .checkpoint import load_latest, rng_state, save_checkpoint, set_rng_state
 from .data import Batch, Corpus, JsonlCorpus, SyntheticCorpus, TextFileCorpus, global_batch, split_batch
@@ -92,6 +93,7 @@ class TrainConfig:
     resume: bool = False
     tensorboard: bool = True
     progress: bool = True
+    dump_samples: bool = False
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending field for any inconsistent setting."""
@@ -121,6 +123,9 @@ class TrainConfig:
             )
         if self.mode == "sample_sum_norm" and self.fixed_length is None:
             self.fixed_length = self.seq_len
+        if self.dump_samples and (self.out is None or self.cp > 1):
+            raise ValueError("dump_samples needs out= (the dump goes to OUT/samples) and cp=1 (a context-parallel "
+                             "shard holds only part of a sample's sum)")
         if self.data != "synthetic" and not os.path.exists(self.data):
             raise FileNotFoundError(f"data file not found: {self.data}")
 
@@ -258,6 +263,7 @@ class Trainer:
             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
         self.step = 0
         self.history: list[dict[str, Any]] = []
+        self.dump = None  # per-sample (n_i, s_i) writer of `lossparity gap`, opened by fit()
 
     # ------------------------------------------------------------------ one step
     def mtp_weight(self, step: int) -> float:
@@ -297,6 +303,10 @@ class Trainer:
                 else:
                     mask_c, seg_c, valid_c, masks_k = mb.mask, seg, valid, [r[1] for r in rolled]
                 loss = acc.lm_loss(per_tok, mask_c, seg_c, columns=cols)
+                if self.dump is not None:
+                    s_i, n_i = sample_stats(per_tok.detach(), mask_c)
+                    first = (self.dp_rank * cfg.ga + i) * cfg.microbatch_size
+                    self.dump.write(self.step + 1, torch.arange(first, first + len(n_i)), n_i, s_i)
                 if depths:
                     loss = loss + acc.mtp_loss(mtp_losses, masks_k, seg_c, columns=cols)
                 if self.routers:
@@ -362,6 +372,13 @@ class Trainer:
             if state is not None:
                 self.load_state_dict(state)
         writer = _open_logs(out, self.step, cfg.tensorboard) if out else None
+        if cfg.dump_samples and cfg.out:
+            from ..parity.sample_dump import DUMP_SUBDIR, SampleDumpWriter
+
+            meta = {"global_batch": cfg.global_batch, "microbatch_size": cfg.microbatch_size, "seq_len": cfg.seq_len,
+                    "mode": cfg.mode, "fixed_length": cfg.fixed_length, "world_size": self.world}
+            self.dump = SampleDumpWriter(os.path.join(cfg.out, DUMP_SUBDIR), self.rank, meta=meta,
+                                         resume_step=self.step if self.step else None)
         interval = IntervalMean()
         done = 0
         try:
@@ -386,6 +403,9 @@ class Trainer:
         finally:
             if writer:
                 writer.close()
+            if self.dump is not None:
+                self.dump.close()
+                self.dump = None
             if self.rank == 0 and cfg.progress and sys.stdout.isatty():
                 print()
         return self.history
