@@ -20,10 +20,16 @@ class UsageError(Exception):
 
 
 def _cmd_modes(args: argparse.Namespace) -> int:
+    from .parity.presets import modes_translation_requested, preset_table, run_modes_translation
+
+    if modes_translation_requested(args):
+        return run_modes_translation(args)
     print("| mode | objective J | matches |")
     print("|---|---|---|")
     for mode, (formula, who) in MODE_INFO.items():
         print(f"| `{mode}` | `{formula}` | {who} |")
+    print("\nframework presets (`--preset` of `lossparity train`, `--from/--to` of this command):\n")
+    print(preset_table())
     if args.no_check:
         return 0
     from .selfcheck import run_selfcheck
@@ -49,6 +55,16 @@ def _train_config(args: argparse.Namespace):
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:
             overrides[key] = value
+    preset_fields: dict = {}
+    if args.preset:
+        from .parity.presets import resolve_preset
+
+        try:
+            preset = resolve_preset(args.preset)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        preset_fields = {**preset.train_config_fields(),
+                         "mtp_log_estimator": preset.accountant_kwargs().get("mtp_log_estimator", "token_mean")}
     cfg = TrainConfig(
         model=args.model, model_overrides=overrides, mode=args.mode, normalization=args.normalization,
         dp=args.dp, cp=args.cp, ga=args.ga, global_batch=args.global_batch, seq_len=args.seq_len, packed=args.packed,
@@ -58,6 +74,11 @@ def _train_config(args: argparse.Namespace):
         ckpt_interval=args.ckpt_interval, resume=args.resume, progress=not args.no_progress,
         dump_samples=args.dump_samples,
     )
+    for key, value in preset_fields.items():
+        # An explicit command-line value wins over the preset for the fields it names.
+        if key in ("mode", "aux_scope", "mtp_convention", "normalization") and args._explicit.get(key):
+            continue
+        setattr(cfg, key, value)
     try:
         cfg.validate()
     except (ValueError, FileNotFoundError) as e:
@@ -117,6 +138,9 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--model", default="tiny", help="model preset: tiny, small, medium, 100m")
     t.add_argument("--set", dest="model_set", action="append", metavar="FIELD=VALUE",
                    help="override a ModelConfig field (repeatable), e.g. --set mtp_depths=0")
+    t.add_argument("--preset", default=None,
+                   help="framework preset, e.g. megatron:calculate_per_token_loss=false, maxtext, torchtitan, "
+                        "hf-trainer, verl:seq-mean-token-mean, lossparity (see `lossparity modes`)")
     t.add_argument("--mode", default="per_token", help=f"objective mode: {', '.join(MODES)}")
     t.add_argument("--normalization", default="precount", choices=["precount", "deferred"])
     t.add_argument("--dp", type=int, default=1, help="data-parallel ranks (started here unless under torchrun)")
@@ -152,7 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("modes", help="print the normalization modes and run the built-in self-check")
     m.add_argument("--no-check", action="store_true", help="only print the table")
+    from .parity.gap import add_gap_arguments, run_gap
+    from .parity.presets import add_modes_translation_arguments
+
+    add_modes_translation_arguments(m)
     m.set_defaults(func=_cmd_modes)
+
+    g = sub.add_parser("gap", help="every mode per step from a --dump-samples run; per_token - per_sample gap")
+    add_gap_arguments(g)
+    g.set_defaults(func=run_gap)
 
     t = sub.add_parser("train", help="train the reference MoE+MTP model (JSONL metrics, checkpoints)")
     _add_train_args(t)
@@ -181,6 +213,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits with 2 on bad usage already
         return int(e.code or 0)
+    # Which options were given explicitly (a preset must not override them).
+    argv_list = list(sys.argv[1:] if argv is None else argv)
+    args._explicit = {k: any(a == "--" + k.replace("_", "-") or a.startswith("--" + k.replace("_", "-") + "=")
+                             for a in argv_list) for k in ("mode", "aux_scope", "mtp_convention", "normalization")}
     try:
         return int(args.func(args) or 0)
     except UsageError as e:

@@ -40,6 +40,19 @@ class ModelOutput:
     indexer: tuple[Tensor, Tensor] | None
 
 
+@dataclass
+class ForwardContext:
+    """Per-microbatch inputs of the blocks (see :meth:`GPT.prepare`)."""
+
+    tokens: Tensor
+    mask: Tensor
+    cos: Tensor
+    sin: Tensor
+    positions: Tensor
+    valid: Tensor | None
+    mtp_tokens: list[Tensor]
+
+
 class GPT(nn.Module):
     """Decoder-only transformer configured by :class:`ModelConfig` (see the module docstring)."""
 
@@ -86,6 +99,61 @@ class GPT(nn.Module):
             if isinstance(m, Attention):
                 m.cp = cp
 
+    def prepare(self, tokens: Tensor, *, segment_ids: Tensor | None = None, positions: Tensor | None = None
+                ) -> ForwardContext:
+        """Everything the blocks need besides the hidden states, from whole rows: attention mask, RoPE
+        tables, non-padding map, MTP input tokens (rolled on whole rows), cut to this rank's columns under
+        context parallelism. Computed once per microbatch (pipeline stages share it)."""
+        self._check_inputs(tokens, segment_ids, positions)
+        c = self.config
+        B, S = tokens.shape
+        if positions is None:
+            positions = (positions_from_segments(segment_ids) if segment_ids is not None
+                         else torch.arange(S, device=tokens.device).expand(B, S))
+        mask = attention_mask(segment_ids, S, tokens.device)
+        mtp_tokens = [shift_tokens(tokens, m.depth, segment_ids) for m in self.mtp]
+        cp = self.cp
+        if cp is not None:
+            # Whole rows in, this shard's columns out: queries are ours, keys come in all_columns order.
+            cols, all_cols = cp.columns(S).to(tokens.device), cp.all_columns(S).to(tokens.device)
+            mask = mask[:, :, cols][:, :, :, all_cols]
+            tokens, positions = tokens[:, cols], positions[:, cols]
+            segment_ids = None if segment_ids is None else segment_ids[:, cols]
+            mtp_tokens = [t[:, cols] for t in mtp_tokens]
+        valid = None if segment_ids is None else segment_ids != 0
+        dtype = torch.promote_types(self.tok_embeddings.weight.dtype, torch.float32)
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype)
+        return ForwardContext(tokens, mask, cos, sin, positions, valid, mtp_tokens)
+
+    def run_layers(self, h: Tensor, ctx: ForwardContext, layer_ids: range, *, recompute: bool = False
+                   ) -> tuple[Tensor, list[RouterRecord], tuple[Tensor, Tensor] | None]:
+        """Main transformer layers ``layer_ids`` on ``h``; returns ``(h, router records, indexer outputs)``."""
+        routers: list[RouterRecord] = []
+        indexer = None
+        for i in layer_ids:
+            args = (h, ctx.cos, ctx.sin, ctx.mask, ctx.positions, ctx.valid)
+            h, record, idx = checkpoint(self.layers[i], *args) if recompute else self.layers[i](*args)
+            if record is not None:
+                routers.append(record)
+            if idx is not None:
+                indexer = idx
+        return h, routers, indexer
+
+    def run_head(self, h: Tensor, ctx: ForwardContext, *, recompute: bool = False
+                 ) -> tuple[Tensor, list[Tensor], list[RouterRecord]]:
+        """Final norm and the MTP depths on the last layer's output ``h``; returns ``(hidden, mtp_hidden,
+        MTP router records)`` (the output head itself is applied by the loss code)."""
+        hidden = self.norm(h)
+        mtp_hidden, routers = [], []
+        for module in self.mtp:
+            emb = self.tok_embeddings(ctx.mtp_tokens[module.depth - 1])
+            h, normed, record = module(h, emb, ctx.cos, ctx.sin, ctx.mask, ctx.positions, ctx.valid,
+                                       recompute=recompute)
+            mtp_hidden.append(normed)
+            if record is not None:
+                routers.append(record)
+        return hidden, mtp_hidden, routers
+
     def moe_routers(self) -> list[Router]:
         """Every router module, main layers in order then MTP depths in order (the order of
         ``ModelOutput.routers``)."""
@@ -124,43 +192,9 @@ class GPT(nn.Module):
         default to the index within the document (``arange(S)`` without segment ids). ``recompute``
         checkpoints every transformer block (main and MTP); the re-runs record and count nothing. Under
         :meth:`enable_context_parallel` the inputs are whole rows and the outputs this shard's columns."""
-        self._check_inputs(tokens, segment_ids, positions)
-        c = self.config
-        B, S = tokens.shape
-        if positions is None:
-            positions = (positions_from_segments(segment_ids) if segment_ids is not None
-                         else torch.arange(S, device=tokens.device).expand(B, S))
-        mask = attention_mask(segment_ids, S, tokens.device)
-        mtp_tokens = [shift_tokens(tokens, m.depth, segment_ids) for m in self.mtp]
-        cp = self.cp
-        if cp is not None:
-            # Whole rows in, this shard's columns out: queries are ours, keys come in all_columns order.
-            cols, all_cols = cp.columns(S).to(tokens.device), cp.all_columns(S).to(tokens.device)
-            mask = mask[:, :, cols][:, :, :, all_cols]
-            tokens, positions = tokens[:, cols], positions[:, cols]
-            segment_ids = None if segment_ids is None else segment_ids[:, cols]
-            mtp_tokens = [t[:, cols] for t in mtp_tokens]
-        valid = None if segment_ids is None else segment_ids != 0
-        dtype = torch.promote_types(self.tok_embeddings.weight.dtype, torch.float32)
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype)
-
-        h = self.tok_embeddings(tokens)
-        routers: list[RouterRecord] = []
-        indexer = None
-        for layer in self.layers:
-            args = (h, cos, sin, mask, positions, valid)
-            h, record, idx = checkpoint(layer, *args) if recompute else layer(*args)
-            if record is not None:
-                routers.append(record)
-            if idx is not None:
-                indexer = idx
-        hidden = self.norm(h)
-
-        mtp_hidden = []
-        for module in self.mtp:
-            emb = self.tok_embeddings(mtp_tokens[module.depth - 1])
-            h, normed, record = module(h, emb, cos, sin, mask, positions, valid, recompute=recompute)
-            mtp_hidden.append(normed)
-            if record is not None:
-                routers.append(record)
+        ctx = self.prepare(tokens, segment_ids=segment_ids, positions=positions)
+        h, routers, indexer = self.run_layers(self.tok_embeddings(ctx.tokens), ctx, range(len(self.layers)),
+                                              recompute=recompute)
+        hidden, mtp_hidden, mtp_routers = self.run_head(h, ctx, recompute=recompute)
+        routers += mtp_routers
         return ModelOutput(hidden=hidden, mtp_hidden=mtp_hidden, routers=routers, indexer=indexer)

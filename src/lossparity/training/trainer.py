@@ -79,6 +79,7 @@ class TrainConfig:
     mtp_weight_after: float = 0.1
     mtp_switch_step: int | None = None
     mtp_convention: str = "own"
+    mtp_log_estimator: str = "token_mean"
     aux_scope: str = "global_lagged"
     aux_coeff: float = 1e-2
     z_coeff: float = 1e-3
@@ -249,6 +250,7 @@ class Trainer:
         depths = self.model_config.mtp_depths
         self.acc = Accountant(cfg.mode, normalization=cfg.normalization, fixed_length=cfg.fixed_length,
                               mtp_depths=depths, mtp_convention=cfg.mtp_convention, device=self.device,
+                              mtp_log_estimator=cfg.mtp_log_estimator,
                               mesh=self.mesh)
         self.routers = raw.moe_routers()
         if self.model_config.indexer_layer is not None:
