@@ -4,42 +4,48 @@ Layout of the package (a formula of SPEC.md lives in exactly one place):
 
 - ``lossparity.losses``: pure semantics on tensors, no process groups (modes, statistics, MTP, MoE
   auxiliary losses, indexer loss, chunked cross-entropy, estimator gap, log estimators).
-- ``lossparity.distributed``: process-group plumbing: the :class:`Accountant`, trackers, groups.
+- ``lossparity.distributed``: process-group plumbing: the :class:`Accountant`, MoE accounting, groups.
 - ``lossparity.model`` / ``lossparity.training``: the reference MoE+MTP GPT and its trainer.
 - ``lossparity.parity``: log readers, ``compare``, ``gap``, framework presets; ``lossparity.cli``.
-- ``lossparity.jax``: the same semantics in JAX (optional extra, never imported from here).
+- ``lossparity.jax``: the same semantics in JAX (optional extra; needs no torch).
+
+The names below are imported lazily, so that ``import lossparity.jax`` works without torch installed
+and the log tools start fast.
 """
 
 from __future__ import annotations
 
-from .distributed.accountant import Accountant
-from .losses.gap import GapResult, estimator_gap
-from .losses.modes import MODES, Normalizers, denominator, numerator, objective
-from .losses.mtp import roll_mtp
-from .losses.stats import document_stats, sample_stats
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Accountant",
-    "MODES",
-    "Normalizers",
-    "GapResult",
-    "chunked_cross_entropy",
-    "denominator",
-    "document_stats",
-    "estimator_gap",
-    "numerator",
-    "objective",
-    "roll_mtp",
-    "sample_stats",
-]
+_EXPORTS = {
+    "Accountant": "lossparity.distributed.accountant",
+    "MODES": "lossparity.losses.modes",
+    "Normalizers": "lossparity.losses.modes",
+    "denominator": "lossparity.losses.modes",
+    "numerator": "lossparity.losses.modes",
+    "objective": "lossparity.losses.modes",
+    "GapResult": "lossparity.losses.gap",
+    "estimator_gap": "lossparity.losses.gap",
+    "roll_mtp": "lossparity.losses.mtp",
+    "document_stats": "lossparity.losses.stats",
+    "sample_stats": "lossparity.losses.stats",
+    "chunked_cross_entropy": "lossparity.losses.cross_entropy",
+}
+
+__all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    # Imported lazily so that `import lossparity` stays cheap for the CLI's log tools.
-    if name == "chunked_cross_entropy":
-        from .losses.cross_entropy import chunked_cross_entropy
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lossparity' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-        return chunked_cross_entropy
-    raise AttributeError(f"module 'lossparity' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
