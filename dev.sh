@@ -17,7 +17,7 @@ ensure_env() {  # $1 = extras profile: main | test
   if [ "$1" = test ]; then
     "$VENV/bin/pip" install -q -e ".[dev,report,tensorboard,jax]"
     # megatron-core is the oracle of the MoE tests; --no-deps keeps it from touching torch.
-    "$VENV/bin/pip" install -q --no-deps "megatron-core"
+    "$VENV/bin/pip" install -q --no-deps "megatron-core==0.16.1"
   else
     "$VENV/bin/pip" install -q -e .
   fi

@@ -135,3 +135,26 @@ def run_cp_layout(rank: int, world: int, dp: int, cp: int, n_rows: int, modes: l
         acc.finish_step(model)
         out[mode] = ({n: p.grad.clone() for n, p in model.named_parameters()}, acc.logs())
     return out
+
+
+def run_fsdp(rank: int, world: int, n_rows: int, modes: list[str]):
+    """FSDP2 (fully_shard) with K=2 microbatches per rank: the accountant multiplies the averaged, sharded
+    gradients by D. Returns {mode: (full grads, logs)}."""
+    from torch.distributed.fsdp import fully_shard
+
+    tokens, labels, mask, seg = global_batch(n_rows)
+    per_rank = n_rows // world
+    b = per_rank // 2
+    mbs = [slice(rank * per_rank + k * b, rank * per_rank + (k + 1) * b) for k in range(2)]
+    out = {}
+    for mode in modes:
+        model = TinyLM()
+        fully_shard(model)
+        acc = lp.Accountant(mode, fixed_length=tokens.shape[1])
+        acc.begin_step([mask[m] for m in mbs], [seg[m] for m in mbs])
+        for m in mbs:
+            acc.lm_loss(model(tokens[m], labels[m]), mask[m], seg[m]).backward()
+        factor = acc.finish_step(model)
+        grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        out[mode] = (grads, acc.logs(), factor)
+    return out
