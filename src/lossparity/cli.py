@@ -155,7 +155,8 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--dtype", default="float32", choices=["float32", "float64", "bf16"])
     t.add_argument("--recompute", action="store_true", help="activation recompute of every block")
-    t.add_argument("--engine", default="ddp", choices=["ddp", "plain"])
+    t.add_argument("--engine", default="ddp", choices=["ddp", "fsdp", "plain"],
+                   help="data-parallel gradient engine: DDP, FSDP2 fully_shard, or the accountant's all-reduce")
     t.add_argument("--mtp-convention", default="own", choices=list(CONVENTIONS))
     t.add_argument("--aux-scope", default="global_lagged", choices=list(SCOPES))
     t.add_argument("--aux-coeff", type=float, default=1e-2)

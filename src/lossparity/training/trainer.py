@@ -58,6 +58,8 @@ class TrainConfig:
     fixed_length: int | None = None
     dp: int = 1
     cp: int = 1
+    pp: int = 1
+    pp_virtual: int = 1
     cp_zigzag: bool = True
     ga: int = 1
     global_batch: int = 8
@@ -104,8 +106,11 @@ class TrainConfig:
             raise ValueError(f"unknown aux_scope {self.aux_scope!r}; valid: {', '.join(SCOPES)}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; valid: {', '.join(_DTYPES)}")
-        if self.engine not in ("ddp", "plain"):
-            raise ValueError(f"unknown engine {self.engine!r}; valid: ddp, plain")
+        if self.engine not in ("ddp", "fsdp", "plain"):
+            raise ValueError(f"unknown engine {self.engine!r}; valid: ddp, fsdp, plain")
+        if self.engine == "fsdp" and (self.cp > 1 or self.pp > 1 or self.ckpt_interval):
+            raise ValueError("engine='fsdp' is supported for data parallelism without cp/pp and without "
+                             "checkpoints (sharded checkpoints are not written yet)")
         if self.cp > 1:
             if self.aux_scope not in ("global_lagged", "none") or self.z_form != "global":
                 raise ValueError(f"cp={self.cp} supports aux_scope global_lagged/none and z_form global (got "
@@ -114,7 +119,16 @@ class TrainConfig:
             parts = 2 * self.cp if self.cp_zigzag else self.cp
             if self.seq_len % parts:
                 raise ValueError(f"seq_len={self.seq_len} must be divisible by {parts} for cp={self.cp}")
-        for name in ("dp", "cp", "ga", "global_batch", "seq_len", "steps", "log_interval"):
+        if self.pp > 1:
+            if self.cp > 1 or self.dump_samples or self.ckpt_interval:
+                raise ValueError(f"pp={self.pp} is not combined with cp > 1, dump_samples or checkpoints yet")
+            if self.ga < self.pp:
+                raise ValueError(f"pp={self.pp} needs ga >= pp microbatches per step (got ga={self.ga}) to fill the "
+                                 "pipeline")
+            if self.pp_virtual > 1 and self.ga % self.pp:
+                raise ValueError(f"interleaved pipelining (pp_virtual={self.pp_virtual}) needs ga divisible by "
+                                 f"pp={self.pp}, got ga={self.ga}")
+        for name in ("dp", "cp", "pp", "pp_virtual", "ga", "global_batch", "seq_len", "steps", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.global_batch % (self.dp * self.ga):
@@ -210,16 +224,20 @@ class Trainer:
         self.cfg = cfg
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        if self.world != cfg.dp * cfg.cp:
-            raise ValueError(f"dp*cp={cfg.dp}*{cfg.cp} but the process group has {self.world} ranks")
+        if self.world != cfg.dp * cfg.cp * cfg.pp:
+            raise ValueError(f"dp*cp*pp={cfg.dp}*{cfg.cp}*{cfg.pp} but the process group has {self.world} ranks")
         self.mesh = None
         self.dp_rank, self.cp_ctx = self.rank, None
         if self.world > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self.mesh = init_device_mesh("cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl"
-                                         else "cpu", (cfg.dp, cfg.cp), mesh_dim_names=("dp", "cp"))
-            self.dp_rank = self.mesh.get_coordinate()[0]
+            device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+            if cfg.pp > 1:
+                self.mesh = init_device_mesh(device_type, (cfg.pp, cfg.dp), mesh_dim_names=("pp", "dp"))
+                self.dp_rank = self.mesh.get_coordinate()[1]
+            else:
+                self.mesh = init_device_mesh(device_type, (cfg.dp, cfg.cp), mesh_dim_names=("dp", "cp"))
+                self.dp_rank = self.mesh.get_coordinate()[0]
             if cfg.cp > 1:
                 from ..model.context_parallel import ContextParallel
 
@@ -234,7 +252,15 @@ class Trainer:
         raw.enable_context_parallel(self.cp_ctx)
         self.raw = raw
         fwd = LossForward(raw)
-        if self.world > 1 and cfg.engine == "ddp":
+        if self.world > 1 and cfg.engine == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            # FSDP2: parameters become DTensors sharded over DP; gradients are reduce-scattered (averaged),
+            # the accountant multiplies them by D. Router buffers stay per-rank (FSDP does not sync them).
+            for block in list(raw.layers) + [m.block for m in raw.mtp]:
+                fully_shard(block)
+            self.model = fully_shard(fwd)
+        elif self.world > 1 and cfg.engine == "ddp" and cfg.pp == 1:
             # broadcast_buffers=False: the routers' dispatch counters are per-rank until end_step sums them.
             # find_unused_parameters: an expert may receive no token of this rank's microbatch.
             with warnings.catch_warnings():
@@ -254,12 +280,21 @@ class Trainer:
                               mesh=self.mesh)
         self.routers = raw.moe_routers()
         if self.model_config.indexer_layer is not None:
+            if cfg.pp > 1:
+                raise ValueError("the indexer head is not supported with pipeline parallelism yet")
             self.acc.declare_metric("indexer_loss", "ratio")
-        self.moe = MoEAccounting(self.acc, len(self.routers), max(self.model_config.num_experts, 1),
-                                 max(self.model_config.topk, 1), scope=cfg.aux_scope, aux_coeff=cfg.aux_coeff,
-                                 z_coeff=cfg.z_coeff, z_form=cfg.z_form)
-        decay = [p for n, p in raw.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in raw.named_parameters() if p.dim() < 2]
+        self.pipeline = None
+        if cfg.pp > 1:
+            from .pipeline import PipelineRunner
+
+            self.pipeline = PipelineRunner(self)
+        # Under pipeline parallelism every chunk has its own MoE accounting (see training/pipeline.py).
+        self.moe = None if self.pipeline is not None else MoEAccounting(
+            self.acc, len(self.routers), max(self.model_config.num_experts, 1), max(self.model_config.topk, 1),
+            scope=cfg.aux_scope, aux_coeff=cfg.aux_coeff, z_coeff=cfg.z_coeff, z_form=cfg.z_form)
+        named = list(raw.named_parameters()) if self.pipeline is None else list(self.pipeline.params.items())
+        decay = [p for n, p in named if p.dim() >= 2]
+        no_decay = [p for n, p in named if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
@@ -290,11 +325,15 @@ class Trainer:
         depths = self.model_config.mtp_depths
         acc.begin_step([mb.mask for mb in mbs], list(segs), mtp_weight=self.mtp_weight(self.step),
                        extra_counts=self.moe.router_tokens(valids))
+        if self.pipeline is not None:
+            return self._finish_pipeline_step(mbs, segs, valids, t0)
         dtype = torch.bfloat16 if cfg.dtype == "bf16" else None
         for i, (mb, seg, valid) in enumerate(zip(mbs, segs, valids)):
             last = i == len(mbs) - 1
             sync = model.no_sync() if isinstance(model, nn.parallel.DistributedDataParallel) and not last \
                 else _NullContext()
+            if cfg.engine == "fsdp" and self.world > 1:
+                model.set_requires_gradient_sync(last)  # reduce-scatter once, after the last microbatch
             rolled = [roll_mtp(mb.labels, mb.mask, seg, k) for k in range(1, depths + 1)]
             with sync:
                 per_tok, mtp_losses, routers, indexer = model(mb.tokens, mb.labels, [r[0] for r in rolled], seg,
@@ -333,6 +372,26 @@ class Trainer:
                                 "tokens_per_s": cfg.global_batch * cfg.seq_len / elapsed, "step_time_s": elapsed}
         self.step += 1
         return line
+
+    def _finish_pipeline_step(self, mbs: list[Batch], segs: tuple, valids: tuple, t0: float) -> dict[str, Any]:
+        """Steps 2-5 of :meth:`train_step` through the pipeline schedule (see ``training/pipeline.py``)."""
+        cfg, acc, pipe = self.cfg, self.acc, self.pipeline
+        assert pipe is not None
+        pipe.run(mbs, list(segs), list(valids))
+        pipe.reduce_grads()
+        acc.finish_step(list(pipe.params.values()))
+        pipe.end_step_moe(self.bias_rate(self.step), cfg.bias_zero_mean)
+        grad_norm = pipe.grad_norm_and_clip(cfg.grad_clip)
+        lr = _lr_at(cfg, self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        logs = acc.logs()
+        elapsed = time.perf_counter() - t0
+        self.step += 1
+        return {"step": self.step, **logs, "grad_norm": grad_norm, "lr": lr,
+                "tokens_per_s": cfg.global_batch * cfg.seq_len / elapsed, "step_time_s": elapsed}
 
     def _indexer_share(self, indexer: tuple[Tensor, Tensor], valid: Tensor) -> Tensor:
         """DeepSeek-V3.2 indexer loss in its invariant form ``c·Σ_t KL_t / Tq_global`` (SPEC §5), ``Tq`` =

@@ -37,6 +37,9 @@ class Layout:
     recompute: bool = False
     cp: int = 1
     indexer: bool = True  # the indexer head needs every key on every rank: off under context parallelism
+    pp: int = 1
+    pp_virtual: int = 1
+    engine: str = "ddp"
 
 
 DEFAULT_LAYOUTS = (
@@ -45,6 +48,7 @@ DEFAULT_LAYOUTS = (
     Layout("D2xK2", 2, 2),
     Layout("D4", 4, 1),
     Layout("D2xK2+recompute", 2, 2, True),
+    Layout("D2xK2+fsdp", 2, 2, engine="fsdp"),
     Layout("C2xK2", 1, 2, cp=2, indexer=False),
     Layout("D2xC2+recompute", 2, 1, True, cp=2, indexer=False),
 )
@@ -53,11 +57,31 @@ QUICK_LAYOUTS = (Layout("1x1", 1, 1), Layout("K=4", 1, 4), Layout("D2xK2+recompu
 
 
 def _record(trainer: Trainer) -> dict[str, Any]:
+    """History, parameters and expert biases of a run; under pipeline parallelism only what this rank
+    owns (``merge_records`` unites the ranks)."""
+    pipe = trainer.pipeline
+    params = trainer.raw.named_parameters() if pipe is None else pipe.params.items()
+    # FSDP2 parameters are DTensors: compare their full values.
+    params = [(n, p.full_tensor() if hasattr(p, "full_tensor") else p) for n, p in params]
+    owned = {id(r) for m in pipe.stages for r in m.routers()} if pipe is not None else None
     return {
         "history": trainer.history,
-        "params": {n: p.detach().clone() for n, p in trainer.raw.named_parameters()},
-        "bias": [r.expert_bias.detach().clone() for r in trainer.routers],
+        "params": {n: p.detach().clone() for n, p in params},
+        "bias": {i: r.expert_bias.detach().clone() for i, r in enumerate(trainer.routers)
+                 if owned is None or id(r) in owned},
     }
+
+
+def merge_records(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record from every rank's (pipeline ranks own different parameters; others hold copies)."""
+    out: dict[str, Any] = {}
+    for mode in per_rank[0]:
+        rec = {"history": per_rank[0][mode]["history"], "params": {}, "bias": {}}
+        for r in per_rank:
+            rec["params"].update(r[mode]["params"])
+            rec["bias"].update(r[mode]["bias"])
+        out[mode] = rec
+    return out
 
 
 def _run_modes(rank: int, world: int, base: dict[str, Any], modes: list[str], layout: Layout) -> dict[str, Any]:
@@ -67,7 +91,9 @@ def _run_modes(rank: int, world: int, base: dict[str, Any], modes: list[str], la
         overrides.pop("indexer_layer", None)
     for mode in modes:
         cfg = TrainConfig(**{**base, "mode": mode, "dp": layout.dp, "cp": layout.cp, "ga": layout.ga,
-                             "recompute": layout.recompute, "model_overrides": overrides})
+                             "pp": layout.pp, "pp_virtual": layout.pp_virtual, "recompute": layout.recompute,
+                             "engine": layout.engine,
+                             "model_overrides": overrides})
         t = Trainer(cfg)
         t.fit()
         out[mode] = _record(t)
@@ -101,9 +127,12 @@ def compare_records(run: dict[str, Any], ref: dict[str, Any]) -> dict[str, float
             group = k if k in ("objective", "lm_loss", "grad_norm") else "logs"
             res[group] = max(res[group], d)
     for name, p in ref["params"].items():
-        res["params"] = max(res["params"], _tensor_rel(run["params"][name], p))
-    for a, b in zip(run["bias"], ref["bias"]):
-        res["bias"] = max(res["bias"], _tensor_rel(a, b))
+        if name in run["params"]:
+            res["params"] = max(res["params"], _tensor_rel(run["params"][name], p))
+    if set(run["params"]) != set(ref["params"]) or set(run["bias"]) != set(ref["bias"]):
+        res["params"] = float("inf")  # a parameter or bias missing: never silently pass
+    for i, b in ref["bias"].items():
+        res["bias"] = max(res["bias"], _tensor_rel(run["bias"][i], b))
     return res
 
 
@@ -138,9 +167,9 @@ def run_verify(
         if layout.name not in results:
             if progress:
                 print(f"  running layout {layout.name} ({len(modes)} modes)...", flush=True)
-            world = layout.dp * layout.cp
+            world = layout.dp * layout.cp * layout.pp
             results[layout.name] = (_run_modes(0, 1, base, list(modes), layout) if world == 1 else
-                                    spawn(_run_modes, world, base, list(modes), layout, timeout_s=300)[0])
+                                    merge_records(spawn(_run_modes, world, base, list(modes), layout, timeout_s=300)))
         return results[layout.name]
 
     def reference(layout: Layout, mode: str) -> Layout:
