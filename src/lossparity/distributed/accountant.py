@@ -91,7 +91,9 @@ def _unique_grads(model: nn.Module | Iterable[Tensor] | None, fill_missing: bool
             if not (fill_missing and p.requires_grad):
                 continue
             p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
+        g = p.grad
+        # DTensor gradients (tensor parallel, FSDP2): scale/reduce the local shard in place.
+        grads.append(g.to_local() if hasattr(g, "to_local") else g)
     return grads
 
 
@@ -486,7 +488,7 @@ class Accountant:
         self._require_step("finish_step")
         if self._finished:
             raise RuntimeError("finish_step called twice in one step")
-        if self._mb != self._n_mbs:
+        if self._mb != self._n_mbs and self.groups.loss_stage:
             raise RuntimeError(
                 f"begin_step received {self._n_mbs} masks but lm_loss was called for {self._mb} microbatches "
                 f"(rank {self.groups.token_rank()})"
@@ -534,7 +536,7 @@ class Accountant:
         ``mtp_<k>_loss`` and every declared metric. Ends the step.
         """
         self._require_step("logs")
-        if self._mb != self._n_mbs:
+        if self._mb != self._n_mbs and self.groups.loss_stage:
             raise RuntimeError(
                 f"logs() called after {self._mb} of {self._n_mbs} microbatches (rank {self.groups.token_rank()})"
             )

@@ -38,10 +38,21 @@ class GroupedExperts(nn.Module):
         """``out[t] = Σ_{e: dispatch_map[t, e]} gates[t, e] · expert_e(x[t])`` for ``x [T, dim]``,
         ``gates [T, E]``, ``dispatch_map`` bool ``[T, E]``; ``out`` has ``x``'s dtype."""
         out = torch.zeros_like(x)
-        for e in range(self.num_experts):
-            idx = dispatch_map[:, e].nonzero().squeeze(1)
+        region = getattr(self, "tp_region", None)  # set by tensor parallelism (model/tensor_parallel.py)
+        w1, w3, w2 = self.w1, self.w3, self.w2
+        if region is not None:
+            x = region[0](x)
+            w1, w3, w2 = w1.to_local(), w3.to_local(), w2.to_local()
+        idxs = [dispatch_map[:, e].nonzero().squeeze(1) for e in range(self.num_experts)]
+        ys = []
+        for e, idx in enumerate(idxs):
             xe = x.index_select(0, idx)
-            ye = (F.silu(xe @ self.w1[e]) * (xe @ self.w3[e])) @ self.w2[e]
+            ys.append((F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e])
+        if region is not None:
+            # One all-reduce of every expert's partial output (sharded hidden dimension), before gating:
+            # the gates' gradient then sees full expert outputs, identical on every TP rank.
+            ys = list(region[1](torch.cat(ys)).split([len(i) for i in idxs]))
+        for e, (idx, ye) in enumerate(zip(idxs, ys)):
             ge = gates[:, e].index_select(0, idx).unsqueeze(1)
             out.index_add_(0, idx, ye.to(out.dtype) * ge.to(out.dtype))
         return out

@@ -60,6 +60,7 @@ class TrainConfig:
     cp: int = 1
     pp: int = 1
     pp_virtual: int = 1
+    tp: int = 1
     cp_zigzag: bool = True
     ga: int = 1
     global_batch: int = 8
@@ -119,6 +120,11 @@ class TrainConfig:
             parts = 2 * self.cp if self.cp_zigzag else self.cp
             if self.seq_len % parts:
                 raise ValueError(f"seq_len={self.seq_len} must be divisible by {parts} for cp={self.cp}")
+        if self.tp > 1:
+            if self.cp > 1 or self.pp > 1 or self.ckpt_interval:
+                raise ValueError(f"tp={self.tp} is not combined with cp > 1, pp > 1 or checkpoints yet")
+            if self.engine != "plain":
+                self.engine = "plain"  # DTensor-sharded parameters: the accountant sums gradients over DP
         if self.pp > 1:
             if self.cp > 1 or self.dump_samples or self.ckpt_interval:
                 raise ValueError(f"pp={self.pp} is not combined with cp > 1, dump_samples or checkpoints yet")
@@ -128,7 +134,7 @@ class TrainConfig:
             if self.pp_virtual > 1 and self.ga % self.pp:
                 raise ValueError(f"interleaved pipelining (pp_virtual={self.pp_virtual}) needs ga divisible by "
                                  f"pp={self.pp}, got ga={self.ga}")
-        for name in ("dp", "cp", "pp", "pp_virtual", "ga", "global_batch", "seq_len", "steps", "log_interval"):
+        for name in ("dp", "cp", "pp", "pp_virtual", "tp", "ga", "global_batch", "seq_len", "steps", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.global_batch % (self.dp * self.ga):
@@ -173,6 +179,29 @@ def _valid_tokens(mb: Batch) -> tuple[Tensor, Tensor]:
     S = mb.tokens.shape[1]
     valid = (mb.positions > 0) | (torch.arange(S, device=mb.tokens.device) == 0)
     return valid.long(), valid
+
+
+def _clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
+    """Global L2 norm of the gradients (DTensor shards reduced over their mesh: ``full_tensor`` semantics
+    without materializing), then clipping by ``max_norm`` (``<= 0``: no clipping). Returns the norm."""
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        g = p.grad
+        if hasattr(g, "to_local"):
+            local = g.to_local().detach().to(torch.float64).pow(2).sum()
+            if any(pl.is_shard() for pl in g.placements):
+                local = local.to(g.to_local().device)
+                dist.all_reduce(local, group=g.device_mesh.get_group())
+            sq += local.cpu()
+        else:
+            sq += g.detach().to(torch.float64).pow(2).sum().cpu()
+    norm = float(sq.sqrt())
+    if max_norm > 0 and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for p in params:
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            g.mul_(coef)
+    return norm
 
 
 def _lr_at(cfg: TrainConfig, step: int) -> float:
@@ -224,8 +253,9 @@ class Trainer:
         self.cfg = cfg
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        if self.world != cfg.dp * cfg.cp * cfg.pp:
-            raise ValueError(f"dp*cp*pp={cfg.dp}*{cfg.cp}*{cfg.pp} but the process group has {self.world} ranks")
+        if self.world != cfg.dp * cfg.cp * cfg.pp * cfg.tp:
+            raise ValueError(f"dp*cp*pp*tp={cfg.dp}*{cfg.cp}*{cfg.pp}*{cfg.tp} but the process group has "
+                             f"{self.world} ranks")
         self.mesh = None
         self.dp_rank, self.cp_ctx = self.rank, None
         if self.world > 1:
@@ -235,6 +265,9 @@ class Trainer:
             if cfg.pp > 1:
                 self.mesh = init_device_mesh(device_type, (cfg.pp, cfg.dp), mesh_dim_names=("pp", "dp"))
                 self.dp_rank = self.mesh.get_coordinate()[1]
+            elif cfg.tp > 1:
+                self.mesh = init_device_mesh(device_type, (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
+                self.dp_rank = self.mesh.get_coordinate()[0]
             else:
                 self.mesh = init_device_mesh(device_type, (cfg.dp, cfg.cp), mesh_dim_names=("dp", "cp"))
                 self.dp_rank = self.mesh.get_coordinate()[0]
@@ -250,6 +283,13 @@ class Trainer:
         raw = GPT(self.model_config)
         raw.to(device=self.device, dtype=torch.float64 if cfg.dtype == "float64" else torch.float32)
         raw.enable_context_parallel(self.cp_ctx)
+        if cfg.tp > 1:
+            from ..model.tensor_parallel import apply_tensor_parallel
+
+            if self.model_config.indexer_layer is not None:
+                raise ValueError("the indexer head is not supported with tensor parallelism yet (it needs every "
+                                 "head's attention probabilities)")
+            apply_tensor_parallel(raw, self.mesh["tp"])
         self.raw = raw
         fwd = LossForward(raw)
         if self.world > 1 and cfg.engine == "fsdp":
@@ -297,7 +337,7 @@ class Trainer:
         no_decay = [p for n, p in named if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False if cfg.tp > 1 else None)
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.dump = None  # per-sample (n_i, s_i) writer of `lossparity gap`, opened by fit()
@@ -359,8 +399,7 @@ class Trainer:
         acc.finish_step(model)
         moe_logs = self.moe.end_step(self.routers, bias_rate=self.bias_rate(self.step),
                                      zero_mean=cfg.bias_zero_mean)
-        params = [p for p in self.raw.parameters() if p.grad is not None]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf))
+        grad_norm = _clip_grad_norm([p for p in self.raw.parameters() if p.grad is not None], cfg.grad_clip)
         lr = _lr_at(cfg, self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -551,6 +590,7 @@ def run_training(cfg: TrainConfig) -> list[dict[str, Any]]:
             return Trainer(cfg).fit()
         finally:
             dist.destroy_process_group()
-    if cfg.dp * cfg.cp == 1:
+    world = cfg.dp * cfg.cp * cfg.pp * cfg.tp
+    if world == 1:
         return Trainer(cfg).fit()
-    return spawn(_train_entry, cfg.dp * cfg.cp, cfg)[0]
+    return spawn(_train_entry, world, cfg)[0]

@@ -40,6 +40,7 @@ class Layout:
     pp: int = 1
     pp_virtual: int = 1
     engine: str = "ddp"
+    tp: int = 1
 
 
 DEFAULT_LAYOUTS = (
@@ -51,6 +52,7 @@ DEFAULT_LAYOUTS = (
     Layout("D2xK2+fsdp", 2, 2, engine="fsdp"),
     Layout("C2xK2", 1, 2, cp=2, indexer=False),
     Layout("D2xC2+recompute", 2, 1, True, cp=2, indexer=False),
+    Layout("T2xK2", 1, 2, tp=2, indexer=False),
 )
 QUICK_LAYOUTS = (Layout("1x1", 1, 1), Layout("K=4", 1, 4), Layout("D2xK2+recompute", 2, 2, True),
                  Layout("C2xK2", 1, 2, cp=2, indexer=False))
@@ -92,7 +94,7 @@ def _run_modes(rank: int, world: int, base: dict[str, Any], modes: list[str], la
     for mode in modes:
         cfg = TrainConfig(**{**base, "mode": mode, "dp": layout.dp, "cp": layout.cp, "ga": layout.ga,
                              "pp": layout.pp, "pp_virtual": layout.pp_virtual, "recompute": layout.recompute,
-                             "engine": layout.engine,
+                             "engine": layout.engine, "tp": layout.tp,
                              "model_overrides": overrides})
         t = Trainer(cfg)
         t.fit()
@@ -167,7 +169,7 @@ def run_verify(
         if layout.name not in results:
             if progress:
                 print(f"  running layout {layout.name} ({len(modes)} modes)...", flush=True)
-            world = layout.dp * layout.cp * layout.pp
+            world = layout.dp * layout.cp * layout.pp * layout.tp
             results[layout.name] = (_run_modes(0, 1, base, list(modes), layout) if world == 1 else
                                     merge_records(spawn(_run_modes, world, base, list(modes), layout, timeout_s=300)))
         return results[layout.name]

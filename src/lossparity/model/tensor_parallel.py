@@ -1,0 +1,92 @@
+"""Tensor parallelism (TP) for the reference model, with PyTorch's ``torch.distributed.tensor.parallel``.
+
+Plan (Megatron's, without sequence parallelism):
+
+- attention: ``wq``/``wk``/``wv`` column-wise (each TP rank holds ``n_heads/T`` query heads and
+  ``n_kv_heads/T`` key/value heads), ``wo`` row-wise (its output is all-reduced);
+- dense SwiGLU MLPs and the MoE shared expert: ``w1``/``w3`` column-wise, ``w2`` row-wise;
+- routed experts' dense parts: the hidden dimension of every expert is sharded (``w1``/``w3`` on their
+  last dimension, ``w2`` on its middle one, as ``DTensor``s); the expert input enters a region whose
+  backward all-reduces, the output leaves it with a forward all-reduce (Megatron's ``f``/``g``);
+- router, norms and embedding replicated: every TP rank routes every token identically, so the token
+  histograms (aux-loss counts, expert-bias counts) must NOT be summed over TP — they are summed over the
+  ranks holding distinct tokens only (DP × CP), which the accountant's token group already is;
+- the output head stays replicated here (every TP rank computes the same per-token losses); a
+  vocabulary-parallel head is future work.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .attention import Attention
+from .mlp import SwiGLU
+from .moe import GroupedExperts
+
+__all__ = ["apply_tensor_parallel"]
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Identity forward; all-reduce of the gradient in backward (the input feeds sharded compute)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: object) -> Tensor:  # noqa: D102
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # noqa: D102
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """All-reduce forward (sum of the partial outputs); identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: object) -> Tensor:  # noqa: D102
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # noqa: D102
+        return grad, None
+
+
+def _shard_experts(experts: GroupedExperts, tp_mesh: object) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for name, dim in (("w1", 2), ("w3", 2), ("w2", 1)):
+        p = getattr(experts, name)
+        setattr(experts, name, nn.Parameter(distribute_tensor(p.detach(), tp_mesh, [Shard(dim)])))
+    group = tp_mesh.get_group()
+    experts.tp_region = (lambda x: _CopyToRegion.apply(x, group), lambda y: _ReduceFromRegion.apply(y, group))
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: object) -> None:
+    """Shard ``model`` (a :class:`~lossparity.model.GPT`) over the 1-D ``tp_mesh`` in place (module
+    docstring). Raises when head counts or hidden sizes do not divide by the TP size."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = tp_mesh.size()
+    for module in model.modules():
+        if isinstance(module, Attention):
+            if module.n_heads % tp or module.n_kv_heads % tp:
+                raise ValueError(f"tp={tp} must divide n_heads={module.n_heads} and n_kv_heads={module.n_kv_heads}")
+            parallelize_module(module, tp_mesh, {"wq": ColwiseParallel(), "wk": ColwiseParallel(),
+                                                 "wv": ColwiseParallel(), "wo": RowwiseParallel()})
+            module.n_heads //= tp
+            module.n_kv_heads //= tp
+            if module.cp is not None:
+                raise ValueError("tensor and context parallelism together are not supported yet")
+        elif isinstance(module, SwiGLU):
+            parallelize_module(module, tp_mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
+                                                 "w2": RowwiseParallel()})
+        elif isinstance(module, GroupedExperts):
+            if module.w1.shape[2] % tp:
+                raise ValueError(f"tp={tp} must divide the experts' hidden size {module.w1.shape[2]}")
+            _shard_experts(module, tp_mesh)
