@@ -33,3 +33,20 @@ def test_tp_layouts_match_reference():
     layouts = (Layout("1x1", 1, 1, indexer=False), Layout("T2xK2", 1, 2, tp=2, indexer=False))
     report = run_verify(layouts, ("per_sample", "per_microbatch"), steps=2, progress=False)
     assert all(r["pass"] for r in report["rows"]), format_table(report)
+
+
+def _lagged_counts(rank: int, world: int, tp: int) -> tuple:
+    from lossparity.training.trainer import TrainConfig, Trainer
+
+    t = Trainer(TrainConfig(tp=tp, steps=1, global_batch=4, seq_len=16, progress=False, tensorboard=False,
+                            dtype="float64", bias_rate=0.0))
+    t.fit()
+    return float(t.moe.lagged_tokens), t.moe.lagged_counts.clone()
+
+
+def test_router_counts_are_not_multiplied_by_tp_size():
+    # Seed bug class: token histograms all-reduced over TP although TP ranks route the same tokens.
+    single = _lagged_counts(0, 1, 1)
+    tokens, counts = spawn(_lagged_counts, 2, 2, timeout_s=60)[0]
+    assert tokens == single[0]
+    assert (counts == single[1]).all()
