@@ -120,9 +120,9 @@ def _overhead_worker(rank: int, world: int, presets: list[str], K: int, b: int, 
         orig = dist.all_reduce
         import lossparity.distributed.accountant as A
 
-        def counting(t, *a, **k):
-            calls.append(t.numel() * t.element_size())
-            return orig(t, *a, **k)
+        def counting(t, *a, _calls=calls, _orig=orig, **k):
+            _calls.append(t.numel() * t.element_size())
+            return _orig(t, *a, **k)
 
         acc = lp.Accountant("per_sample", grad_reduction="sum")
         A.dist.all_reduce = counting
@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("\n### per_sample / per_token step time (accountant)\n")
     print(markdown_table(["preset", "ratio"], ratio_rows))
     print("\n### Collectives per step issued by the accountant (gradient reduction excluded)\n")
-    print(markdown_table(["preset", "all-reduces", "bytes"],
-                         [[p_, res[f"{p_}/collectives"]["count"], res[f"{p_}/collectives"]["bytes"]] for p_ in presets]))
+    coll = [[p_, res[f"{p_}/collectives"]["count"], res[f"{p_}/collectives"]["bytes"]] for p_ in presets]
+    print(markdown_table(["preset", "all-reduces", "bytes"], coll))
     scaling = bookkeeping_scaling([1, 4, 16] if args.quick else [1, 4, 16, 64], b, S, repeats)
     print("\n### Bookkeeping alone (synthetic losses, one process) versus K\n")
     print(markdown_table(["K", "median ms", "per microbatch µs"],

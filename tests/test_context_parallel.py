@@ -4,7 +4,6 @@ from whole rows, MTP rolled across shard boundaries; gradients and logs equal th
 from __future__ import annotations
 
 import pytest
-import torch
 from _dist_workers import run_cp_layout
 from _models import TinyLM, global_batch
 

@@ -29,6 +29,7 @@ def test_verify_quick_all_pass(tmp_path):
     modes = {"per_token", "per_sample", "per_microbatch", "per_document", "sample_sum", "sample_sum_norm"}
     assert {r["mode"] for r in report["rows"] if r["layout"] == "D2xK2+recompute"} == modes
     assert {r["mode"] for r in report["rows"] if r["layout"] == "C2xK2"} == modes  # context parallel
+    assert {r["mode"] for r in report["rows"] if r["layout"] == "P2xV2xK2"} == modes  # interleaved pipeline
 
 
 def test_resume_is_bit_exact(tmp_path):

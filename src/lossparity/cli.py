@@ -67,7 +67,8 @@ def _train_config(args: argparse.Namespace):
                          "mtp_log_estimator": preset.accountant_kwargs().get("mtp_log_estimator", "token_mean")}
     cfg = TrainConfig(
         model=args.model, model_overrides=overrides, mode=args.mode, normalization=args.normalization,
-        dp=args.dp, cp=args.cp, tp=args.tp, ga=args.ga, global_batch=args.global_batch, seq_len=args.seq_len, packed=args.packed,
+        dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp, pp_virtual=args.pp_virtual, ga=args.ga,
+        global_batch=args.global_batch, seq_len=args.seq_len, packed=args.packed,
         data=args.data, steps=args.steps, lr=args.lr, seed=args.seed, dtype=args.dtype, recompute=args.recompute,
         engine=args.engine, mtp_convention=args.mtp_convention, aux_scope=args.aux_scope, aux_coeff=args.aux_coeff,
         z_coeff=args.z_coeff, bias_rate=args.bias_rate, out=args.out, log_interval=args.log_interval,
@@ -146,6 +147,8 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--dp", type=int, default=1, help="data-parallel ranks (started here unless under torchrun)")
     t.add_argument("--cp", type=int, default=1, help="context-parallel ranks per data-parallel rank (zig-zag shards)")
     t.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (no sequence parallelism yet)")
+    t.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B; needs --ga >= --pp)")
+    t.add_argument("--pp-virtual", type=int, default=1, help="virtual chunks per stage (interleaved 1F1B)")
     t.add_argument("--ga", type=int, default=1, help="gradient-accumulation microbatches per rank")
     t.add_argument("--global-batch", type=int, default=8, help="rows per optimizer step")
     t.add_argument("--seq-len", type=int, default=64)
@@ -193,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=_cmd_train)
 
     v = sub.add_parser("verify", help="prove layout invariance of objective, logs, gradients, parameters")
-    v.add_argument("--quick", action="store_true", help="4 layouts, 2 steps (CI)")
+    v.add_argument("--quick", action="store_true", help="5 layouts, 2 steps (CI)")
     v.add_argument("--steps", type=int, default=0, help="steps per run (default 3, --quick 2)")
     v.add_argument("--modes", default="", help="comma-separated modes (default: all)")
     v.add_argument("--aux-scope", default="global_lagged", help="MoE aux-loss scope of the runs")

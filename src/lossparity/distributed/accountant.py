@@ -197,6 +197,11 @@ class Accountant:
             self._metric_reduce[name] = reduce
 
     @property
+    def finished(self) -> bool:
+        """True between ``finish_step`` and ``logs`` (gradients of the step are final)."""
+        return self._finished
+
+    @property
     def where(self) -> str:
         return f"rank {self.groups.token_rank()}, microbatch {self._mb}"
 
@@ -359,7 +364,9 @@ class Accountant:
         self._check_columns(columns)
         ntok = int(w.sum().item())
         full = self._masks[self._mb]
-        expected = int((full if columns is None else (full if full.dim() == 2 else full.unsqueeze(0))[:, columns]).sum())
+        if columns is not None:
+            full = (full if full.dim() == 2 else full.unsqueeze(0))[:, columns]
+        expected = int(full.sum())
         if ntok != expected:
             raise ValueError(
                 f"mask of microbatch {self._mb} has {ntok} tokens but begin_step counted {expected} for it "

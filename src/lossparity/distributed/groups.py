@@ -41,6 +41,12 @@ class ParallelGroups:
     pp_size: int
     log_owner: bool
     cp_rank: int = 0
+    pp_rank: int = 0
+
+    @property
+    def loss_stage(self) -> bool:
+        """True on the pipeline stage that computes the loss (the last one; every rank without PP)."""
+        return self.pp_rank == self.pp_size - 1
 
     @property
     def grad_size(self) -> int:
@@ -89,7 +95,7 @@ def resolve_groups(group: object | None = None, mesh: object | None = None) -> P
         )
 
     def sub(dims: tuple[str, ...]) -> object | None:
-        dims = tuple(d for d in dims if d in names and sizes[d] > 1)
+        dims = tuple(d for d in names if d in dims and sizes[d] > 1)  # mesh order: slicing requires it
         if not dims:
             return None
         if len(dims) == 1:
@@ -110,4 +116,5 @@ def resolve_groups(group: object | None = None, mesh: object | None = None) -> P
         pp_size=sizes["pp"],
         log_owner=(tp_rank == 0),
         cp_rank=coord[names.index("cp")] if "cp" in names else 0,
+        pp_rank=coord[names.index("pp")] if "pp" in names else 0,
     )

@@ -1,6 +1,7 @@
 """DeepSeek-V3.2 sparse-attention indexer loss (SPEC §5, "Indexer loss").
 
-Pure tensor functions, float32 math (float64 inputs stay float64). Per valid query token ``t`` the loss is ``KL(p_t || q_t)`` where
+Pure tensor functions, float32 math (float64 inputs stay float64). Per valid query token ``t`` the loss
+is ``KL(p_t || q_t)`` where
 ``q_t = softmax(I_t)`` is the indexer's distribution over keys and ``p_t`` the main attention summed
 over heads and L1-normalized (a detached target: gradient flows only into the indexer logits).
 

@@ -413,12 +413,13 @@ def expert_bias_update(
             f"{tuple(tokens_per_expert.shape)}"
         )
     with torch.no_grad():
-        c = tokens_per_expert.to(device=expert_bias.device, dtype=torch.float32)
+        dtype = torch.float64 if expert_bias.dtype == torch.float64 else torch.float32  # fp32, or fp64 kept
+        c = tokens_per_expert.to(device=expert_bias.device, dtype=dtype)
         mean = c.sum(dim=-1, keepdim=True) / c.shape[-1]
         delta = torch.sign(mean - c) * float(rate)
         if zero_mean:
             delta = delta - delta.mean(dim=-1, keepdim=True)
-        return expert_bias.detach().float() + delta
+        return expert_bias.detach().to(dtype) + delta
 
 
 def max_violation(tokens_per_expert: Tensor) -> Tensor:

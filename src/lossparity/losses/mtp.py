@@ -91,7 +91,8 @@ def mtp_numerator(
     check_mode(mode)
     check_convention(convention)
     if len(losses) != len(masks) or not losses:
-        raise ValueError(f"need one mask per MTP depth and at least one depth: {len(losses)} losses, {len(masks)} masks")
+        raise ValueError(
+            f"need one mask per MTP depth and at least one depth: {len(losses)} losses, {len(masks)} masks")
     if convention == "pooled":
         loss = torch.cat([x if x.dim() == 2 else x.unsqueeze(0) for x in losses], dim=-1)
         mask = torch.cat([x if x.dim() == 2 else x.unsqueeze(0) for x in masks], dim=-1)

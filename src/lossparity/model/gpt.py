@@ -12,9 +12,9 @@ import torch
 from torch import Tensor, nn
 
 from .attention import Attention, attention_mask
-from .context_parallel import ContextParallel
 from .block import Block
 from .config import ModelConfig
+from .context_parallel import ContextParallel
 from .moe import MoE
 from .mtp import MTPModule, shift_tokens
 from .norm import RMSNorm

@@ -113,15 +113,16 @@ class Preset:
         return kw
 
     def moe_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``MoEAccounting(...)`` that this preset fixes (``scope``, ``z_form``)."""
-        return {"scope": self.aux_scope, "z_form": self.z_form}
+        """Keyword arguments of ``MoEAccounting(...)`` that this preset fixes (``scope``, ``z_form``,
+        ``megatron_quirks``)."""
+        return {"scope": self.aux_scope, "z_form": self.z_form, "megatron_quirks": self.megatron_quirks}
 
     def train_config_fields(self) -> dict[str, Any]:
         """The ``TrainConfig`` fields this preset sets: mode, normalization, MTP convention, aux scope, z form
         (and ``fixed_length``). ``mtp_log_estimator`` is an ``Accountant`` argument, see :meth:`accountant_kwargs`."""
         out: dict[str, Any] = {"mode": self.mode, "normalization": self.normalization,
                                "mtp_convention": self.mtp_convention, "aux_scope": self.aux_scope,
-                               "z_form": self.z_form}
+                               "z_form": self.z_form, "megatron_quirks": self.megatron_quirks}
         if self.fixed_length is not None:
             out["fixed_length"] = self.fixed_length
         return out
@@ -228,14 +229,12 @@ def _megatron(spec: str, positional: list[str], options: dict[str, str]) -> Pres
     if per_token:
         notes += [
             "verified (core/transformer/moe/router.py): with =True the aux and z losses are pre-multiplied by the "
-            "local token count × |TP×CP| so that finalize's division leaves 1/(K·D): exact only when every "
-            "microbatch has the same token count (a parity quirk).",
+            "local token count × |TP×CP|, so after finalize's division by the global token count each microbatch "
+            "weighs its router tokens / the global LM token count (reproduced with megatron_quirks).",
             "verified: releases before Megatron-LM PR #3159 (2026-02) inject raw MTP sums that finalize divides by the "
             "main token count (main); since then each microbatch's depth-k sum is first rescaled by n_mb/n_k,mb "
             "(local counts), between main and own. The preset keeps main; lossparity does not reproduce the newer "
             "local rescaling exactly.",
-            "lossparity's MoEAccounting refuses normalization='deferred' with aux or z losses: use precount there "
-            "(same objective, pre-counted instead of deferred).",
         ]
     return Preset(
         name=name, framework="megatron",

@@ -58,11 +58,25 @@ class PipelineRunner:
             routers = module.routers()
             moe = MoEAccounting(trainer.acc, len(routers), max(raw.config.num_experts, 1), max(raw.config.topk, 1),
                                 scope=cfg.aux_scope, aux_coeff=cfg.aux_coeff, z_coeff=cfg.z_coeff,
-                                z_form=cfg.z_form, log_layers=total_moe, declare=total_moe > 0)
+                                z_form=cfg.z_form, log_layers=total_moe, declare=total_moe > 0,
+                                megatron_quirks=cfg.megatron_quirks)
             module.aux_fn = self._aux_fn(moe, routers)
             self.stages.append(module)
             self.moes.append((moe, routers))
-        pstages = [PipelineStage(m, c, num_chunks, trainer.device, group=self.pp_group)
+        # Static stage metadata: without it, PipelineStage infers shapes by running a forward and a backward
+        # of the first microbatch, which would consume a microbatch context and record auxiliary losses.
+        b, S, dim = cfg.microbatch_size, cfg.seq_len, raw.config.dim
+        dtype = raw.tok_embeddings.weight.dtype
+        # requires_grad on the example: the received activation buffers copy it, and the backward of a
+        # stage only sends a gradient for inputs that require one.
+        hidden = torch.empty(b, S, dim, dtype=dtype, device=trainer.device, requires_grad=True)
+        stacked = torch.empty(1 + len(raw.mtp), b, S, dim, dtype=dtype, device=trainer.device)
+        tokens = torch.empty(b, S, dtype=torch.long, device=trainer.device)
+        pstages = [PipelineStage(m, c, num_chunks, trainer.device, group=self.pp_group,
+                                 input_args=tokens if c == 0 else hidden,
+                                 output_args=stacked if c == num_chunks - 1 else hidden,
+                                 input_grads=(None,) if c == 0 else hidden,
+                                 output_grads=(None,) if c == num_chunks - 1 else hidden)
                    for m, c in zip(self.stages, self.chunk_ids)]
         if cfg.pp_virtual == 1:
             self.schedule = Schedule1F1B(pstages[0], cfg.ga, loss_fn=self._loss_fn, scale_grads=False)

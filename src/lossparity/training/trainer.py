@@ -87,6 +87,7 @@ class TrainConfig:
     aux_coeff: float = 1e-2
     z_coeff: float = 1e-3
     z_form: str = "global"
+    megatron_quirks: bool = False
     bias_rate: float = 1e-3
     bias_freeze_step: int | None = None
     bias_zero_mean: bool = False
@@ -331,7 +332,8 @@ class Trainer:
         # Under pipeline parallelism every chunk has its own MoE accounting (see training/pipeline.py).
         self.moe = None if self.pipeline is not None else MoEAccounting(
             self.acc, len(self.routers), max(self.model_config.num_experts, 1), max(self.model_config.topk, 1),
-            scope=cfg.aux_scope, aux_coeff=cfg.aux_coeff, z_coeff=cfg.z_coeff, z_form=cfg.z_form)
+            scope=cfg.aux_scope, aux_coeff=cfg.aux_coeff, z_coeff=cfg.z_coeff, z_form=cfg.z_form,
+            megatron_quirks=cfg.megatron_quirks)
         named = list(raw.named_parameters()) if self.pipeline is None else list(self.pipeline.params.items())
         decay = [p for n, p in named if p.dim() >= 2]
         no_decay = [p for n, p in named if p.dim() < 2]
@@ -364,7 +366,7 @@ class Trainer:
         segs, valids = zip(*(_valid_tokens(mb) for mb in mbs))
         depths = self.model_config.mtp_depths
         acc.begin_step([mb.mask for mb in mbs], list(segs), mtp_weight=self.mtp_weight(self.step),
-                       extra_counts=self.moe.router_tokens(valids))
+                       extra_counts=MoEAccounting.router_tokens(valids))
         if self.pipeline is not None:
             return self._finish_pipeline_step(mbs, segs, valids, t0)
         dtype = torch.bfloat16 if cfg.dtype == "bf16" else None

@@ -53,9 +53,13 @@ DEFAULT_LAYOUTS = (
     Layout("C2xK2", 1, 2, cp=2, indexer=False),
     Layout("D2xC2+recompute", 2, 1, True, cp=2, indexer=False),
     Layout("T2xK2", 1, 2, tp=2, indexer=False),
+    Layout("P2xK2", 1, 2, pp=2, indexer=False),
+    Layout("P2xV2xK2", 1, 2, pp=2, pp_virtual=2, indexer=False),
+    Layout("D2xP2xK2+recompute", 2, 2, True, pp=2, indexer=False),
 )
 QUICK_LAYOUTS = (Layout("1x1", 1, 1), Layout("K=4", 1, 4), Layout("D2xK2+recompute", 2, 2, True),
-                 Layout("C2xK2", 1, 2, cp=2, indexer=False))
+                 Layout("C2xK2", 1, 2, cp=2, indexer=False),
+                 Layout("P2xV2xK2", 1, 2, pp=2, pp_virtual=2, indexer=False))
 
 
 def _record(trainer: Trainer) -> dict[str, Any]:
