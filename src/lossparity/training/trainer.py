@@ -99,6 +99,7 @@ class TrainConfig:
     tensorboard: bool = True
     progress: bool = True
     dump_samples: bool = False
+    device: str = "cpu"  # "cuda": single-process runs on the current GPU (multi-rank runs use NCCL's device)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending field for any inconsistent setting."""
@@ -276,8 +277,14 @@ class Trainer:
                 from ..model.context_parallel import ContextParallel
 
                 self.cp_ctx = ContextParallel.from_group(self.mesh.get_group("cp"), cfg.cp_zigzag)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and \
-            dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
+        if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        elif cfg.device == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError("device='cuda' but torch.cuda.is_available() is False")
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
         overrides = dict(cfg.model_overrides)
         self.model_config = get_config(cfg.model, **overrides)
         torch.manual_seed(cfg.seed)

@@ -1,0 +1,28 @@
+"""The benchmark suite runs in its --quick form and writes its JSON (no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def test_quick_suite_prints_tables_and_writes_json(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--json", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("cross_entropy", "accountant", "moe_aux"):
+        data = json.loads((tmp_path / f"{name}.json").read_text())
+        assert "machine" in data or "meta" in data or data, name
+    assert "| preset | mode |" in proc.stdout  # the accountant's overhead table
+    acc = json.loads((tmp_path / "accountant.json").read_text())
+    # the accountant's own collectives per step: the pre-count and the logging all-reduce
+    assert acc["overhead"]["tiny/collectives"]["count"] == 2
