@@ -127,3 +127,27 @@ def test_dump_samples_matches_logged_lm_loss(tmp_path):
         assert rows.tolist() == list(range(4))
         assert float(n.sum()) == line["tokens"]
         assert float(s.sum() / n.sum()) == pytest.approx(line["lm_loss"], rel=1e-12)
+
+
+def test_trainer_run_compared_with_itself_under_two_layouts_passes(tmp_path, capsys):
+    # Two layouts of the same run (K=1 vs K=4, float64) through `lossparity compare`: parity, exit 0.
+    for name, ga in (("a", 1), ("b", 4)):
+        assert main(["train", "--steps", "3", "--ga", str(ga), "--dtype", "float64", "--packed", "--seq-len", "32",
+                     "--out", str(tmp_path / name), "--no-progress"]) == 0
+    capsys.readouterr()
+    rc = main(["compare", str(tmp_path / "a" / "metrics.jsonl"), str(tmp_path / "b" / "metrics.jsonl"),
+               "--tol", "*=1e-10", "--report", str(tmp_path / "report")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "lm_loss" in out and (tmp_path / "report" / "summary.md").exists()
+
+
+def test_mtp_weight_schedule_and_bias_freeze():
+    t = Trainer(small_cfg(steps=3, mtp_weight=0.3, mtp_weight_after=0.1, mtp_switch_step=2, bias_freeze_step=1,
+                          bias_rate=0.5))
+    t.fit(steps=1)
+    bias_after_1 = [r.expert_bias.clone() for r in t.routers]
+    t.fit()
+    assert [line["mtp_weight"] for line in t.history] == [0.3, 0.3, 0.1]
+    assert any(b.abs().sum() > 0 for b in bias_after_1)  # updated at step 0 with rate 0.5
+    assert all(torch.equal(a, r.expert_bias) for a, r in zip(bias_after_1, t.routers))  # frozen from step 1

@@ -70,7 +70,9 @@ def _train_config(args: argparse.Namespace):
         dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp, pp_virtual=args.pp_virtual, ga=args.ga,
         global_batch=args.global_batch, seq_len=args.seq_len, packed=args.packed,
         data=args.data, steps=args.steps, lr=args.lr, seed=args.seed, dtype=args.dtype, recompute=args.recompute,
-        engine=args.engine, mtp_convention=args.mtp_convention, aux_scope=args.aux_scope, aux_coeff=args.aux_coeff,
+        engine=args.engine, mtp_convention=args.mtp_convention, mtp_weight=args.mtp_weight,
+        mtp_weight_after=args.mtp_weight_after, mtp_switch_step=args.mtp_switch_step,
+        bias_freeze_step=args.bias_freeze_step, aux_scope=args.aux_scope, aux_coeff=args.aux_coeff,
         z_coeff=args.z_coeff, bias_rate=args.bias_rate, out=args.out, log_interval=args.log_interval,
         ckpt_interval=args.ckpt_interval, resume=args.resume, progress=not args.no_progress,
         dump_samples=args.dump_samples,
@@ -162,6 +164,10 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--engine", default="ddp", choices=["ddp", "fsdp", "plain"],
                    help="data-parallel gradient engine: DDP, FSDP2 fully_shard, or the accountant's all-reduce")
     t.add_argument("--mtp-convention", default="own", choices=list(CONVENTIONS))
+    t.add_argument("--mtp-weight", type=float, default=0.3, help="MTP lambda until --mtp-switch-step")
+    t.add_argument("--mtp-weight-after", type=float, default=0.1, help="MTP lambda from --mtp-switch-step on")
+    t.add_argument("--mtp-switch-step", type=int, default=None, help="step at which lambda switches (DeepSeek-V3)")
+    t.add_argument("--bias-freeze-step", type=int, default=None, help="expert-bias rate becomes 0 from this step")
     t.add_argument("--aux-scope", default="global_lagged", choices=list(SCOPES))
     t.add_argument("--aux-coeff", type=float, default=1e-2)
     t.add_argument("--z-coeff", type=float, default=1e-3)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..losses.logchannel import ratio_or_none
+from ..losses.modes import DENOMINATOR_KEY as _DEN_KEY
 from ..losses.modes import MODES, check_mode, numerator, unit_count_map
 from ..losses.mtp import check_convention, mtp_numerator, roll_mask
 from ..losses.stats import check_inputs, rows_documents, sample_stats
@@ -45,14 +46,6 @@ GRAD_REDUCTIONS = ("auto", "sum", "mean", "allreduce")
 # Layout of the per-step count vector reduced in begin_step / finish_step.
 _C_TOKENS, _C_SAMPLES, _C_DOCS, _C_MBS = range(4)
 _COUNT_KEYS = {"tokens": _C_TOKENS, "samples": _C_SAMPLES, "documents": _C_DOCS, "microbatches": _C_MBS}
-_DEN_KEY = {
-    "per_token": "tokens",
-    "per_sample": "samples",
-    "per_microbatch": "microbatches",
-    "per_document": "documents",
-    "sample_sum": "samples",
-    "sample_sum_norm": "samples",
-}
 
 
 def _is_averaging_engine(model: object) -> bool:

@@ -54,6 +54,8 @@ def _entry(rank: int, world_size: int, port: int, backend: str, timeout_s: float
     try:
         init_from_env(backend, timeout_s)
         out = fn(rank, world_size, *args)
+        # Leave together: a rank tearing down while a peer (the TCP store's host) is gone can abort.
+        dist.barrier()
         torch.save({"ok": True, "result": out}, path)
     except BaseException:  # noqa: BLE001 - report any failure to the parent
         torch.save({"ok": False, "error": traceback.format_exc()}, path)
@@ -87,10 +89,13 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
                     for p in ctx.processes:
                         p.kill()
                     raise RankError(f"ranks still running after {2 * timeout_s + 60:.0f} s: killed (hang?)")
-        except mp.ProcessRaisedException as e:
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             failed = e
-        except mp.ProcessExitedException as e:
-            failed = e
+            # Peers of a failed rank may wait in a collective until their timeout: stop them now.
+            time.sleep(1.0)
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
         results = []
         for r in range(world_size):
             path = os.path.join(tmp, f"rank{r}.pt")
@@ -102,6 +107,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
             if not rec["ok"]:
                 raise RankError(f"rank {r} failed:\n{rec['error']}")
             results.append(rec["result"])
-        if failed is not None:
+        if failed is not None and len(results) < world_size:
             raise RankError(str(failed))
+        # Every rank saved its result: an abnormal exit after that (process-group teardown) loses nothing.
         return results

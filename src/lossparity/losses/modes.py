@@ -28,6 +28,7 @@ from torch import Tensor
 from .stats import document_stats, masked_token_sum, sample_stats
 
 __all__ = [
+    "DENOMINATOR_KEY",
     "unit_count_map",
     "MODES",
     "MODE_INFO",
@@ -69,8 +70,8 @@ MODE_INFO: Mapping[str, tuple[str, str]] = {
     "sample_sum_norm": ("S / (N · L)", "Dr. GRPO; verl seq-mean-token-sum-norm"),
 }
 
-# Which global count divides each mode's numerators.
-_DENOMINATOR_KEY: Mapping[str, str] = {
+# Which global count (a field of Normalizers) divides each mode's numerators.
+DENOMINATOR_KEY: Mapping[str, str] = {
     "per_token": "tokens",
     "per_sample": "samples",
     "per_microbatch": "microbatches",
@@ -127,7 +128,7 @@ def denominator(mode: str, norms: Normalizers, fixed_length: int | None = None) 
     check_mode(mode)
     if mode == "per_token":
         return float(max(norms.tokens, 1))
-    value = getattr(norms, _DENOMINATOR_KEY[mode])
+    value = getattr(norms, DENOMINATOR_KEY[mode])
     return float(max(value, 1))
 
 

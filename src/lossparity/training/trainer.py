@@ -409,17 +409,21 @@ class Trainer:
         moe_logs = self.moe.end_step(self.routers, bias_rate=self.bias_rate(self.step),
                                      zero_mean=cfg.bias_zero_mean)
         grad_norm = _clip_grad_norm([p for p in self.raw.parameters() if p.grad is not None], cfg.grad_clip)
+        return self._optimizer_step(grad_norm, moe_logs, t0)
+
+    def _optimizer_step(self, grad_norm: float, extra_logs: dict[str, float], t0: float) -> dict[str, Any]:
+        """Step 5 of :meth:`train_step`: learning rate, optimizer step, the logging collective, the log line."""
+        cfg = self.cfg
         lr = _lr_at(cfg, self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        logs = acc.logs()
+        logs = self.acc.logs()
         elapsed = time.perf_counter() - t0
-        line: dict[str, Any] = {"step": self.step + 1, **logs, **moe_logs, "grad_norm": grad_norm, "lr": lr,
-                                "tokens_per_s": cfg.global_batch * cfg.seq_len / elapsed, "step_time_s": elapsed}
         self.step += 1
-        return line
+        return {"step": self.step, **logs, **extra_logs, "grad_norm": grad_norm, "lr": lr,
+                "tokens_per_s": cfg.global_batch * cfg.seq_len / elapsed, "step_time_s": elapsed}
 
     def _finish_pipeline_step(self, mbs: list[Batch], segs: tuple, valids: tuple, t0: float) -> dict[str, Any]:
         """Steps 2-5 of :meth:`train_step` through the pipeline schedule (see ``training/pipeline.py``)."""
@@ -429,17 +433,7 @@ class Trainer:
         pipe.reduce_grads()
         acc.finish_step(list(pipe.params.values()))
         pipe.end_step_moe(self.bias_rate(self.step), cfg.bias_zero_mean)
-        grad_norm = pipe.grad_norm_and_clip(cfg.grad_clip)
-        lr = _lr_at(cfg, self.step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        logs = acc.logs()
-        elapsed = time.perf_counter() - t0
-        self.step += 1
-        return {"step": self.step, **logs, "grad_norm": grad_norm, "lr": lr,
-                "tokens_per_s": cfg.global_batch * cfg.seq_len / elapsed, "step_time_s": elapsed}
+        return self._optimizer_step(pipe.grad_norm_and_clip(cfg.grad_clip), {}, t0)
 
     def _indexer_share(self, indexer: tuple[Tensor, Tensor], valid: Tensor) -> Tensor:
         """DeepSeek-V3.2 indexer loss in its invariant form ``c·Σ_t KL_t / Tq_global`` (SPEC §5), ``Tq`` =
