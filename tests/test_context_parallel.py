@@ -42,3 +42,12 @@ def test_cp_matches_reference(dp, cp, zigzag):
             for name, g in grads.items():
                 err = float((g - gref[name]).abs().max() / gref[name].abs().max())
                 assert err <= 1e-10, (mode, rank, name, err)
+
+
+def test_model_cp_with_dp_and_recompute_matches_reference():
+    # Zig-zag shards of the reference model over cp subgroups {0,1} and {2,3}, DDP over DP x CP, recompute.
+    from lossparity.training.verify import Layout, format_table, run_verify
+
+    layouts = (Layout("1x1", 1, 1, indexer=False), Layout("D2xC2+recompute", 2, 1, True, cp=2, indexer=False))
+    report = run_verify(layouts, ("per_sample", "per_document"), steps=2, progress=False)
+    assert all(r["pass"] for r in report["rows"]), format_table(report)

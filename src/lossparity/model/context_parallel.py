@@ -4,9 +4,9 @@ Sharding: with ``zigzag=True`` (default, Megatron's load-balanced order) a row o
 into ``2C`` chunks and rank ``r`` holds chunks ``r`` and ``2C−1−r``, so every rank gets the same
 amount of causal-attention work; ``zigzag=False`` gives rank ``r`` the ``r``-th contiguous slice.
 
-Attention: keys and values of all shards are all-gathered with autograd
-(``torch.distributed.nn.functional.all_gather``: its backward sums each shard's key/value gradients
-back to the owner), and the causal + document mask is built from global positions, so every query
+Attention: keys and values of all shards are all-gathered with autograd (:class:`_GatherShards`: its
+backward sums each shard's key/value gradients back to the owner; ``torch.distributed.nn.functional``'s
+all-gather is not used because its gloo backward addresses subgroup ranks as global ranks), and the causal + document mask is built from global positions, so every query
 attends exactly as in the unsharded row. Every rank holds the whole rows of its data-parallel rank
 (inputs are cheap), so MTP inputs and rolled labels are computed on whole rows and then sharded:
 rolling across shard boundaries is exact by construction.
@@ -21,6 +21,25 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["ContextParallel", "shard_columns"]
+
+
+class _GatherShards(torch.autograd.Function):
+    """All-gather along ``dim`` over ``group``; backward: the gradient of this rank's slice summed over the
+    group (a reduce-scatter, written as all-reduce + slice so that it also runs on gloo)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: object, dim: int) -> Tensor:  # noqa: D102
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x, group=group)
+        ctx.group, ctx.dim, ctx.rank, ctx.size = group, dim, dist.get_rank(group), x.shape[dim]
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # noqa: D102
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.narrow(ctx.dim, ctx.rank * ctx.size, ctx.size), None, None
 
 
 def shard_columns(seq_len: int, cp_size: int, cp_rank: int, zigzag: bool = True) -> Tensor:
@@ -55,9 +74,7 @@ class ContextParallel:
 
     def gather(self, x: Tensor, dim: int) -> Tensor:
         """All-gather ``x`` along ``dim`` over the CP group, with autograd."""
-        from torch.distributed.nn.functional import all_gather
-
-        return torch.cat(all_gather(x.contiguous(), group=self.group), dim=dim)
+        return _GatherShards.apply(x, self.group, dim)
 
     @classmethod
     def from_group(cls, group: object, zigzag: bool = True) -> ContextParallel:
