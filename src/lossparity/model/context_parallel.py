@@ -6,8 +6,9 @@ amount of causal-attention work; ``zigzag=False`` gives rank ``r`` the ``r``-th 
 
 Attention: keys and values of all shards are all-gathered with autograd (:class:`_GatherShards`: its
 backward sums each shard's key/value gradients back to the owner; ``torch.distributed.nn.functional``'s
-all-gather is not used because its gloo backward addresses subgroup ranks as global ranks), and the causal + document mask is built from global positions, so every query
-attends exactly as in the unsharded row. Every rank holds the whole rows of its data-parallel rank
+all-gather is not used because its gloo backward addresses subgroup ranks as global ranks), and the
+causal + document mask is built from global positions, so every query attends exactly as in the
+unsharded row. Every rank holds the whole rows of its data-parallel rank
 (inputs are cheap), so MTP inputs and rolled labels are computed on whole rows and then sharded:
 rolling across shard boundaries is exact by construction.
 """
