@@ -158,3 +158,24 @@ def run_fsdp(rank: int, world: int, n_rows: int, modes: list[str]):
         grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
         out[mode] = (grads, acc.logs(), factor)
     return out
+
+
+def vocab_parallel_ce(rank: int, world: int):
+    """Each rank holds a vocabulary slice of the head; returns losses and gradients (hidden, local weight)."""
+    from lossparity.losses.cross_entropy import chunked_cross_entropy
+
+    g = torch.Generator().manual_seed(5)
+    T, V, H = 37, 50, 8
+    hidden = torch.randn(T, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V, (T,), generator=g)
+    labels[::5] = -100
+    upstream = torch.rand(T, generator=g, dtype=torch.float64)
+    rows = V // world
+    lo = rank * rows
+    h = hidden.clone().requires_grad_()
+    w = weight[lo:lo + rows].clone().requires_grad_()
+    loss = chunked_cross_entropy(h, w, labels, chunk_size=8, vocab_chunk_size=7, z_loss_coeff=1e-2,
+                                 vocab_parallel_group=dist.group.WORLD, vocab_start=lo, vocab_size=V)
+    (loss * upstream).sum().backward()
+    return loss.detach(), h.grad, w.grad, (hidden, weight, labels, upstream, lo, rows)

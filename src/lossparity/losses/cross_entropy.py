@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -74,6 +75,7 @@ def _check_inputs(
     chunk_size: int | None,
     z_loss_coeff: float,
     vocab_chunk_size: int | None,
+    vocab_size: int | None = None,
 ) -> None:
     if not hidden.is_floating_point() or hidden.dim() not in (2, 3):
         raise ValueError(
@@ -109,7 +111,7 @@ def _check_inputs(
         raise ValueError(f"vocab_chunk_size must be a positive number of vocabulary rows, got {vocab_chunk_size}")
     if not (math.isfinite(z_loss_coeff) and z_loss_coeff >= 0):
         raise ValueError(f"z_loss_coeff must be a finite number >= 0, got {z_loss_coeff}")
-    vocab = weight.shape[0]
+    vocab = weight.shape[0] if vocab_size is None else vocab_size
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
     if bool(bad.any()):
         pos = tuple(int(i) for i in bad.nonzero()[0])
@@ -146,16 +148,21 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         chunk: int,
         vchunk: int,
         z_coeff: float,
+        group: object | None = None,
+        vstart: int = 0,
     ) -> Tensor:
         cdt = _compute_dtype(hidden, weight)
         w = weight.to(cdt)
         n, vocab = labels.shape[0], w.shape[0]
+        # Vocabulary parallel: this rank holds rows [vstart, vstart + vocab) of the output weight; the
+        # labels are shifted into local row numbers (out-of-range ones match no tile and add 0).
+        labels_local = labels - vstart if group is not None else labels
         lse = torch.empty(n, dtype=cdt, device=hidden.device)
         target = torch.empty_like(lse)
         buf = torch.empty(min(chunk, n) * min(vchunk, vocab), dtype=cdt, device=hidden.device)
         for t0, t1 in _tiles(n, chunk):
             h = _rows(hidden, idx, t0, t1).to(cdt)
-            y = labels[t0:t1]
+            y = labels_local[t0:t1]
             run_max = torch.full((t1 - t0,), -math.inf, dtype=cdt, device=hidden.device)
             run_sum = torch.zeros_like(run_max)
             tgt = torch.zeros_like(run_max)
@@ -171,11 +178,21 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 run_max = new_max
             lse[t0:t1] = run_sum.log_().add_(run_max)
             target[t0:t1] = tgt
+        if group is not None:
+            # Combine the ranks' partial logsumexps (max, then sum of rescaled exps) and target logits.
+            m = lse.clone()
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            total = (lse - m).exp_()
+            dist.all_reduce(total, group=group)
+            lse = total.log_().add_(m)
+            dist.all_reduce(target, group=group)
         loss = lse - target
         if z_coeff:
             loss += z_coeff * lse.square()
-        ctx.save_for_backward(hidden, weight, labels, idx, lse)
+        ctx.save_for_backward(hidden, weight, labels_local, idx, lse)
         ctx.tiling = (chunk, vchunk, z_coeff)
+        ctx.group = group
         return loss
 
     @staticmethod
@@ -204,18 +221,24 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                     pw.addmm_(p, w[v0:v1])
                 if need_w:
                     grad_w[v0:v1].addmm_(p.t(), h_scaled)
+            owned = (y >= 0) & (y < vocab)
+            y_own = y.clamp(0, vocab - 1)
+            g_own = g_c * owned.unsqueeze(1).to(cdt)
             if need_h:
-                dh = pw.mul_(scale[t0:t1].unsqueeze(1)).sub_(w.index_select(0, y) * g_c)
+                dh = pw.mul_(scale[t0:t1].unsqueeze(1)).sub_(w.index_select(0, y_own) * g_own)
                 if idx is None:
                     grad_h[t0:t1] = dh
                 else:
                     grad_h.index_copy_(0, idx[t0:t1], dh.to(grad_h.dtype))
             if need_w:
                 # index_put_ rather than index_add_: the latter is ~10x slower on CPU (torch 2.x)
-                grad_w.index_put_((y,), h * -g_c, accumulate=True)
+                grad_w.index_put_((y_own,), h * -g_own, accumulate=True)
         if need_w:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        if need_h and ctx.group is not None:
+            # hidden is replicated over the vocabulary-parallel ranks, each saw only its vocabulary slice
+            dist.all_reduce(grad_h, group=ctx.group)
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 
@@ -228,6 +251,9 @@ def chunked_cross_entropy(
     chunk_size: int | None = None,
     z_loss_coeff: float = 0.0,
     vocab_chunk_size: int | None = None,
+    vocab_parallel_group: object | None = None,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
 ) -> Tensor:
     """Per-token cross-entropy of the output layer, ``l[t] = logsumexp(z[t]) - z[t, y[t]] + z_loss_coeff ·
     logsumexp(z[t])²`` with ``z = hidden @ weight.T``, and ``l[t] = 0`` where ``labels[t] == ignore_index``,
@@ -238,9 +264,15 @@ def chunked_cross_entropy(
     size is chosen by :func:`default_tiling` (tiles of ~8 Mi logits; pass ``vocab_chunk_size >= V`` to
     chunk over tokens only). Differentiable w.r.t. ``hidden`` and ``weight`` for any per-token incoming
     gradient. Losses are float32 for float32/bf16/fp16 inputs (float64 if an input is float64);
-    gradients have the dtype of their input.
+    gradients have the dtype of their input. Vocabulary parallel (tensor-parallel output head): with
+    ``vocab_parallel_group``, ``weight`` holds rows ``[vocab_start, vocab_start + V_local)`` of the
+    ``vocab_size``-row head on this rank; the partial logsumexps and target logits are combined over the
+    group (three all-reduces of ``[T]``), so every rank returns the same per-token losses, and the
+    gradient of the replicated ``hidden`` is summed over the group.
     """
-    _check_inputs(hidden, weight, labels, ignore_index, chunk_size, z_loss_coeff, vocab_chunk_size)
+    if vocab_parallel_group is not None and vocab_size is None:
+        raise ValueError("vocab_parallel_group needs vocab_size (the rows of the whole output head)")
+    _check_inputs(hidden, weight, labels, ignore_index, chunk_size, z_loss_coeff, vocab_chunk_size, vocab_size)
     out_shape = labels.shape
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     flat = labels.reshape(-1)
@@ -248,11 +280,11 @@ def chunked_cross_entropy(
     valid = flat != ignore_index
     if bool(valid.all()):
         return _ChunkedCrossEntropy.apply(
-            hidden2d, weight, flat.long(), None, chunk, vchunk, float(z_loss_coeff)
+            hidden2d, weight, flat.long(), None, chunk, vchunk, float(z_loss_coeff), vocab_parallel_group, vocab_start
         ).view(out_shape)
     idx = valid.nonzero().squeeze(1)
     loss = _ChunkedCrossEntropy.apply(
-        hidden2d, weight, flat[idx].long(), idx, chunk, vchunk, float(z_loss_coeff)
+        hidden2d, weight, flat[idx].long(), idx, chunk, vchunk, float(z_loss_coeff), vocab_parallel_group, vocab_start
     )
     return loss.new_zeros(flat.shape[0]).index_copy(0, idx, loss).view(out_shape)
 

@@ -11,8 +11,8 @@ Plan (Megatron's, without sequence parallelism):
 - router, norms and embedding replicated: every TP rank routes every token identically, so the token
   histograms (aux-loss counts, expert-bias counts) must NOT be summed over TP — they are summed over the
   ranks holding distinct tokens only (DP × CP), which the accountant's token group already is;
-- the output head stays replicated here (every TP rank computes the same per-token losses); a
-  vocabulary-parallel head is future work.
+- the output head is vocabulary-parallel (rows sharded, a ``DTensor``): the chunked cross-entropy
+  combines the ranks' partial logsumexps, so every TP rank gets the same per-token losses.
 """
 
 from __future__ import annotations
@@ -70,9 +70,16 @@ def _shard_experts(experts: GroupedExperts, tp_mesh: object) -> None:
 def apply_tensor_parallel(model: nn.Module, tp_mesh: object) -> None:
     """Shard ``model`` (a :class:`~lossparity.model.GPT`) over the 1-D ``tp_mesh`` in place (module
     docstring). Raises when head counts or hidden sizes do not divide by the TP size."""
+    from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tp = tp_mesh.size()
+    head = model.output
+    if head.weight.shape[0] % tp:
+        raise ValueError(f"tp={tp} must divide the vocabulary size {head.weight.shape[0]} (vocab-parallel head)")
+    if head.weight is model.tok_embeddings.weight:
+        raise ValueError("tied embeddings are not supported with tensor parallelism (vocab-parallel head)")
+    head.weight = nn.Parameter(distribute_tensor(head.weight.detach(), tp_mesh, [Shard(0)]))
     for module in model.modules():
         if isinstance(module, Attention):
             if module.n_heads % tp or module.n_kv_heads % tp:

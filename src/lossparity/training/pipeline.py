@@ -25,12 +25,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..distributed.moe_accounting import MoEAccounting
-from ..losses.cross_entropy import chunked_cross_entropy
 from ..losses.mtp import roll_mtp
 from ..model.pipeline import StageModule, chunks_of_rank, split_layers
 from ..model.router import RouterRecord
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # pragma: no cover
     from .trainer import Trainer
 
 __all__ = ["PipelineRunner"]
@@ -115,11 +114,13 @@ class PipelineRunner:
         t, acc = self.t, self.t.acc
         data = self._batch[self._loss_mb]
         self._loss_mb += 1
-        weight = t.raw.output.weight
-        per_tok = chunked_cross_entropy(output[0], weight, data["labels"])
+        from .trainer import head_loss_fn  # trainer imports this module: import at call time
+
+        ce = head_loss_fn(t.raw)
+        per_tok = ce(output[0], data["labels"])
         loss = acc.lm_loss(per_tok, data["mask"], data["seg"])
         if t.model_config.mtp_depths:
-            losses = [chunked_cross_entropy(output[k], weight, lab) for k, lab in enumerate(data["mtp_labels"], 1)]
+            losses = [ce(output[k], lab) for k, lab in enumerate(data["mtp_labels"], 1)]
             loss = loss + acc.mtp_loss(losses, data["mtp_masks"], data["seg"])
         return loss
 

@@ -220,6 +220,19 @@ def _up(x: Tensor) -> Tensor:
     return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
 
 
+def head_loss_fn(gpt: GPT):
+    """Per-token cross-entropy of ``gpt``'s output head: the chunked cross-entropy, vocabulary-parallel
+    when tensor parallelism shards the head's rows (a ``DTensor``)."""
+    weight = gpt.output.weight
+    if hasattr(weight, "to_local"):
+        mesh = weight.device_mesh
+        local = weight.to_local()
+        start = mesh.get_local_rank() * local.shape[0]
+        return lambda h, lab: chunked_cross_entropy(h, local, lab, vocab_parallel_group=mesh.get_group(),
+                                                    vocab_start=start, vocab_size=weight.shape[0])
+    return lambda h, lab: chunked_cross_entropy(h, weight, lab)
+
+
 class LossForward(nn.Module):
     """The model plus its output head applied by the chunked cross-entropy, as one module, so that an
     engine wrapping it (DDP) sees every parameter used inside its ``forward``.
@@ -232,6 +245,9 @@ class LossForward(nn.Module):
         super().__init__()
         self.gpt = gpt
 
+    def _head_loss(self):
+        return head_loss_fn(self.gpt)
+
     def forward(self, tokens: Tensor, labels: Tensor, mtp_labels: list[Tensor], segment_ids: Tensor,
                 positions: Tensor, recompute: bool = False, autocast_dtype: torch.dtype | None = None
                 ) -> tuple[Tensor, list[Tensor], list[tuple[Tensor, ...]], tuple[Tensor, Tensor] | None]:
@@ -240,9 +256,9 @@ class LossForward(nn.Module):
             labels, mtp_labels = labels[:, cols], [lab[:, cols] for lab in mtp_labels]
         with torch.autocast(tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             out = self.gpt(tokens, segment_ids=segment_ids, positions=positions, recompute=recompute)
-            weight = self.gpt.output.weight
-            main = chunked_cross_entropy(out.hidden, weight, labels)
-            mtp = [chunked_cross_entropy(h, weight, lab) for h, lab in zip(out.mtp_hidden, mtp_labels)]
+            ce = self._head_loss()
+            main = ce(out.hidden, labels)
+            mtp = [ce(h, lab) for h, lab in zip(out.mtp_hidden, mtp_labels)]
         routers = [(r.logits, r.probs, r.topk_map, r.dispatch_map) for r in out.routers]
         return _up(main), [_up(x) for x in mtp], routers, out.indexer
 
