@@ -20,7 +20,8 @@ def _sharding(rank: int, world: int) -> dict:
     return {"wq": [str(p) for p in attn.wq.weight.placements], "local_heads": attn.n_heads,
             "w1_local": tuple(experts.w1.to_local().shape), "w1": tuple(experts.w1.shape),
             "router_is_dtensor": hasattr(t.raw.layers[1].ffn.router.weight, "placements"),
-            "head": [str(p) for p in t.raw.output.weight.placements], "head_local": t.raw.output.weight.to_local().shape[0]}
+            "head": [str(p) for p in t.raw.output.weight.placements],
+            "head_local": t.raw.output.weight.to_local().shape[0]}
 
 
 def test_tp_really_shards_and_replicates_the_router():
