@@ -196,3 +196,11 @@ def test_log_helpers():
     m.update({"lm_loss": 100.0}, skipped=True)
     m.update({"lm_loss": 4.0, "x": 1.0})
     assert m.compute() == {"lm_loss": 3.0, "x": 1.0} and m.skipped == 1
+
+
+def test_count_documents_matches_numbering():
+    from lossparity.losses.stats import count_documents, rows_documents
+
+    seg = torch.tensor([[1, 1, 2, 0], [0, 0, 0, 0], [3, 3, 1, 1], [2, 0, 2, 5]])
+    assert count_documents(seg) == rows_documents(seg)[1] == 2 + 0 + 2 + 2
+    assert count_documents(torch.zeros(0, 3, dtype=torch.long)) == 0

@@ -35,7 +35,7 @@ from ..losses.logchannel import ratio_or_none
 from ..losses.modes import DENOMINATOR_KEY as _DEN_KEY
 from ..losses.modes import MODES, check_mode, numerator, unit_count_map
 from ..losses.mtp import check_convention, mtp_numerator, roll_mask
-from ..losses.stats import check_inputs, rows_documents, sample_stats
+from ..losses.stats import check_inputs, count_documents, sample_stats
 from .groups import ParallelGroups, resolve_groups
 
 __all__ = ["Accountant", "NORMALIZATIONS", "GRAD_REDUCTIONS"]
@@ -253,7 +253,7 @@ class Accountant:
                              where=f"rank {self.groups.token_rank()}, microbatch {i}", check_finite=False)
                 ntok = w2.sum()
                 self._local_mb_tokens.append(int(ntok.item()))
-                self._mb_docs.append(rows_documents(seg2)[1] if seg2 is not None else 0)
+                self._mb_docs.append(count_documents(seg2) if seg2 is not None else 0)
                 counts[_C_TOKENS] += ntok.to(torch.float64)
                 counts[_C_SAMPLES] += w2.shape[0]
                 counts[_C_MBS] += 1
