@@ -67,7 +67,7 @@ def _train_config(args: argparse.Namespace):
                          "mtp_log_estimator": preset.accountant_kwargs().get("mtp_log_estimator", "token_mean")}
     cfg = TrainConfig(
         model=args.model, model_overrides=overrides, mode=args.mode, normalization=args.normalization,
-        dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp, pp_virtual=args.pp_virtual, ga=args.ga,
+        dp=args.dp, cp=args.cp, tp=args.tp, sp=args.sp, pp=args.pp, pp_virtual=args.pp_virtual, ga=args.ga,
         global_batch=args.global_batch, seq_len=args.seq_len, packed=args.packed,
         data=args.data, steps=args.steps, lr=args.lr, seed=args.seed, dtype=args.dtype, recompute=args.recompute,
         engine=args.engine, mtp_convention=args.mtp_convention, mtp_weight=args.mtp_weight,
@@ -116,7 +116,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         if m not in MODES:
             raise UsageError(f"unknown mode {m!r}; valid modes: {', '.join(MODES)}")
     layouts = QUICK_LAYOUTS if args.quick else DEFAULT_LAYOUTS
-    steps = args.steps if args.steps else (2 if args.quick else 3)
+    if args.quick and args.full:
+        raise UsageError("--quick and --full exclude each other")
+    steps = args.steps if args.steps else (2 if args.quick else 5 if args.full else 3)
     overrides = {"aux_scope": args.aux_scope}
     print(f"lossparity verify: tiny MoE+MTP model, {len(layouts)} layouts x {len(modes)} modes, {steps} steps, "
           f"float64, reference = 1x1 run")
@@ -148,7 +150,8 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--normalization", default="precount", choices=["precount", "deferred"])
     t.add_argument("--dp", type=int, default=1, help="data-parallel ranks (started here unless under torchrun)")
     t.add_argument("--cp", type=int, default=1, help="context-parallel ranks per data-parallel rank (zig-zag shards)")
-    t.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (no sequence parallelism yet)")
+    t.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (vocabulary-parallel head)")
+    t.add_argument("--sp", action="store_true", help="sequence parallelism with --tp (Megatron SP)")
     t.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B; needs --ga >= --pp)")
     t.add_argument("--pp-virtual", type=int, default=1, help="virtual chunks per stage (interleaved 1F1B)")
     t.add_argument("--ga", type=int, default=1, help="gradient-accumulation microbatches per rank")
@@ -203,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="prove layout invariance of objective, logs, gradients, parameters")
     v.add_argument("--quick", action="store_true", help="5 layouts, 2 steps (CI)")
-    v.add_argument("--steps", type=int, default=0, help="steps per run (default 3, --quick 2)")
+    v.add_argument("--full", action="store_true", help="every layout for 5 steps (by hand; the default runs 3)")
+    v.add_argument("--steps", type=int, default=0, help="steps per run (default 3, --quick 2, --full 5)")
     v.add_argument("--modes", default="", help="comma-separated modes (default: all)")
     v.add_argument("--aux-scope", default="global_lagged", help="MoE aux-loss scope of the runs")
     v.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")

@@ -117,6 +117,7 @@ class Accountant:
         group: object | None = None,
         *,
         mesh: object | None = None,
+        sequence_parallel: bool = False,
         normalization: str = "precount",
         grad_reduction: str = "auto",
         fixed_length: int | None = None,
@@ -153,11 +154,12 @@ class Accountant:
         self.mtp_convention = mtp_convention
         self.mtp_log_estimator = mtp_log_estimator
         self.check_finite = check_finite
-        self.groups: ParallelGroups = resolve_groups(group, mesh)
+        self.groups: ParallelGroups = resolve_groups(group, mesh, sequence_parallel=sequence_parallel)
         self.device = torch.device(device) if device is not None else self._default_device()
         self.mtp_weight = 1.0
         self._metrics: list[str] = []  # declared auxiliary metrics (name -> (num, den) slots)
         self._metric_reduce: dict[str, str] = {}
+        self._per_rank: set[str] = set()
         self._extra_names: list[str] = []
         self._in_step = False
         self._counts: Tensor | None = None
@@ -174,9 +176,11 @@ class Accountant:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def declare_metric(self, name: str, reduce: str = "ratio") -> None:
+    def declare_metric(self, name: str, reduce: str = "ratio", *, per_rank: bool = False) -> None:
         """Declare an auxiliary log metric: ``reduce="ratio"`` reports ``Σ num / Σ den`` (``None`` when
         ``Σ den = 0``), ``reduce="sum"`` reports ``Σ num``, sums over all ranks and microbatches.
+        ``per_rank=True``: every tensor-parallel rank records distinct tokens (sequence parallelism), so
+        its values are summed over TP too; by default TP ranks hold copies and only the first counts.
 
         Must be called identically on every rank (it fixes the layout of the logging collective); a
         rank that has nothing to record still takes part with zeros (SPEC §6).
@@ -188,6 +192,8 @@ class Accountant:
         if name not in self._metrics:
             self._metrics.append(name)
             self._metric_reduce[name] = reduce
+        if per_rank:
+            self._per_rank.add(name)
 
     @property
     def finished(self) -> bool:
@@ -279,7 +285,8 @@ class Accountant:
         self._n_mbs = len(masks)
         self._mb = 0
         self._acc = torch.zeros(self._slots(), dtype=torch.float64, device=self.device)
-        self._objective_direct = torch.zeros((), dtype=torch.float64, device=self.device)
+        # [replicated over TP, distinct per TP rank] objective contributions added directly
+        self._objective_direct = torch.zeros(2, dtype=torch.float64, device=self.device)
         self._in_step = True
         self._finished = False
         self._grad_factor: float | None = None
@@ -465,12 +472,13 @@ class Accountant:
         acc[base] += torch.as_tensor(num, dtype=torch.float64).detach().to(acc.device)
         acc[base + 1] += torch.as_tensor(den, dtype=torch.float64).detach().to(acc.device)
 
-    def add_objective(self, value: Tensor | float) -> None:
+    def add_objective(self, value: Tensor | float, *, per_rank: bool = False) -> None:
         """Add an already-normalized objective contribution (e.g. an auxiliary loss share) to the logged
-        ``objective``; summed over ranks and microbatches."""
+        ``objective``; summed over ranks and microbatches (``per_rank``: see :meth:`declare_metric`)."""
         self._require_step("add_objective")
         assert self._objective_direct is not None
-        self._objective_direct += torch.as_tensor(value, dtype=torch.float64).detach().to(self.device)
+        slot = 1 if per_rank else 0
+        self._objective_direct[slot] += torch.as_tensor(value, dtype=torch.float64).detach().to(self.device)
 
     def _require_step(self, what: str) -> None:
         if not self._in_step:
@@ -508,7 +516,7 @@ class Accountant:
             assert self._counts is not None and self._acc is not None
             self._all_reduce(self._counts, self.groups.dp_group)
             factor /= self._denominator(_DEN_KEY[self.mode])
-        needs_reduce = reduction == "allreduce" and self.groups.token_group is not None
+        needs_reduce = reduction == "allreduce" and self.groups.grad_group is not None
         if not needs_reduce and factor == 1.0:
             self._finished = True
             self._grad_factor = factor
@@ -516,7 +524,7 @@ class Accountant:
         grads = _unique_grads(model, fill_missing=reduction == "allreduce")
         if needs_reduce and grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups.token_group)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups.grad_group)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -542,9 +550,16 @@ class Accountant:
             )
         acc, direct = self._acc, self._objective_direct
         assert acc is not None and direct is not None
-        buf = torch.cat([acc, direct.reshape(1)])
+        buf = torch.cat([acc, direct])
         if not self.groups.log_owner:
-            buf.zero_()  # tensor-parallel replicas hold copies of the owner's numbers
+            # tensor-parallel replicas hold copies of the owner's numbers, except per-rank metrics
+            keep = buf.clone()
+            buf.zero_()
+            base = 6 + 4 * self.mtp_depths + 1
+            for i, name in enumerate(self._metrics):
+                if name in self._per_rank:
+                    buf[base + 2 * i: base + 2 * i + 2] = keep[base + 2 * i: base + 2 * i + 2]
+            buf[-1] = keep[-1]
         self._all_reduce(buf, self.groups.log_group)
         v = buf.tolist()
         S, ntok, nsamp, ndoc, nmb, lm_num = v[:6]
@@ -589,7 +604,7 @@ class Accountant:
                 out[name] = v[base + 2 * i]
             else:
                 out[name] = ratio_or_none(v[base + 2 * i], v[base + 2 * i + 1])
-        objective += v[-1]
+        objective += v[-2] + v[-1]
         out["objective"] = objective
         self._in_step = False
         return out

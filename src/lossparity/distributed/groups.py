@@ -42,6 +42,8 @@ class ParallelGroups:
     log_owner: bool
     cp_rank: int = 0
     pp_rank: int = 0
+    grad_group: object | None = None
+    sequence_parallel: bool = False
 
     @property
     def loss_stage(self) -> bool:
@@ -68,9 +70,13 @@ def _size(group: object | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def resolve_groups(group: object | None = None, mesh: object | None = None) -> ParallelGroups:
+def resolve_groups(group: object | None = None, mesh: object | None = None, *,
+                   sequence_parallel: bool = False) -> ParallelGroups:
     """Resolve ``group`` (a data-parallel process group) or ``mesh`` (a ``DeviceMesh`` whose dimension
-    names are a subset of ``dp, cp, tp, pp``) into a :class:`ParallelGroups`.
+    names are a subset of ``dp, cp, tp, pp``) into a :class:`ParallelGroups`. With
+    ``sequence_parallel`` the tensor-parallel ranks hold distinct tokens before the router (Megatron SP),
+    so the token group (router counts, MoE sums) includes TP; without it TP ranks hold the same tokens
+    and TP is left out. Gradients are always reduced over DP × CP only (``grad_group``).
 
     With neither, and ``torch.distributed`` initialized, the default (world) group is taken as the
     data-parallel group; with neither and no process group, a single process is assumed.
@@ -82,7 +88,7 @@ def resolve_groups(group: object | None = None, mesh: object | None = None) -> P
             group = dist.group.WORLD
         size = _size(group)
         g = group if size > 1 else None
-        return ParallelGroups(g, g, g, size, 1, 1, 1, True)
+        return ParallelGroups(g, g, g, size, 1, 1, 1, True, grad_group=g)
     names = tuple(mesh.mesh_dim_names or ())
     unknown = [n for n in names if n not in _DIMS]
     if unknown or not names:
@@ -104,7 +110,7 @@ def resolve_groups(group: object | None = None, mesh: object | None = None) -> P
 
     coord = mesh.get_coordinate() or []
     tp_rank = coord[names.index("tp")] if "tp" in names else 0
-    token = sub(("dp", "cp"))
+    token = sub(("dp", "cp", "tp") if sequence_parallel else ("dp", "cp"))
     log = sub(("dp", "cp", "tp", "pp"))
     return ParallelGroups(
         token_group=token,
@@ -117,4 +123,6 @@ def resolve_groups(group: object | None = None, mesh: object | None = None) -> P
         log_owner=(tp_rank == 0),
         cp_rank=coord[names.index("cp")] if "cp" in names else 0,
         pp_rank=coord[names.index("pp")] if "pp" in names else 0,
+        grad_group=sub(("dp", "cp")),
+        sequence_parallel=sequence_parallel and sizes["tp"] > 1,
     )

@@ -166,11 +166,12 @@ class MoEAccounting:
         if deferred and aux_on and scope == "global_lagged":
             raise ValueError("scope 'global_lagged' needs the global router token count before the first "
                              "backward: use normalization='precount'")
-        if acc.groups.cp_size > 1 and ((aux_on and scope != "global_lagged") or (z_on and z_form != "global")):
-            # A context-parallel rank holds a shard of every sequence: per-microbatch and per-sequence token
-            # sets span the shards, only the token-additive forms split exactly.
-            raise ValueError(f"context parallelism (cp={acc.groups.cp_size}) supports scope 'global_lagged' or "
-                             f"'none' and z_form 'global', got scope={scope!r}, z_form={z_form!r}")
+        sharded = acc.groups.cp_size > 1 or acc.groups.sequence_parallel
+        if sharded and ((aux_on and scope != "global_lagged") or (z_on and z_form != "global")):
+            # A context- or sequence-parallel rank holds a shard of every sequence: per-microbatch and
+            # per-sequence token sets span the shards, only the token-additive forms split exactly.
+            raise ValueError("context/sequence parallelism supports scope 'global_lagged' or 'none' and z_form "
+                             f"'global', got scope={scope!r}, z_form={z_form!r}")
         self.acc, self.L, self.E, self.k = acc, num_layers, num_experts, topk
         self.scope, self.aux_coeff, self.z_coeff, self.z_form = scope, aux_coeff, z_coeff, z_form
         self.megatron_quirks = bool(megatron_quirks)
@@ -198,9 +199,11 @@ class MoEAccounting:
         self.log_name = LOG_NAMES.get(scope) if declare and scope != "none" and aux_coeff > 0 else None
         self.z_log_name = "z_loss" if declare and z_coeff > 0 else None
         if self.log_name:
-            acc.declare_metric(self.log_name, "sum" if scope.startswith("global") else "ratio")
+            # Under sequence parallelism every TP rank routes distinct tokens: its values count (per_rank).
+            acc.declare_metric(self.log_name, "sum" if scope.startswith("global") else "ratio",
+                               per_rank=acc.groups.sequence_parallel)
         if self.z_log_name:
-            acc.declare_metric(self.z_log_name, "ratio")
+            acc.declare_metric(self.z_log_name, "ratio", per_rank=acc.groups.sequence_parallel)
         # global_lagged: previous step's global top-k counts and token count (uniform at step 0).
         self.lagged_counts = torch.full((num_layers, num_experts), float(topk) / num_experts, dtype=torch.float64,
                                         device=self.device)
@@ -429,7 +432,7 @@ class MoEAccounting:
             obj = torch.stack(self._objective).to(self.device, torch.float64).sum()
             if acc.normalization == "deferred":
                 obj = obj / max(acc.global_count("tokens"), 1.0)
-            acc.add_objective(obj)
+            acc.add_objective(obj, per_rank=acc.groups.sequence_parallel)
 
     def end_step(self, routers: Sequence[object], *, bias_rate: float = 0.0, zero_mean: bool = False
                  ) -> dict[str, float]:

@@ -67,6 +67,7 @@ class GPT(nn.Module):
         self.mtp = nn.ModuleList(MTPModule(config, k) for k in range(1, config.mtp_depths + 1))
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.cp: ContextParallel | None = None
+        self.sp_mesh = None  # tensor-parallel mesh when sequence parallelism is on (model/tensor_parallel.py)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.init_weights()
@@ -121,9 +122,30 @@ class GPT(nn.Module):
             segment_ids = None if segment_ids is None else segment_ids[:, cols]
             mtp_tokens = [t[:, cols] for t in mtp_tokens]
         valid = None if segment_ids is None else segment_ids != 0
+        if self.sp_mesh is not None and valid is not None:
+            from .tensor_parallel import sp_shard
+
+            valid = sp_shard(valid, self.sp_mesh)  # routers see this rank's slice of the sequence
         dtype = torch.promote_types(self.tok_embeddings.weight.dtype, torch.float32)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype)
         return ForwardContext(tokens, mask, cos, sin, positions, valid, mtp_tokens)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """Token embeddings; under sequence parallelism this rank's slice of the sequence."""
+        h = self.tok_embeddings(tokens)
+        if self.sp_mesh is not None:
+            from .tensor_parallel import sp_shard
+
+            h = sp_shard(h, self.sp_mesh)
+        return h
+
+    def _full_sequence(self, h: Tensor) -> Tensor:
+        # The loss code applies the (vocabulary-parallel) head to every position on every TP rank.
+        if self.sp_mesh is None:
+            return h
+        from .tensor_parallel import sp_gather
+
+        return sp_gather(h, self.sp_mesh, 1, partial_grad=False)
 
     def run_layers(self, h: Tensor, ctx: ForwardContext, layer_ids: range, *, recompute: bool = False
                    ) -> tuple[Tensor, list[RouterRecord], tuple[Tensor, Tensor] | None]:
@@ -143,13 +165,13 @@ class GPT(nn.Module):
                  ) -> tuple[Tensor, list[Tensor], list[RouterRecord]]:
         """Final norm and the MTP depths on the last layer's output ``h``; returns ``(hidden, mtp_hidden,
         MTP router records)`` (the output head itself is applied by the loss code)."""
-        hidden = self.norm(h)
+        hidden = self._full_sequence(self.norm(h))
         mtp_hidden, routers = [], []
         for module in self.mtp:
-            emb = self.tok_embeddings(ctx.mtp_tokens[module.depth - 1])
+            emb = self.embed(ctx.mtp_tokens[module.depth - 1])
             h, normed, record = module(h, emb, ctx.cos, ctx.sin, ctx.mask, ctx.positions, ctx.valid,
                                        recompute=recompute)
-            mtp_hidden.append(normed)
+            mtp_hidden.append(self._full_sequence(normed))
             if record is not None:
                 routers.append(record)
         return hidden, mtp_hidden, routers
@@ -193,7 +215,7 @@ class GPT(nn.Module):
         checkpoints every transformer block (main and MTP); the re-runs record and count nothing. Under
         :meth:`enable_context_parallel` the inputs are whole rows and the outputs this shard's columns."""
         ctx = self.prepare(tokens, segment_ids=segment_ids, positions=positions)
-        h, routers, indexer = self.run_layers(self.tok_embeddings(ctx.tokens), ctx, range(len(self.layers)),
+        h, routers, indexer = self.run_layers(self.embed(ctx.tokens), ctx, range(len(self.layers)),
                                               recompute=recompute)
         hidden, mtp_hidden, mtp_routers = self.run_head(h, ctx, recompute=recompute)
         routers += mtp_routers

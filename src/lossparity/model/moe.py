@@ -42,6 +42,7 @@ class GroupedExperts(nn.Module):
         w1, w3, w2 = self.w1, self.w3, self.w2
         if region is not None:
             x = region[0](x)
+        if hasattr(w1, "to_local"):  # TP-sharded hidden dimension: TP-partial outputs
             w1, w3, w2 = w1.to_local(), w3.to_local(), w2.to_local()
         idxs = [dispatch_map[:, e].nonzero().squeeze(1) for e in range(self.num_experts)]
         ys = []
@@ -74,6 +75,22 @@ class MoE(nn.Module):
         B, S, D = x.shape
         flat = x.reshape(B * S, D)
         gates, record = self.router(flat, None if valid is None else valid.reshape(-1))
+        mesh = getattr(self, "sp_mesh", None)
+        if mesh is not None:
+            # Sequence parallel: this rank routed its slice of the sequence; the TP-sharded experts need
+            # every token, so tokens, gates and routing map are gathered and the partial outputs
+            # reduce-scattered back to the slices (Megatron's all-gather token dispatcher).
+            from .tensor_parallel import sp_gather, sp_reduce_scatter
+
+            E = gates.shape[-1]
+            xg = sp_gather(x, mesh, 1, partial_grad=True).reshape(-1, D)
+            gg = sp_gather(gates.view(B, S, E), mesh, 1, partial_grad=True).reshape(-1, E)
+            dg = sp_gather(record.dispatch_map.view(B, S, E).to(gates.dtype), mesh, 1, partial_grad=False)
+            yp = self.experts(xg, gg, dg.reshape(-1, E) > 0)
+            y = sp_reduce_scatter(yp.view(B, -1, D), mesh, 1)
+            if self.shared is not None:
+                y = y + self.shared(x)  # sequence-parallel SwiGLU: slice in, slice out
+            return y, record
         y = self.experts(flat, gates, record.dispatch_map)
         if self.shared is not None:
             y = y + self.shared(flat)

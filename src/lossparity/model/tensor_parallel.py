@@ -23,9 +23,34 @@ from torch import Tensor, nn
 
 from .attention import Attention
 from .mlp import SwiGLU
-from .moe import GroupedExperts
+from .moe import GroupedExperts, MoE
 
-__all__ = ["apply_tensor_parallel"]
+__all__ = ["apply_tensor_parallel", "sp_gather", "sp_reduce_scatter", "sp_shard"]
+
+
+def sp_shard(x: Tensor, mesh: object, dim: int = 1) -> Tensor:
+    """This TP rank's contiguous slice of ``x`` along ``dim`` (sequence parallelism; the gradient of the
+    other slices is zero here and is summed over TP with the replicated parameters' gradients)."""
+    size = x.shape[dim] // mesh.size()
+    return x.narrow(dim, mesh.get_local_rank() * size, size)
+
+
+def sp_gather(x: Tensor, mesh: object, dim: int = 1, *, partial_grad: bool) -> Tensor:
+    """All-gather the sequence shards along ``dim`` (DTensor ``Shard -> Replicate``). ``partial_grad``:
+    the consumer computes TP-partial results (sharded weights), so the backward reduce-scatters;
+    otherwise the consumer is replicated compute and the backward just takes this rank's slice."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    full = DTensor.from_local(x, mesh, [Shard(dim)]).redistribute(mesh, [Replicate()])
+    return full.to_local(grad_placements=[Partial()] if partial_grad else [Replicate()])
+
+
+def sp_reduce_scatter(x: Tensor, mesh: object, dim: int = 1) -> Tensor:
+    """Sum TP-partial ``x`` over the TP ranks and keep this rank's slice along ``dim`` (``Partial ->
+    Shard``; backward: all-gather)."""
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    return DTensor.from_local(x, mesh, [Partial()]).redistribute(mesh, [Shard(dim)]).to_local()
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -67,11 +92,26 @@ def _shard_experts(experts: GroupedExperts, tp_mesh: object) -> None:
     experts.tp_region = (lambda x: _CopyToRegion.apply(x, group), lambda y: _ReduceFromRegion.apply(y, group))
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: object) -> None:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: object, *, sequence_parallel: bool = False) -> None:
     """Shard ``model`` (a :class:`~lossparity.model.GPT`) over the 1-D ``tp_mesh`` in place (module
-    docstring). Raises when head counts or hidden sizes do not divide by the TP size."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    docstring). Raises when head counts or hidden sizes do not divide by the TP size.
+
+    ``sequence_parallel`` (Megatron SP): between the TP regions the residual stream, the norms and the
+    routers hold this rank's contiguous slice of the sequence; attention and MLP inputs are all-gathered
+    and their outputs reduce-scattered; MoE layers route their own slice, then gather tokens, gates and
+    routing map for the TP-sharded experts and reduce-scatter the result (Megatron's all-gather token
+    dispatcher). Parameters that stay replicated (norms, routers, embedding, MTP projections) then get
+    TP-partial gradients, which the caller must sum over TP (the trainer does).
+    """
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    row_out = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
 
     tp = tp_mesh.size()
     head = model.output
@@ -84,16 +124,28 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: object) -> None:
         if isinstance(module, Attention):
             if module.n_heads % tp or module.n_kv_heads % tp:
                 raise ValueError(f"tp={tp} must divide n_heads={module.n_heads} and n_kv_heads={module.n_kv_heads}")
+            if sequence_parallel:
+                parallelize_module(module, tp_mesh, PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None),
+                    use_local_output=True))
             parallelize_module(module, tp_mesh, {"wq": ColwiseParallel(), "wk": ColwiseParallel(),
-                                                 "wv": ColwiseParallel(), "wo": RowwiseParallel()})
+                                                 "wv": ColwiseParallel(), "wo": row_out})
             module.n_heads //= tp
             module.n_kv_heads //= tp
             if module.cp is not None:
                 raise ValueError("tensor and context parallelism together are not supported yet")
         elif isinstance(module, SwiGLU):
-            parallelize_module(module, tp_mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
-                                                 "w2": RowwiseParallel()})
+            if sequence_parallel:
+                parallelize_module(module, tp_mesh, PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
+            parallelize_module(module, tp_mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": row_out})
         elif isinstance(module, GroupedExperts):
             if module.w1.shape[2] % tp:
                 raise ValueError(f"tp={tp} must divide the experts' hidden size {module.w1.shape[2]}")
             _shard_experts(module, tp_mesh)
+            if sequence_parallel:
+                module.tp_region = None  # the MoE layer gathers tokens and reduce-scatters itself
+        elif isinstance(module, MoE) and sequence_parallel:
+            module.sp_mesh = tp_mesh
+    if sequence_parallel:
+        model.sp_mesh = tp_mesh

@@ -61,6 +61,7 @@ class TrainConfig:
     pp: int = 1
     pp_virtual: int = 1
     tp: int = 1
+    sp: bool = False
     cp_zigzag: bool = True
     ga: int = 1
     global_batch: int = 8
@@ -122,6 +123,15 @@ class TrainConfig:
             parts = 2 * self.cp if self.cp_zigzag else self.cp
             if self.seq_len % parts:
                 raise ValueError(f"seq_len={self.seq_len} must be divisible by {parts} for cp={self.cp}")
+        if self.sp:
+            if self.tp < 2:
+                raise ValueError("sp (sequence parallelism) needs tp > 1")
+            if self.seq_len % self.tp:
+                raise ValueError(f"seq_len={self.seq_len} must be divisible by tp={self.tp} for sequence parallelism")
+            if self.aux_scope not in ("global_lagged", "none") or self.z_form != "global":
+                raise ValueError(f"sp supports aux_scope global_lagged/none and z_form global (got aux_scope="
+                                 f"{self.aux_scope!r}, z_form={self.z_form!r}): the other forms need the counts of "
+                                 "whole microbatches or sequences on every shard")
         if self.tp > 1:
             if self.cp > 1 or self.pp > 1 or self.ckpt_interval:
                 raise ValueError(f"tp={self.tp} is not combined with cp > 1, pp > 1 or checkpoints yet")
@@ -313,7 +323,7 @@ class Trainer:
             if self.model_config.indexer_layer is not None:
                 raise ValueError("the indexer head is not supported with tensor parallelism yet (it needs every "
                                  "head's attention probabilities)")
-            apply_tensor_parallel(raw, self.mesh["tp"])
+            apply_tensor_parallel(raw, self.mesh["tp"], sequence_parallel=cfg.sp)
         self.raw = raw
         fwd = LossForward(raw)
         if self.world > 1 and cfg.engine == "fsdp":
@@ -341,7 +351,7 @@ class Trainer:
         self.acc = Accountant(cfg.mode, normalization=cfg.normalization, fixed_length=cfg.fixed_length,
                               mtp_depths=depths, mtp_convention=cfg.mtp_convention, device=self.device,
                               mtp_log_estimator=cfg.mtp_log_estimator,
-                              mesh=self.mesh)
+                              mesh=self.mesh, sequence_parallel=cfg.sp)
         self.routers = raw.moe_routers()
         if self.model_config.indexer_layer is not None:
             if cfg.pp > 1:
@@ -408,6 +418,10 @@ class Trainer:
                     masks_k = [r[1][:, cols] for r in rolled]
                 else:
                     mask_c, seg_c, valid_c, masks_k = mb.mask, seg, valid, [r[1] for r in rolled]
+                if cfg.sp:  # routers saw this TP rank's slice of the sequence (losses are whole rows)
+                    from ..model.tensor_parallel import sp_shard
+
+                    valid_c = sp_shard(valid_c, self.mesh["tp"])
                 loss = acc.lm_loss(per_tok, mask_c, seg_c, columns=cols)
                 if self.dump is not None:
                     s_i, n_i = sample_stats(per_tok.detach(), mask_c)
@@ -421,11 +435,27 @@ class Trainer:
                 if indexer is not None:
                     loss = loss + self._indexer_share(indexer, valid)
                 loss.backward()
+        if cfg.sp:
+            self._sum_replicated_grads_over_tp()
         acc.finish_step(model)
         moe_logs = self.moe.end_step(self.routers, bias_rate=self.bias_rate(self.step),
                                      zero_mean=cfg.bias_zero_mean)
         grad_norm = _clip_grad_norm([p for p in self.raw.parameters() if p.grad is not None], cfg.grad_clip)
         return self._optimizer_step(grad_norm, moe_logs, t0)
+
+    def _sum_replicated_grads_over_tp(self) -> None:
+        """Sequence parallelism: parameters that stay replicated (norms, routers, embedding, MTP projections)
+        saw only this TP rank's slice of the sequence, so their gradients are summed over TP (one
+        all-reduce); TP-sharded (DTensor) parameters already have their full gradients."""
+        grads = [p.grad for p in self.raw.parameters() if p.grad is not None and not hasattr(p.grad, "to_local")]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.mesh.get_group("tp"))
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def _optimizer_step(self, grad_norm: float, extra_logs: dict[str, float], t0: float) -> dict[str, Any]:
         """Step 5 of :meth:`train_step`: learning rate, optimizer step, the logging collective, the log line."""

@@ -41,6 +41,7 @@ class Layout:
     pp_virtual: int = 1
     engine: str = "ddp"
     tp: int = 1
+    sp: bool = False
 
 
 DEFAULT_LAYOUTS = (
@@ -53,6 +54,7 @@ DEFAULT_LAYOUTS = (
     Layout("C2xK2", 1, 2, cp=2, indexer=False),
     Layout("D2xC2+recompute", 2, 1, True, cp=2, indexer=False),
     Layout("T2xK2", 1, 2, tp=2, indexer=False),
+    Layout("T2+SPxK2", 1, 2, tp=2, sp=True, indexer=False),
     Layout("P2xK2", 1, 2, pp=2, indexer=False),
     Layout("P2xV2xK2", 1, 2, pp=2, pp_virtual=2, indexer=False),
     Layout("D2xP2xK2+recompute", 2, 2, True, pp=2, indexer=False),
@@ -98,7 +100,7 @@ def _run_modes(rank: int, world: int, base: dict[str, Any], modes: list[str], la
     for mode in modes:
         cfg = TrainConfig(**{**base, "mode": mode, "dp": layout.dp, "cp": layout.cp, "ga": layout.ga,
                              "pp": layout.pp, "pp_virtual": layout.pp_virtual, "recompute": layout.recompute,
-                             "engine": layout.engine, "tp": layout.tp,
+                             "engine": layout.engine, "tp": layout.tp, "sp": layout.sp,
                              "model_overrides": overrides})
         t = Trainer(cfg)
         t.fit()
