@@ -170,8 +170,9 @@ class MoEAccounting:
         if sharded and ((aux_on and scope != "global_lagged") or (z_on and z_form != "global")):
             # A context- or sequence-parallel rank holds a shard of every sequence: per-microbatch and
             # per-sequence token sets span the shards, only the token-additive forms split exactly.
-            raise ValueError("context/sequence parallelism supports scope 'global_lagged' or 'none' and z_form "
-                             f"'global', got scope={scope!r}, z_form={z_form!r}")
+            raise ValueError(f"context parallelism (cp={acc.groups.cp_size}) or sequence parallelism "
+                             f"(sp={acc.groups.sequence_parallel}) supports scope 'global_lagged' or 'none' and "
+                             f"z_form 'global', got scope={scope!r}, z_form={z_form!r}")
         self.acc, self.L, self.E, self.k = acc, num_layers, num_experts, topk
         self.scope, self.aux_coeff, self.z_coeff, self.z_form = scope, aux_coeff, z_coeff, z_form
         self.megatron_quirks = bool(megatron_quirks)
