@@ -15,6 +15,7 @@ One optimizer step (``train_step``) of data-parallel rank ``d``:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -406,7 +407,7 @@ class Trainer:
         for i, (mb, seg, valid) in enumerate(zip(mbs, segs, valids)):
             last = i == len(mbs) - 1
             sync = model.no_sync() if isinstance(model, nn.parallel.DistributedDataParallel) and not last \
-                else _NullContext()
+                else contextlib.nullcontext()
             if cfg.engine == "fsdp" and self.world > 1:
                 model.set_requires_gradient_sync(last)  # reduce-scatter once, after the last microbatch
             rolled = [roll_mtp(mb.labels, mb.mask, seg, k) for k in range(1, depths + 1)]
@@ -560,14 +561,6 @@ class Trainer:
         return self.history
 
 
-class _NullContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return False
-
-
 class _LogWriter:
     """``metrics.jsonl`` (one line per step, the schema is the README's) and TensorBoard scalars."""
 
@@ -579,7 +572,7 @@ class _LogWriter:
             # Resume: drop lines of steps after the checkpoint (they will be recomputed identically).
             with open(path) as f:
                 kept = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= start_step]
-        self.f = open(path, "w" if not start_step else "w")
+        self.f = open(path, "w")  # noqa: SIM115 - closed in close()
         self.f.writelines(kept)
         self.f.flush()
         self.tb = None
