@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["atomic_save", "save_checkpoint", "load_latest", "rng_state", "set_rng_state"]
+__all__ = ["atomic_save", "save_checkpoint", "load_latest", "save_sharded_checkpoint", "load_sharded_latest",
+           "rng_state", "set_rng_state"]
 
 
 def atomic_save(obj: Any, path: str) -> None:
@@ -86,3 +87,53 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_sharded_checkpoint(directory: str, step: int, model: Any, optimizer: Any, extra: dict[str, Any]) -> str:
+    """Sharded checkpoint (FSDP2 / tensor-parallel DTensors) with ``torch.distributed.checkpoint``:
+    every rank writes its shards into ``.tmp-step_<n>/``, then its own ``extra_rank<r>.pt`` (RNG states,
+    step, MoE state); after a barrier rank 0 renames the folder to ``step_<n>/`` (atomic) and points
+    ``latest`` at it. A crash before the rename leaves the previous checkpoint as ``latest``."""
+    import shutil
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    name = f"step_{step:08d}"
+    tmp = os.path.join(directory, f".tmp-{name}")
+    final = os.path.join(directory, name)
+    rank = dist.get_rank()
+    if rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    atomic_save(extra, os.path.join(tmp, f"extra_rank{rank}.pt"))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _atomic_text(name, os.path.join(directory, "latest"))
+    dist.barrier()
+    return final
+
+
+def load_sharded_latest(directory: str, model: Any, optimizer: Any) -> dict[str, Any] | None:
+    """Restore the newest :func:`save_sharded_checkpoint` into ``model``/``optimizer`` (resharding as
+    ``torch.distributed.checkpoint`` does) and return this rank's ``extra``; ``None`` without one."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    pointer = os.path.join(directory, "latest")
+    if not os.path.exists(pointer):
+        return None
+    with open(pointer) as f:
+        path = os.path.join(directory, f.read().strip())
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return torch.load(os.path.join(path, f"extra_rank{dist.get_rank()}.pt"), map_location="cpu", weights_only=False)

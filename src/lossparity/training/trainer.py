@@ -39,7 +39,14 @@ from ..losses.modes import check_mode
 from ..losses.mtp import check_convention, roll_mtp
 from ..losses.stats import sample_stats
 from ..model import GPT, RouterRecord, get_config
-from .checkpoint import load_latest, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import (
+    load_latest,
+    load_sharded_latest,
+    rng_state,
+    save_checkpoint,
+    save_sharded_checkpoint,
+    set_rng_state,
+)
 from .data import Batch, Corpus, JsonlCorpus, SyntheticCorpus, TextFileCorpus, global_batch, split_batch
 
 __all__ = ["TrainConfig", "Trainer", "build_corpus", "run_training"]
@@ -113,9 +120,8 @@ class TrainConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; valid: {', '.join(_DTYPES)}")
         if self.engine not in ("ddp", "fsdp", "plain"):
             raise ValueError(f"unknown engine {self.engine!r}; valid: ddp, fsdp, plain")
-        if self.engine == "fsdp" and (self.cp > 1 or self.pp > 1 or self.ckpt_interval):
-            raise ValueError("engine='fsdp' is supported for data parallelism without cp/pp and without "
-                             "checkpoints (sharded checkpoints are not written yet)")
+        if self.engine == "fsdp" and (self.cp > 1 or self.pp > 1):
+            raise ValueError("engine='fsdp' is supported for data parallelism without cp/pp")
         if self.cp > 1:
             if self.aux_scope not in ("global_lagged", "none") or self.z_form != "global":
                 raise ValueError(f"cp={self.cp} supports aux_scope global_lagged/none and z_form global (got "
@@ -134,8 +140,8 @@ class TrainConfig:
                                  f"{self.aux_scope!r}, z_form={self.z_form!r}): the other forms need the counts of "
                                  "whole microbatches or sequences on every shard")
         if self.tp > 1:
-            if self.cp > 1 or self.pp > 1 or self.ckpt_interval:
-                raise ValueError(f"tp={self.tp} is not combined with cp > 1, pp > 1 or checkpoints yet")
+            if self.cp > 1 or self.pp > 1:
+                raise ValueError(f"tp={self.tp} is not combined with cp > 1 or pp > 1 yet")
             if self.engine != "plain":
                 self.engine = "plain"  # DTensor-sharded parameters: the accountant sums gradients over DP
         if self.pp > 1:
@@ -501,6 +507,41 @@ class Trainer:
                 "moe": self.moe.state_dict(), "rng": rng_state(), "config": dataclasses.asdict(self.cfg),
                 "mtp_weight": self.acc.mtp_weight}
 
+    @property
+    def sharded(self) -> bool:
+        """Parameters are DTensor shards (FSDP2 or tensor parallel): checkpoints go through DCP."""
+        return self.world > 1 and (self.cfg.engine == "fsdp" or self.cfg.tp > 1)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"step": self.step, "moe": self.moe.state_dict(), "rng": rng_state(),
+                "config": dataclasses.asdict(self.cfg)}
+
+    def save(self, ckpt_dir: str) -> None:
+        """Write the checkpoint of the current step (one file on rank 0, or a DCP folder when sharded)."""
+        if self.sharded:
+            save_sharded_checkpoint(ckpt_dir, self.step, self.raw, self.optimizer, self._extra_state())
+            return
+        if self.rank == 0:
+            save_checkpoint(ckpt_dir, self.step, self.state_dict())
+        if dist.is_initialized():
+            dist.barrier()
+
+    def restore(self, ckpt_dir: str) -> bool:
+        """Load the newest checkpoint of ``ckpt_dir`` if there is one; returns whether it did."""
+        if self.sharded:
+            extra = load_sharded_latest(ckpt_dir, self.raw, self.optimizer)
+            if extra is None:
+                return False
+            self.moe.load_state_dict(extra["moe"])
+            set_rng_state(extra["rng"])
+            self.step = int(extra["step"])
+            return True
+        state = load_latest(ckpt_dir)
+        if state is None:
+            return False
+        self.load_state_dict(state)
+        return True
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         self.raw.load_state_dict(state["model"])
@@ -518,9 +559,7 @@ class Trainer:
         out = cfg.out if self.rank == 0 else None
         ckpt_dir = os.path.join(cfg.out, "checkpoints") if cfg.out else None
         if cfg.resume and ckpt_dir:
-            state = load_latest(ckpt_dir)
-            if state is not None:
-                self.load_state_dict(state)
+            self.restore(ckpt_dir)
         writer = _open_logs(out, self.step, cfg.tensorboard) if out else None
         if cfg.dump_samples and cfg.out:
             from ..parity.sample_dump import DUMP_SUBDIR, SampleDumpWriter
@@ -543,10 +582,7 @@ class Trainer:
                         _progress(self.step, total, interval.compute())
                     interval.reset()
                 if ckpt_dir and cfg.ckpt_interval and (self.step % cfg.ckpt_interval == 0 or self.step == total):
-                    if self.rank == 0:
-                        save_checkpoint(ckpt_dir, self.step, self.state_dict())
-                    if dist.is_initialized():
-                        dist.barrier()
+                    self.save(ckpt_dir)
                 done += 1
                 if crash_after is not None and done >= crash_after:
                     raise KeyboardInterrupt(f"simulated crash after step {self.step}")
