@@ -233,8 +233,9 @@ def _lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 def _up(x: Tensor) -> Tensor:
-    """Low-precision losses are accumulated in float32; float64 runs (verify) stay float64."""
-    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+    """Low-precision losses are accumulated in float32; float64 runs (verify) stay float64. Never a view:
+    FSDP2 hooks the module's outputs and warns about (and cannot protect) views."""
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x.contiguous().clone() if x._is_view() else x
 
 
 def head_loss_fn(gpt: GPT):
