@@ -495,7 +495,8 @@ def _parse_window(text: str) -> tuple[float | None, float | None]:
         raise argparse.ArgumentTypeError(f"--window: START and END must be numbers, got {text!r}") from None
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (the error names the text)."""
     try:
         v = int(text)
     except ValueError:
@@ -525,13 +526,13 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics", default=None, help="comma-separated metrics (default: shared canonical)")
     parser.add_argument("--tol", default="", help="e.g. lm_loss=1e-3,mtp_1_loss=rel:1e-3,grad_norm=abs:0.01")
     parser.add_argument("--window", type=_parse_window, default=None, help="START:END, inclusive")
-    parser.add_argument("--smooth", type=_positive_int, default=1, help="trailing moving-average width")
+    parser.add_argument("--smooth", type=positive_int, default=1, help="trailing moving-average width")
     parser.add_argument("--megatron-rule", action="store_true",
                         help="allow min(max(n//100,1),50) failing points of n (Megatron functional tests)")
     parser.add_argument("--align", choices=("step", "samples"), default="step")
-    parser.add_argument("--ref-gbs", type=_positive_int, default=None,
+    parser.add_argument("--ref-gbs", type=positive_int, default=None,
                         help="reference global batch size (consumed samples for --align samples)")
-    parser.add_argument("--cand-gbs", type=_positive_int, default=None, help="candidate global batch size")
+    parser.add_argument("--cand-gbs", type=positive_int, default=None, help="candidate global batch size")
     parser.add_argument("--ref-step-base", type=int, default=None, help="reference's first step number")
     parser.add_argument("--cand-step-base", type=int, default=None, help="candidate's first step number")
     parser.add_argument("--report", default=None, metavar="DIR", help="write summary.md and plots to DIR")

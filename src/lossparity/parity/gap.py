@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from .compare import positive_int
 from .sample_dump import SampleDumpError, StepSamples, find_dump, read_sample_dump, read_sample_meta
 
 __all__ = [
@@ -470,16 +471,6 @@ def plot_gap(report: GapReport, path: str) -> None:
 # command line
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
-
-
 def _non_negative_int(text: str) -> int:
     try:
         v = int(text)
@@ -507,14 +498,14 @@ def add_gap_arguments(parser: argparse.ArgumentParser) -> None:
     from .readers import FORMAT_ALIASES, FORMATS
 
     parser.add_argument("source", help="run directory (with samples/), dump directory, or .npz file")
-    parser.add_argument("--microbatch-size", type=_positive_int, default=None,
+    parser.add_argument("--microbatch-size", type=positive_int, default=None,
                         help="b for per_microbatch (default: the dump's meta)")
-    parser.add_argument("--fixed-length", type=_positive_int, default=None,
+    parser.add_argument("--fixed-length", type=positive_int, default=None,
                         help="L for sample_sum_norm (default: the dump's fixed_length, else its seq_len)")
     parser.add_argument("--bootstrap", type=_non_negative_int, default=1000, help="bootstrap replicates (0: none)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the bootstrap's numpy Generator")
     parser.add_argument("--ci", type=_probability, default=0.95, help="confidence level of the intervals")
-    parser.add_argument("--every", type=_positive_int, default=1, help="summarize blocks of K steps")
+    parser.add_argument("--every", type=positive_int, default=1, help="summarize blocks of K steps")
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     parser.add_argument("--plot", default=None, metavar="PATH.png", help="write the per-step gap plot")
     parser.add_argument("--compare-drift", nargs=2, default=None, metavar=("A_LOG", "B_LOG"),
