@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..losses import moe as F_moe
+from ..losses.stats import rows_documents
 from .accountant import Accountant
 
 __all__ = ["SCOPES", "Z_FORMS", "LOG_NAMES", "ROUTER_TOKENS", "MoEAccounting"]
@@ -221,6 +222,7 @@ class MoEAccounting:
         self._objective: list[Tensor] = []
         self._lb_den = 0.0
         self._z_den = 0.0
+        self._segment_ids: Tensor | None = None
         self._counts_key: object = None
         self._counts_cache: dict[str, float] = {}
 
@@ -280,16 +282,19 @@ class MoEAccounting:
                                      f"num_experts={self.E})")
         return (1, valid.numel()) if valid.dim() == 1 else (valid.shape[0], valid.shape[1])
 
-    def microbatch_loss(self, records: Sequence[object], valid: Tensor) -> Tensor:
+    def microbatch_loss(self, records: Sequence[object], valid: Tensor, segment_ids: Tensor | None = None) -> Tensor:
         """The auxiliary objective share of one microbatch, summed over its MoE layers (SPEC §5).
 
         ``records`` are the ``L`` router records of this forward (``logits``, ``probs``, ``topk_map``, each
         ``[b·S, E]`` in row-major token order), ``valid [b, S]`` marks non-padding tokens. Returns the share
         ``Σ_l w_l·term_l`` whose sum over the step's microbatches and ranks is the auxiliary objective
         (a raw, token-pre-multiplied share under deferred normalization). A zero-token microbatch
-        contributes 0 and still counts. The logged values accumulate until :meth:`end_step`.
+        contributes 0 and still counts. The logged values accumulate until :meth:`end_step`. With the
+        accountant in mode ``per_document`` and packed rows (``segment_ids``), the ``sequence`` scope's
+        sequences are the documents (SPEC §5) and its mean runs over the global ``Ndoc``.
         """
         b, s = self._check_records(records, valid)
+        self._segment_ids = segment_ids
         if not records:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         ref = records[0].probs
@@ -334,6 +339,23 @@ class MoEAccounting:
             coef = _token_sum(topk, vf) * w[:, None]
             x = (_token_sum(probs, vf) * coef).sum() * (scale / max(tt, 1) ** 2)  # Σ_l w_l·A(X_mb)
             share = x * (1.0 / self._count("microbatches") if pre is None else pre)
+        elif self.scope == "sequence" and self.acc.mode == "per_document" and self._segment_ids is not None \
+                and not self.megatron_quirks:
+            # Packed rows under per_document: every document is a sequence (DeepSeek's loss per document).
+            doc, ndoc = rows_documents(self._segment_ids.to(probs.device))
+            idx = doc.reshape(-1)
+            keep = (idx >= 0) & v
+            pos = keep.nonzero().squeeze(1)
+            d = idx.index_select(0, pos)
+            counts = torch.zeros(L, max(ndoc, 1), E, dtype=probs.dtype, device=probs.device).index_add_(
+                1, d, topk.index_select(1, pos))
+            psum = torch.zeros_like(counts).index_add_(1, d, probs.index_select(1, pos))
+            n = torch.zeros(max(ndoc, 1), dtype=probs.dtype, device=probs.device).index_add_(
+                0, d, torch.ones_like(d, dtype=probs.dtype))
+            inv = torch.where(n > 0, 1.0 / (n * n).clamp(min=1.0), 0.0)  # an empty document gives 0, counts
+            x = (psum * counts * (inv[None, :, None] * w[:, None, None])).sum() * scale  # Σ_l w_l·Σ_doc A
+            share = x * (1.0 / max(self._count("documents"), 1.0))
+            den = den * ndoc
         elif self.scope == "sequence":
             vs = None if vf is None else vf.view(b, s)
             counts = _token_sum(topk.view(L, b, s, E), vs)  # [L, b, E]

@@ -104,8 +104,8 @@ class PipelineRunner:
         def fn(records: list[RouterRecord], mb: int) -> Tensor | None:
             if not records:
                 return None
-            valid = self._batch[mb]["valid"]
-            return moe.microbatch_loss(records, valid)
+            data = self._batch[mb]
+            return moe.microbatch_loss(records, data["valid"], data["seg"])
 
         return fn
 

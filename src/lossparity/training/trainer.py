@@ -439,7 +439,7 @@ class Trainer:
                     loss = loss + acc.mtp_loss(mtp_losses, masks_k, seg_c, columns=cols)
                 if self.routers:
                     records = [RouterRecord(r.layer_id, *t) for r, t in zip(self.routers, routers)]
-                    loss = loss + self.moe.microbatch_loss(records, valid_c)
+                    loss = loss + self.moe.microbatch_loss(records, valid_c, seg_c)
                 if indexer is not None:
                     loss = loss + self._indexer_share(indexer, valid)
                 loss.backward()
