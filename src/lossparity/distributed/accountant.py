@@ -161,6 +161,7 @@ class Accountant:
         self._metric_reduce: dict[str, str] = {}
         self._per_rank: set[str] = set()
         self._extra_names: list[str] = []
+        self.step_index = 0  # number of begin_step calls: lets companions cache per-step reads
         self._in_step = False
         self._counts: Tensor | None = None
         self._local_mb_tokens: list[int] = []
@@ -280,6 +281,7 @@ class Accountant:
                 f"rank {self.groups.token_rank()} stops too"
             )
         self._counts = counts
+        self.step_index += 1
         self._masks, self._segs = masks, segs
         self._unit_maps: dict[tuple[int, int], Tensor | None] = {}
         self._n_mbs = len(masks)

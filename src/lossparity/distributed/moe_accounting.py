@@ -223,7 +223,7 @@ class MoEAccounting:
         self._lb_den = 0.0
         self._z_den = 0.0
         self._segment_ids: Tensor | None = None
-        self._counts_key: object = None
+        self._counts_key: int = -1
         self._counts_cache: dict[str, float] = {}
 
     # ---------------------------------------------------------------- per step
@@ -247,7 +247,7 @@ class MoEAccounting:
 
     def _count(self, name: str) -> float:
         """A step count of the accountant, read once per step (each read is a host sync on a GPU)."""
-        key = getattr(self.acc, "_counts", None)  # a new tensor every begin_step
+        key = self.acc.step_index
         if key is not self._counts_key:
             self._counts_key, self._counts_cache = key, {}
         if name not in self._counts_cache:
