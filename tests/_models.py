@@ -39,3 +39,17 @@ def global_batch(n_rows: int, seed: int = 0):
     seg = torch.where(pos < (lengths[:, None] + 1) // 2, 1, 2)
     seg = torch.where(pos < lengths[:, None].clamp(min=1), seg, 0)
     return tokens, labels, mask, seg
+
+
+def reference(mode: str, b: int, n_rows: int):
+    """Naive single-process float64 on the whole ``global_batch(n_rows)``: the objective ``J`` of
+    ``mode`` (``per_microbatch`` with ``b`` rows per microbatch), its gradients, and the token mean."""
+    import lossparity as lp
+
+    tokens, labels, mask, seg = global_batch(n_rows)
+    model = TinyLM()
+    J = lp.objective(mode, model(tokens, labels), mask, segment_ids=seg, microbatch_size=b,
+                     fixed_length=tokens.shape[1])
+    J.backward()
+    lm = float((model(tokens, labels).detach() * mask).sum() / mask.sum())
+    return float(J.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}, lm

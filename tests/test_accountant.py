@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _models import TinyLM, global_batch
+from _models import reference as _reference
 
 import lossparity as lp
 
@@ -12,14 +13,7 @@ N_ROWS = 8
 
 
 def reference(mode: str, b: int):
-    """Naive single-process float64: the objective of the whole batch, its gradients, the token mean."""
-    tokens, labels, mask, seg = global_batch(N_ROWS)
-    model = TinyLM()
-    J = lp.objective(mode, model(tokens, labels), mask, segment_ids=seg, microbatch_size=b,
-                     fixed_length=tokens.shape[1])
-    J.backward()
-    lm = float((model(tokens, labels).detach() * mask).sum() / mask.sum())
-    return float(J.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}, lm
+    return _reference(mode, b, N_ROWS)
 
 
 def run(mode: str, K: int, normalization: str = "precount"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from _dist_workers import bad_mask_on_rank1, count_collectives, run_layout
 from _models import TinyLM, global_batch
+from _models import reference as _reference
 
 import lossparity as lp
 from lossparity.distributed.launch import spawn
@@ -14,13 +15,7 @@ N_ROWS = 16
 
 
 def reference(mode: str, b: int):
-    tokens, labels, mask, seg = global_batch(N_ROWS)
-    model = TinyLM()
-    J = lp.objective(mode, model(tokens, labels), mask, segment_ids=seg, microbatch_size=b,
-                     fixed_length=tokens.shape[1])
-    J.backward()
-    lm = float((model(tokens, labels).detach() * mask).sum() / mask.sum())
-    return float(J.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}, lm
+    return _reference(mode, b, N_ROWS)
 
 
 @pytest.mark.parametrize("world", [2, 4])
