@@ -71,7 +71,7 @@ def test_float32_ga_invariance_within_spec_tolerance():
     assert_close(results[0][1], results[1][1], rel=1e-5)
 
 
-# ---------------------------------------------------------------- bad input (SPEC §7)
+# ---------------------------------------------------------------- bad input (semantics §7)
 def test_unknown_mode_lists_valid_ones():
     with pytest.raises(ValueError, match="valid modes: per_token, per_sample"):
         lp.Accountant("token_mean")

@@ -1,4 +1,4 @@
-"""Context parallelism in the accountant (SPEC §3): rows split by columns over CP ranks, unit counts taken
+"""Context parallelism in the accountant (semantics §3): rows split by columns over CP ranks, unit counts taken
 from whole rows, MTP rolled across shard boundaries; gradients and logs equal the float64 reference."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Chunked output-layer cross-entropy against an independent float64 formula (SPEC §1 z-loss, §7)."""
+"""Chunked output-layer cross-entropy against an independent float64 formula (semantics §1 z-loss, §7)."""
 
 from __future__ import annotations
 

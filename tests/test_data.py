@@ -39,7 +39,7 @@ def _assert_batch_equal(a: Batch, b: Batch) -> None:
 
 
 def _check_consistency(batch: Batch, packed: bool) -> None:
-    """Invariants of SPEC §0 / the module contract, checked row by row with plain Python."""
+    """Invariants of semantics §0 / the module contract, checked row by row with plain Python."""
     tok, lab, msk, pos = (t.tolist() for t in (batch.tokens, batch.labels, batch.mask, batch.positions))
     seg = batch.segment_ids.tolist() if packed else None
     assert batch.tokens.dtype == batch.labels.dtype == batch.positions.dtype == torch.int64

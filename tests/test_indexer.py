@@ -1,4 +1,4 @@
-"""DeepSeek-V3.2 indexer KL loss (SPEC §5) against a naive float64 loop and hand-worked cases."""
+"""DeepSeek-V3.2 indexer KL loss (semantics §5) against a naive float64 loop and hand-worked cases."""
 
 from __future__ import annotations
 

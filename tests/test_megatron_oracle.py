@@ -147,7 +147,7 @@ def test_sequence_loss_matches_megatron_without_padding(single_rank, score_funct
 
 def test_sequence_loss_megatron_padding_uses_mean_valid_length(single_rank):
     # Documented difference: with padding Megatron divides every sequence by the *mean* number of
-    # valid tokens per sequence of the microbatch; SPEC §5 (and our default) uses each sequence's own.
+    # valid tokens per sequence of the microbatch; semantics §5 (and our default) uses each sequence's own.
     s, b, num_experts, k, coeff = 10, 3, 6, 2, 1.0
     base = _logits(s, b, num_experts, seed=4)
     pad = torch.zeros(s, b, dtype=torch.bool)

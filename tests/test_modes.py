@@ -1,4 +1,4 @@
-"""Pure semantics of SPEC §1–§2: hand-worked values, the gap identity, and GA invariance per mode."""
+"""Pure semantics of semantics §1–§2: hand-worked values, the gap identity, and GA invariance per mode."""
 
 from __future__ import annotations
 

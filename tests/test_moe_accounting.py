@@ -1,4 +1,4 @@
-"""MoEAccounting (SPEC §5, §6) against naive float64 loops, across K microbatches and real gloo ranks D,
+"""MoEAccounting (semantics §5, §6) against naive float64 loops, across K microbatches and real gloo ranks D,
 and (``megatron_quirks``) against Megatron-LM's own router/tracker code driven rank by rank."""
 
 from __future__ import annotations
@@ -765,14 +765,14 @@ def test_gloo_megatron_global_aux_gradient_is_one_over_d_of_its_log(gloo_results
             with monkeypatch.context() as mp:
                 meg = megatron_step(mp, batch, 2, K, scope=cfg["scope"], per_token=per_token)
             if empty_mb and cfg["scope"] == "sequence":
-                # Megatron divides by a zero token count (NaN); lossparity keeps SPEC §1's zero-token rule.
+                # Megatron divides by a zero token count (NaN); lossparity keeps semantics §1's zero-token rule.
                 assert math.isnan(meg["J"]) and all(math.isfinite(r[0]["logs"]["objective"]) for r in ours)
                 continue
             compare_with_megatron(ours, meg, cfg["scope"], (name, K))
 
 
 def test_sequence_scope_uses_documents_under_per_document_mode():
-    # SPEC §5: "Packed rows: a sequence is a row unless per_document is chosen". Two microbatches of packed
+    # semantics §5: "Packed rows: a sequence is a row unless per_document is chosen". Two microbatches of packed
     # rows; naive float64: J_aux = Σ_layers (1/Ndoc) Σ_docs α·E/(k·n_j²)·Σ_e c_e(j)·Σ_{x in j} p[x,e].
     import lossparity as lp
     from lossparity.distributed.moe_accounting import MoEAccounting

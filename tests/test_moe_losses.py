@@ -1,4 +1,4 @@
-"""MoE auxiliary losses (SPEC §5) against naive float64 loops and hand-worked examples."""
+"""MoE auxiliary losses (semantics §5) against naive float64 loops and hand-worked examples."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Multi-token prediction (SPEC §4): rolling within rows and documents, the three count conventions,
+"""Multi-token prediction (semantics §4): rolling within rows and documents, the three count conventions,
 per-layer normalization, invariance under gradient accumulation, logs and bad input."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_three_conventions_differ_hand_worked():
 
 
 def _naive_mtp(mode, conv, losses, masks, main_mask, N, b):
-    """Python-loop reference of SPEC §4 (own/main/pooled) for modes per_token/per_sample/per_microbatch."""
+    """Python-loop reference of semantics §4 (own/main/pooled) for modes per_token/per_sample/per_microbatch."""
     Dm = len(losses)
 
     def rows_stats(loss, mask):

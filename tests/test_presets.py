@@ -23,7 +23,7 @@ from lossparity.parity.presets import (
 )
 from lossparity.training.trainer import TrainConfig
 
-# spec -> (mode, normalization, mtp_convention, mtp_log_estimator, aux_scope, z_form), from SPEC §1/§4/§5 and the
+# spec -> (mode, normalization, mtp_convention, mtp_log_estimator, aux_scope, z_form), from semantics §1/§4/§5 and the
 # framework facts recorded in the presets' notes
 EXPECTED = {
     "megatron:calculate_per_token_loss=false": ("per_microbatch", "precount", "own", "microbatch_mean",

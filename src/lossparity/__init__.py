@@ -1,6 +1,6 @@
 """lossparity: exact, layout-invariant language-model losses and loss-parity tools.
 
-Layout of the package (a formula of SPEC.md lives in exactly one place):
+Layout of the package (a formula of docs/semantics.md lives in exactly one place):
 
 - ``lossparity.losses``: pure semantics on tensors, no process groups (modes, statistics, MTP, MoE
   auxiliary losses, indexer loss, chunked cross-entropy, estimator gap, log estimators).

@@ -1,4 +1,4 @@
-"""A built-in example that checks every mode of SPEC §1 against a naive formula (`lossparity modes --check`).
+"""A built-in example that checks every mode of semantics §1 against a naive formula (`lossparity modes --check`).
 
 The reference is written with plain Python loops over lists of floats, sharing no code with the
 library, and the library side runs through the :class:`Accountant` with gradient accumulation
@@ -26,7 +26,7 @@ def example_batch() -> tuple[list[list[float]], list[list[int]], list[list[int]]
 
 
 def naive_objective(mode: str, losses, masks, segs, b: int, length: int) -> float:
-    """SPEC §1 computed with Python loops, for the self-check (float64 via Python floats)."""
+    """semantics §1 computed with Python loops, for the self-check (float64 via Python floats)."""
     rows = range(len(losses))
     s = [sum(l * w for l, w in zip(losses[i], masks[i])) for i in rows]
     n = [sum(masks[i]) for i in rows]

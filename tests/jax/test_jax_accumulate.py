@@ -1,5 +1,5 @@
 """Gradient accumulation over lax.scan: K microbatches give the objective, gradients and logs of K = 1
-and of a naive whole-batch formula, for every mode (SPEC §3)."""
+and of a naive whole-batch formula, for every mode (semantics §3)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def loss_fn(params, mb):
 
 
 def naive_objective(mode, loss, w, seg, b):
-    """The SPEC §1 formulas written out directly (documents by a one-hot selection of every id)."""
+    """The semantics §1 formulas written out directly (documents by a one-hot selection of every id)."""
     s, n = (loss * w).sum(-1), w.sum(-1)
     if mode == "per_token":
         return s.sum() / jnp.maximum(n.sum(), 1)

@@ -1,4 +1,4 @@
-"""JAX MoE auxiliary losses against naive NumPy formulas (SPEC §5) and the PyTorch ``losses.moe``."""
+"""JAX MoE auxiliary losses against naive NumPy formulas (semantics §5) and the PyTorch ``losses.moe``."""
 
 from __future__ import annotations
 

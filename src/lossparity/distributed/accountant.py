@@ -1,4 +1,4 @@
-"""The accountant: exact, layout-invariant loss accounting inside a training loop (SPEC §2, §3).
+"""The accountant: exact, layout-invariant loss accounting inside a training loop (semantics §2, §3).
 
 One optimizer step::
 
@@ -10,7 +10,7 @@ One optimizer step::
     optimizer.step()
     logs = acc.logs()                     # every logged scalar of the step, one all-reduce
 
-Two mechanisms make the objective layout-invariant (SPEC §3). ``normalization="precount"`` (default):
+Two mechanisms make the objective layout-invariant (semantics §3). ``normalization="precount"`` (default):
 the global denominators are counted from the masks before the first forward, and each microbatch
 back-propagates ``numerator / denominator``. ``normalization="deferred"`` (Megatron
 ``calculate_per_token_loss=True``): raw numerators are back-propagated, the denominator is summed
@@ -94,18 +94,18 @@ class Accountant:
     """Exact loss accounting for one training loop (see the module docstring for the protocol).
 
     Args:
-        mode: normalization mode of the language-model objective (SPEC §1), one of :data:`MODES`.
+        mode: normalization mode of the language-model objective (semantics §1), one of :data:`MODES`.
         group: data-parallel process group (``None``: the default group if initialized, else single
             process). Mutually exclusive with ``mesh``.
         mesh: ``DeviceMesh`` with named dimensions among ``dp, cp, tp, pp``.
-        normalization: ``"precount"`` (default) or ``"deferred"`` (SPEC §3).
+        normalization: ``"precount"`` (default) or ``"deferred"`` (semantics §3).
         grad_reduction: how gradients are reduced over data-parallel ranks: ``"auto"`` (detect DDP/FSDP
             from the module given to ``finish_step``, else all-reduce plain modules), ``"mean"`` (the
             engine averages: multiply by ``D``), ``"sum"`` (already summed, or one process),
             ``"allreduce"`` (``finish_step`` sums the gradients itself).
         fixed_length: the ``L`` of ``sample_sum_norm``.
         mtp_depths: number of MTP depths ``Dm`` (0: no MTP); their masks are pre-counted by rolling.
-        mtp_convention: ``own`` | ``main`` | ``pooled`` (SPEC §4).
+        mtp_convention: ``own`` | ``main`` | ``pooled`` (semantics §4).
         mtp_log_estimator: ``"token_mean"`` (``S_k/Ntok_k``, default) or ``"microbatch_mean"``
             (Megatron: mean over microbatches and ranks of local means).
         check_finite: raise on NaN/Inf losses, naming rank and microbatch (costs one sync per call).
@@ -184,7 +184,7 @@ class Accountant:
         its values are summed over TP too; by default TP ranks hold copies and only the first counts.
 
         Must be called identically on every rank (it fixes the layout of the logging collective); a
-        rank that has nothing to record still takes part with zeros (SPEC §6).
+        rank that has nothing to record still takes part with zeros (semantics §6).
         """
         if self._in_step:
             raise RuntimeError(f"declare_metric({name!r}) must be called outside a step")
@@ -243,7 +243,7 @@ class Accountant:
                 raise ValueError(f"mtp_weight must be >= 0, got {mtp_weight}")
             self.mtp_weight = float(mtp_weight)
         # The last slot flags bad input: every rank still enters the all-reduce, so a rank with bad
-        # masks raises its own error and the others raise too instead of hanging (SPEC §7).
+        # masks raises its own error and the others raise too instead of hanging (semantics §7).
         extra = dict(extra_counts or {})
         self._extra_names = list(extra)
         counts = torch.zeros(5 + self.mtp_depths + len(extra), dtype=torch.float64, device=self.device)
@@ -349,7 +349,7 @@ class Accountant:
         """This microbatch's share of the language-model objective; call once per microbatch, in order.
 
         ``precount``: returns ``numerator(mb) / denominator`` so that the shares of all microbatches and
-        ranks sum to ``J`` (SPEC §1, §3). ``deferred``: returns the raw ``numerator(mb)``; ``finish_step``
+        ranks sum to ``J`` (semantics §1, §3). ``deferred``: returns the raw ``numerator(mb)``; ``finish_step``
         divides the gradients. ``per_token_loss`` and ``mask`` are ``[b, S]``; with context parallelism they
         are this rank's shard and ``columns`` (``[S_shard]``) are its positions in the whole rows.
         """
@@ -392,7 +392,7 @@ class Accountant:
         return num / self._denominator(_DEN_KEY[self.mode])
 
     def _mtp_denominators(self) -> list[float]:
-        """Per-depth denominators (precount) of the MTP term (SPEC §4)."""
+        """Per-depth denominators (precount) of the MTP term (semantics §4)."""
         assert self._counts is not None
         key = _DEN_KEY[self.mode]
         if self.mode != "per_token" or self.mtp_convention == "main":
@@ -539,7 +539,7 @@ class Accountant:
 
     # ------------------------------------------------------------------ logs
     def logs(self) -> dict[str, float | None]:
-        """All log-channel scalars of the step, reduced over every rank in one collective (SPEC §2).
+        """All log-channel scalars of the step, reduced over every rank in one collective (semantics §2).
 
         ``lm_loss = S/Ntok`` (``None`` when ``Ntok = 0``), ``objective = J`` (language model plus MTP plus
         added auxiliary contributions), ``tokens``, ``samples``, ``microbatches``, ``documents`` (packed),

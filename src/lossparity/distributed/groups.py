@@ -1,4 +1,4 @@
-"""Which process groups a loss number is reduced over (SPEC §3, §5, §6).
+"""Which process groups a loss number is reduced over (semantics §3, §5, §6).
 
 The semantics never name a process group; this module maps a layout onto groups once, so that the
 accountant and the trackers can ask for *roles* instead of hard-coding groups:

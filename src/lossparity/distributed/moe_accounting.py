@@ -1,8 +1,8 @@
-"""MoE auxiliary losses through the accountant, and aux-loss-free expert-bias balancing (SPEC §5, §6).
+"""MoE auxiliary losses through the accountant, and aux-loss-free expert-bias balancing (semantics §5, §6).
 
 The formulas are those of :mod:`lossparity.losses.moe` (``A(X) = α·E/(k·T²)·Σ_e c_e·Σ_{x in X} p[x,e]``,
 router z-loss ``β·lse(x)²``); this module decides *which token set* each one sees and *which weight* its
-gradient gets, so that the objective is exactly the one SPEC §5 defines. The per-layer work is vectorized
+gradient gets, so that the objective is exactly the one semantics §5 defines. The per-layer work is vectorized
 over the MoE layers of a forward (one stacked ``[L, T, E]`` tensor per routing view).
 
 | scope            | objective contribution (per MoE layer, summed over layers)          | layout    |
@@ -19,7 +19,7 @@ divided by its coefficient and averaged over MoE layers (``load_balancing_loss``
 ``seq_load_balancing_loss``, ``global_load_balancing_loss``, ``z_loss``).
 
 ``megatron_quirks=True`` (the ``megatron`` preset only) reproduces Megatron-LM's gradients and logged
-numbers instead, including its documented deviations from SPEC §5 (see :class:`MoEAccounting`).
+numbers instead, including its documented deviations from semantics §5 (see :class:`MoEAccounting`).
 
 Per step the logged values and the objective contribution accumulate on the device and reach the
 accountant in :meth:`MoEAccounting.end_step` (which therefore precedes ``acc.logs()``), together with the
@@ -283,7 +283,7 @@ class MoEAccounting:
         return (1, valid.numel()) if valid.dim() == 1 else (valid.shape[0], valid.shape[1])
 
     def microbatch_loss(self, records: Sequence[object], valid: Tensor, segment_ids: Tensor | None = None) -> Tensor:
-        """The auxiliary objective share of one microbatch, summed over its MoE layers (SPEC §5).
+        """The auxiliary objective share of one microbatch, summed over its MoE layers (semantics §5).
 
         ``records`` are the ``L`` router records of this forward (``logits``, ``probs``, ``topk_map``, each
         ``[b·S, E]`` in row-major token order), ``valid [b, S]`` marks non-padding tokens. Returns the share
@@ -291,7 +291,7 @@ class MoEAccounting:
         (a raw, token-pre-multiplied share under deferred normalization). A zero-token microbatch
         contributes 0 and still counts. The logged values accumulate until :meth:`end_step`. With the
         accountant in mode ``per_document`` and packed rows (``segment_ids``), the ``sequence`` scope's
-        sequences are the documents (SPEC §5) and its mean runs over the global ``Ndoc``.
+        sequences are the documents (semantics §5) and its mean runs over the global ``Ndoc``.
         """
         b, s = self._check_records(records, valid)
         self._segment_ids = segment_ids

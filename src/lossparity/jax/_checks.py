@@ -1,4 +1,4 @@
-"""Input validation shared by the JAX modules (SPEC §7).
+"""Input validation shared by the JAX modules (semantics §7).
 
 Shape and dtype checks are static and always run, also under ``jax.jit``. Value checks (mask in
 {0, 1}, finite losses, segment ids in range, labels in range) need concrete values: they run when the

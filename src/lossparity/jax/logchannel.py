@@ -1,4 +1,4 @@
-"""Log-channel estimators in JAX (SPEC §2).
+"""Log-channel estimators in JAX (semantics §2).
 
 The log channel keeps its own estimators whatever the objective's mode. Inside a traced step a value
 cannot be ``None``, so "reported as missing" is a ``(value, valid)`` pair: ``valid`` is false when the
@@ -29,7 +29,7 @@ def ratio_or_missing(num: jax.Array, den: jax.Array) -> tuple[jax.Array, jax.Arr
 
 
 def lm_loss(per_token_loss: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The logged language-model loss of SPEC §2: the global token mean ``S / Ntok`` over the whole
+    """The logged language-model loss of semantics §2: the global token mean ``S / Ntok`` over the whole
     ``[N, S]`` batch, whatever the objective's mode, as ``(value, valid)`` (missing when ``Ntok = 0``)."""
     check_inputs(per_token_loss, mask, check_finite=False)
     loss, w = _as_2d(per_token_loss), _as_2d(mask).astype(per_token_loss.dtype)

@@ -1,4 +1,4 @@
-"""Normalization modes of the language-model objective in JAX (SPEC §1, §3).
+"""Normalization modes of the language-model objective in JAX (semantics §1, §3).
 
 Same decomposition and names as the PyTorch ``lossparity.losses.modes``: every mode is
 ``J = Σ_mb numerator(mb) / denominator``, a per-microbatch numerator from that microbatch's own sample
@@ -179,7 +179,7 @@ def objective(
     microbatch_size: int | None = None,
     fixed_length: int | None = None,
 ) -> jax.Array:
-    """The objective ``J`` of SPEC §1 on a whole global batch ``[N, S]``, straight from the formula.
+    """The objective ``J`` of semantics §1 on a whole global batch ``[N, S]``, straight from the formula.
 
     ``per_token``: ``S / max(Ntok, 1)``, computed as one reduction ``Σ(w·l) / max(Σ w, 1)`` so that it is
     bit-identical to the usual ``sum(xent·mask) / sum(mask)``. ``per_sample``: ``(1/N) Σ_i s_i/max(n_i,1)``.

@@ -1,4 +1,4 @@
-"""Per-sample and per-document sums and counts in JAX (SPEC §0), on global arrays.
+"""Per-sample and per-document sums and counts in JAX (semantics §0), on global arrays.
 
 Every function here is pure and ``jit``-able and does not care how its inputs are sharded: it sees the
 global ``[B, S]`` arrays and reduces along the sequence axis only (per row), so a batch sharded over
@@ -36,7 +36,7 @@ def check_inputs(
     where: str = "",
     check_finite: bool = True,
 ) -> None:
-    """Validate a (per-token loss, mask, segment ids) triple, raising a clear error (SPEC §7).
+    """Validate a (per-token loss, mask, segment ids) triple, raising a clear error (semantics §7).
 
     Always (also under ``jit``): ``per_token_loss`` is a floating ``[B, S]`` (or ``[S]``) array, ``mask``
     and ``segment_ids`` (integer) have the same shape. On concrete values only: mask values in {0, 1},

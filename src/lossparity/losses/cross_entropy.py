@@ -4,7 +4,7 @@ For hidden states ``h [T, H]``, output weight ``W [V, H]`` and labels ``y [T]`` 
 
     l[t] = lse[t] - z[t, y[t]] + λz · lse[t]²,   z = h @ W.T,   lse[t] = logsumexp_v z[t, v]
 
-(SPEC §1: the optional z-loss is part of ``l``), and ``l[t] = 0`` where ``y[t] == ignore_index``.
+(semantics §1: the optional z-loss is part of ``l``), and ``l[t] = 0`` where ``y[t] == ignore_index``.
 
 :func:`chunked_cross_entropy` computes it tile by tile: a tile is ``chunk_size`` tokens ×
 ``vocab_chunk_size`` vocabulary rows (default ~8 Mi logits, see :func:`default_tiling`). The forward

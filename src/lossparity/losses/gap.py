@@ -1,4 +1,4 @@
-"""The estimator gap between the per-token and per-sample means (SPEC §1, README "the problem").
+"""The estimator gap between the per-token and per-sample means (semantics §1, README "the problem").
 
 With per-sample means ``l_i = s_i / max(n_i, 1)`` and counts ``n_i``::
 
@@ -37,7 +37,7 @@ def estimator_gap(sample_sums: Tensor, sample_counts: Tensor) -> GapResult:
     ``sample_sums`` (``s_i``) and ``sample_counts`` (``n_i``) are ``[N]`` over the whole global batch.
     Both sides are computed independently (the difference of the two means, and the covariance
     formula), so that their agreement is a check, not a tautology. With ``Ntok = 0`` the per-token
-    mean is 0 (SPEC §1) and the covariance side is reported as 0 as well.
+    mean is 0 (semantics §1) and the covariance side is reported as 0 as well.
     """
     s = sample_sums.detach().to(torch.float64).flatten()
     n = sample_counts.detach().to(torch.float64).flatten()

@@ -1,4 +1,4 @@
-"""DeepSeek-V3.2 sparse-attention indexer loss (SPEC §5, "Indexer loss").
+"""DeepSeek-V3.2 sparse-attention indexer loss (semantics §5, "Indexer loss").
 
 Pure tensor functions, float32 math (float64 inputs stay float64). Per valid query token ``t`` the loss
 is ``KL(p_t || q_t)`` where

@@ -1,4 +1,4 @@
-"""Log-channel estimators (SPEC §2): pure functions on already-reduced sums.
+"""Log-channel estimators (semantics §2): pure functions on already-reduced sums.
 
 The log channel keeps its own estimators whatever the objective's mode: ``lm_loss`` is always the
 global token mean ``S / Ntok`` (missing, never NaN, when ``Ntok = 0``); over an interval of several

@@ -1,4 +1,4 @@
-"""Normalization modes of the language-model objective (SPEC §1) and their microbatch shares (SPEC §3).
+"""Normalization modes of the language-model objective (semantics §1) and their microbatch shares (semantics §3).
 
 Every mode is written as ``J = Σ_mb numerator(mb) / denominator``: a per-microbatch *numerator*
 computed from that microbatch's own sample/document statistics, and one *global denominator*
@@ -93,7 +93,7 @@ class Normalizers:
     """Global counts of one optimizer step (summed over all microbatches and data-parallel ranks).
 
     ``tokens = Ntok = Σ_i n_i``, ``samples = N``, ``documents = Ndoc`` (0 when rows are not packed),
-    ``microbatches = D·K``. They are exact integers; the divisions of SPEC §1 use ``max(·, 1)`` only
+    ``microbatches = D·K``. They are exact integers; the divisions of semantics §1 use ``max(·, 1)`` only
     for ``tokens`` (and for the local counts inside numerators).
     """
 
@@ -212,7 +212,7 @@ def objective(
     microbatch_size: int | None = None,
     fixed_length: int | None = None,
 ) -> Tensor:
-    """The objective ``J`` of SPEC §1 on a whole global batch ``[N, S]`` held in one process.
+    """The objective ``J`` of semantics §1 on a whole global batch ``[N, S]`` held in one process.
 
     ``per_microbatch`` cuts the rows into consecutive microbatches of ``microbatch_size`` rows (the
     layout convention of lossparity: rank ``d`` holds rows ``[d·K·b, (d+1)·K·b)``, microbatch ``k`` of

@@ -1,4 +1,4 @@
-"""MoE auxiliary losses and expert-bias balancing (SPEC §5).
+"""MoE auxiliary losses and expert-bias balancing (semantics §5).
 
 Pure tensor functions, no process groups, float32 math (float64 inputs stay float64, so that the
 float64 reference runs of ``verify`` are exact). The caller chooses the token set ``X`` (a
@@ -136,7 +136,7 @@ def router_probs(logits: Tensor, score_function: str = "softmax") -> Tensor:
 def topk_routing_map(probs: Tensor, topk: int) -> Tensor:
     """Boolean routing map ``m[x,e] = (e in top-k of p[x,:])``, shape of ``probs`` (``[..., E]``).
 
-    This is the plain top-k of the unbiased scores that the auxiliary loss counts (SPEC §5: the aux map
+    This is the plain top-k of the unbiased scores that the auxiliary loss counts (semantics §5: the aux map
     ignores expert bias and capacity). Ties are broken by ``torch.topk``.
     """
     _check_scores("probs", probs)
@@ -398,7 +398,7 @@ def expert_bias_update(
     ``tokens_per_expert`` and ``expert_bias`` are ``[E]`` or ``[layers, E]`` (means per layer, over
     experts). With ``zero_mean`` (torchtitan) the step's update is centred: ``Δb -= mean_e(Δb)``.
     Counts must be the step's dispatch counts summed over every microbatch and every rank holding
-    distinct tokens (SPEC §5). The inputs are not modified.
+    distinct tokens (semantics §5). The inputs are not modified.
     """
     _check_tensor("tokens_per_expert", tokens_per_expert)
     _check_float_tensor("expert_bias", expert_bias)

@@ -1,4 +1,4 @@
-"""Multi-token prediction (MTP) labels, masks and objective (SPEC §4).
+"""Multi-token prediction (MTP) labels, masks and objective (semantics §4).
 
 Depth ``k`` predicts, from position ``t``, the token that the main head predicts from ``t + k``:
 its labels and mask are the main ones rolled left by ``k`` within each sequence (and within each
@@ -60,7 +60,7 @@ def roll_mask(mask: Tensor, segment_ids: Tensor | None, k: int) -> Tensor:
 
 def roll_mtp(labels: Tensor, mask: Tensor, segment_ids: Tensor | None, k: int, *, ignore_index: int = -100
              ) -> tuple[Tensor, Tensor]:
-    """Labels and mask of MTP depth ``k`` (SPEC §4): both rolled left by ``k`` within each row and each
+    """Labels and mask of MTP depth ``k`` (semantics §4): both rolled left by ``k`` within each row and each
     document; rolled-out positions get ``ignore_index`` and mask 0. Raises if ``k`` is not smaller than
     the sequence length (the depth would have no position at all)."""
     if labels.shape != mask.shape:

@@ -1,6 +1,6 @@
-"""Per-sample and per-document sums and counts (SPEC §0).
+"""Per-sample and per-document sums and counts (semantics §0).
 
-Pure tensor functions, no process groups. Every normalization mode of SPEC §1 is a function of
+Pure tensor functions, no process groups. Every normalization mode of semantics §1 is a function of
 these statistics only, which is why they are the one place where per-token losses are reduced.
 """
 
@@ -22,7 +22,7 @@ def check_inputs(
     check_finite: bool = True,
     check_mask_values: bool = True,
 ) -> None:
-    """Validate a (per-token loss, mask, segment ids) triple, raising a clear error (SPEC §7).
+    """Validate a (per-token loss, mask, segment ids) triple, raising a clear error (semantics §7).
 
     Checks that ``per_token_loss`` and ``mask`` are ``[B, S]`` (or ``[S]``) tensors of the same shape,
     that ``mask`` only holds 0/1, that ``segment_ids`` (when given) is an integer tensor of the same
@@ -107,7 +107,7 @@ def rows_documents(segment_ids: Tensor) -> tuple[Tensor, int]:
     ``(row, segment_id)`` pairs, numbered in order of first appearance (row-major).
 
     Returns ``(doc_index [B,S] with -1 at padding positions (segment id 0), num_documents)``.
-    A document with no loss-bearing token still exists (and counts in ``Ndoc``, SPEC §1).
+    A document with no loss-bearing token still exists (and counts in ``Ndoc``, semantics §1).
     """
     seg = _as_2d(segment_ids).long()
     b, s = seg.shape

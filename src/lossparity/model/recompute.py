@@ -1,6 +1,6 @@
 """Activation recompute (gradient checkpointing) that tells the model when it is being re-run.
 
-A forward re-run by :func:`checkpoint` during backward must record nothing and count nothing (SPEC §6):
+A forward re-run by :func:`checkpoint` during backward must record nothing and count nothing (semantics §6):
 the re-run executes under a thread-local flag, read with :func:`is_recomputing`. The flag is a depth
 counter so nested checkpoints compose; it is thread-local because the autograd engine runs the re-run
 on the thread that executes the backward (the caller's on CPU, a device thread on GPU).

@@ -1,6 +1,6 @@
 """Top-k MoE router with aux-loss-free expert bias (DeepSeek-V3) and per-forward routing records.
 
-Three routing views of one forward (SPEC §5):
+Three routing views of one forward (semantics §5):
 
 - ``probs``: the scores the auxiliary losses use: ``softmax(logits)``, or ``sigmoid(logits)`` divided by
   its row sum;

@@ -70,7 +70,7 @@ _BOOTSTRAP_CHUNK = 2_000_000  # resampled indices held at once (B_chunk · N)
 def step_mode_values(
     n: np.ndarray, s: np.ndarray, *, microbatch_size: int | None = None, fixed_length: int | None = None
 ) -> dict[str, float | None]:
-    """Every mode of SPEC §1 that is a function of per-sample data, for one step's ``[N]`` counts ``n``
+    """Every mode of semantics §1 that is a function of per-sample data, for one step's ``[N]`` counts ``n``
     and sums ``s`` ordered by row (see the module docstring for the formulas). ``per_microbatch`` cuts the
     rows into consecutive blocks of ``microbatch_size`` (``None`` when it is not given or does not divide
     ``N``); ``sample_sum_norm`` needs ``fixed_length`` (``None`` otherwise)."""

@@ -1,6 +1,6 @@
 """Metric names: each framework's spelling -> lossparity's canonical names.
 
-Canonical names are lossparity's log-channel names (SPEC §2, §4, §5): ``lm_loss``, ``objective``,
+Canonical names are lossparity's log-channel names (semantics §2, §4, §5): ``lm_loss``, ``objective``,
 ``mtp_<k>_loss``, ``load_balancing_loss``, ``seq_load_balancing_loss``,
 ``global_load_balancing_loss``, ``z_loss`` (router z-loss), ``grad_norm``, ``lr``, ``tokens``.
 
@@ -14,7 +14,7 @@ What each framework's number means, and therefore where it maps:
   ``learning/grad_norm`` is measured *after* clipping, so it maps to ``clipped_grad_norm``; its
   ``learning/raw_grad_norm`` is the pre-clip norm that Megatron, HF and torchtitan report, so it
   maps to ``grad_norm``. ``learning/z_loss`` is MaxText's *output-logit* z-loss (part of the
-  per-token loss, SPEC §1), not the router z-loss, so it maps to ``logit_z_loss``.
+  per-token loss, semantics §1), not the router z-loss, so it maps to ``logit_z_loss``.
   ``learning/mtp_loss`` (all depths together) stays ``mtp_loss``; with one MTP depth map it to
   ``mtp_1_loss`` explicitly (``learning/mtp_loss=mtp_1_loss``).
 - Hugging Face ``loss`` (``train/loss`` in W&B), torchtitan ``loss``

@@ -1,4 +1,4 @@
-"""Framework presets (SPEC §8): named bundles of lossparity's choices that reproduce one framework's numbers.
+"""Framework presets (semantics §8): named bundles of lossparity's choices that reproduce one framework's numbers.
 
 A :class:`Preset` holds what the accountant, the MoE accounting and the trainer take (objective mode,
 normalization mechanism, MTP count convention and log estimator, MoE aux-loss scope, router z-loss
@@ -66,7 +66,7 @@ _VERL_MODES = {
 }
 _MEGATRON_LB = {"aux_loss": "micro_batch", "seq_aux_loss": "sequence", "global_aux_loss": "global_running",
                 "none": "none"}
-_QUIRKS = ("Megatron parity quirks (SPEC §5) are reproduced only by lossparity's megatron preset: they matter with "
+_QUIRKS = ("Megatron parity quirks (semantics §5) are reproduced only by lossparity's megatron preset: they matter with "
            "global_aux_loss (aux gradient 1/D of its logged value), with a router z-loss in MTP layers, and with "
            "calculate_per_token_loss=true plus aux/z losses (pre-multiplication by local token counts)")
 
@@ -162,7 +162,7 @@ def _split_spec(spec: str) -> tuple[str, list[str], dict[str, str]]:
     text = spec.strip()
     name, _, rest = text.partition(":")
     name = name.strip().lower()
-    if name.startswith("verl-") and name[5:] in _VERL_MODES:  # SPEC §8 spells verl-<loss_agg_mode>
+    if name.startswith("verl-") and name[5:] in _VERL_MODES:  # semantics §8 spells verl-<loss_agg_mode>
         rest = name[5:] + ("," + rest if rest else "")
         name = "verl"
     positional: list[str] = []
@@ -222,9 +222,9 @@ def _megatron(spec: str, positional: list[str], options: dict[str, str]) -> Pres
         "moe_aux_loss_coeff default 0.0, moe_z_loss_coeff default None; the router z-loss is a per-microbatch mean "
         "(z_form microbatch).",
         "the lm loss log is the global Σs/Σn of the (sum, count) reporting channel, independent of the flag "
-        "(SPEC §2); the objective itself is not logged.",
+        "(semantics §2); the objective itself is not logged.",
         "with context parallelism > 1 and =False Megatron averages each CP shard's own local mean, a shard-level "
-        "estimator (SPEC §1) that only this preset reproduces.",
+        "estimator (semantics §1) that only this preset reproduces.",
     ]
     if per_token:
         notes += [
@@ -261,10 +261,10 @@ def _maxtext(spec: str, positional: list[str], options: dict[str, str]) -> Prese
     common_notes = [
         "verified (MaxText main, layers/moe.py load_balance_loss): per-sequence share of top-k slots × per-sequence "
         "mean router probability, averaged over sequences and experts, × E² × load_balance_loss_weight (default "
-        "0.0): k times the Switch form of SPEC §5 per sequence (sequence scope); padding positions are included; "
+        "0.0): k times the Switch form of semantics §5 per sequence (sequence scope); padding positions are included; "
         "trainers/pre_train/train.py averages it over MoE layers instead of summing.",
         "verified: MaxText has no router z-loss; z_loss_multiplier is the output-logit z-loss, part of l[i,t] "
-        "(SPEC §1) and normalized with the cross-entropy.",
+        "(semantics §1) and normalized with the cross-entropy.",
         "verified (trainers/pre_train/train.py): learning/lm_loss = Σ xent / total_weights (global token mean); "
         "learning/loss is the objective when gradient_accumulation_steps = 1.",
         "verified (utils/gradient_accumulation.py): with gradient_accumulation_steps > 1 raw sums are accumulated and "
@@ -410,7 +410,7 @@ def _hf_legacy(spec: str, positional: list[str], options: dict[str, str]) -> Pre
             "microbatch, is divided by gradient_accumulation_steps and DDP averages the ranks: the mean of the D·K "
             "microbatch means (per_microbatch, b = per_device_train_batch_size) — the gradient-accumulation bug "
             "fixed in 4.46 (transformers issue #34242).",
-            "a microbatch without loss tokens gives NaN in HF (mean over an empty set); lossparity gives 0 (SPEC §1).",
+            "a microbatch without loss tokens gives NaN in HF (mean over an empty set); lossparity gives 0 (semantics §1).",
             _HF_AUX_FACT + "; divided by the accumulation steps like the rest of the loss (micro_batch scope).",
             "assumed: the logged loss is the objective, averaged over the logging steps.",
         ],
@@ -492,7 +492,7 @@ def _verl(spec: str, positional: list[str], options: dict[str, str]) -> Preset:
                      "use_dynamic_bsz=False and a fixed ppo_micro_batch_size_per_gpu"]
     elif agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
         notes.append("assumed: the engine's global_batch_size counts every sequence, empty ones included, so a "
-                     "response without loss tokens counts in the denominator (SPEC §1).")
+                     "response without loss tokens counts in the denominator (semantics §1).")
     if agg == "seq-mean-token-sum-norm":
         requires.append("the same L (loss_scale_factor) in both runs; verl divides a micro-batch's *sum* of sequence "
                         "sums by L without a 1/N, so its value is lossparity's sample_sum_norm times a constant (b "
@@ -533,7 +533,7 @@ def _lossparity(spec: str, positional: list[str], options: dict[str, str]) -> Pr
         grad_reduction="auto", fixed_length=L,
         description="lossparity: exact, layout-invariant defaults",
         notes=["the defaults of Accountant/MoEAccounting/TrainConfig: every number is the same for every layout "
-               "(SPEC §3)"],
+               "(semantics §3)"],
         log_names={"lm_loss": "lm_loss", "objective": "objective", "mtp_loss": "mtp_<k>_loss"},
         aux_note="aux_coeff (summed over MoE layers)",
     )

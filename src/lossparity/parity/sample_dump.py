@@ -1,7 +1,7 @@
 """Per-sample dumps: the token count ``n_i`` and loss sum ``s_i`` of every sample of every step.
 
 The ``gap`` tool needs per-sample data to compute every normalization mode that is a function of
-``(n_i, s_i)`` and the estimator gap of SPEC §1. The trainer writes them while training; users with
+``(n_i, s_i)`` and the estimator gap of semantics §1. The trainer writes them while training; users with
 their own trainer can write an NPZ file instead.
 
 Binary format (version 1)

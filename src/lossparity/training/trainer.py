@@ -57,7 +57,7 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bf16": torch.flo
 @dataclass
 class TrainConfig:
     """Everything that defines a run. Layout fields (``dp``, ``ga``, ``recompute``, ``engine``) must not
-    change the numbers (SPEC §3), all others may."""
+    change the numbers (semantics §3), all others may."""
 
     model: str = "tiny"
     model_overrides: dict[str, Any] = field(default_factory=dict)
@@ -490,7 +490,7 @@ class Trainer:
         return self._optimizer_step(pipe.grad_norm_and_clip(cfg.grad_clip), {}, t0)
 
     def _indexer_share(self, indexer: tuple[Tensor, Tensor], valid: Tensor) -> Tensor:
-        """DeepSeek-V3.2 indexer loss in its invariant form ``c·Σ_t KL_t / Tq_global`` (SPEC §5), ``Tq`` =
+        """DeepSeek-V3.2 indexer loss in its invariant form ``c·Σ_t KL_t / Tq_global`` (semantics §5), ``Tq`` =
         the step's non-padding query tokens; logged as the global mean of ``KL_t``."""
         probs, logits = indexer
         kl = indexer_kl(probs, logits, valid)

@@ -1,10 +1,10 @@
 """``lossparity verify``: train the embedded tiny MoE+MTP model under several layouts and prove that the
 objective, every logged metric, the gradient norm, the updated parameters and the expert biases are
-the same as the single-process ``1×1`` float64 run (SPEC §3: max relative difference <= 1e-10).
+the same as the single-process ``1×1`` float64 run (semantics §3: max relative difference <= 1e-10).
 
 Quantities that depend on the microbatch size ``b`` by definition (the ``per_microbatch`` mode, the
 ``micro_batch`` aux scope, the Megatron z-loss form) are compared with the single-process run that has
-the same ``b`` (``D = 1, K = N/b``), as SPEC §3 (1) prescribes.
+the same ``b`` (``D = 1, K = N/b``), as semantics §3 (1) prescribes.
 """
 
 from __future__ import annotations
