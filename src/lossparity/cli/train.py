@@ -1,50 +1,17 @@
-"""The ``lossparity`` command line: ``modes``, ``train``, ``verify``, ``compare``, ``gap``, ``bench``.
-
-Exit codes: 0 success / parity, 1 a check failed (FAIL in a table, parity violation), 2 bad input.
-"""
+"""CLI glue of the reference trainer: ``train`` and ``verify``."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from collections.abc import Sequence
 
-from .losses.modes import MODE_INFO
+from ._common import UsageError
 
-__all__ = ["main"]
-
-
-class UsageError(Exception):
-    """Bad command-line input: reported on stderr with exit code 2."""
-
-
-def _cmd_modes(args: argparse.Namespace) -> int:
-    from .parity.presets import modes_translation_requested, preset_table, run_modes_translation
-
-    if modes_translation_requested(args):
-        return run_modes_translation(args)
-    print("| mode | objective J | matches |")
-    print("|---|---|---|")
-    for mode, (formula, who) in MODE_INFO.items():
-        print(f"| `{mode}` | `{formula}` | {who} |")
-    print("\nframework presets (`--preset` of `lossparity train`, `--from/--to` of this command):\n")
-    print(preset_table())
-    if args.no_check:
-        return 0
-    from .selfcheck import run_selfcheck
-
-    print("\nself-check: every mode through the Accountant (K=4, b=2) vs a naive float64 formula")
-    rows = run_selfcheck()
-    print("| mode | accountant | naive | result |")
-    print("|---|---|---|---|")
-    for mode, got, ref, ok in rows:
-        print(f"| {mode} | {got:.15g} | {ref:.15g} | {'PASS' if ok else 'FAIL'} |")
-    return 0 if all(r[3] for r in rows) else 1
+__all__ = ["cmd_train", "cmd_verify", "add_train_args"]
 
 
 def _train_config(args: argparse.Namespace):
-    from .training.trainer import TrainConfig
+    from ..training.trainer import TrainConfig
 
     overrides = {}
     for item in args.model_set or []:
@@ -57,7 +24,7 @@ def _train_config(args: argparse.Namespace):
             overrides[key] = value
     preset_fields: dict = {}
     if args.preset:
-        from .parity.presets import resolve_preset
+        from ..parity.presets import resolve_preset
 
         try:
             preset = resolve_preset(args.preset)
@@ -89,12 +56,12 @@ def _train_config(args: argparse.Namespace):
     return cfg
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
-    from .training.trainer import run_training
+def cmd_train(args: argparse.Namespace) -> int:
+    from ..training.trainer import run_training
 
     cfg = _train_config(args)
     try:
-        from .model import get_config
+        from ..model import get_config
 
         get_config(cfg.model, **cfg.model_overrides)
     except ValueError as e:
@@ -107,9 +74,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_verify(args: argparse.Namespace) -> int:
-    from .losses.modes import MODES
-    from .training.verify import DEFAULT_LAYOUTS, QUICK_LAYOUTS, format_table, run_verify, write_json
+def cmd_verify(args: argparse.Namespace) -> int:
+    from ..losses.modes import MODES
+    from ..training.verify import DEFAULT_LAYOUTS, QUICK_LAYOUTS, format_table, run_verify, write_json
 
     modes = tuple(args.modes.split(",")) if args.modes else MODES
     for m in modes:
@@ -129,16 +96,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0 if all(r["pass"] for r in report["rows"]) else 1
 
 
-def _cmd_compare(args: argparse.Namespace) -> int:
-    from .parity.compare import run_compare
-
-    return run_compare(args)
-
-
-def _add_train_args(t: argparse.ArgumentParser) -> None:
-    from .distributed.moe_accounting import SCOPES
-    from .losses.modes import MODES
-    from .losses.mtp import CONVENTIONS
+def add_train_args(t: argparse.ArgumentParser) -> None:
+    from ..distributed.moe_accounting import SCOPES
+    from ..losses.modes import MODES
+    from ..losses.mtp import CONVENTIONS
 
     t.add_argument("--model", default="tiny", help="model preset: tiny, small, medium, 100m")
     t.add_argument("--set", dest="model_set", action="append", metavar="FIELD=VALUE",
@@ -182,62 +143,3 @@ def _add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--no-progress", action="store_true")
     t.add_argument("--dump-samples", action="store_true",
                    help="write per-sample (n_i, s_i) of every step to OUT/samples for `lossparity gap`")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every subcommand."""
-    p = argparse.ArgumentParser(prog="lossparity", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    m = sub.add_parser("modes", help="print the normalization modes and run the built-in self-check")
-    m.add_argument("--no-check", action="store_true", help="only print the table")
-    from .parity.gap import add_gap_arguments, run_gap
-    from .parity.presets import add_modes_translation_arguments
-
-    add_modes_translation_arguments(m)
-    m.set_defaults(func=_cmd_modes)
-
-    g = sub.add_parser("gap", help="every mode per step from a --dump-samples run; per_token - per_sample gap")
-    add_gap_arguments(g)
-    g.set_defaults(func=run_gap)
-
-    t = sub.add_parser("train", help="train the reference MoE+MTP model (JSONL metrics, checkpoints)")
-    _add_train_args(t)
-    t.set_defaults(func=_cmd_train)
-
-    v = sub.add_parser("verify", help="prove layout invariance of objective, logs, gradients, parameters")
-    v.add_argument("--quick", action="store_true", help="5 layouts, 2 steps (CI)")
-    v.add_argument("--full", action="store_true", help="every layout for 5 steps (by hand; the default runs 3)")
-    v.add_argument("--steps", type=int, default=0, help="steps per run (default 3, --quick 2, --full 5)")
-    v.add_argument("--modes", default="", help="comma-separated modes (default: all)")
-    v.add_argument("--aux-scope", default="global_lagged", help="MoE aux-loss scope of the runs")
-    v.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
-    v.set_defaults(func=_cmd_verify)
-
-    c = sub.add_parser("compare", help="compare two training logs for loss parity")
-    from .parity.compare import add_compare_arguments
-
-    add_compare_arguments(c)
-    c.set_defaults(func=_cmd_compare)
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``lossparity`` console script; returns the exit code."""
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse exits with 2 on bad usage already
-        return int(e.code or 0)
-    # Which options were given explicitly (a preset must not override them).
-    argv_list = list(sys.argv[1:] if argv is None else argv)
-    args._explicit = {k: any(a == "--" + k.replace("_", "-") or a.startswith("--" + k.replace("_", "-") + "=")
-                             for a in argv_list) for k in ("mode", "aux_scope", "mtp_convention", "normalization")}
-    try:
-        return int(args.func(args) or 0)
-    except UsageError as e:
-        print(f"lossparity {args.command}: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
