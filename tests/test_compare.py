@@ -11,16 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lossparity.cli.parity import add_compare_arguments, cmd_compare
 from lossparity.parity import (
     CompareInputError,
     Run,
     Tolerance,
-    add_compare_arguments,
     compare_runs,
     megatron_allowed_failures,
     moving_average,
     parse_tolerances,
-    run_compare,
     tolerance_for,
     write_report,
 )
@@ -264,7 +263,7 @@ def test_tolerance_mapping_forms():
 def test_input_errors():
     run = make_run({"lm_loss": {1: 1.0}})
     with pytest.raises(CompareInputError, match="no shared canonical metric"):
-        compare_runs(run, make_run({"objective": {1: 1.0}}))
+        compare_runs(run, make_run({"grad_norm": {1: 1.0}}))
     with pytest.raises(CompareInputError, match="no overlapping steps"):
         compare_runs(run, make_run({"lm_loss": {5: 1.0}}))
     with pytest.raises(CompareInputError, match="'grad_norm' is not in the ref and cand run"):
@@ -294,7 +293,7 @@ def write_jsonl(path: Path, metrics: dict[str, dict[int, float]]) -> Path:
 def cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lossparity compare")
     add_compare_arguments(parser)
-    return run_compare(parser.parse_args(argv))
+    return cmd_compare(parser.parse_args(argv))
 
 
 def test_cli_exit_codes_and_json(tmp_path, capsys):
@@ -335,11 +334,16 @@ def test_cli_exit_codes_and_json(tmp_path, capsys):
 
 def test_cli_across_formats_megatron_vs_lossparity(capsys):
     # the fixtures share steps 1 and 2 with equal values; the learning rate differs at step 4
-    code = cli([str(LOGS / "megatron_restart.log"), str(LOGS / "lossparity.jsonl"), "--json"])
+    code = cli([str(LOGS / "megatron_restart.log"), str(LOGS / "lossparity.jsonl"), "--json",
+                "--missing-steps", "ignore"])
     out = json.loads(capsys.readouterr().out)
     assert code == 1
     assert set(out["metrics"]) == {"lm_loss", "mtp_1_loss", "load_balancing_loss", "grad_norm", "lr"}
     assert out["metrics"]["lm_loss"]["passed"] and out["metrics"]["lm_loss"]["n_compared"] == 2
+    # by default the candidate's lm_loss stopping at step 4 (the reference goes on to 8) is a violation
+    assert cli([str(LOGS / "megatron_restart.log"), str(LOGS / "lossparity.jsonl"), "--json"]) == 1
+    lm = json.loads(capsys.readouterr().out)["metrics"]["lm_loss"]
+    assert not lm["passed"] and lm["missing_in_cand"] == "5-8" and "stops at step 4" in lm["missing_violation"]
     assert out["metrics"]["lr"]["first_fail_step"] == 4
     assert out["ref"]["restarts"] == 1 and out["ref"]["skipped_steps"] == [3, 4]
 
