@@ -8,11 +8,11 @@ import argparse
 import pytest
 import torch
 
+from lossparity.cli.parity import add_modes_arguments, cmd_modes
 from lossparity.distributed.accountant import GRAD_REDUCTIONS, NORMALIZATIONS, Accountant
 from lossparity.distributed.moe_accounting import SCOPES, Z_FORMS
 from lossparity.losses.modes import MODES, objective
 from lossparity.losses.mtp import CONVENTIONS
-from lossparity.cli.parity import add_modes_arguments, cmd_modes
 from lossparity.parity.presets import (
     PRESET_NAMES,
     all_presets,
