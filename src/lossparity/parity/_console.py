@@ -73,7 +73,7 @@ def read_megatron(path: str, rec: Recorder) -> None:
         if pending is not None:
             first, text, wraps = pending
             if starts or wraps >= _MEG_MAX_WRAPS or not complete:
-                rec.torn(first, "a Megatron metric line ends with '|'")
+                rec.torn(first, "a Megatron metric line ends with '|'", last=False)
                 pending = None
             else:
                 text += line
@@ -94,8 +94,8 @@ def read_megatron(path: str, rec: Recorder) -> None:
             pending = (ln, line, 0)
         else:
             rec.torn(ln)
-    if pending is not None:
-        rec.torn(pending[0], "a Megatron metric line ends with '|'")
+    if pending is not None:  # the last metric line was never completed: live when nothing followed it
+        rec.torn(pending[0], "a Megatron metric line ends with '|'", last=pending[2] == 0)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ class Run:
     and step numbering). ``consumed_samples[step]`` is the number of samples consumed up to and including
     ``step`` when the log states it. ``raw_names[name]`` is the name in the log. ``notes`` says what the
     reader ignored or decided on the user's behalf (an incomplete last line, joined wrapped lines,
-    evaluation entries, a detected step base), one sentence each.
+    evaluation entries, a detected step base), one sentence each. ``live``: the log's last line was
+    incomplete, i.e. the log is probably still being written.
     """
 
     source: str
@@ -53,6 +54,7 @@ class Run:
     dropped_values: int = 0
     raw_names: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    live: bool = False
 
     def steps(self) -> list[int]:
         """Sorted union of the steps at which any metric has a value."""
@@ -96,6 +98,7 @@ class Recorder:
         self.restarts = 0
         self.dropped = 0
         self.notes: list[str] = []
+        self.live = False
         self._last_step: int | None = None
         self._last_by_metric: dict[str, int] = {}
 
@@ -104,10 +107,14 @@ class Recorder:
         if text not in self.notes:
             self.notes.append(text)
 
-    def torn(self, ln: int, why: str = "it does not end with a newline") -> None:
-        """Ignore an incomplete line (a log still being written) with a note; it is never compared."""
+    def torn(self, ln: int, why: str = "it does not end with a newline", last: bool = True) -> None:
+        """Ignore an incomplete line with a note; it is never compared. ``last``: it ends the file, so the log
+        is probably still being written (``Run.live``)."""
         self.skipped_lines += 1
-        self.note(f"line {ln} ignored: incomplete ({why}; the log may still be written)")
+        self.live = self.live or last
+        where = "last line" if last else "line"
+        self.note(f"{where} {ln} ignored: incomplete ({why}; the log may still be written)" if last
+                  else f"{where} {ln} ignored: incomplete ({why}; the job was probably killed while writing it)")
 
     def begin(self, step: int) -> None:
         """Start a record at ``step``; a step below the last one read is a restart."""
@@ -188,6 +195,7 @@ class Recorder:
             dropped_values=self.dropped,
             raw_names={k: v for k, v in self.raw_names.items() if self.metrics.get(k)},
             notes=list(self.notes),
+            live=self.live,
         )
 
 

@@ -34,7 +34,9 @@ Semantics (all functions below follow them):
   candidate logging interval (the median spacing of the candidate's points) before the candidate's
   first or after its last point; ``"all"`` fails it when the candidate lacks any reference point
   (Megatron's functional tests: a golden step absent from the run fails); ``"ignore"`` only reports.
-  A candidate that runs longer than the reference never fails.
+  A candidate that runs longer than the reference never fails; a *live* candidate (its log ends with an
+  incomplete line, :attr:`Run.live`) is compared as far as it got: with ``"span"`` the reference points
+  after its end are reported, not failed.
 - **Default tolerances** (:data:`DEFAULT_TOLERANCES`): ``lm_loss`` and ``objective`` rel 2e-4,
   ``mtp_<k>_loss`` rel 2e-3, load-balancing and router z-losses rel 2e-3, ``grad_norm`` rel 1e-2,
   ``lr`` rel 1e-5, ``tokens`` abs 0.5 (integers must be equal), any other metric rel 1e-3.
@@ -404,12 +406,14 @@ def _points(run: Run, metric: str, align: str, offset: int, window: Window | Non
 
 
 def _missing_violation(rule: str, ref_x: list[float], cand_x: list[float], missing: list[float],
-                       unit: str) -> str | None:
+                       unit: str, cand_live: bool = False) -> str | None:
     """Why the missing-steps ``rule`` fails for these points, or ``None`` (see the module docstring).
 
     With ``span`` a reference point counts as outside the candidate's span when it lies at least one
     candidate logging interval (the median spacing of its points) before its first or after its last point,
-    so a candidate that logs less often is not mistaken for a truncated one.
+    so a candidate that logs less often is not mistaken for a truncated one. A live candidate (its log's last
+    line was incomplete: still being written) has not reached the later reference points yet: with
+    ``span`` they do not fail.
     """
     if not missing or rule == "ignore":
         return None
@@ -418,7 +422,7 @@ def _missing_violation(rule: str, ref_x: list[float], cand_x: list[float], missi
     gaps = sorted(b - a for a, b in zip(cand_x, cand_x[1:]))
     spacing = gaps[len(gaps) // 2] if gaps else 0.0
     early = [x for x in missing if x <= cand_x[0] - spacing]
-    late = [x for x in missing if x >= cand_x[-1] + spacing]
+    late = [] if cand_live else [x for x in missing if x >= cand_x[-1] + spacing]
     parts = []
     if early:
         parts.append(f"starts at {unit} {cand_x[0]:g}, after the reference's first {unit} {ref_x[0]:g}")
@@ -455,7 +459,7 @@ def _compare_metric(
         ref=r, cand=c, ok=ok.astype(bool), rel_diff=rel,
         allowed_failures=megatron_allowed_failures(len(xs)) if megatron_rule else 0,
         missing_cand=missing_cand, missing_ref=missing_ref,
-        missing_violation=_missing_violation(missing_rule, sorted(rp), sorted(cp), missing_cand, unit),
+        missing_violation=_missing_violation(missing_rule, sorted(rp), sorted(cp), missing_cand, unit, cand.live),
     )
 
 
@@ -597,6 +601,9 @@ def compare_runs(
             raise CompareInputError(f"metrics: {names[0]!r} has no overlapping {align}s in the two runs{where}")
         else:
             result.skipped[names[0]] = f"no overlapping {align}s{where}"
+    if cand.live and missing_steps == "span":
+        result.notes.append("the candidate log ends with an incomplete line (still being written): reference "
+                            "steps after its last complete step are reported, not failed")
     if not result.metrics:
         raise CompareInputError(f"no overlapping {align}s for any shared metric "
                                 f"({', '.join(p[0] for p in pairs)}){f' inside the window {window}' if window else ''}")
