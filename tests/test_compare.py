@@ -418,8 +418,8 @@ def test_live_megatron_against_torchtitan_without_flags(tmp_path, capsys):
     assert "still being written" in out and "last line 4 ignored" in out
     drifted = live_megatron_log(tmp_path / "drift.log", titan, 3, 10, drift_from=2)
     assert cli([str(ref), str(drifted), "--json"]) == 1
-    res = json.loads(capsys.readouterr().out)
-    assert res["metrics"]["objective"]["first_fail_step"] == 2 and res["metrics"]["objective"]["cand_metric"] == "lm_loss"
+    obj = json.loads(capsys.readouterr().out)["metrics"]["objective"]
+    assert obj["first_fail_step"] == 2 and obj["cand_metric"] == "lm_loss"
 
 
 def test_pairing_only_when_each_side_has_one_of_the_two():
