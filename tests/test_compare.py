@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -547,3 +548,87 @@ def test_broken_pipe_ends_quietly(tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) in (0, 141)
     assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
+# ---------------------------------------------------------------------------------------------------
+# the real logs of ../shared/reallogs: a +3% drift is caught at the right step; a garbled number exits 2
+
+REAL = Path(__file__).resolve().parents[1].parent / "shared" / "reallogs"
+needs_real = pytest.mark.skipif(not REAL.is_dir(), reason="../shared/reallogs is not present in this checkout")
+
+# readable real log -> the metric the drift goes into (grad_norm where the printed loss is 0.000)
+REAL_DRIFT = {
+    "golden_bert_resume_dev_h100.json": "lm_loss", "golden_bert_resume_dev_h100_2nd.json": "lm_loss",
+    "golden_gpt_defer_wgrad_dev_a100.json": "lm_loss", "golden_gpt_defer_wgrad_lts_a100.json": "lm_loss",
+    "golden_gpt_distill_total_loss_dev_h100.json": "objective",
+    "golden_gpt_tp1_pp2_fp16_legacy_dev_a100.json": "lm_loss", "golden_mixtral_8x7b_dev_h100.json": "lm_loss",
+    "golden_mixtral_8x7b_lts_a100.json": "lm_loss", "golden_moe_mtp_fp8_dev_h100.json": "lm_loss",
+    "golden_nemotron_mtp2_dev_gb200.json": "lm_loss", "golden_t5_listform_lts_a100.json": "lm_loss",
+    "hf_trainer_state_cpt_seq2seq.json": "objective", "hf_trainer_state_tinyllama_sft.json": "objective",
+    "llamafactory_trainer_log_mistral_translator.jsonl": "objective", "maxtext_deepseek2_16b_docs.log": "objective",
+    "maxtext_maxtest_getting_started.log": "objective", "megatron_gpt2_345m_4pp.log": "lm_loss",
+    "megatron_gpt2_345m_4tp.log": "lm_loss", "megatron_lm_fl_qwen3_default0_prefix.log": "lm_loss",
+    "megatron_mixtral_issue756_excerpt.log": "lm_loss", "megatron_moe_ep1_clean_2024.log": "lm_loss",
+    "megatron_moe_ep2_terminal_wrapped.log": "lm_loss", "mindformers_llama3_1_8b_skip_docs.log": "grad_norm",
+    "torchtitan_llama3_debug_h200_10steps.log": "objective", "torchtitan_losscompare_llama3_cuda.txt": "objective",
+    "torchtitan_losscompare_llama3_rocm_mi350x.txt": "objective",
+    "torchtitan_pr2389_multirank_excerpt.log": "objective",
+    "torchtitan_pr3393_excerpt.log": "objective", "wandb_export_brisk_pond_train_loss.csv": "objective",
+}
+
+
+@needs_real
+@pytest.mark.parametrize("name", sorted(REAL_DRIFT))
+def test_real_log_drift_is_caught_at_the_right_step(name):
+    run = read_log(REAL / name)
+    metric = REAL_DRIFT[name]
+    steps = sorted(run.metrics[metric])
+    k = steps[len(steps) // 2]
+    drifted = Run(source="drifted", format=run.format, step_base=run.step_base,
+                  metrics={metric: {s: v * (1.03 if s >= k else 1.0) for s, v in run.metrics[metric].items()}})
+    assert compare_runs(run, run, metrics=[metric]).passed
+    res = compare_runs(run, drifted, metrics=[metric])
+    assert not res.passed and res.metrics[metric].first_fail_step == k
+
+
+@needs_real
+def test_real_megatron_log_drift_written_into_the_file(tmp_path):
+    # the drift goes into the text itself, so the reader is part of the check
+    src = REAL / "megatron_gpt2_345m_4tp.log"
+
+    def bump(m: re.Match[str]) -> str:
+        return f"lm loss: {float(m.group(1)) * 1.03:.6E}"
+
+    lines = src.read_text().splitlines(keepends=True)
+    out = [re.sub(r"lm loss: (\S+)", bump, line) if re.search(r"iteration +(1[1-9]\d\d|2000)/", line) else line
+           for line in lines]
+    drifted = tmp_path / "drifted.log"
+    drifted.write_text("".join(out))
+    res = compare_runs(read_log(src), read_log(drifted), metrics=["lm_loss"])
+    assert res.metrics["lm_loss"].first_fail_step == 1100 and res.metrics["lm_loss"].n_failed == 10
+
+
+# format -> a loss number (the middle match in the file): its first decimal digit is replaced by the letter O
+GARBLE = {
+    "megatron": r"lm loss: +\d+\.(\d)", "megatron_golden": r"(?<![\w.\"])\d+\.(\d)",
+    "hf_trainer_state": r"\"loss\": \d+\.(\d)",
+    "llamafactory": r"\"loss\": \d+\.(\d)", "maxtext": r"\bloss: \d+\.(\d)", "torchtitan": r"\bloss: +\d+\.(\d)",
+    "torchtitan_losses": r"(?m)^\d+ \d+\.(\d)", "mindformers": r"\bloss: \d+\.(\d)", "csv": r"(?m)^\d+,\d+\.(\d)",
+}
+
+
+@needs_real
+@pytest.mark.parametrize("name", sorted(REAL_DRIFT))
+def test_real_log_with_a_garbled_number_exits_2(tmp_path, name, capsys):
+    fmt = read_log(REAL / name).format
+    text = (REAL / name).read_text()
+    found = list(re.finditer(GARBLE[fmt], text))
+    assert found
+    pos = found[len(found) // 2].end() - 1  # a line in the middle: the format is still detected
+    bad = tmp_path / name
+    bad.write_text(text[:pos] + "O" + text[pos + 1:])
+    assert cli([str(REAL / name), str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert name in err and ("log error" in err)
+    if fmt not in ("megatron_golden", "hf_trainer_state"):  # JSON documents name line and column instead
+        assert f"{name}:{text[:pos].count(chr(10)) + 1}:" in err
