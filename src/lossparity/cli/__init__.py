@@ -86,7 +86,8 @@ def _quiet_broken_pipe() -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lossparity`` console script; returns the exit code."""
     argv_list = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(_command(argv_list))
+    # "" (no subcommand: top-level help or a usage error) skips the torch-based train options too
+    parser = build_parser(_command(argv_list) or "")
     try:
         args = parser.parse_args(argv_list)
     except SystemExit as e:  # argparse exits with 2 on bad usage already

@@ -10,9 +10,14 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from ..options import ALIGNS, MISSING_STEPS, MODE_INFO
 from ..parity.readers import FORMAT_ALIASES, FORMATS
+
+if TYPE_CHECKING:  # NumPy-based types, imported by the commands that use them
+    from ..parity.gap import GapReport
+    from ..parity.readers import Run
 
 __all__ = ["add_compare_arguments", "add_gap_arguments", "cmd_compare", "cmd_gap", "cmd_modes", "positive_int"]
 
@@ -78,14 +83,14 @@ def _error(tool: str, args: argparse.Namespace, kind: str, e: BaseException) -> 
 def cmd_modes(args: argparse.Namespace) -> int:
     """``lossparity modes``: the mode table, the preset table, the self-check (``--no-check`` skips it, and
     with it torch); ``--from/--to`` translate between framework presets."""
-    from ..parity.presets import preset_table, resolve_preset, translate
+    from ..parity.presets import preset_table
 
     if args.from_preset or args.to_framework or args.show_presets:
-        return _modes_translation(args, preset_table, resolve_preset, translate)
+        return _modes_translation(args)
     print("| mode | objective J | matches |")
     print("|---|---|---|")
-    for mode, (formula, who) in MODE_INFO.items():
-        print(f"| `{mode}` | `{formula}` | {who} |")
+    for name, (formula, who) in MODE_INFO.items():
+        print(f"| `{name}` | `{formula}` | {who} |")
     print("\nframework presets (`--preset` of `lossparity train`, `--from/--to` of this command):\n")
     print(preset_table())
     if args.no_check:
@@ -116,8 +121,10 @@ def add_modes_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the framework preset table (Markdown)")
 
 
-def _modes_translation(args: argparse.Namespace, preset_table, resolve_preset, translate) -> int:  # noqa: ANN001
+def _modes_translation(args: argparse.Namespace) -> int:
     """Exit code: 0 = exact translation (or only the table), 1 = approximate (warnings), 2 = bad input."""
+    from ..parity.presets import preset_table, resolve_preset, translate
+
     src, tgt = args.from_preset, args.to_framework
     if args.show_presets:
         print(preset_table())
@@ -178,7 +185,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
 
 
-def _load(args: argparse.Namespace, role: str):  # noqa: ANN202 (a Run; the type lives in the parity package)
+def _load(args: argparse.Namespace, role: str) -> Run:
     from ..parity.names import parse_name_map
     from ..parity.readers import read_log
 
@@ -262,7 +269,7 @@ def _run_log_steps(dump_dir: str) -> list[int]:
     return []
 
 
-def _gap_report(args: argparse.Namespace):  # noqa: ANN202 (a GapReport)
+def _gap_report(args: argparse.Namespace) -> GapReport:
     from ..parity.gap import compare_drift, compute_gap, missing_steps
     from ..parity.readers import read_log
     from ..parity.sample_dump import find_dump, read_sample_dump, read_sample_meta

@@ -12,6 +12,7 @@ import json
 import os
 import re
 from collections.abc import Callable
+from typing import Any
 
 from ._record import SAMPLES_KEYS, LogParseError, Recorder, _drop_from, int_step, json_number, lines, to_float
 
@@ -83,13 +84,14 @@ def _read_json_lines(path: str, rec: Recorder, step_key: str) -> None:
         if long_key is not None and "value" in obj:
             # one metric per line: a file may list whole series one after another, so a step going
             # backwards is a restart only within the same metric
-            if not isinstance(obj[long_key], str):
-                raise LogParseError(path, ln, f"a string {long_key!r}, got {obj[long_key]!r}")
-            value = _json_value(rec, path, obj[long_key], obj["value"], ln)
+            name = obj[long_key]
+            if not isinstance(name, str):
+                raise LogParseError(path, ln, f"a string {long_key!r}, got {name!r}")
+            value = _json_value(rec, path, name, obj["value"], ln)
             if value is None and obj["value"] is not None:
                 raise LogParseError(path, ln, f"a number 'value', got {obj['value']!r}")
             if value is not None:
-                rec.put_ordered(obj[long_key], step, value, ln)
+                rec.put_ordered(name, step, value, ln)
             continue
         rec.begin(step)
         for key, raw in obj.items():
@@ -128,7 +130,7 @@ def _csv_columns(header: list[str], step_col: int) -> dict[int, str]:
     return columns
 
 
-def _csv_rows(path: str, reader: csv.reader, header: list[str], step_col: int, columns: dict[int, str],
+def _csv_rows(path: str, reader: Any, header: list[str], step_col: int, columns: dict[int, str],
               rec: Recorder) -> list[tuple[int, int, dict[int, float]]]:
     rows: list[tuple[int, int, dict[int, float]]] = []
     first_text: dict[int, int] = {}

@@ -579,8 +579,9 @@ def compare_runs(
     if align == "samples":
         _check_samples(ref, cand)
     notes: list[str] = []
+    not_compared: list[str] = []
     if metrics is not None:
-        pairs, not_compared = _requested_pairs(ref, cand, metrics), []
+        pairs = _requested_pairs(ref, cand, metrics)
     else:
         pairs, not_compared, notes = _default_pairs(ref, cand)
         if not pairs:

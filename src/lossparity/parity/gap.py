@@ -27,7 +27,7 @@ confidence interval of the mean gap over those steps.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -256,6 +256,20 @@ class GapReport:
         }
 
 
+def _check_gap_arguments(samples: dict[int, StepSamples], microbatch_size: int | None, fixed_length: int | None,
+                         bootstrap: int, ci: float) -> None:
+    if bootstrap < 0:
+        raise ValueError(f"bootstrap must be >= 0, got {bootstrap}")
+    if not 0.0 < ci < 1.0:
+        raise ValueError(f"ci must be in (0, 1), got {ci}")
+    if microbatch_size is not None and microbatch_size < 1:
+        raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
+    if fixed_length is not None and fixed_length < 1:
+        raise ValueError(f"fixed_length must be >= 1, got {fixed_length}")
+    if not samples:
+        raise ValueError("samples: the dump holds no step")
+
+
 def compute_gap(
     samples: dict[int, StepSamples],
     *,
@@ -275,16 +289,7 @@ def compute_gap(
     order (so the result is a deterministic function of the seed). ``per_microbatch`` needs the rows of
     a step to be exactly ``0..N-1``.
     """
-    if bootstrap < 0:
-        raise ValueError(f"bootstrap must be >= 0, got {bootstrap}")
-    if not 0.0 < ci < 1.0:
-        raise ValueError(f"ci must be in (0, 1), got {ci}")
-    if microbatch_size is not None and microbatch_size < 1:
-        raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
-    if fixed_length is not None and fixed_length < 1:
-        raise ValueError(f"fixed_length must be >= 1, got {fixed_length}")
-    if not samples:
-        raise ValueError("samples: the dump holds no step")
+    _check_gap_arguments(samples, microbatch_size, fixed_length, bootstrap, ci)
     rng = np.random.default_rng(seed)
     notes: list[str] = []
     rows_out: list[StepGap] = []
@@ -394,7 +399,7 @@ def _ci(lo: float | None, hi: float | None) -> str:
     return "-" if lo is None or hi is None else f"[{lo:.4g}, {hi:.4g}]"
 
 
-def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+def _table(head: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     return ["  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *rows]]
 

@@ -335,7 +335,7 @@ def read_sample_dump(path: str | os.PathLike[str], notes: list[str] | None = Non
         block = records[lo:hi]
         rows = block[:, 1].astype(np.int64)
         incomplete = n_expected is not None and (rows.size != n_expected or rows[-1] != n_expected - 1)
-        if incomplete and j == len(steps) - 1 and rows.size < n_expected and len(steps) > 1:
+        if incomplete and n_expected is not None and j == len(steps) - 1 and rows.size < n_expected and len(steps) > 1:
             notes.append(f"last step {int(step)} ignored: incomplete ({rows.size} of {n_expected} samples; the run "
                          "stopped while writing it)")
             break
