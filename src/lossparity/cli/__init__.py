@@ -83,27 +83,32 @@ def _quiet_broken_pipe() -> int:
     return _SIGPIPE_EXIT
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``lossparity`` console script; returns the exit code."""
-    argv_list = list(sys.argv[1:] if argv is None else argv)
+def _run(argv_list: list[str]) -> int:
     # "" (no subcommand: top-level help or a usage error) skips the torch-based train options too
     parser = build_parser(_command(argv_list) or "")
     try:
         args = parser.parse_args(argv_list)
-    except SystemExit as e:  # argparse exits with 2 on bad usage already
+    except SystemExit as e:  # argparse exits with 2 on bad usage already (0 after --help)
         return int(e.code or 0)
     # Which options were given explicitly (a preset must not override them).
     args._explicit = {k: any(a == "--" + k.replace("_", "-") or a.startswith("--" + k.replace("_", "-") + "=")
                              for a in argv_list) for k in ("mode", "aux_scope", "mtp_convention", "normalization")}
     try:
-        code = int(args.func(args) or 0)
+        return int(args.func(args) or 0)
+    except UsageError as e:
+        print(f"lossparity {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lossparity`` console script; returns the exit code (141 when stdout was closed)."""
+    argv_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = _run(argv_list)
         sys.stdout.flush()  # a closed pipe shows up here when the output fit in the buffer
         return code
     except BrokenPipeError:
         return _quiet_broken_pipe()
-    except UsageError as e:
-        print(f"lossparity {args.command}: error: {e}", file=sys.stderr)
-        return 2
 
 
 if __name__ == "__main__":
