@@ -686,3 +686,42 @@ def test_real_log_is_detected_and_read(name):
     steps = sorted(run.metrics[metric])
     assert (len(steps), steps[0], steps[-1]) == (n, first, last)
     assert all(math.isfinite(v) for v in run.metrics[metric].values())
+
+
+_TITAN_COLORS = {"step:": "\x1b[31m", "loss:": "\x1b[32m", "grad_norm:": "\x1b[38;2;180;60;0m",
+                 "memory:": "\x1b[38;2;54;234;195m", "tps:": "\x1b[34m", "tflops:": "\x1b[36m", "mfu:": "\x1b[35m"}
+
+
+@needs_real
+def test_real_torchtitan_log_with_ansi_colours(tmp_path):
+    # derived as SOURCES.md describes: the fields wrapped in the escape codes of torchtitan's Color class
+    plain = REAL / "torchtitan_llama3_debug_h200_10steps.log"
+    out = []
+    for line in plain.read_text().splitlines():
+        if " - INFO - step:" in line:
+            for key, code in _TITAN_COLORS.items():
+                line = line.replace(f"  {key}", f"  {code}{key}").replace(f"INFO - {key}", f"INFO - {code}{key}")
+            line += "\x1b[39m"
+        out.append(line)
+    coloured = tmp_path / "coloured.log"
+    coloured.write_text("\n".join(out) + "\n")
+    assert "\x1b[32mloss:" in coloured.read_text()
+    a, b = read_log(plain), read_log(coloured)
+    assert b.format == "torchtitan" and b.metrics == a.metrics and len(b.metrics["objective"]) == 10
+
+
+@needs_real
+def test_real_golden_values_written_as_tensorboard_events(tmp_path):
+    # derived as SOURCES.md describes: Megatron-style tags from the real golden values, read back cross-format
+    pytest.importorskip("tensorboard")
+    golden = read_log(REAL / "golden_moe_mtp_fp8_dev_h100.json")
+    events = [(s, {"lm loss": v, "mtp_1 loss": golden.metrics["mtp_1_loss"][s]})
+              for s, v in golden.metrics["lm_loss"].items()]
+    events += [(4 * s, {"lm loss vs samples": v}) for s, v in golden.metrics["lm_loss"].items()]
+    _write_events(tmp_path / "tb", "events.out.tfevents.1700000000.node0.1.0", events)
+    tb = read_log(tmp_path / "tb")
+    assert tb.consumed_samples == {s: 4.0 * s for s in golden.metrics["lm_loss"]}
+    from lossparity.parity import compare_runs
+
+    res = compare_runs(golden, tb)  # float32 event values against 5-digit JSON values
+    assert res.passed and set(res.metrics) == {"lm_loss", "mtp_1_loss"} and res.metrics["lm_loss"].n_compared == 11
