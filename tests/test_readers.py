@@ -498,6 +498,17 @@ def test_live_log_last_line_is_ignored_with_a_note(tmp_path, fixture, marker, la
         assert value == full.metrics[metric][step] or (math.isnan(value) and math.isnan(full.metrics[metric][step]))
 
 
+def test_csv_row_still_being_written_is_ignored(tmp_path):
+    log = tmp_path / "export.csv"
+    log.write_text("step,loss,grad_norm\n1,2.5,1.0\n2,2.4,0.9\n3,2.3")  # the last row lacks a cell and a newline
+    run = read_log(log)
+    assert_series(run.metrics["objective"], {1: 2.5, 2: 2.4})
+    assert run.live
+    assert any("last line 4 ignored" in n for n in run.notes)
+    log.write_text("step,loss\n1,2.5\n2,2.4")  # complete cells without a final newline: read
+    assert_series(read_log(log).metrics["objective"], {1: 2.5, 2: 2.4})
+
+
 def test_megatron_line_without_closing_bar_is_incomplete(tmp_path):
     # Megatron ends every complete metric line with '|': a line cut before it, even with a newline, is torn
     text = (LOGS / "megatron_restart.log").read_text().splitlines()

@@ -8,6 +8,7 @@ Every reader follows the conventions of :mod:`lossparity.parity.readers`. A stri
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import re
@@ -162,19 +163,33 @@ def _csv_rows(path: str, reader: Any, header: list[str], step_col: int, columns:
     return rows
 
 
+def _csv_text(path: str, rec: Recorder) -> str:
+    """The file's text; a last row without a newline and with fewer cells than the header (a table still
+    being written) is removed with a note."""
+    with open(path, encoding="utf-8-sig", errors="replace", newline="") as f:
+        text = f.read()
+    if text.endswith(("\n", "\r")) or "\n" not in text:
+        return text
+    head, _, last = text.rpartition("\n")
+    header = next(csv.reader([text.partition("\n")[0]]), [])
+    if len(next(csv.reader([last]), [])) < len(header):
+        rec.torn(head.count("\n") + 2)
+        return head + "\n"
+    return text
+
+
 def read_csv(path: str, rec: Recorder) -> None:
     """A table with a step column, e.g. a W&B export (see :mod:`lossparity.parity.readers`)."""
-    with open(path, encoding="utf-8-sig", errors="replace", newline="") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None:
-            raise LogParseError(path, 1, "a CSV header row")
-        lowered = [h.strip().lower() for h in header]
-        step_col = next((lowered.index(c) for c in CSV_STEP_COLUMNS if c in lowered), None)
-        if step_col is None:
-            raise LogParseError(path, 1, f"a step column (one of {', '.join(CSV_STEP_COLUMNS)})")
-        columns = _csv_columns(header, step_col)
-        rows = _csv_rows(path, reader, header, step_col, columns, rec)
+    reader = csv.reader(io.StringIO(_csv_text(path, rec), newline=""))
+    header = next(reader, None)
+    if header is None:
+        raise LogParseError(path, 1, "a CSV header row")
+    lowered = [h.strip().lower() for h in header]
+    step_col = next((lowered.index(c) for c in CSV_STEP_COLUMNS if c in lowered), None)
+    if step_col is None:
+        raise LogParseError(path, 1, f"a step column (one of {', '.join(CSV_STEP_COLUMNS)})")
+    columns = _csv_columns(header, step_col)
+    rows = _csv_rows(path, reader, header, step_col, columns, rec)
     if header[step_col].strip() in _WANDB_STEP_HEADERS and rows and min(s for _, s, _ in rows) == 0:
         rec.step_base = 0
         rec.note(f"column {header[step_col].strip()!r} is W&B's step counter and starts at 0: first step 0 "
