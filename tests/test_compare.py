@@ -476,6 +476,9 @@ def test_unknown_tol_and_metrics_names_are_input_errors(tmp_path, capsys):
     assert cli([str(ref), str(ref), "--tol", "loss=0.05"]) == 2
     err = capsys.readouterr().err
     assert "'loss' matches no compared metric; compared: lm_loss, mtp_1_loss, tokens" in err
+    titan = str(LOGS / "torchtitan.log")
+    assert cli([titan, titan, "--tol", "loss=0.05"]) == 2
+    assert "(the log name 'loss' is 'objective' here)" in capsys.readouterr().err
     assert cli([str(ref), str(ref), "--tol", "mtp_*_loss=0.05,*=1e-3"]) == 0
     capsys.readouterr()
     assert cli([str(ref), str(ref), "--metrics", "loss"]) == 2

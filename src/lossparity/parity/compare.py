@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..options import ALIGNS, MISSING_STEPS, Align, MissingSteps, check_option
-from .names import CANONICAL_METRICS, MTP_RE, is_canonical
+from .names import CANONICAL_METRICS, MTP_RE, default_canonical_name, is_canonical
 from .readers import Run
 
 __all__ = ["DEFAULT_TOLERANCES", "CompareInputError", "CompareResult", "MetricResult", "Tolerance",
@@ -519,7 +519,10 @@ def _check_tolerance_names(overrides: Mapping[str, Tolerance], names: Sequence[s
     """Every override other than ``*`` must match a compared metric (a typo must not pass silently)."""
     for key in overrides:
         if key != "*" and not any(key == n or fnmatch.fnmatchcase(n, key) for n in names):
-            raise CompareInputError(f"tolerances: {key!r} matches no compared metric; compared: {', '.join(names)}")
+            canonical = default_canonical_name(key)
+            hint = f" (the log name {key!r} is {canonical!r} here)" if canonical != key and canonical in names else ""
+            raise CompareInputError(f"tolerances: {key!r} matches no compared metric{hint}; compared: "
+                                    f"{', '.join(names)}")
 
 
 def _check_arguments(align: str, smooth: int, window: Window | None, missing_steps: str) -> Window | None:
