@@ -444,6 +444,22 @@ def test_with_constant_batch_size():
         run.with_constant_batch_size(0)
 
 
+def test_readers_need_neither_torch_nor_numpy():
+    import os
+    import subprocess
+    import sys
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    probe = ("import sys\n"
+             "sys.modules['torch'] = None; sys.modules['numpy'] = None\n"
+             "from lossparity.parity import read_log\n"
+             f"run = read_log({str(LOGS / 'megatron_restart.log')!r})\n"
+             "assert run.metrics['lm_loss'][8] == 9.1234, run.metrics\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(src)})
+    assert out.returncode == 0, out.stderr
+
+
 def test_parity_modules_do_not_import_torch():
     import subprocess
     import sys
