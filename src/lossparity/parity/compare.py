@@ -355,7 +355,7 @@ class CompareResult:
             return {"source": run.source, "format": run.format, "step_base": run.step_base,
                     "restarts": run.restarts, "dropped_values": run.dropped_values,
                     "skipped_lines": run.skipped_lines, "skipped_steps": sorted(run.skipped_steps),
-                    "notes": list(run.notes)}
+                    "live": run.live, "notes": list(run.notes)}
 
         return {
             "passed": self.passed, "ref": run_info(self.ref), "cand": run_info(self.cand), "align": self.align,
