@@ -5,22 +5,26 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
+import struct
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from lossparity.cli.parity import add_compare_arguments, cmd_compare
 from lossparity.parity import (
     CompareInputError,
     Run,
     Tolerance,
-    add_compare_arguments,
     compare_runs,
     megatron_allowed_failures,
     moving_average,
     parse_tolerances,
-    run_compare,
+    read_log,
     tolerance_for,
     write_report,
 )
@@ -264,7 +268,7 @@ def test_tolerance_mapping_forms():
 def test_input_errors():
     run = make_run({"lm_loss": {1: 1.0}})
     with pytest.raises(CompareInputError, match="no shared canonical metric"):
-        compare_runs(run, make_run({"objective": {1: 1.0}}))
+        compare_runs(run, make_run({"grad_norm": {1: 1.0}}))
     with pytest.raises(CompareInputError, match="no overlapping steps"):
         compare_runs(run, make_run({"lm_loss": {5: 1.0}}))
     with pytest.raises(CompareInputError, match="'grad_norm' is not in the ref and cand run"):
@@ -294,7 +298,7 @@ def write_jsonl(path: Path, metrics: dict[str, dict[int, float]]) -> Path:
 def cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lossparity compare")
     add_compare_arguments(parser)
-    return run_compare(parser.parse_args(argv))
+    return cmd_compare(parser.parse_args(argv))
 
 
 def test_cli_exit_codes_and_json(tmp_path, capsys):
@@ -335,11 +339,16 @@ def test_cli_exit_codes_and_json(tmp_path, capsys):
 
 def test_cli_across_formats_megatron_vs_lossparity(capsys):
     # the fixtures share steps 1 and 2 with equal values; the learning rate differs at step 4
-    code = cli([str(LOGS / "megatron_restart.log"), str(LOGS / "lossparity.jsonl"), "--json"])
+    code = cli([str(LOGS / "megatron_restart.log"), str(LOGS / "lossparity.jsonl"), "--json",
+                "--missing-steps", "ignore"])
     out = json.loads(capsys.readouterr().out)
     assert code == 1
     assert set(out["metrics"]) == {"lm_loss", "mtp_1_loss", "load_balancing_loss", "grad_norm", "lr"}
     assert out["metrics"]["lm_loss"]["passed"] and out["metrics"]["lm_loss"]["n_compared"] == 2
+    # by default the candidate's lm_loss stopping at step 4 (the reference goes on to 8) is a violation
+    assert cli([str(LOGS / "megatron_restart.log"), str(LOGS / "lossparity.jsonl"), "--json"]) == 1
+    lm = json.loads(capsys.readouterr().out)["metrics"]["lm_loss"]
+    assert not lm["passed"] and lm["missing_in_cand"] == "5-8" and "stops at step 4" in lm["missing_violation"]
     assert out["metrics"]["lr"]["first_fail_step"] == 4
     assert out["ref"]["restarts"] == 1 and out["ref"]["skipped_steps"] == [3, 4]
 
@@ -372,3 +381,256 @@ def test_report_without_matplotlib(tmp_path, monkeypatch):
     assert "Plots skipped" in summary and "PARITY" in summary
     assert all(f"| {m} |" in summary for m in ("lm_loss", "mtp_1_loss", "tokens"))
     assert not list((tmp_path / "r").glob("*.png"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# issue 15: cross-framework names, missing steps, option names, usability, start-up
+
+
+def megatron_line(step: int, total: int, loss: float, grad_norm: float) -> str:
+    """One Megatron-LM metric line as training.py prints it (7 significant digits, closing '|')."""
+    return (f" [2026-03-01 10:00:{step:02d}] iteration {step:8d}/{total:8d} | consumed samples: {8 * step:12d} | "
+            f"elapsed time per iteration (ms): 1500.0 | learning rate: 1.000000E-04 | global batch size:     8 | "
+            f"lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: {grad_norm:.3f} | number of skipped iterations:   0 | "
+            "number of nan iterations:   0 |")
+
+
+def live_megatron_log(path: Path, run: Run, stop: int, total: int, drift_from: int | None = None) -> Path:
+    """A Megatron log still being written: the objective and grad norm of ``run`` up to step ``stop`` (the loss
+    ×1.03 from ``drift_from`` on), then a last line cut inside its loss number, without a newline."""
+    losses = {s: v for s, v in run.metrics["objective"].items() if s <= stop}
+    scale = {s: 1.03 if drift_from and s >= drift_from else 1.0 for s in losses}
+    lines = [megatron_line(s, total, v * scale[s], run.metrics["grad_norm"][s]) for s, v in sorted(losses.items())]
+    nxt = max(losses) + 1
+    torn = megatron_line(nxt, total, 9.87654, 1.0)
+    path.write_text("training ...\n" + "\n".join(lines) + "\n" + torn[: torn.index("lm loss: ") + 12])
+    return path
+
+
+def test_live_megatron_against_torchtitan_without_flags(tmp_path, capsys):
+    # done-when of issue 15: lm loss (Megatron) vs loss (torchtitan) paired by default, the live last line ignored
+    titan = read_log(LOGS / "torchtitan.log")
+    ref = LOGS / "torchtitan.log"
+    cand = live_megatron_log(tmp_path / "megatron.log", titan, 2, 10)
+    assert cli([str(ref), str(cand)]) == 0
+    out = capsys.readouterr().out
+    assert "PARITY" in out and "objective (cand: lm_loss)" in out
+    assert "paired the reference's objective ('loss') with the candidate's lm_loss ('lm loss')" in out
+    assert "still being written" in out and "last line 4 ignored" in out
+    drifted = live_megatron_log(tmp_path / "drift.log", titan, 3, 10, drift_from=2)
+    assert cli([str(ref), str(drifted), "--json"]) == 1
+    obj = json.loads(capsys.readouterr().out)["metrics"]["objective"]
+    assert obj["first_fail_step"] == 2 and obj["cand_metric"] == "lm_loss"
+
+
+def test_pairing_only_when_each_side_has_one_of_the_two():
+    lm = make_run({"lm_loss": {1: 2.0, 2: 1.5}, "mtp_1_loss": {1: 2.1, 2: 1.6}})
+    obj = make_run({"objective": {1: 2.0, 2: 1.5}})
+    res = compare_runs(lm, obj)
+    assert list(res.metrics) == ["lm_loss"] and res.metrics["lm_loss"].cand_metric == "objective"
+    assert "mtp_1_loss" in res.notes[0]  # the objective side may include the MTP term: said
+    both = make_run({"objective": {1: 2.0, 2: 1.5}, "lm_loss": {1: 2.0, 2: 1.5}})
+    assert list(compare_runs(both, obj).metrics) == ["objective"] and not compare_runs(both, obj).notes
+
+
+def test_total_loss_is_compared_by_default():
+    run = read_log(LOGS / "golden_resumed.json")
+    res = compare_runs(run, run)
+    assert set(res.metrics) == {"lm_loss", "objective"} and "total loss" not in res.not_compared
+
+
+def ten_steps(stop: int = 10, skip: tuple[int, ...] = ()) -> Run:
+    return make_run({"lm_loss": {s: loss_curve(s) for s in range(1, stop + 1) if s not in skip}})
+
+
+def test_candidate_that_stops_early_is_a_violation_by_default(tmp_path, capsys):
+    # defect 8: a candidate that stops at step 6 of 10 gave PARITY
+    res = compare_runs(ten_steps(), ten_steps(stop=6))
+    lm = res.metrics["lm_loss"]
+    assert not res.passed and lm.n_failed == 0 and lm.missing_cand == [7.0, 8.0, 9.0, 10.0]
+    assert "stops at step 6, before the reference's last step 10" in (lm.missing_violation or "")
+    assert compare_runs(ten_steps(), ten_steps(stop=6), missing_steps="ignore").passed
+    assert compare_runs(ten_steps(stop=6), ten_steps()).passed  # a longer candidate is fine
+    late = make_run({"lm_loss": {s: loss_curve(s) for s in range(4, 11)}})
+    assert "starts at step 4" in (compare_runs(ten_steps(), late).metrics["lm_loss"].missing_violation or "")
+    ref = write_jsonl(tmp_path / "ref.jsonl", ten_steps().metrics)
+    cand = write_jsonl(tmp_path / "cand.jsonl", ten_steps(stop=6).metrics)
+    assert cli([str(ref), str(cand)]) == 1
+    out = capsys.readouterr().out
+    assert "VIOLATION" in out and "4/0" in out and "candidate lacks reference points 7-10" in out
+
+
+def test_interior_gaps_fail_only_with_require_all_steps():
+    gappy = ten_steps(skip=(4, 5))
+    assert compare_runs(ten_steps(), gappy).passed  # reported, not failed
+    assert compare_runs(ten_steps(), gappy).metrics["lm_loss"].missing_cand == [4.0, 5.0]
+    strict = compare_runs(ten_steps(), gappy, missing_steps="all")
+    assert not strict.passed and "lacks reference steps 4-5" in strict.metrics["lm_loss"].missing_violation
+    # a candidate that logs every 5 steps is sparser, not truncated
+    sparse = make_run({"lm_loss": {s: loss_curve(s) for s in (1, 6)}})
+    assert compare_runs(ten_steps(), sparse).passed
+
+
+def test_unknown_tol_and_metrics_names_are_input_errors(tmp_path, capsys):
+    ref = write_jsonl(tmp_path / "ref.jsonl", base_metrics())
+    assert cli([str(ref), str(ref), "--tol", "loss=0.05"]) == 2
+    err = capsys.readouterr().err
+    assert "'loss' matches no compared metric; compared: lm_loss, mtp_1_loss, tokens" in err
+    titan = str(LOGS / "torchtitan.log")
+    assert cli([titan, titan, "--tol", "loss=0.05"]) == 2
+    assert "(the log name 'loss' is 'objective' here)" in capsys.readouterr().err
+    assert cli([str(ref), str(ref), "--tol", "mtp_*_loss=0.05,*=1e-3"]) == 0
+    capsys.readouterr()
+    assert cli([str(ref), str(ref), "--metrics", "loss"]) == 2
+    assert "available: ref has lm_loss, mtp_1_loss, tokens" in capsys.readouterr().err
+
+
+def test_wandb_step_counter_from_zero_meets_hf_steps(tmp_path):
+    # defect 9: W&B's Step 0 is the first logged step (step_base 0); an HF-style log numbers it 1
+    hf = write_jsonl(tmp_path / "hf.jsonl", {"objective": {1: 2.5, 2: 2.25, 3: 2.125}})
+    res = compare_runs(read_log(hf), read_log(LOGS / "wandb_step0.csv"))
+    assert res.passed and res.metrics["objective"].n_compared == 3
+
+
+def test_usability_messages(tmp_path, capsys, monkeypatch):
+    # defect 10: the --align samples hint printed a literal '--{role}-gbs'
+    with pytest.raises(CompareInputError, match="--ref-gbs"):
+        compare_runs(ten_steps(), ten_steps(), align="samples")
+    # two HF runs both named trainer_state.json are told apart in summary.md
+    for d in ("runA", "runB"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "trainer_state.json").write_text((LOGS / "trainer_state.json").read_text())
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    report = tmp_path / "report"
+    assert cli([str(tmp_path / "runA" / "trainer_state.json"), str(tmp_path / "runB" / "trainer_state.json"),
+                "--report", str(report)]) == 0
+    summary = (report / "summary.md").read_text()
+    assert "`runA/trainer_state.json`" in summary and "`runB/trainer_state.json`" in summary
+    assert "plots skipped: matplotlib is not installed" in capsys.readouterr().err
+
+
+def _lossparity(args: list[str], block: str = "", stdout: int | None = subprocess.PIPE) -> subprocess.CompletedProcess:
+    """Run the ``lossparity`` entry point in a fresh interpreter; ``block`` names modules made unimportable."""
+    src = Path(__file__).resolve().parents[1] / "src"
+    probe = ("import sys\n"
+             f"for name in {block.split()!r}: sys.modules[name] = None\n"
+             "from lossparity.cli import main\n"
+             "code = main(sys.argv[1:])\n"
+             "loaded = sorted({m.split('.')[0] for m, v in sys.modules.items() if v is not None})\n"
+             "print('LOADED', ' '.join(loaded), file=sys.stderr)\n"
+             "sys.exit(code)\n")
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    return subprocess.run([sys.executable, "-c", probe, *args], stdout=stdout, stderr=subprocess.PIPE, text=True,
+                          env=env, timeout=120)
+
+
+def test_log_tools_run_with_torch_blocked(tmp_path):
+    # defect 11: compare, gap and modes --no-check must not need torch (nor NumPy for --help)
+    out = _lossparity(["compare", "--help"], block="torch numpy")
+    assert out.returncode == 0 and "--missing-steps" in out.stdout
+    out = _lossparity(["compare", str(LOGS / "torchtitan.log"), str(LOGS / "torchtitan.log")], block="torch")
+    assert out.returncode == 0 and "PARITY" in out.stdout
+    assert "numpy" in out.stderr.split("LOADED")[1].split()  # the comparison itself uses NumPy
+    out = _lossparity(["modes", "--no-check"], block="torch numpy")
+    assert out.returncode == 0 and "per_token" in out.stdout
+    dump = tmp_path / "samples"
+    dump.mkdir()
+    (dump / "samples_rank0.bin").write_bytes(struct.pack("<8d", 1, 0, 2, 3.0, 1, 1, 4, 2.0))
+    out = _lossparity(["gap", str(dump), "--bootstrap", "10"], block="torch")
+    assert out.returncode == 0 and "overall" in out.stdout, out.stderr
+
+
+def test_broken_pipe_ends_quietly(tmp_path):
+    ref = write_jsonl(tmp_path / "ref.jsonl", base_metrics())
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from lossparity.cli import main; sys.exit(main())",
+                             "compare", str(ref), str(ref), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")})
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first write (what `| head` does once it has its lines)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err  # 128 + SIGPIPE, as a shell reports a producer killed by SIGPIPE
+    assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
+# ---------------------------------------------------------------------------------------------------
+# the real logs of ../shared/reallogs: a +3% drift is caught at the right step; a garbled number exits 2
+
+REAL = Path(__file__).resolve().parents[1].parent / "shared" / "reallogs"
+needs_real = pytest.mark.skipif(not REAL.is_dir(), reason="../shared/reallogs is not present in this checkout")
+
+# readable real log -> the metric the drift goes into (grad_norm where the printed loss is 0.000)
+REAL_DRIFT = {
+    "golden_bert_resume_dev_h100.json": "lm_loss", "golden_bert_resume_dev_h100_2nd.json": "lm_loss",
+    "golden_gpt_defer_wgrad_dev_a100.json": "lm_loss", "golden_gpt_defer_wgrad_lts_a100.json": "lm_loss",
+    "golden_gpt_distill_total_loss_dev_h100.json": "objective",
+    "golden_gpt_tp1_pp2_fp16_legacy_dev_a100.json": "lm_loss", "golden_mixtral_8x7b_dev_h100.json": "lm_loss",
+    "golden_mixtral_8x7b_lts_a100.json": "lm_loss", "golden_moe_mtp_fp8_dev_h100.json": "lm_loss",
+    "golden_nemotron_mtp2_dev_gb200.json": "lm_loss", "golden_t5_listform_lts_a100.json": "lm_loss",
+    "hf_trainer_state_cpt_seq2seq.json": "objective", "hf_trainer_state_tinyllama_sft.json": "objective",
+    "llamafactory_trainer_log_mistral_translator.jsonl": "objective", "maxtext_deepseek2_16b_docs.log": "objective",
+    "maxtext_maxtest_getting_started.log": "objective", "megatron_gpt2_345m_4pp.log": "lm_loss",
+    "megatron_gpt2_345m_4tp.log": "lm_loss", "megatron_lm_fl_qwen3_default0_prefix.log": "lm_loss",
+    "megatron_mixtral_issue756_excerpt.log": "lm_loss", "megatron_moe_ep1_clean_2024.log": "lm_loss",
+    "megatron_moe_ep2_terminal_wrapped.log": "lm_loss", "mindformers_llama3_1_8b_skip_docs.log": "grad_norm",
+    "torchtitan_llama3_debug_h200_10steps.log": "objective", "torchtitan_losscompare_llama3_cuda.txt": "objective",
+    "torchtitan_losscompare_llama3_rocm_mi350x.txt": "objective",
+    "torchtitan_pr2389_multirank_excerpt.log": "objective",
+    "torchtitan_pr3393_excerpt.log": "objective", "wandb_export_brisk_pond_train_loss.csv": "objective",
+}
+
+
+@needs_real
+@pytest.mark.parametrize("name", sorted(REAL_DRIFT))
+def test_real_log_drift_is_caught_at_the_right_step(name):
+    run = read_log(REAL / name)
+    metric = REAL_DRIFT[name]
+    steps = sorted(run.metrics[metric])
+    k = steps[len(steps) // 2]
+    drifted = Run(source="drifted", format=run.format, step_base=run.step_base,
+                  metrics={metric: {s: v * (1.03 if s >= k else 1.0) for s, v in run.metrics[metric].items()}})
+    assert compare_runs(run, run, metrics=[metric]).passed
+    res = compare_runs(run, drifted, metrics=[metric])
+    assert not res.passed and res.metrics[metric].first_fail_step == k
+
+
+@needs_real
+def test_real_megatron_log_drift_written_into_the_file(tmp_path):
+    # the drift goes into the text itself, so the reader is part of the check
+    src = REAL / "megatron_gpt2_345m_4tp.log"
+
+    def bump(m: re.Match[str]) -> str:
+        return f"lm loss: {float(m.group(1)) * 1.03:.6E}"
+
+    lines = src.read_text().splitlines(keepends=True)
+    out = [re.sub(r"lm loss: (\S+)", bump, line) if re.search(r"iteration +(1[1-9]\d\d|2000)/", line) else line
+           for line in lines]
+    drifted = tmp_path / "drifted.log"
+    drifted.write_text("".join(out))
+    res = compare_runs(read_log(src), read_log(drifted), metrics=["lm_loss"])
+    assert res.metrics["lm_loss"].first_fail_step == 1100 and res.metrics["lm_loss"].n_failed == 10
+
+
+# format -> a loss number (the middle match in the file): its first decimal digit is replaced by the letter O
+GARBLE = {
+    "megatron": r"lm loss: +\d+\.(\d)", "megatron_golden": r"(?<![\w.\"])\d+\.(\d)",
+    "hf_trainer_state": r"\"loss\": \d+\.(\d)",
+    "llamafactory": r"\"loss\": \d+\.(\d)", "maxtext": r"\bloss: \d+\.(\d)", "torchtitan": r"\bloss: +\d+\.(\d)",
+    "torchtitan_losses": r"(?m)^\d+ \d+\.(\d)", "mindformers": r"\bloss: \d+\.(\d)", "csv": r"(?m)^\d+,\d+\.(\d)",
+}
+
+
+@needs_real
+@pytest.mark.parametrize("name", sorted(REAL_DRIFT))
+def test_real_log_with_a_garbled_number_exits_2(tmp_path, name, capsys):
+    fmt = read_log(REAL / name).format
+    text = (REAL / name).read_text()
+    found = list(re.finditer(GARBLE[fmt], text))
+    assert found
+    pos = found[len(found) // 2].end() - 1  # a line in the middle: the format is still detected
+    bad = tmp_path / name
+    bad.write_text(text[:pos] + "O" + text[pos + 1:])
+    assert cli([str(REAL / name), str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert name in err and ("log error" in err)
+    if fmt not in ("megatron_golden", "hf_trainer_state"):  # JSON documents name line and column instead
+        assert f"{name}:{text[:pos].count(chr(10)) + 1}:" in err

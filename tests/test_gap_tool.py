@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+from lossparity.cli.parity import add_gap_arguments
+from lossparity.cli.parity import cmd_gap as run_gap
 from lossparity.parity.gap import (
     NOT_COMPUTABLE,
-    add_gap_arguments,
     bootstrap_gaps,
     compute_gap,
-    run_gap,
     summarize,
 )
 from lossparity.parity.sample_dump import (
@@ -120,16 +120,48 @@ def test_writer_rejects_bad_input(tmp_path: Path) -> None:
         w.write(1, np.array([0]), np.array([1.0]), np.array([1.0]))
 
 
-def test_truncated_file_names_file_and_record(tmp_path: Path) -> None:
+def test_torn_last_record_is_ignored_with_a_note(tmp_path: Path) -> None:
+    # a crash while appending leaves half a record at the end of a rank file (issue 18.3)
     path = tmp_path / "samples_rank1.bin"
     _write_records(path, [(1, 0, 3, 1.5)])
     with open(path, "ab") as f:
         f.write(struct.pack("<2d", 1, 1))  # half of record 1
     _write_records(tmp_path / "samples_rank0.bin", [(1, 2, 3, 1.5)])
-    with pytest.raises(SampleDumpError) as e:
+    notes: list[str] = []
+    dump = read_sample_dump(tmp_path, notes)
+    assert dump[1][0].tolist() == [0, 2]
+    assert len(notes) == 1 and "samples_rank1.bin" in notes[0] and "16 of 32 bytes" in notes[0]
+
+
+def test_incomplete_last_step_is_ignored_but_an_earlier_one_is_an_error(tmp_path: Path) -> None:
+    write_sample_meta(tmp_path, global_batch=2)
+    _write_records(tmp_path / "samples_rank0.bin", [(1, 0, 1, 1.0), (1, 1, 1, 1.0), (2, 0, 1, 1.0)])
+    notes: list[str] = []
+    assert sorted(read_sample_dump(tmp_path, notes)) == [1]
+    assert "last step 2 ignored" in notes[0]
+    _write_records(tmp_path / "samples_rank0.bin", [(1, 0, 1, 1.0), (2, 0, 1, 1.0), (2, 1, 1, 1.0)])
+    with pytest.raises(SampleDumpError, match="step 1 has 1 samples"):
         read_sample_dump(tmp_path)
-    msg = str(e.value)
-    assert "samples_rank1.bin" in msg and "record 1" in msg and "truncated" in msg
+
+
+def test_gap_fails_naming_the_missing_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    d = run / "samples"
+    d.mkdir(parents=True)
+    write_sample_meta(d, global_batch=1, step_base=1)
+    # steps 1, 2, 5 dumped; the run's metrics.jsonl goes on to step 7: steps 3-4 and 6-7 are missing
+    _write_records(d / "samples_rank0.bin", [(st, 0, 2, 1.0) for st in (1, 2, 5)])
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": st, "objective": 0.5}) + "\n"
+                                               for st in range(1, 8)))
+    assert run_gap(_parse([str(run), "--bootstrap", "0"])) == 1
+    captured = capsys.readouterr()
+    assert "MISSING STEPS: the dump lacks step(s) 3-4, 6-7" in captured.out
+    assert "lacks step(s) 3-4, 6-7" in captured.err
+    assert run_gap(_parse([str(run), "--bootstrap", "0", "--json"])) == 1
+    assert json.loads(capsys.readouterr().out)["missing_steps"] == [3, 4, 6, 7]
+    (run / "metrics.jsonl").unlink()
+    _write_records(d / "samples_rank0.bin", [(st, 0, 2, 1.0) for st in (1, 2, 3)])
+    assert run_gap(_parse([str(run), "--bootstrap", "0"])) == 0
 
 
 def test_duplicate_and_missing_rows_are_errors(tmp_path: Path) -> None:

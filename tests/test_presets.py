@@ -8,17 +8,16 @@ import argparse
 import pytest
 import torch
 
+from lossparity.cli.parity import add_modes_arguments, cmd_modes
 from lossparity.distributed.accountant import GRAD_REDUCTIONS, NORMALIZATIONS, Accountant
 from lossparity.distributed.moe_accounting import SCOPES, Z_FORMS
 from lossparity.losses.modes import MODES, objective
 from lossparity.losses.mtp import CONVENTIONS
 from lossparity.parity.presets import (
     PRESET_NAMES,
-    add_modes_translation_arguments,
     all_presets,
     preset_table,
     resolve_preset,
-    run_modes_translation,
     translate,
 )
 from lossparity.training.trainer import TrainConfig
@@ -181,8 +180,8 @@ def test_translation_bad_input() -> None:
 
 def _run(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
-    add_modes_translation_arguments(p)
-    return run_modes_translation(p.parse_args(argv))
+    add_modes_arguments(p)
+    return cmd_modes(p.parse_args(argv))
 
 
 def test_modes_translation_cli(capsys: pytest.CaptureFixture[str]) -> None:

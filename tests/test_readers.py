@@ -215,15 +215,18 @@ def test_megatron_golden_values():
     assert run.format == "megatron_golden"
     assert_series(run.metrics["lm_loss"], {1: 10.84781, 2: 10.85463, 3: 10.84622, 4: 10.81205, 5: 10.75634})
     assert_series(run.metrics["mtp_1_loss"], {1: 10.86012, 3: 10.85109, 5: 10.77777})
-    assert_series(run.metrics["num_zeros"], {1: 1123.0, 2: math.nan, 3: 1098.0, 4: 1120.0, 5: 1101.0})
-    assert_series(run.metrics["iteration-time"], {1: math.nan, 2: 0.53124, 3: 0.52011, 4: 0.52203, 5: 0.51987})
+    # the string "nan" is Megatron's marker of a step the run did not log: missing, not a NaN value
+    assert_series(run.metrics["num_zeros"], {1: 1123.0, 3: 1098.0, 4: 1120.0, 5: 1101.0})
+    assert_series(run.metrics["iteration-time"], {2: 0.53124, 3: 0.52011, 4: 0.52203, 5: 0.51987})
+    assert any("2 value(s)" in n and "missing" in n for n in run.notes)
 
 
 def test_megatron_golden_values_list_form(tmp_path):
     log = tmp_path / "golden_list.json"
-    log.write_text('{"lm loss": {"start_step": 0, "end_step": 10, "step_interval": 5, "values": [3.0, 2.5, "nan"]}}')
+    log.write_text('{"lm loss": {"start_step": 0, "end_step": 15, "step_interval": 5, "values": [3.0, 2.5, "nan"]}}')
     run = read_log(log)
-    assert_series(run.metrics["lm_loss"], {0: 3.0, 5: 2.5, 10: math.nan})
+    # Megatron's legacy script kept TensorBoard events 0, 5, 10 (event 0 = iteration 1); "nan" = not logged
+    assert_series(run.metrics["lm_loss"], {1: 3.0, 6: 2.5})
 
 
 def test_hf_trainer_state():
@@ -233,7 +236,9 @@ def test_hf_trainer_state():
     assert_series(run.metrics["grad_norm"], {10: 3.2108, 20: 2.8765, 30: 2.5432})
     assert_series(run.metrics["lr"], {10: 4.9e-5, 20: 4.7e-5, 30: 4.5e-5})
     assert_series(run.metrics["eval_loss"], {20: 2.2891})
-    assert_series(run.metrics["train_loss"], {30: 2.3229})
+    # the end-of-training summary entry (train_loss, train_runtime) is not a step's value
+    assert "train_loss" not in run.metrics
+    assert any("summary" in n for n in run.notes)
     assert run.restarts == 0
 
 
@@ -439,6 +444,22 @@ def test_with_constant_batch_size():
         run.with_constant_batch_size(0)
 
 
+def test_readers_need_neither_torch_nor_numpy():
+    import os
+    import subprocess
+    import sys
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    probe = ("import sys\n"
+             "sys.modules['torch'] = None; sys.modules['numpy'] = None\n"
+             "from lossparity.parity import read_log\n"
+             f"run = read_log({str(LOGS / 'megatron_restart.log')!r})\n"
+             "assert run.metrics['lm_loss'][8] == 9.1234, run.metrics\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(src)})
+    assert out.returncode == 0, out.stderr
+
+
 def test_parity_modules_do_not_import_torch():
     import subprocess
     import sys
@@ -453,3 +474,281 @@ def test_parity_modules_do_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+# ---------------------------------------------------------------------------------------------------
+# issue 15: real-world logs break readers in ways users hit daily (fixtures written for each defect)
+
+
+def _cut_last_metric_line(src: Path, dst: Path, marker: str) -> int:
+    """Copy ``src`` up to its last line containing ``marker``, cut in the middle of that line's last number
+    and without a newline (a log still being written); return that line's 1-based number."""
+    lines = src.read_text().splitlines()
+    idx = max(i for i, line in enumerate(lines) if marker in line)
+    line = lines[idx]
+    cut = max(i for i, ch in enumerate(line) if ch.isdigit() and i > 0 and line[i - 1] == ".") + 1
+    dst.write_text("\n".join(lines[:idx]) + "\n" + line[:cut])
+    return idx + 1
+
+
+LIVE_CASES = [  # (fixture, marker of a metric line, the step of the last metric line, metric)
+    ("megatron_restart.log", "iteration", 8, "lm_loss"),
+    ("maxtext_console.log", "completed step", 2, "objective"),
+    ("torchtitan.log", "step:", 3, "objective"),
+    ("mindformers.log", "Epoch:", 4, "objective"),
+    ("torchtitan_losses.txt", " ", 5, "objective"),
+    ("lossparity.jsonl", '"step"', 4, "lr"),
+]
+
+
+@pytest.mark.parametrize(("fixture", "marker", "last_step", "metric"), LIVE_CASES)
+def test_live_log_last_line_is_ignored_with_a_note(tmp_path, fixture, marker, last_step, metric):
+    # defect 1: before, the cut number (e.g. 9.12 of 9.1234) was read and compared
+    full = read_log(LOGS / fixture)
+    live = tmp_path / fixture
+    ln = _cut_last_metric_line(LOGS / fixture, live, marker)
+    run = read_log(live)
+    assert run.live and any(f"last line {ln} ignored: incomplete" in n for n in run.notes)
+    assert last_step in full.metrics[metric] and last_step not in run.metrics.get(metric, {})
+    for step, value in run.metrics[metric].items():
+        assert value == full.metrics[metric][step] or (math.isnan(value) and math.isnan(full.metrics[metric][step]))
+
+
+def test_csv_row_still_being_written_is_ignored(tmp_path):
+    log = tmp_path / "export.csv"
+    log.write_text("step,loss,grad_norm\n1,2.5,1.0\n2,2.4,0.9\n3,2.3")  # the last row lacks a cell and a newline
+    run = read_log(log)
+    assert_series(run.metrics["objective"], {1: 2.5, 2: 2.4})
+    assert run.live
+    assert any("last line 4 ignored" in n for n in run.notes)
+    log.write_text("step,loss\n1,2.5\n2,2.4")  # complete cells without a final newline: read
+    assert_series(read_log(log).metrics["objective"], {1: 2.5, 2: 2.4})
+
+
+def test_megatron_line_without_closing_bar_is_incomplete(tmp_path):
+    # Megatron ends every complete metric line with '|': a line cut before it, even with a newline, is torn
+    text = (LOGS / "megatron_restart.log").read_text().splitlines()
+    last = max(i for i, line in enumerate(text) if "iteration" in line)
+    log = tmp_path / "live.log"
+    log.write_text("\n".join(text[:last]) + "\n" + text[last].rsplit("|", 3)[0] + "\n")
+    run = read_log(log)
+    assert 8 not in run.metrics["lm_loss"] and run.live
+    assert any("ends with '|'" in n for n in run.notes)
+
+
+def test_megatron_terminal_wrapped_lines_are_joined():
+    run = read_log(LOGS / "megatron_wrapped.log")
+    # iteration 1 was wrapped inside the number 1.104|512E+01; iteration 4 never completed (killed)
+    assert_series(run.metrics["lm_loss"], {1: 11.04512, 2: 10.91873, 3: 10.77654})
+    assert_series(run.metrics["load_balancing_loss"], {1: 1.012, 2: 1.0105, 3: 1.0098})
+    assert sum("hard-wrapped" in n for n in run.notes) == 2
+    assert any("line 7 ignored" in n for n in run.notes) and not run.live
+
+
+@pytest.mark.parametrize(("fmt", "text", "line", "needle"), [
+    ("torchtitan", "[titan] 2025 - root - INFO - step:  1  loss:  4.6O72  grad_norm:  1.46  memory: 1.2GiB(0.9%)\n",
+     1, "a number for 'loss', got '4.6O72'"),
+    ("mindformers", "- INFO - { Epoch:[  1/  2], step:[    1/   19], loss: 10.649, lr: 0.0, overflow cond: False, "
+     "loss_scale: 1.0, global_norm: [1 31049], train_throughput_per_npu: 2.896T\n", 1,
+     "'global_norm', got '[1 31049]'"),
+    ("megatron", " iteration        1/      10 | lm loss: 1.0823O0E+01 | grad norm: 5.4 |\n", 1,
+     "'lm loss', got '1.0823O0E+01'"),
+    ("maxtext", "completed step: 0, seconds: 1.0, total_weights: 10, loss: 10.8 7\n", 1, "'loss', got '10.8 7'"),
+    ("jsonl", '{"step": 1, "loss": 2.5}\n{"step": 2, "loss": "2.4x"}\n', 2, "'loss', got '2.4x'"),
+    ("csv", "step,loss\n1,2.5\n2,2.4x\n", 3, "column 'loss'"),
+    ("torchtitan_losses", "1 8.04\n2 7.7S1\n", 2, "'<step> <loss>'"),
+])
+def test_incomplete_numbers_are_errors_naming_file_and_line(tmp_path, fmt, text, line, needle):
+    # defect 2: before, 4.6O72 was cut to 4.6 and [1 31049] read as 1.0
+    log = tmp_path / "bad.log"
+    log.write_text(text)
+    with pytest.raises(LogParseError) as e:
+        read_log(log, fmt=fmt)
+    assert f"bad.log:{line}" in str(e.value) and needle in str(e.value)
+
+
+def test_decorated_console_fields_still_read(tmp_path):
+    run = read_log(LOGS / "torchtitan.log")  # memory: 18.42GiB(19.39%), tps: 1,234, mfu: 7.22%
+    assert run.metrics["tps"][1] == 1234.0 and run.metrics["memory"][1] == 18.42 and run.metrics["mfu"][1] == 7.22
+
+
+def test_hf_string_loss_is_an_error(tmp_path):
+    log = tmp_path / "trainer_state.json"
+    log.write_text(json.dumps({"log_history": [{"loss": 1.5, "step": 1}, {"loss": "abc", "step": 2}]}))
+    with pytest.raises(LogParseError, match=r"log_history\[1\].*a number for 'loss', got 'abc'"):
+        read_log(log)
+
+
+def test_broken_or_empty_json_is_named_as_json(tmp_path):
+    # defect 3: without --format a truncated trainer_state.json gave "expected a known log format"
+    text = (LOGS / "trainer_state.json").read_text()
+    cut = tmp_path / "trainer_state.json"
+    cut.write_text(text[: len(text) // 2])
+    with pytest.raises(LogParseError, match=r"trainer_state.json:\d+: expected valid JSON: the file is JSON but "
+                                            r"broken at line \d+ column \d+"):
+        read_log(cut)
+    empty = tmp_path / "empty.json"
+    empty.write_text("\n")
+    with pytest.raises(LogParseError, match="empty file"):
+        read_log(empty)
+
+
+def test_golden_legacy_list_form_and_top_level_scalar():
+    # defect 4: values[i] is TensorBoard event 5i, i.e. iteration 5i + 1 (was 5i: one step early)
+    run = read_log(LOGS / "golden_legacy_list.json")
+    assert run.format == "megatron_golden"
+    assert_series(run.metrics["lm_loss"], {1: 10.5, 6: 10.25, 11: 10.0})
+    assert any("iteration_timing_avg" in n for n in run.notes)
+
+
+def test_golden_nan_string_is_missing_and_total_loss_is_the_objective():
+    run = read_log(LOGS / "golden_resumed.json")
+    assert_series(run.metrics["lm_loss"], {4: 9.75, 5: 9.5, 6: 9.25})
+    # "total loss" (distillation) is the optimized loss; a JSON NaN literal stays a NaN value
+    assert_series(run.metrics["objective"], {4: 0.49, 5: 0.48, 6: math.nan})
+    assert run.raw_names["objective"] == "total loss"
+
+
+def test_hf_eval_predict_and_summary_entries():
+    # defect 5: an entry without 'step' (predict_*) made the whole file unreadable
+    run = read_log(LOGS / "trainer_state_eval_predict.json")
+    assert_series(run.metrics["objective"], {10: 1.25, 20: 1.0})
+    assert_series(run.metrics["eval_loss"], {10: 1.1})
+    assert "predict_loss" not in run.metrics and "train_loss" not in run.metrics
+    assert "1 evaluation entries without a step ignored" in run.notes
+
+
+@pytest.mark.parametrize(("fixture", "fmt", "metric", "expected", "step_base"), [
+    ("torchtitan_losses.txt", "torchtitan_losses", "objective",
+     {1: 10.875432014465332, 2: 10.51230239868164, 3: 9.98122787475586, 4: 9.400251388549805, 5: 8.91002368927002}, 1),
+    ("llamafactory_trainer_log.jsonl", "llamafactory", "objective", {5: 2.3125, 10: 2.0417, 15: 1.8833}, 1),
+    ("maxtext_profiler.log", "maxtext", "objective", {0: 11.204, 1: 10.998, 2: 10.64, 3: 10.311, 4: 10.052}, 0),
+    ("mindformers_no_colon.log", "mindformers", "grad_norm", {1: 12.503311, 2: 9.87445, 3: 7.120948}, 1),
+    ("wandb_step0.csv", "csv", "objective", {0: 2.5, 1: 2.25, 2: 2.125}, 0),
+])
+def test_formats_users_have(fixture, fmt, metric, expected, step_base):
+    # defects 6 and 9: new formats, MaxText profiler lines, MindFormers 'global_norm [x]', W&B Step from 0
+    run = read_log(LOGS / fixture)
+    assert run.format == fmt == detect_format(LOGS / fixture) and run.step_base == step_base
+    assert_series(run.metrics[metric], expected)
+
+
+def test_maxtext_profiler_steps_are_noted():
+    run = read_log(LOGS / "maxtext_profiler.log")
+    assert sum("profiler boundary step" in n for n in run.notes) == 2
+    assert_series(run.metrics["mtp_loss"], {1: 0.097, 2: 0.095, 3: 0.093, 4: 0.091})
+
+
+def test_lfs_pointer_is_named():
+    with pytest.raises(LogParseError, match="Git LFS pointer"):
+        read_log(LOGS / "tb_lfs_pointer")
+    with pytest.raises(LogParseError, match="Git LFS pointer"):
+        detect_format(LOGS / "tb_lfs_pointer" / "run1" / "events.out.tfevents.1700000000.host.1.0")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the real logs of ../shared/reallogs (written outside this project; see SOURCES.md there)
+
+REAL = Path(__file__).resolve().parents[1].parent / "shared" / "reallogs"
+
+# file -> (format, metric, number of points, first step, last step, step_base); or ("error", format, needle)
+REAL_EXPECTED: dict[str, tuple] = {
+    "golden_bert_resume_dev_h100.json": ("megatron_golden", "lm_loss", 100, 1, 100, 1),
+    "golden_bert_resume_dev_h100_2nd.json": ("megatron_golden", "lm_loss", 50, 51, 100, 1),
+    "golden_gpt_defer_wgrad_dev_a100.json": ("megatron_golden", "lm_loss", 11, 1, 50, 1),
+    "golden_gpt_defer_wgrad_lts_a100.json": ("megatron_golden", "lm_loss", 11, 1, 50, 1),
+    "golden_gpt_distill_total_loss_dev_h100.json": ("megatron_golden", "objective", 100, 1, 100, 1),
+    "golden_gpt_tp1_pp2_fp16_legacy_dev_a100.json": ("megatron_golden", "lm_loss", 10, 1, 46, 1),
+    "golden_mixtral_8x7b_dev_h100.json": ("megatron_golden", "lm_loss", 41, 1, 200, 1),
+    "golden_mixtral_8x7b_lts_a100.json": ("megatron_golden", "lm_loss", 41, 1, 200, 1),
+    "golden_moe_mtp_fp8_dev_h100.json": ("megatron_golden", "mtp_1_loss", 11, 1, 50, 1),
+    "golden_nemotron_mtp2_dev_gb200.json": ("megatron_golden", "mtp_2_loss", 20, 1, 20, 1),
+    "golden_t5_listform_lts_a100.json": ("megatron_golden", "lm_loss", 20, 1, 96, 1),
+    "hf_runs_lfs_pointer": ("error", "tensorboard", "Git LFS pointer"),
+    "hf_trainer_state_cpt_seq2seq.json": ("hf_trainer_state", "objective", 10, 500, 5000, 1),
+    "hf_trainer_state_tinyllama_sft.json": ("hf_trainer_state", "objective", 186, 15, 2790, 1),
+    "llamafactory_trainer_log_mistral_translator.jsonl": ("llamafactory", "objective", 10, 10, 100, 1),
+    "maxtext_deepseek2_16b_docs.log": ("maxtext", "objective", 10, 0, 9, 0),
+    "maxtext_maxtest_getting_started.log": ("maxtext", "objective", 5, 0, 4, 0),
+    "megatron_gpt2_345m_4pp.log": ("megatron", "lm_loss", 20, 100, 2000, 1),
+    "megatron_gpt2_345m_4tp.log": ("megatron", "lm_loss", 20, 100, 2000, 1),
+    "megatron_lm_fl_qwen3_default0_prefix.log": ("megatron", "lm_loss", 2, 3, 4, 1),
+    "megatron_mixtral_issue756_excerpt.log": ("megatron", "load_balancing_loss", 6, 29, 45, 1),
+    "megatron_moe_ep1_clean_2024.log": ("megatron", "lm_loss", 5, 2, 6, 1),
+    "megatron_moe_ep2_terminal_wrapped.log": ("megatron", "load_balancing_loss", 5, 1, 5, 1),
+    "mindformers_llama2_13b_docs.log": ("error", "mindformers", "_docs.log:1: expected a number for 'global_norm'"),
+    "mindformers_llama3_1_8b_skip_docs.log": ("mindformers", "grad_norm", 2, 1, 2, 1),
+    "torchtitan_llama3_debug_h200_10steps.log": ("torchtitan", "objective", 10, 1, 10, 1),
+    "torchtitan_losscompare_llama3_cuda.txt": ("torchtitan_losses", "objective", 100, 1, 100, 1),
+    "torchtitan_losscompare_llama3_rocm_mi350x.txt": ("torchtitan_losses", "objective", 100, 1, 100, 1),
+    "torchtitan_pr2389_multirank_excerpt.log": ("torchtitan", "objective", 2, 4, 5, 1),
+    "torchtitan_pr3393_excerpt.log": ("torchtitan", "objective", 8, 14, 21, 1),
+    "wandb_export_brisk_pond_train_loss.csv": ("csv", "objective", 94, 0, 93, 0),
+}
+
+needs_real = pytest.mark.skipif(not REAL.is_dir(), reason="../shared/reallogs is not present in this checkout")
+
+
+@needs_real
+def test_every_real_log_has_an_expectation():
+    present = sorted(p.name for p in REAL.iterdir() if p.name != "SOURCES.md")
+    assert present == sorted(REAL_EXPECTED)
+    assert len(present) == 31
+
+
+@needs_real
+@pytest.mark.parametrize("name", sorted(REAL_EXPECTED))
+def test_real_log_is_detected_and_read(name):
+    exp = REAL_EXPECTED[name]
+    path = REAL / name
+    if exp[0] == "error":
+        with pytest.raises(LogParseError) as e:
+            assert detect_format(path) == exp[1]
+            read_log(path)
+        assert exp[2] in str(e.value)
+        return
+    fmt, metric, n, first, last, base = exp
+    run = read_log(path)
+    assert run.format == fmt and run.step_base == base
+    steps = sorted(run.metrics[metric])
+    assert (len(steps), steps[0], steps[-1]) == (n, first, last)
+    assert all(math.isfinite(v) for v in run.metrics[metric].values())
+
+
+_TITAN_COLORS = {"step:": "\x1b[31m", "loss:": "\x1b[32m", "grad_norm:": "\x1b[38;2;180;60;0m",
+                 "memory:": "\x1b[38;2;54;234;195m", "tps:": "\x1b[34m", "tflops:": "\x1b[36m", "mfu:": "\x1b[35m"}
+
+
+@needs_real
+def test_real_torchtitan_log_with_ansi_colours(tmp_path):
+    # derived as SOURCES.md describes: the fields wrapped in the escape codes of torchtitan's Color class
+    plain = REAL / "torchtitan_llama3_debug_h200_10steps.log"
+    out = []
+    for line in plain.read_text().splitlines():
+        if " - INFO - step:" in line:
+            for key, code in _TITAN_COLORS.items():
+                line = line.replace(f"  {key}", f"  {code}{key}").replace(f"INFO - {key}", f"INFO - {code}{key}")
+            line += "\x1b[39m"
+        out.append(line)
+    coloured = tmp_path / "coloured.log"
+    coloured.write_text("\n".join(out) + "\n")
+    assert "\x1b[32mloss:" in coloured.read_text()
+    a, b = read_log(plain), read_log(coloured)
+    assert b.format == "torchtitan" and b.metrics == a.metrics and len(b.metrics["objective"]) == 10
+
+
+@needs_real
+def test_real_golden_values_written_as_tensorboard_events(tmp_path):
+    # derived as SOURCES.md describes: Megatron-style tags from the real golden values, read back cross-format
+    pytest.importorskip("tensorboard")
+    golden = read_log(REAL / "golden_moe_mtp_fp8_dev_h100.json")
+    events = [(s, {"lm loss": v, "mtp_1 loss": golden.metrics["mtp_1_loss"][s]})
+              for s, v in golden.metrics["lm_loss"].items()]
+    events += [(4 * s, {"lm loss vs samples": v}) for s, v in golden.metrics["lm_loss"].items()]
+    _write_events(tmp_path / "tb", "events.out.tfevents.1700000000.node0.1.0", events)
+    tb = read_log(tmp_path / "tb")
+    assert tb.consumed_samples == {s: 4.0 * s for s in golden.metrics["lm_loss"]}
+    from lossparity.parity import compare_runs
+
+    res = compare_runs(golden, tb)  # float32 event values against 5-digit JSON values
+    assert res.passed and set(res.metrics) == {"lm_loss", "mtp_1_loss"} and res.metrics["lm_loss"].n_compared == 11

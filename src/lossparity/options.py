@@ -27,8 +27,13 @@ __all__ = [
     "Z_FORMS",
     "ScoreFunction",
     "SCORE_FUNCTIONS",
+    "Align",
+    "ALIGNS",
+    "MissingSteps",
+    "MISSING_STEPS",
     "ALIASES",
     "check_option",
+    "MODE_INFO",
 ]
 
 Mode = Literal["per_token", "per_sample", "per_microbatch", "per_document", "sample_sum", "sample_sum_norm"]
@@ -56,6 +61,38 @@ Z_FORMS: tuple[ZForm, ...] = get_args(ZForm)
 
 ScoreFunction = Literal["softmax", "sigmoid"]
 SCORE_FUNCTIONS: tuple[ScoreFunction, ...] = get_args(ScoreFunction)
+
+# How `compare` pairs the points of two logs: by optimizer step, or by consumed samples.
+Align = Literal["step", "samples"]
+ALIGNS: tuple[Align, ...] = get_args(Align)
+
+# When reference steps the candidate lacks make `compare` fail: span = the candidate must cover the
+# reference's first to last step, all = every reference step must be in the candidate, ignore = only
+# reported (README "Parity tools").
+MissingSteps = Literal["span", "all", "ignore"]
+MISSING_STEPS: tuple[MissingSteps, ...] = get_args(MissingSteps)
+
+# mode -> (objective formula, frameworks whose objective it matches); printed by `lossparity modes`.
+# Kept here, torch-free, so that the log tools print the table without importing torch (docs/semantics.md §1).
+MODE_INFO: dict[Mode, tuple[str, str]] = {
+    "per_token": (
+        "S / max(Ntok, 1)",
+        "Megatron calculate_per_token_loss=True; MaxText default; HF Trainer >= 4.46; torchtitan; "
+        "verl token-mean; DAPO",
+    ),
+    "per_sample": (
+        "(1/N) Σ_i s_i / max(n_i, 1)",
+        "MaxText RFC-0032 calculate_per_token_loss=False; Megatron =False with b=1; "
+        "verl seq-mean-token-mean; GRPO",
+    ),
+    "per_microbatch": (
+        "(1/(D·K)) Σ_mb s_mb / max(n_mb, 1)",
+        "Megatron =False with any b; HF Trainer < 4.46 (legacy GA); DDP mean of local means",
+    ),
+    "per_document": ("(1/Ndoc) Σ_j s_j / max(n_j, 1)", "packed SFT: every conversation counts once"),
+    "sample_sum": ("(1/N) Σ_i s_i", "verl seq-mean-token-sum"),
+    "sample_sum_norm": ("S / (N · L)", "Dr. GRPO; verl seq-mean-token-sum-norm"),
+}
 
 # Spellings accepted for backward compatibility, per option name: old -> canonical.
 ALIASES: dict[str, dict[str, str]] = {

@@ -2,41 +2,59 @@
 
 Exit codes: 0 success / parity, 1 a check failed (FAIL in a table, parity violation), 2 bad input.
 Each subcommand's glue lives in its own module (``train``: trainer and verify; ``parity``: the log tools),
-so that the log tools never import torch.
+imported only for the subcommand that runs, so that the log tools never import torch. Output cut short by
+a closed pipe (``lossparity compare ... | head``) ends quietly with exit code 141 (128 + SIGPIPE).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ._common import UsageError
-from .parity import cmd_compare, cmd_modes
-from .train import add_train_args, cmd_train, cmd_verify
+from .parity import add_compare_arguments, add_gap_arguments, add_modes_arguments, cmd_compare, cmd_gap, cmd_modes
 
 __all__ = ["main", "build_parser", "UsageError"]
 
+_SIGPIPE_EXIT = 141
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every subcommand."""
+
+def _train_glue(name: str) -> Callable[[argparse.Namespace], Any]:
+    """The train/verify command ``name`` of :mod:`.train`, imported when it runs (it pulls in torch)."""
+
+    def run(args: argparse.Namespace) -> Any:
+        from . import train
+
+        return getattr(train, name)(args)
+
+    return run
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser of every subcommand.
+
+    ``command`` names the subcommand about to run: the ``train`` options (whose vocabularies live in the
+    torch-based modules) are added only when it is ``train`` or ``None`` (every parser complete).
+    """
     p = argparse.ArgumentParser(prog="lossparity", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("modes", help="print the normalization modes and run the built-in self-check")
-    m.add_argument("--no-check", action="store_true", help="only print the table")
-    from ..parity.gap import add_gap_arguments, run_gap
-    from ..parity.presets import add_modes_translation_arguments
-
-    add_modes_translation_arguments(m)
+    add_modes_arguments(m)
     m.set_defaults(func=cmd_modes)
 
     g = sub.add_parser("gap", help="every mode per step from a --dump-samples run; per_token - per_sample gap")
     add_gap_arguments(g)
-    g.set_defaults(func=run_gap)
+    g.set_defaults(func=cmd_gap)
 
     t = sub.add_parser("train", help="train the reference MoE+MTP model (JSONL metrics, checkpoints)")
-    add_train_args(t)
-    t.set_defaults(func=cmd_train)
+    if command in (None, "train"):
+        from .train import add_train_args
+
+        add_train_args(t)
+    t.set_defaults(func=_train_glue("cmd_train"))
 
     v = sub.add_parser("verify", help="prove layout invariance of objective, logs, gradients, parameters")
     v.add_argument("--quick", action="store_true", help="5 layouts, 2 steps (CI)")
@@ -45,25 +63,34 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--modes", default="", help="comma-separated modes (default: all)")
     v.add_argument("--aux-scope", default="global_lagged", help="MoE aux-loss scope of the runs")
     v.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
-    v.set_defaults(func=cmd_verify)
+    v.set_defaults(func=_train_glue("cmd_verify"))
 
     c = sub.add_parser("compare", help="compare two training logs for loss parity")
-    from ..parity.compare import add_compare_arguments
-
     add_compare_arguments(c)
     c.set_defaults(func=cmd_compare)
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``lossparity`` console script; returns the exit code."""
-    parser = build_parser()
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv`` (its first non-option word), ``None`` when there is none."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def _quiet_broken_pipe() -> int:
+    """The reader closed stdout (``| head``): send what is still buffered nowhere, exit without a traceback."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return _SIGPIPE_EXIT
+
+
+def _run(argv_list: list[str]) -> int:
+    # "" (no subcommand: top-level help or a usage error) skips the torch-based train options too
+    parser = build_parser(_command(argv_list) or "")
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse exits with 2 on bad usage already
+        args = parser.parse_args(argv_list)
+    except SystemExit as e:  # argparse exits with 2 on bad usage already (0 after --help)
         return int(e.code or 0)
     # Which options were given explicitly (a preset must not override them).
-    argv_list = list(sys.argv[1:] if argv is None else argv)
     args._explicit = {k: any(a == "--" + k.replace("_", "-") or a.startswith("--" + k.replace("_", "-") + "=")
                              for a in argv_list) for k in ("mode", "aux_scope", "mtp_convention", "normalization")}
     try:
@@ -71,6 +98,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"lossparity {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lossparity`` console script; returns the exit code (141 when stdout was closed)."""
+    argv_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = _run(argv_list)
+        sys.stdout.flush()  # a closed pipe shows up here when the output fit in the buffer
+        return code
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
 
 
 if __name__ == "__main__":

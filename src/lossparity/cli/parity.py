@@ -1,23 +1,96 @@
-"""CLI glue of the parity tools: ``modes``, ``compare``, ``gap`` (printing and exit codes live here)."""
+"""CLI glue of the log tools: ``modes``, ``compare``, ``gap`` (argparse, printing and exit codes live here).
+
+Nothing here imports torch: the log tools start in well under a second and run where torch is not
+installed. NumPy is imported only by the commands that compute (``compare``, ``gap``), not by ``--help``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
+from typing import TYPE_CHECKING
 
-from ..losses.modes import MODE_INFO
+from ..options import ALIGNS, MISSING_STEPS, MODE_INFO
+from ..parity.readers import FORMAT_ALIASES, FORMATS
 
-__all__ = ["cmd_modes", "cmd_compare"]
+if TYPE_CHECKING:  # NumPy-based types, imported by the commands that use them
+    from ..parity.gap import GapReport
+    from ..parity.readers import Run
+
+__all__ = ["add_compare_arguments", "add_gap_arguments", "cmd_compare", "cmd_gap", "cmd_modes", "positive_int"]
+
+
+# --------------------------------------------------------------------------------------------------
+# argument types
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (the error names the text)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return v
+
+
+def _probability(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
+    if not 0.0 < v < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}")
+    return v
+
+
+def _parse_window(text: str) -> tuple[float | None, float | None]:
+    sep = ":" if ":" in text else ","
+    lo, s, hi = text.partition(sep)
+    if not s:
+        raise argparse.ArgumentTypeError(f"--window: expected START:END (a side may be empty), got {text!r}")
+    try:
+        return (float(lo) if lo.strip() else None, float(hi) if hi.strip() else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--window: START and END must be numbers, got {text!r}") from None
+
+
+def _error(tool: str, args: argparse.Namespace, kind: str, e: BaseException) -> int:
+    """Report an input error: one line on stderr (and a JSON object with ``--json``); exit code 2."""
+    print(f"lossparity {tool}: {kind}: {e}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"error": str(e), "exit_code": 2}))
+    return 2
+
+
+# --------------------------------------------------------------------------------------------------
+# modes
 
 
 def cmd_modes(args: argparse.Namespace) -> int:
-    from ..parity.presets import modes_translation_requested, preset_table, run_modes_translation
+    """``lossparity modes``: the mode table, the preset table, the self-check (``--no-check`` skips it, and
+    with it torch); ``--from/--to`` translate between framework presets."""
+    from ..parity.presets import preset_table
 
-    if modes_translation_requested(args):
-        return run_modes_translation(args)
+    if args.from_preset or args.to_framework or args.show_presets:
+        return _modes_translation(args)
     print("| mode | objective J | matches |")
     print("|---|---|---|")
-    for mode, (formula, who) in MODE_INFO.items():
-        print(f"| `{mode}` | `{formula}` | {who} |")
+    for name, (formula, who) in MODE_INFO.items():
+        print(f"| `{name}` | `{formula}` | {who} |")
     print("\nframework presets (`--preset` of `lossparity train`, `--from/--to` of this command):\n")
     print(preset_table())
     if args.no_check:
@@ -33,7 +106,220 @@ def cmd_modes(args: argparse.Namespace) -> int:
     return 0 if all(r[3] for r in rows) else 1
 
 
-def cmd_compare(args: argparse.Namespace) -> int:
-    from ..parity.compare import run_compare
+def add_modes_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--no-check``, ``--from SRC``, ``--to TGT``, ``--microbatch-size b`` and ``--presets``."""
+    from ..parity.presets import FRAMEWORKS
 
-    return run_compare(args)
+    parser.add_argument("--no-check", action="store_true", help="only print the table")
+    parser.add_argument("--from", dest="from_preset", default=None, metavar="SRC",
+                        help="source preset, e.g. megatron:calculate_per_token_loss=false")
+    parser.add_argument("--to", dest="to_framework", default=None, metavar="TGT",
+                        help=f"target framework ({', '.join(FRAMEWORKS)}) or preset spec")
+    parser.add_argument("--microbatch-size", dest="microbatch_size", type=positive_int, default=None, metavar="b",
+                        help="the source's micro-batch size (decides per_microbatch vs per_sample)")
+    parser.add_argument("--presets", dest="show_presets", action="store_true",
+                        help="print the framework preset table (Markdown)")
+
+
+def _modes_translation(args: argparse.Namespace) -> int:
+    """Exit code: 0 = exact translation (or only the table), 1 = approximate (warnings), 2 = bad input."""
+    from ..parity.presets import preset_table, resolve_preset, translate
+
+    src, tgt = args.from_preset, args.to_framework
+    if args.show_presets:
+        print(preset_table())
+        if not (src or tgt):
+            return 0
+        print()
+    if not (src and tgt):
+        print("lossparity modes: error: --from SRC and --to TGT go together", file=sys.stderr)
+        return 2
+    try:
+        tr = translate(resolve_preset(src), tgt, args.microbatch_size)
+    except ValueError as e:
+        print(f"lossparity modes: error: {e}", file=sys.stderr)
+        return 2
+    print(tr.format())
+    return 0 if tr.exact else 1
+
+
+# --------------------------------------------------------------------------------------------------
+# compare
+
+
+def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``compare`` command's arguments: positionals ``ref`` and ``cand`` and the options.
+
+    Options: ``--format/--ref-format/--cand-format``, ``--name-map/--ref-name-map/--cand-name-map``,
+    ``--metrics``, ``--tol``, ``--window START:END``, ``--smooth N``, ``--megatron-rule``,
+    ``--missing-steps span|all|ignore`` (``--require-all-steps`` = ``all``), ``--align step|samples``,
+    ``--ref-gbs/--cand-gbs``, ``--ref-step-base/--cand-step-base``, ``--report DIR``, ``--json``.
+    """
+    fmts = sorted([*FORMATS, *FORMAT_ALIASES])
+    parser.add_argument("ref", help="reference log (file or TensorBoard directory)")
+    parser.add_argument("cand", help="candidate log (file or TensorBoard directory)")
+    parser.add_argument("--format", dest="fmt", choices=fmts, help="format of both logs (default: detect)")
+    parser.add_argument("--ref-format", choices=fmts, help="format of the reference log")
+    parser.add_argument("--cand-format", choices=fmts, help="format of the candidate log")
+    parser.add_argument("--name-map", default="", help="raw=canonical,... for both logs")
+    parser.add_argument("--ref-name-map", default="", help="raw=canonical,... for the reference log")
+    parser.add_argument("--cand-name-map", default="", help="raw=canonical,... for the candidate log")
+    parser.add_argument("--metrics", default=None, help="comma-separated metrics (default: shared canonical)")
+    parser.add_argument("--tol", default="", help="e.g. lm_loss=1e-3,mtp_1_loss=rel:1e-3,grad_norm=abs:0.01")
+    parser.add_argument("--window", type=_parse_window, default=None, help="START:END, inclusive")
+    parser.add_argument("--smooth", type=positive_int, default=1, help="trailing moving-average width")
+    parser.add_argument("--megatron-rule", action="store_true",
+                        help="allow min(max(n//100,1),50) failing points of n (Megatron functional tests)")
+    parser.add_argument("--missing-steps", choices=MISSING_STEPS, default="span",
+                        help="span (default): fail when the candidate starts later or stops earlier than the "
+                             "reference; all: fail on any reference step the candidate lacks; ignore: only report")
+    parser.add_argument("--require-all-steps", dest="missing_steps", action="store_const", const="all",
+                        help="same as --missing-steps all")
+    parser.add_argument("--align", choices=ALIGNS, default="step")
+    parser.add_argument("--ref-gbs", type=positive_int, default=None,
+                        help="reference global batch size (consumed samples for --align samples)")
+    parser.add_argument("--cand-gbs", type=positive_int, default=None, help="candidate global batch size")
+    parser.add_argument("--ref-step-base", type=int, default=None, help="reference's first step number")
+    parser.add_argument("--cand-step-base", type=int, default=None, help="candidate's first step number")
+    parser.add_argument("--report", default=None, metavar="DIR", help="write summary.md and plots to DIR")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+
+
+def _load(args: argparse.Namespace, role: str) -> Run:
+    from ..parity.names import parse_name_map
+    from ..parity.readers import read_log
+
+    shared_map = parse_name_map(args.name_map)
+    own_map = parse_name_map(getattr(args, f"{role}_name_map"))
+    run = read_log(getattr(args, role), fmt=getattr(args, f"{role}_format") or args.fmt,
+                   name_map={**shared_map, **own_map} or None)
+    base = getattr(args, f"{role}_step_base")
+    if base is not None:
+        run.step_base = base
+    gbs = getattr(args, f"{role}_gbs")
+    return run.with_constant_batch_size(gbs) if gbs is not None else run
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Run ``compare`` from parsed arguments; return the exit code.
+
+    0 = parity, 1 = a metric violates its tolerance or the missing-steps rule, 2 = input error
+    (unreadable or unparseable log, bad option, unknown ``--tol``/``--metrics`` name, no shared metric, no
+    overlapping steps). Prints a table, or with ``--json`` a JSON object (``{"error": ..., "exit_code": 2}``
+    on input errors); errors go to stderr. With ``--report DIR`` writes ``summary.md`` and one PNG per
+    metric (a note on stderr when matplotlib is missing and plots are skipped).
+    """
+    from ..parity.compare import compare_runs
+    from ..parity.readers import LogParseError
+    from ..parity.report import format_text, write_report
+
+    try:
+        ref, cand = _load(args, "ref"), _load(args, "cand")
+        metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
+        result = compare_runs(ref, cand, tolerances=args.tol or None, metrics=metrics, window=args.window,
+                              smooth=args.smooth, megatron_rule=args.megatron_rule, align=args.align,
+                              missing_steps=args.missing_steps)
+    except (OSError, ImportError, ValueError) as e:  # LogParseError and CompareInputError are ValueErrors
+        return _error("compare", args, "log error" if isinstance(e, (LogParseError, OSError)) else "input error", e)
+    if args.report:
+        try:
+            files = write_report(result, args.report)
+        except OSError as e:
+            return _error("compare", args, "cannot write the report", e)
+        if files.plots_skipped:
+            print(f"lossparity compare: note: plots skipped: {files.plots_skipped}", file=sys.stderr)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else format_text(result))
+    return 0 if result.passed else 1
+
+
+# --------------------------------------------------------------------------------------------------
+# gap
+
+
+def add_gap_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``gap`` command's arguments: positional ``source`` (run directory, dump directory or
+    ``.npz``) and ``--microbatch-size``, ``--fixed-length``, ``--bootstrap``, ``--seed``, ``--ci``,
+    ``--every``, ``--json``, ``--plot``, ``--compare-drift A B``, ``--drift-metric``, ``--log-format``."""
+    parser.add_argument("source", help="run directory (with samples/), dump directory, or .npz file")
+    parser.add_argument("--microbatch-size", type=positive_int, default=None,
+                        help="b for per_microbatch (default: the dump's meta)")
+    parser.add_argument("--fixed-length", type=positive_int, default=None,
+                        help="L for sample_sum_norm (default: the dump's fixed_length, else its seq_len)")
+    parser.add_argument("--bootstrap", type=_non_negative_int, default=1000, help="bootstrap replicates (0: none)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the bootstrap's numpy Generator")
+    parser.add_argument("--ci", type=_probability, default=0.95, help="confidence level of the intervals")
+    parser.add_argument("--every", type=positive_int, default=1, help="summarize blocks of K steps")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    parser.add_argument("--plot", default=None, metavar="PATH.png", help="write the per-step gap plot")
+    parser.add_argument("--compare-drift", nargs=2, default=None, metavar=("A_LOG", "B_LOG"),
+                        help="two training logs (A: per_token run, B: per_sample run): is A−B the estimator gap?")
+    parser.add_argument("--drift-metric", default="objective", help="logged metric compared by --compare-drift")
+    parser.add_argument("--log-format", choices=sorted([*FORMATS, *FORMAT_ALIASES]), default=None,
+                        help="format of both drift logs (default: detect)")
+
+
+def _run_log_steps(dump_dir: str) -> list[int]:
+    """Steps of the run's ``metrics.jsonl`` next to a dump directory (``RUN/samples`` -> ``RUN``), if any."""
+    from ..parity.readers import read_log
+
+    for d in (os.path.dirname(os.path.abspath(dump_dir)), dump_dir):
+        log = os.path.join(d, "metrics.jsonl")
+        if os.path.isfile(log):
+            return read_log(log, fmt="jsonl").steps()
+    return []
+
+
+def _gap_report(args: argparse.Namespace) -> GapReport:
+    from ..parity.gap import compare_drift, compute_gap, missing_steps
+    from ..parity.readers import read_log
+    from ..parity.sample_dump import find_dump, read_sample_dump, read_sample_meta
+
+    path = find_dump(args.source)
+    meta = read_sample_meta(path)
+    notes: list[str] = []
+    samples = read_sample_dump(path, notes)
+    m = meta or {}
+    b = args.microbatch_size if args.microbatch_size is not None else m.get("microbatch_size")
+    L = args.fixed_length if args.fixed_length is not None else (m.get("fixed_length") or m.get("seq_len"))
+    report = compute_gap(samples, microbatch_size=int(b) if b else None, fixed_length=int(L) if L else None,
+                         bootstrap=args.bootstrap, seed=args.seed, ci=args.ci, source=path, meta=meta)
+    report.notes[:0] = notes
+    last = max([*samples, *(_run_log_steps(path) if not path.endswith(".npz") else [])])
+    first = int(m["step_base"]) if m.get("step_base") is not None else min(samples)
+    report.missing = missing_steps(samples, first, last)
+    if args.compare_drift:
+        a_log, b_log = args.compare_drift
+        run_a, run_b = read_log(a_log, fmt=args.log_format), read_log(b_log, fmt=args.log_format)
+        report.drift = compare_drift(report, run_a, run_b, metric=args.drift_metric)
+    return report
+
+
+def cmd_gap(args: argparse.Namespace) -> int:
+    """Run ``gap`` from parsed arguments; return the exit code.
+
+    0 = report printed (and, with ``--compare-drift``, the drift is explained by the estimator gap);
+    1 = a check failed: the dump lacks steps (between its first step and the last step of the dump or of
+    the run's ``metrics.jsonl``; the message names the missing ranges) or the drift is not explained;
+    2 = bad input (no or unreadable dump, unreadable log, bad option).
+    """
+    from ..parity.compare import step_ranges
+    from ..parity.gap import format_table, plot_gap
+
+    if args.compare_drift and args.bootstrap == 0:
+        return _error("gap", args, "input error", ValueError("--compare-drift needs the bootstrap interval: use "
+                                                             "--bootstrap > 0"))
+    try:
+        report = _gap_report(args)
+    except (OSError, ValueError) as e:  # SampleDumpError and LogParseError are ValueErrors
+        return _error("gap", args, "input error", e)
+    if args.plot:
+        try:
+            plot_gap(report, args.plot)
+        except (OSError, ImportError) as e:
+            return _error("gap", args, "cannot write the plot", e)
+    print(json.dumps(report.to_dict(args.every), indent=2) if args.json else format_table(report, args.every))
+    if report.missing:
+        print(f"lossparity gap: error: the dump lacks step(s) {step_ranges(report.missing)} (a crash lost them, or "
+              "the dump was not written for every step): the report covers only the steps present", file=sys.stderr)
+        return 1
+    return 1 if report.drift is not None and not report.drift.explained else 0

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..options import MODE_INFO as _MODE_INFO
 from .stats import document_stats, masked_token_sum, sample_stats
 
 __all__ = [
@@ -49,26 +50,8 @@ MODES: tuple[str, ...] = (
     "sample_sum_norm",
 )
 
-# mode -> (formula, frameworks whose objective it matches). Printed by `lossparity modes`.
-MODE_INFO: Mapping[str, tuple[str, str]] = {
-    "per_token": (
-        "S / max(Ntok, 1)",
-        "Megatron calculate_per_token_loss=True; MaxText default; HF Trainer >= 4.46; torchtitan; "
-        "verl token-mean; DAPO",
-    ),
-    "per_sample": (
-        "(1/N) Σ_i s_i / max(n_i, 1)",
-        "MaxText RFC-0032 calculate_per_token_loss=False; Megatron =False with b=1; "
-        "verl seq-mean-token-mean; GRPO",
-    ),
-    "per_microbatch": (
-        "(1/(D·K)) Σ_mb s_mb / max(n_mb, 1)",
-        "Megatron =False with any b; HF Trainer < 4.46 (legacy GA); DDP mean of local means",
-    ),
-    "per_document": ("(1/Ndoc) Σ_j s_j / max(n_j, 1)", "packed SFT: every conversation counts once"),
-    "sample_sum": ("(1/N) Σ_i s_i", "verl seq-mean-token-sum"),
-    "sample_sum_norm": ("S / (N · L)", "Dr. GRPO; verl seq-mean-token-sum-norm"),
-}
+# mode -> (formula, frameworks whose objective it matches): one torch-free home in options.py.
+MODE_INFO: Mapping[str, tuple[str, str]] = _MODE_INFO
 
 # Which global count (a field of Normalizers) divides each mode's numerators.
 DENOMINATOR_KEY: Mapping[str, str] = {

@@ -1,51 +1,57 @@
 """Loss-parity tools: read training logs of several frameworks and compare their curves.
 
-``read_log`` turns a Megatron-LM, TensorBoard, JSONL, CSV, golden-value, HF ``trainer_state.json``,
-MaxText, torchtitan or MindFormers log into a :class:`Run` of canonical metrics; ``compare_runs``
-checks two runs against per-metric tolerances; ``write_report`` writes a Markdown summary and plots.
-This package does not import torch.
+``read_log`` turns a Megatron-LM, TensorBoard, JSONL, LLaMA-Factory, CSV, golden-value, HF
+``trainer_state.json``, MaxText, torchtitan (console or loss export) or MindFormers log into a :class:`Run`
+of canonical metrics; ``compare_runs`` checks two runs against per-metric tolerances and returns a
+:class:`CompareResult`; ``format_text`` and ``write_report`` render it (text table; ``summary.md`` and
+plots). The command-line glue lives in :mod:`lossparity.cli.parity`.
+
+This package never imports torch. Its names are imported lazily, so that reading a log (``readers``) does
+not import NumPy, which only the comparison needs.
 """
 
-from .compare import (
-    DEFAULT_TOLERANCES,
-    CompareInputError,
-    CompareResult,
-    MetricResult,
-    Tolerance,
-    add_compare_arguments,
-    compare_runs,
-    megatron_allowed_failures,
-    moving_average,
-    parse_tolerances,
-    run_compare,
-    tolerance_for,
-)
-from .names import CANONICAL_METRICS, canonical_name, is_canonical, parse_name_map
-from .readers import FORMATS, LogParseError, Run, detect_format, read_log
-from .report import ReportFiles, write_report
+from __future__ import annotations
 
-__all__ = [
-    "CANONICAL_METRICS",
-    "DEFAULT_TOLERANCES",
-    "FORMATS",
-    "CompareInputError",
-    "CompareResult",
-    "LogParseError",
-    "MetricResult",
-    "ReportFiles",
-    "Run",
-    "Tolerance",
-    "add_compare_arguments",
-    "canonical_name",
-    "compare_runs",
-    "detect_format",
-    "is_canonical",
-    "megatron_allowed_failures",
-    "moving_average",
-    "parse_name_map",
-    "parse_tolerances",
-    "read_log",
-    "run_compare",
-    "tolerance_for",
-    "write_report",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DEFAULT_TOLERANCES": "compare",
+    "CompareInputError": "compare",
+    "CompareResult": "compare",
+    "MetricResult": "compare",
+    "Tolerance": "compare",
+    "compare_runs": "compare",
+    "megatron_allowed_failures": "compare",
+    "moving_average": "compare",
+    "parse_tolerances": "compare",
+    "step_ranges": "compare",
+    "tolerance_for": "compare",
+    "CANONICAL_METRICS": "names",
+    "canonical_name": "names",
+    "is_canonical": "names",
+    "parse_name_map": "names",
+    "FORMATS": "readers",
+    "LogParseError": "readers",
+    "Run": "readers",
+    "detect_format": "readers",
+    "read_log": "readers",
+    "ReportFiles": "report",
+    "format_text": "report",
+    "write_report": "report",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lossparity.parity' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

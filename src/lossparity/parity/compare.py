@@ -20,9 +20,23 @@ Semantics (all functions below follow them):
 - **Verdict.** A metric passes when its number of failing points is ``<= allowed``, where
   ``allowed = 0``, or with ``megatron_rule=True`` Megatron-LM's functional-test rule
   ``allowed = min(max(n // 100, 1), 50)`` for ``n > 1`` compared points (``0`` for ``n = 1``).
-  The comparison passes when every compared metric passes.
+  The comparison passes when every compared metric passes (and the missing-steps rule holds).
 - **Default metrics.** Without ``metrics``, every canonical metric (see :mod:`.names`) that both
-  runs have is compared; other shared names are listed as not compared.
+  runs have is compared; other shared names are listed as not compared. **Cross-framework pairing:**
+  when one run has ``lm_loss`` but no ``objective`` and the other ``objective`` but no ``lm_loss``
+  (Megatron's ``lm loss`` against torchtitan/HF/MaxText/MindFormers ``loss``), the two are compared as
+  one metric under the reference's name, and the result's ``notes`` say so (they agree when the
+  objective holds no MTP or auxiliary term).
+- **Missing steps.** Per metric, inside the window: ``missing_cand`` are the reference points the
+  candidate lacks, ``missing_ref`` the candidate points the reference lacks (both reported). Rule
+  ``missing_steps``: ``"span"`` (default) fails a metric when the candidate starts after or stops
+  before the reference (a truncated or late-starting run): when the reference has a point at least one
+  candidate logging interval (the median spacing of the candidate's points) before the candidate's
+  first or after its last point; ``"all"`` fails it when the candidate lacks any reference point
+  (Megatron's functional tests: a golden step absent from the run fails); ``"ignore"`` only reports.
+  A candidate that runs longer than the reference never fails; a *live* candidate (its log ends with an
+  incomplete line, :attr:`Run.live`) is compared as far as it got: with ``"span"`` the reference points
+  after its end are reported, not failed.
 - **Default tolerances** (:data:`DEFAULT_TOLERANCES`): ``lm_loss`` and ``objective`` rel 2e-4,
   ``mtp_<k>_loss`` rel 2e-3, load-balancing and router z-losses rel 2e-3, ``grad_norm`` rel 1e-2,
   ``lr`` rel 1e-5, ``tokens`` abs 0.5 (integers must be equal), any other metric rel 1e-3.
@@ -35,18 +49,20 @@ digits, older MaxText consoles with 3 decimals.
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
-import json
 import math
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .names import CANONICAL_METRICS, MTP_RE, is_canonical, parse_name_map
-from .readers import FORMAT_ALIASES, FORMATS, LogParseError, Run, read_log
+from ..options import ALIGNS, MISSING_STEPS, Align, MissingSteps, check_option
+from .names import CANONICAL_METRICS, MTP_RE, default_canonical_name, is_canonical
+from .readers import Run
+
+__all__ = ["DEFAULT_TOLERANCES", "CompareInputError", "CompareResult", "MetricResult", "Tolerance",
+           "compare_runs", "megatron_allowed_failures", "moving_average", "parse_tolerances", "step_ranges",
+           "tolerance_for"]
 
 
 class CompareInputError(ValueError):
@@ -195,13 +211,30 @@ def _num(v: float) -> float | str:
     return v if math.isfinite(v) else ("nan" if math.isnan(v) else ("inf" if v > 0 else "-inf"))
 
 
+def step_ranges(xs: Sequence[float]) -> str:
+    """Compact text of sorted points: ``"3, 7-10, 14"`` (consecutive integers joined), ``"-"`` when empty."""
+    out: list[str] = []
+    vals = sorted(xs)
+    i = 0
+    while i < len(vals):
+        j = i
+        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
+            j += 1
+        lo, hi = f"{vals[i]:g}", f"{vals[j]:g}"
+        out.append(lo if i == j else f"{lo}-{hi}")
+        i = j + 1
+    return ", ".join(out) if out else "-"
+
+
 @dataclass
 class MetricResult:
     """Point-by-point comparison of one metric (arrays are aligned and sorted by ``x``).
 
     ``steps``: reference step numbers; ``x``: the alignment coordinate (``steps``, or consumed samples);
     ``ref``/``cand``: the compared (smoothed) values; ``ok``: pass flags; ``rel_diff``: ``|c-r|/|r|``.
-    ``only_ref``/``only_cand``: points inside the window that the other run lacks.
+    ``cand_metric``: the candidate's name of the metric (differs from ``metric`` when paired).
+    ``missing_cand``/``missing_ref``: ``x`` of the points inside the window that only the reference /
+    only the candidate has; ``missing_violation``: why the missing-steps rule fails, or ``None``.
     """
 
     metric: str
@@ -213,8 +246,23 @@ class MetricResult:
     ok: np.ndarray
     rel_diff: np.ndarray
     allowed_failures: int = 0
-    only_ref: int = 0
-    only_cand: int = 0
+    cand_metric: str = ""
+    missing_cand: list[float] = field(default_factory=list)
+    missing_ref: list[float] = field(default_factory=list)
+    missing_violation: str | None = None
+
+    def __post_init__(self) -> None:
+        self.cand_metric = self.cand_metric or self.metric
+
+    @property
+    def only_ref(self) -> int:
+        """Number of reference points inside the window that the candidate lacks."""
+        return len(self.missing_cand)
+
+    @property
+    def only_cand(self) -> int:
+        """Number of candidate points inside the window that the reference lacks."""
+        return len(self.missing_ref)
 
     @property
     def n_compared(self) -> int:
@@ -226,7 +274,8 @@ class MetricResult:
 
     @property
     def passed(self) -> bool:
-        return self.n_failed <= self.allowed_failures
+        """At most ``allowed_failures`` failing points and no missing-steps violation."""
+        return self.n_failed <= self.allowed_failures and self.missing_violation is None
 
     @property
     def first_fail_step(self) -> int | None:
@@ -259,30 +308,25 @@ class MetricResult:
             for i in bad[:max_failures]
         ]
         return {
-            "metric": self.metric,
-            "passed": self.passed,
+            "metric": self.metric, "cand_metric": self.cand_metric, "passed": self.passed,
             "tolerance": {"rel": self.tolerance.rel, "abs": self.tolerance.abs},
-            "n_compared": self.n_compared,
-            "n_failed": self.n_failed,
-            "allowed_failures": self.allowed_failures,
-            "first_fail_step": self.first_fail_step,
-            "worst_step": self.worst_step,
-            "worst_x": _num(self.x[w]),
-            "worst_ref": _num(self.ref[w]),
-            "worst_cand": _num(self.cand[w]),
-            "max_rel_diff": _num(self.max_rel_diff),
-            "first_step": int(self.steps[0]),
-            "last_step": int(self.steps[-1]),
-            "only_ref": self.only_ref,
-            "only_cand": self.only_cand,
-            "failures": failures,
-            "failures_truncated": bool(bad.size > max_failures),
+            "n_compared": self.n_compared, "n_failed": self.n_failed, "allowed_failures": self.allowed_failures,
+            "first_fail_step": self.first_fail_step, "worst_step": self.worst_step, "worst_x": _num(self.x[w]),
+            "worst_ref": _num(self.ref[w]), "worst_cand": _num(self.cand[w]),
+            "max_rel_diff": _num(self.max_rel_diff), "first_step": int(self.steps[0]),
+            "last_step": int(self.steps[-1]), "only_ref": self.only_ref, "only_cand": self.only_cand,
+            "missing_in_cand": step_ranges(self.missing_cand), "missing_in_ref": step_ranges(self.missing_ref),
+            "missing_violation": self.missing_violation,
+            "failures": failures, "failures_truncated": bool(bad.size > max_failures),
         }
 
 
 @dataclass
 class CompareResult:
-    """All metrics of one comparison; ``passed`` when every compared metric passes."""
+    """All metrics of one comparison; ``passed`` when every compared metric passes.
+
+    ``notes``: decisions taken on the user's behalf (a cross-framework pairing), one sentence each.
+    """
 
     ref: Run
     cand: Run
@@ -293,6 +337,8 @@ class CompareResult:
     metrics: dict[str, MetricResult] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     not_compared: list[str] = field(default_factory=list)
+    missing_steps: str = "span"
+    notes: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -308,19 +354,15 @@ class CompareResult:
         def run_info(run: Run) -> dict[str, object]:
             return {"source": run.source, "format": run.format, "step_base": run.step_base,
                     "restarts": run.restarts, "dropped_values": run.dropped_values,
-                    "skipped_lines": run.skipped_lines, "skipped_steps": sorted(run.skipped_steps)}
+                    "skipped_lines": run.skipped_lines, "skipped_steps": sorted(run.skipped_steps),
+                    "live": run.live, "notes": list(run.notes)}
 
         return {
-            "passed": self.passed,
-            "ref": run_info(self.ref),
-            "cand": run_info(self.cand),
-            "align": self.align,
-            "window": list(self.window) if self.window else None,
-            "smooth": self.smooth,
-            "megatron_rule": self.megatron_rule,
+            "passed": self.passed, "ref": run_info(self.ref), "cand": run_info(self.cand), "align": self.align,
+            "window": list(self.window) if self.window else None, "smooth": self.smooth,
+            "megatron_rule": self.megatron_rule, "missing_steps": self.missing_steps,
             "metrics": {k: m.to_dict() for k, m in self.metrics.items()},
-            "skipped": dict(self.skipped),
-            "not_compared": list(self.not_compared),
+            "skipped": dict(self.skipped), "not_compared": list(self.not_compared), "notes": list(self.notes),
         }
 
 
@@ -346,29 +388,58 @@ def moving_average(y: np.ndarray, w: int) -> np.ndarray:
     return out
 
 
-def _points(run: Run, metric: str, align: str, offset: int) -> dict[float, tuple[int, float]]:
-    """``{x: (step, value)}`` of one metric in the alignment coordinate."""
+Window = tuple[float | None, float | None]
+
+
+def _points(run: Run, metric: str, align: str, offset: int, window: Window | None) -> dict[float, tuple[int, float]]:
+    """``{x: (step, value)}`` of one metric in the alignment coordinate, inside the window."""
     series = run.metrics[metric]
     if align == "step":
-        return {float(s + offset): (s, v) for s, v in sorted(series.items())}
-    out: dict[float, tuple[int, float]] = {}
-    for s, v in sorted(series.items()):
-        if s in run.consumed_samples:
-            out[float(run.consumed_samples[s])] = (s, v)
-    return out
+        out = {float(s + offset): (s, v) for s, v in sorted(series.items())}
+    else:
+        out = {float(run.consumed_samples[s]): (s, v) for s, v in sorted(series.items())
+               if s in run.consumed_samples}
+    if window is None:
+        return out
+    lo, hi = window
+    return {x: p for x, p in out.items() if (lo is None or x >= lo) and (hi is None or x <= hi)}
+
+
+def _missing_violation(rule: str, ref_x: list[float], cand_x: list[float], missing: list[float],
+                       unit: str, cand_live: bool = False) -> str | None:
+    """Why the missing-steps ``rule`` fails for these points, or ``None`` (see the module docstring).
+
+    With ``span`` a reference point counts as outside the candidate's span when it lies at least one
+    candidate logging interval (the median spacing of its points) before its first or after its last point,
+    so a candidate that logs less often is not mistaken for a truncated one. A live candidate (its log's last
+    line was incomplete: still being written) has not reached the later reference points yet: with
+    ``span`` they do not fail.
+    """
+    if not missing or rule == "ignore":
+        return None
+    if rule == "all":
+        return f"the candidate lacks reference {unit}s {step_ranges(missing)} (--missing-steps all)"
+    gaps = sorted(b - a for a, b in zip(cand_x, cand_x[1:]))
+    spacing = gaps[len(gaps) // 2] if gaps else 0.0
+    early = [x for x in missing if x <= cand_x[0] - spacing]
+    late = [] if cand_live else [x for x in missing if x >= cand_x[-1] + spacing]
+    parts = []
+    if early:
+        parts.append(f"starts at {unit} {cand_x[0]:g}, after the reference's first {unit} {ref_x[0]:g}")
+    if late:
+        parts.append(f"stops at {unit} {cand_x[-1]:g}, before the reference's last {unit} {ref_x[-1]:g}")
+    if not parts:
+        return None
+    return (f"the candidate {' and '.join(parts)}: reference {unit}s {step_ranges(early + late)} are not compared "
+            "(compare a part with --window, or --missing-steps ignore)")
 
 
 def _compare_metric(
-    metric: str, ref: Run, cand: Run, tol: Tolerance, align: str,
-    window: tuple[float | None, float | None] | None, smooth: int, megatron_rule: bool,
+    names: tuple[str, str], ref: Run, cand: Run, tol: Tolerance, align: str,
+    window: Window | None, smooth: int, megatron_rule: bool, missing_rule: str,
 ) -> MetricResult | None:
-    rp = _points(ref, metric, align, 0)
-    cp = _points(cand, metric, align, ref.step_base - cand.step_base)
-    if window is not None:
-        lo, hi = window
-        keep = lambda x: (lo is None or x >= lo) and (hi is None or x <= hi)  # noqa: E731
-        rp = {x: p for x, p in rp.items() if keep(x)}
-        cp = {x: p for x, p in cp.items() if keep(x)}
+    rp = _points(ref, names[0], align, 0, window)
+    cp = _points(cand, names[1], align, ref.step_base - cand.step_base, window)
     xs = sorted(set(rp) & set(cp))
     if not xs:
         return None
@@ -381,11 +452,14 @@ def _compare_metric(
         ok = np.where(finite, diff <= tol.bound(r), (np.isnan(r) & np.isnan(c)) | (r == c))
         rel = np.where(diff == 0, 0.0, diff / np.abs(r))
     rel = np.where(finite, rel, np.where(ok, 0.0, np.inf))
+    missing_cand, missing_ref = sorted(set(rp) - set(cp)), sorted(set(cp) - set(rp))
+    unit = "step" if align == "step" else "sample count"
     return MetricResult(
-        metric=metric, tolerance=tol, steps=steps, x=np.array(xs, dtype=np.float64), ref=r, cand=c,
-        ok=ok.astype(bool), rel_diff=rel,
+        metric=names[0], cand_metric=names[1], tolerance=tol, steps=steps, x=np.array(xs, dtype=np.float64),
+        ref=r, cand=c, ok=ok.astype(bool), rel_diff=rel,
         allowed_failures=megatron_allowed_failures(len(xs)) if megatron_rule else 0,
-        only_ref=len(set(rp) - set(cp)), only_cand=len(set(cp) - set(rp)),
+        missing_cand=missing_cand, missing_ref=missing_ref,
+        missing_violation=_missing_violation(missing_rule, sorted(rp), sorted(cp), missing_cand, unit, cand.live),
     )
 
 
@@ -398,212 +472,143 @@ def _metric_order(name: str) -> tuple[int, int, str]:
     return (3, 0, name)
 
 
+_AUX_HINT = ("mtp_", "load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss", "z_loss")
+
+
+def _loss_pairing(ref: Run, cand: Run) -> tuple[tuple[str, str], str] | None:
+    """``((ref name, cand name), note)`` when one run has only ``lm_loss`` and the other only ``objective``."""
+    for a, b in (("lm_loss", "objective"), ("objective", "lm_loss")):
+        if a in ref.metrics and b not in ref.metrics and b in cand.metrics and a not in cand.metrics:
+            lm_run = ref if a == "lm_loss" else cand
+            raw_r, raw_c = ref.raw_names.get(a, a), cand.raw_names.get(b, b)
+            note = (f"paired the reference's {a} ({raw_r!r}) with the candidate's {b} ({raw_c!r}): one log has "
+                    "only the LM loss, the other only its objective; they agree when the objective holds no MTP or "
+                    "auxiliary term")
+            extra = sorted(m for m in lm_run.metrics if m.startswith(_AUX_HINT))
+            if extra:
+                note += f" (the LM-loss log also has {', '.join(extra)}: check that the objective excludes them)"
+            return (a, b), note
+    return None
+
+
+def _default_pairs(ref: Run, cand: Run) -> tuple[list[tuple[str, str]], list[str], list[str]]:
+    """Default ``(ref name, cand name)`` pairs, the shared non-canonical names, and pairing notes."""
+    shared = set(ref.metrics) & set(cand.metrics)
+    pairs = [(m, m) for m in sorted((m for m in shared if is_canonical(m)), key=_metric_order)]
+    notes = []
+    pairing = _loss_pairing(ref, cand)
+    if pairing is not None:
+        pairs.insert(0, pairing[0])
+        notes.append(pairing[1])
+    return pairs, sorted(m for m in shared if not is_canonical(m)), notes
+
+
+def _requested_pairs(ref: Run, cand: Run, metrics: Sequence[str]) -> list[tuple[str, str]]:
+    wanted = list(dict.fromkeys(metrics))
+    for m in wanted:
+        missing = [role for role, run in (("ref", ref), ("cand", cand)) if m not in run.metrics]
+        if missing:
+            raise CompareInputError(
+                f"metrics: {m!r} is not in the {' and '.join(missing)} run; available: ref has "
+                f"{', '.join(sorted(ref.metrics)) or 'none'}; cand has {', '.join(sorted(cand.metrics)) or 'none'}"
+            )
+    return [(m, m) for m in wanted]
+
+
+def _check_tolerance_names(overrides: Mapping[str, Tolerance], names: Sequence[str]) -> None:
+    """Every override other than ``*`` must match a compared metric (a typo must not pass silently)."""
+    for key in overrides:
+        if key != "*" and not any(key == n or fnmatch.fnmatchcase(n, key) for n in names):
+            canonical = default_canonical_name(key)
+            hint = f" (the log name {key!r} is {canonical!r} here)" if canonical != key and canonical in names else ""
+            raise CompareInputError(f"tolerances: {key!r} matches no compared metric{hint}; compared: "
+                                    f"{', '.join(names)}")
+
+
+def _check_arguments(align: str, smooth: int, window: Window | None, missing_steps: str) -> Window | None:
+    try:
+        check_option("align", align, ALIGNS)
+        check_option("missing_steps", missing_steps, MISSING_STEPS)
+    except ValueError as e:
+        raise CompareInputError(str(e)) from None
+    if isinstance(smooth, bool) or not isinstance(smooth, int) or smooth < 1:
+        raise CompareInputError(f"smooth must be an integer >= 1, got {smooth!r}")
+    if window is None:
+        return None
+    if len(window) != 2:
+        raise CompareInputError(f"window must be (start, end), got {window!r}")
+    lo, hi = window
+    if lo is not None and hi is not None and lo > hi:
+        raise CompareInputError(f"window: start {lo} is after end {hi}")
+    return (lo, hi)
+
+
+def _check_samples(ref: Run, cand: Run) -> None:
+    for role, run in (("ref", ref), ("cand", cand)):
+        if not run.consumed_samples:
+            raise CompareInputError(
+                f"align='samples': {role} run {run.source} has no consumed samples; "
+                f"give its global batch size (Run.with_constant_batch_size, --{role}-gbs)"
+            )
+
+
 def compare_runs(
     ref: Run,
     cand: Run,
     *,
     tolerances: Mapping[str, Tolerance | float | str] | str | None = None,
     metrics: Sequence[str] | None = None,
-    window: tuple[float | None, float | None] | None = None,
+    window: Window | None = None,
     smooth: int = 1,
     megatron_rule: bool = False,
-    align: str = "step",
+    align: Align = "step",
+    missing_steps: MissingSteps = "span",
 ) -> CompareResult:
     """Compare ``cand`` against ``ref`` metric by metric (semantics in this module's docstring).
 
     ``tolerances`` overrides :data:`DEFAULT_TOLERANCES` (a mapping or a spec string for
     :func:`parse_tolerances`); ``metrics`` restricts the comparison (each must exist in both runs
-    and overlap); ``window`` is an inclusive ``(start, end)`` on the alignment coordinate.
-    Raises :class:`CompareInputError` for unusable input: bad ``smooth``/``align``/``window``, a
-    requested metric missing from a run, no shared metric, no overlapping steps, or
-    ``align="samples"`` without consumed samples.
+    and overlap); ``window`` is an inclusive ``(start, end)`` on the alignment coordinate;
+    ``missing_steps`` is the rule for reference points the candidate lacks (``span``, ``all``, ``ignore``).
+    Raises :class:`CompareInputError` for unusable input: bad ``smooth``/``align``/``window``/
+    ``missing_steps``, a requested metric missing from a run, a tolerance naming no compared metric, no
+    shared metric, no overlapping steps, or ``align="samples"`` without consumed samples.
     """
-    if align not in ("step", "samples"):
-        raise CompareInputError(f"align must be 'step' or 'samples', got {align!r}")
-    if isinstance(smooth, bool) or not isinstance(smooth, int) or smooth < 1:
-        raise CompareInputError(f"smooth must be an integer >= 1, got {smooth!r}")
-    if window is not None:
-        if len(window) != 2:
-            raise CompareInputError(f"window must be (start, end), got {window!r}")
-        lo, hi = window
-        if lo is not None and hi is not None and lo > hi:
-            raise CompareInputError(f"window: start {lo} is after end {hi}")
-        window = (lo, hi)
+    window = _check_arguments(align, smooth, window, missing_steps)
     try:
         overrides = _normalize_tolerances(tolerances)
     except ValueError as e:
         raise CompareInputError(str(e)) from None
     if align == "samples":
-        for role, run in (("ref", ref), ("cand", cand)):
-            if not run.consumed_samples:
-                raise CompareInputError(
-                    f"align='samples': {role} run {run.source} has no consumed samples; "
-                    "give its global batch size (Run.with_constant_batch_size, --{role}-gbs)"
-                )
-
-    shared = set(ref.metrics) & set(cand.metrics)
+        _check_samples(ref, cand)
+    notes: list[str] = []
+    not_compared: list[str] = []
     if metrics is not None:
-        wanted = list(dict.fromkeys(metrics))
-        for m in wanted:
-            missing = [role for role, run in (("ref", ref), ("cand", cand)) if m not in run.metrics]
-            if missing:
-                raise CompareInputError(
-                    f"metrics: {m!r} is not in the {' and '.join(missing)} run "
-                    f"(ref has {sorted(ref.metrics)}, cand has {sorted(cand.metrics)})"
-                )
-        not_compared: list[str] = []
+        pairs = _requested_pairs(ref, cand, metrics)
     else:
-        wanted = sorted((m for m in shared if is_canonical(m)), key=_metric_order)
-        not_compared = sorted(m for m in shared if not is_canonical(m))
-        if not wanted:
+        pairs, not_compared, notes = _default_pairs(ref, cand)
+        if not pairs:
             raise CompareInputError(
                 f"no shared canonical metric (ref has {sorted(ref.metrics)}, cand has "
                 f"{sorted(cand.metrics)}); map names with a name map or name metrics explicitly"
             )
-
-    result = CompareResult(ref=ref, cand=cand, align=align, window=window, smooth=smooth,
-                           megatron_rule=megatron_rule, not_compared=not_compared)
-    for m in wanted:
-        mr = _compare_metric(m, ref, cand, tolerance_for(m, overrides), align, window, smooth, megatron_rule)
-        if mr is None:
-            if metrics is not None:
-                raise CompareInputError(f"metrics: {m!r} has no overlapping {align}s in the two runs"
-                                        + (" inside the window" if window else ""))
-            result.skipped[m] = f"no overlapping {align}s" + (" inside the window" if window else "")
+    _check_tolerance_names(overrides, [p[0] for p in pairs])
+    result = CompareResult(ref=ref, cand=cand, align=align, window=window, smooth=smooth, megatron_rule=megatron_rule,
+                           not_compared=not_compared, missing_steps=missing_steps, notes=notes)
+    where = " inside the window" if window else ""
+    for names in pairs:
+        mr = _compare_metric(names, ref, cand, tolerance_for(names[0], overrides), align, window, smooth,
+                             megatron_rule, missing_steps)
+        if mr is not None:
+            result.metrics[names[0]] = mr
+        elif metrics is not None:
+            raise CompareInputError(f"metrics: {names[0]!r} has no overlapping {align}s in the two runs{where}")
         else:
-            result.metrics[m] = mr
+            result.skipped[names[0]] = f"no overlapping {align}s{where}"
+    if cand.live and missing_steps == "span":
+        result.notes.append("the candidate log ends with an incomplete line (still being written): reference "
+                            "steps after its last complete step are reported, not failed")
     if not result.metrics:
-        raise CompareInputError(
-            f"no overlapping {align}s for any shared metric ({', '.join(wanted)})"
-            + (f" inside the window {window}" if window else "")
-        )
+        raise CompareInputError(f"no overlapping {align}s for any shared metric "
+                                f"({', '.join(p[0] for p in pairs)}){f' inside the window {window}' if window else ''}")
     return result
-
-
-# ---------------------------------------------------------------------------------------------------
-# command line
-
-
-def _parse_window(text: str) -> tuple[float | None, float | None]:
-    sep = ":" if ":" in text else ","
-    lo, s, hi = text.partition(sep)
-    if not s:
-        raise argparse.ArgumentTypeError(f"--window: expected START:END (a side may be empty), got {text!r}")
-    try:
-        return (float(lo) if lo.strip() else None, float(hi) if hi.strip() else None)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--window: START and END must be numbers, got {text!r}") from None
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (the error names the text)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
-
-
-def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``compare`` command's arguments: positionals ``ref`` and ``cand`` and the options.
-
-    Options: ``--format/--ref-format/--cand-format``, ``--name-map/--ref-name-map/--cand-name-map``,
-    ``--metrics``, ``--tol``, ``--window START:END``, ``--smooth N``, ``--megatron-rule``,
-    ``--align step|samples``, ``--ref-gbs/--cand-gbs``, ``--ref-step-base/--cand-step-base``,
-    ``--report DIR``, ``--json``.
-    """
-    fmts = sorted([*FORMATS, *FORMAT_ALIASES])
-    parser.add_argument("ref", help="reference log (file or TensorBoard directory)")
-    parser.add_argument("cand", help="candidate log (file or TensorBoard directory)")
-    parser.add_argument("--format", dest="fmt", choices=fmts, help="format of both logs (default: detect)")
-    parser.add_argument("--ref-format", choices=fmts, help="format of the reference log")
-    parser.add_argument("--cand-format", choices=fmts, help="format of the candidate log")
-    parser.add_argument("--name-map", default="", help="raw=canonical,... for both logs")
-    parser.add_argument("--ref-name-map", default="", help="raw=canonical,... for the reference log")
-    parser.add_argument("--cand-name-map", default="", help="raw=canonical,... for the candidate log")
-    parser.add_argument("--metrics", default=None, help="comma-separated metrics (default: shared canonical)")
-    parser.add_argument("--tol", default="", help="e.g. lm_loss=1e-3,mtp_1_loss=rel:1e-3,grad_norm=abs:0.01")
-    parser.add_argument("--window", type=_parse_window, default=None, help="START:END, inclusive")
-    parser.add_argument("--smooth", type=positive_int, default=1, help="trailing moving-average width")
-    parser.add_argument("--megatron-rule", action="store_true",
-                        help="allow min(max(n//100,1),50) failing points of n (Megatron functional tests)")
-    parser.add_argument("--align", choices=("step", "samples"), default="step")
-    parser.add_argument("--ref-gbs", type=positive_int, default=None,
-                        help="reference global batch size (consumed samples for --align samples)")
-    parser.add_argument("--cand-gbs", type=positive_int, default=None, help="candidate global batch size")
-    parser.add_argument("--ref-step-base", type=int, default=None, help="reference's first step number")
-    parser.add_argument("--cand-step-base", type=int, default=None, help="candidate's first step number")
-    parser.add_argument("--report", default=None, metavar="DIR", help="write summary.md and plots to DIR")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
-
-
-def _load(args: argparse.Namespace, role: str) -> Run:
-    shared_map = parse_name_map(args.name_map)
-    own_map = parse_name_map(getattr(args, f"{role}_name_map"))
-    run = read_log(getattr(args, role), fmt=getattr(args, f"{role}_format") or args.fmt,
-                   name_map={**shared_map, **own_map} or None)
-    base = getattr(args, f"{role}_step_base")
-    if base is not None:
-        run.step_base = base
-    gbs = getattr(args, f"{role}_gbs")
-    return run.with_constant_batch_size(gbs) if gbs is not None else run
-
-
-def format_text(result: CompareResult) -> str:
-    """Plain-text table of a :class:`CompareResult` (what ``compare`` prints without ``--json``)."""
-    lines = [f"lossparity compare: {'PARITY' if result.passed else 'VIOLATION'}"]
-    for role, run in (("ref", result.ref), ("cand", result.cand)):
-        lines.append(f"  {role:<4} {run.source} ({run.format}, first step {run.step_base})")
-    head = ("metric", "tolerance", "points", "failed", "allowed", "first fail", "worst step", "max rel diff",
-            "")
-    rows = [head]
-    for m in result.metrics.values():
-        first = m.first_fail_step
-        rows.append((m.metric, str(m.tolerance), str(m.n_compared), str(m.n_failed), str(m.allowed_failures),
-                     "-" if first is None else str(first), str(m.worst_step), f"{m.max_rel_diff:.3e}",
-                     "ok" if m.passed else "FAIL"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines += [f"  skipped {k}: {why}" for k, why in result.skipped.items()]
-    if result.not_compared:
-        names = ", ".join(result.not_compared)
-        lines.append(f"  not compared (not canonical; name them with --metrics): {names}")
-    return "\n".join(lines)
-
-
-def run_compare(args: argparse.Namespace) -> int:
-    """Run ``compare`` from parsed arguments; return the exit code.
-
-    0 = parity, 1 = at least one metric violates its tolerance, 2 = input error (unreadable or
-    unparseable log, bad option, no shared metric, no overlapping steps). Prints a table, or with
-    ``--json`` a JSON object (``{"error": ..., "exit_code": 2}`` on input errors); errors go to
-    stderr. With ``--report DIR`` writes ``summary.md`` and one PNG per metric.
-    """
-    try:
-        ref, cand = _load(args, "ref"), _load(args, "cand")
-        metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
-        result = compare_runs(ref, cand, tolerances=args.tol or None, metrics=metrics, window=args.window,
-                              smooth=args.smooth, megatron_rule=args.megatron_rule, align=args.align)
-    except (OSError, ImportError, ValueError) as e:  # LogParseError and CompareInputError are ValueErrors
-        kind = "log error" if isinstance(e, (LogParseError, OSError)) else "input error"
-        print(f"lossparity compare: {kind}: {e}", file=sys.stderr)
-        if args.json:
-            print(json.dumps({"error": str(e), "exit_code": 2}))
-        return 2
-    if args.report:
-        from .report import write_report
-
-        try:
-            write_report(result, args.report)
-        except OSError as e:
-            print(f"lossparity compare: cannot write the report: {e}", file=sys.stderr)
-            if args.json:
-                print(json.dumps({"error": str(e), "exit_code": 2}))
-            return 2
-    if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        print(format_text(result))
-    return 0 if result.passed else 1

@@ -26,30 +26,28 @@ confidence interval of the mean gap over those steps.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .compare import positive_int
-from .sample_dump import SampleDumpError, StepSamples, find_dump, read_sample_dump, read_sample_meta
+from .compare import step_ranges
+from .sample_dump import StepSamples
 
 __all__ = [
     "NOT_COMPUTABLE",
     "DriftResult",
     "GapReport",
     "StepGap",
-    "add_gap_arguments",
     "bootstrap_gaps",
     "compare_drift",
     "compute_gap",
+    "covariance_gap",
     "format_table",
+    "missing_steps",
     "plot_gap",
-    "run_gap",
     "step_mode_values",
     "summarize",
 ]
@@ -95,6 +93,26 @@ def step_mode_values(
     if fixed_length is not None and fixed_length > 0:
         out["sample_sum_norm"] = S / (N * fixed_length)
     return out
+
+
+def covariance_gap(n: np.ndarray, s: np.ndarray) -> tuple[float, float, float]:
+    """The covariance side of the gap identity (semantics §1) for one step, in float64 NumPy:
+    ``(Cov(n, l), mean(n), Cov(n, l) / mean(n))`` with ``l_i = s_i / max(n_i, 1)`` and the population
+    covariance; the last is 0 when ``mean(n) = 0`` (no loss token, per-token mean 0). Written independently
+    of the difference of the two means, so that their agreement is a check (the torch-free twin of
+    :func:`lossparity.losses.gap.estimator_gap`, which the log tools cannot import)."""
+    n = np.asarray(n, dtype=np.float64)
+    s = np.asarray(s, dtype=np.float64)
+    l = s / np.maximum(n, 1.0)
+    mean_n = float(n.mean())
+    cov = float(((n - mean_n) * (l - l.mean())).mean())
+    return cov, mean_n, cov / mean_n if mean_n > 0 else 0.0
+
+
+def missing_steps(steps: Iterable[int], first: int, last: int) -> list[int]:
+    """The steps of ``first..last`` (inclusive) that ``steps`` lacks."""
+    have = set(steps)
+    return [st for st in range(first, last + 1) if st not in have]
 
 
 def bootstrap_gaps(n: np.ndarray, s: np.ndarray, replicates: int, rng: np.random.Generator) -> np.ndarray:
@@ -202,6 +220,7 @@ class GapReport:
     notes: list[str] = field(default_factory=list)
     replicates: np.ndarray | None = None
     drift: DriftResult | None = None
+    missing: list[int] = field(default_factory=list)
 
     def mean_interval(self, indices: list[int] | np.ndarray) -> tuple[float | None, float | None]:
         """Bootstrap interval of the mean gap over the steps at ``indices`` (stratified: each step
@@ -232,8 +251,23 @@ class GapReport:
             "every": every,
             "steps": [st.to_dict() for st in self.steps] if every == 1 else summarize(self, every),
             "overall": self.overall(), "not_computable": dict(NOT_COMPUTABLE), "notes": list(self.notes),
+            "missing_steps": list(self.missing),
             "compare_drift": self.drift.to_dict() if self.drift else None,
         }
+
+
+def _check_gap_arguments(samples: dict[int, StepSamples], microbatch_size: int | None, fixed_length: int | None,
+                         bootstrap: int, ci: float) -> None:
+    if bootstrap < 0:
+        raise ValueError(f"bootstrap must be >= 0, got {bootstrap}")
+    if not 0.0 < ci < 1.0:
+        raise ValueError(f"ci must be in (0, 1), got {ci}")
+    if microbatch_size is not None and microbatch_size < 1:
+        raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
+    if fixed_length is not None and fixed_length < 1:
+        raise ValueError(f"fixed_length must be >= 1, got {fixed_length}")
+    if not samples:
+        raise ValueError("samples: the dump holds no step")
 
 
 def compute_gap(
@@ -249,26 +283,13 @@ def compute_gap(
 ) -> GapReport:
     """Compute a :class:`GapReport` from ``{step: (rows, n, s)}`` (as :func:`read_sample_dump` returns).
 
-    Per step: :func:`step_mode_values`, the gap identity through
-    :func:`lossparity.losses.gap.estimator_gap` (both sides computed independently), and, with
+    Per step: :func:`step_mode_values`, the gap identity (``per_token − per_sample`` from the two means and
+    :func:`covariance_gap`, computed independently), and, with
     ``bootstrap > 0``, :func:`bootstrap_gaps` with one ``numpy.random.default_rng(seed)`` drawn in step
     order (so the result is a deterministic function of the seed). ``per_microbatch`` needs the rows of
     a step to be exactly ``0..N-1``.
     """
-    import torch
-
-    from ..losses.gap import estimator_gap
-
-    if bootstrap < 0:
-        raise ValueError(f"bootstrap must be >= 0, got {bootstrap}")
-    if not 0.0 < ci < 1.0:
-        raise ValueError(f"ci must be in (0, 1), got {ci}")
-    if microbatch_size is not None and microbatch_size < 1:
-        raise ValueError(f"microbatch_size must be >= 1, got {microbatch_size}")
-    if fixed_length is not None and fixed_length < 1:
-        raise ValueError(f"fixed_length must be >= 1, got {fixed_length}")
-    if not samples:
-        raise ValueError("samples: the dump holds no step")
+    _check_gap_arguments(samples, microbatch_size, fixed_length, bootstrap, ci)
     rng = np.random.default_rng(seed)
     notes: list[str] = []
     rows_out: list[StepGap] = []
@@ -282,11 +303,12 @@ def compute_gap(
                                         f"0..N-1 in blocks of b={b}")
             b = None
         vals = step_mode_values(n, s, microbatch_size=b, fixed_length=fixed_length)
-        g = estimator_gap(torch.from_numpy(np.ascontiguousarray(s)), torch.from_numpy(np.ascontiguousarray(n)))
-        st = StepGap(step=step, samples=int(n.size), tokens=int(n.sum()), per_token=float(vals["per_token"]),
-                     per_sample=float(vals["per_sample"]), per_microbatch=vals["per_microbatch"],
-                     sample_sum=float(vals["sample_sum"]), sample_sum_norm=vals["sample_sum_norm"],
-                     gap=g.gap, cov=g.cov, mean_count=g.mean_count, cov_term=g.cov_term)
+        cov, mean_n, cov_term = covariance_gap(n, s)
+        per_token, per_sample = float(vals["per_token"]), float(vals["per_sample"])  # type: ignore[arg-type]
+        st = StepGap(step=step, samples=int(n.size), tokens=int(n.sum()), per_token=per_token,
+                     per_sample=per_sample, per_microbatch=vals["per_microbatch"],
+                     sample_sum=float(vals["sample_sum"]), sample_sum_norm=vals["sample_sum_norm"],  # type: ignore[arg-type]
+                     gap=per_token - per_sample, cov=cov, mean_count=mean_n, cov_term=cov_term)
         if bootstrap:
             r = bootstrap_gaps(n, s, bootstrap, rng)
             st.ci_low, st.ci_high = _interval(r, ci)
@@ -377,7 +399,7 @@ def _ci(lo: float | None, hi: float | None) -> str:
     return "-" if lo is None or hi is None else f"[{lo:.4g}, {hi:.4g}]"
 
 
-def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+def _table(head: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     return ["  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *rows]]
 
@@ -427,6 +449,8 @@ def format_table(report: GapReport, every: int = 1) -> str:
                  f"{ov['max_decomposition_error']:.3g}")
     lines += [f"  {k}: {why}" for k, why in NOT_COMPUTABLE.items()]
     lines += [f"  note: {x}" for x in report.notes]
+    if report.missing:
+        lines.append(f"  MISSING STEPS: the dump lacks step(s) {step_ranges(report.missing)}")
     d = report.drift
     if d is not None:
         lines.append(f"  compare-drift: {d.metric}, A = {d.a_source}, B = {d.b_source}")
@@ -465,98 +489,3 @@ def plot_gap(report: GapReport, path: str) -> None:
     ax.legend(loc="best")
     fig.tight_layout()
     fig.savefig(path)
-
-
-# --------------------------------------------------------------------------------------------------
-# command line
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return v
-
-
-def _probability(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
-    if not 0.0 < v < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}")
-    return v
-
-
-def add_gap_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``gap`` command's arguments: positional ``source`` (run directory, dump directory or
-    ``.npz``) and ``--microbatch-size``, ``--fixed-length``, ``--bootstrap``, ``--seed``, ``--ci``,
-    ``--every``, ``--json``, ``--plot``, ``--compare-drift A B``, ``--drift-metric``, ``--log-format``."""
-    from .readers import FORMAT_ALIASES, FORMATS
-
-    parser.add_argument("source", help="run directory (with samples/), dump directory, or .npz file")
-    parser.add_argument("--microbatch-size", type=positive_int, default=None,
-                        help="b for per_microbatch (default: the dump's meta)")
-    parser.add_argument("--fixed-length", type=positive_int, default=None,
-                        help="L for sample_sum_norm (default: the dump's fixed_length, else its seq_len)")
-    parser.add_argument("--bootstrap", type=_non_negative_int, default=1000, help="bootstrap replicates (0: none)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the bootstrap's numpy Generator")
-    parser.add_argument("--ci", type=_probability, default=0.95, help="confidence level of the intervals")
-    parser.add_argument("--every", type=positive_int, default=1, help="summarize blocks of K steps")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
-    parser.add_argument("--plot", default=None, metavar="PATH.png", help="write the per-step gap plot")
-    parser.add_argument("--compare-drift", nargs=2, default=None, metavar=("A_LOG", "B_LOG"),
-                        help="two training logs (A: per_token run, B: per_sample run): is A−B the estimator gap?")
-    parser.add_argument("--drift-metric", default="objective", help="logged metric compared by --compare-drift")
-    parser.add_argument("--log-format", choices=sorted([*FORMATS, *FORMAT_ALIASES]), default=None,
-                        help="format of both drift logs (default: detect)")
-
-
-def _error(args: argparse.Namespace, kind: str, e: BaseException) -> int:
-    print(f"lossparity gap: {kind}: {e}", file=sys.stderr)
-    if getattr(args, "json", False):
-        print(json.dumps({"error": str(e), "exit_code": 2}))
-    return 2
-
-
-def run_gap(args: argparse.Namespace) -> int:
-    """Run ``gap`` from parsed arguments; return the exit code.
-
-    0 = report printed (and, with ``--compare-drift``, the drift is explained by the estimator gap);
-    1 = the drift is not explained; 2 = bad input (no or unreadable dump, unreadable log, bad option).
-    """
-    from .readers import LogParseError, read_log
-
-    if args.compare_drift and args.bootstrap == 0:
-        return _error(args, "input error", ValueError("--compare-drift needs the bootstrap interval: use "
-                                                      "--bootstrap > 0"))
-    try:
-        path = find_dump(args.source)
-        meta = read_sample_meta(path)
-        samples = read_sample_dump(path)
-        m = meta or {}
-        b = args.microbatch_size if args.microbatch_size is not None else m.get("microbatch_size")
-        L = args.fixed_length if args.fixed_length is not None else (m.get("fixed_length") or m.get("seq_len"))
-        report = compute_gap(samples, microbatch_size=int(b) if b else None, fixed_length=int(L) if L else None,
-                             bootstrap=args.bootstrap, seed=args.seed, ci=args.ci, source=path, meta=meta)
-        if args.compare_drift:
-            a_log, b_log = args.compare_drift
-            run_a, run_b = read_log(a_log, fmt=args.log_format), read_log(b_log, fmt=args.log_format)
-            report.drift = compare_drift(report, run_a, run_b, metric=args.drift_metric)
-    except (OSError, LogParseError, SampleDumpError) as e:
-        return _error(args, "input error", e)
-    except ValueError as e:
-        return _error(args, "input error", e)
-    if args.plot:
-        try:
-            plot_gap(report, args.plot)
-        except (OSError, ImportError) as e:
-            return _error(args, "cannot write the plot", e)
-    if args.json:
-        print(json.dumps(report.to_dict(args.every), indent=2))
-    else:
-        print(format_table(report, args.every))
-    return 1 if report.drift is not None and not report.drift.explained else 0

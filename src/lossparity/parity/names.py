@@ -7,7 +7,8 @@ Canonical names are lossparity's log-channel names (semantics §2, §4, §5): ``
 What each framework's number means, and therefore where it maps:
 
 - Megatron ``lm loss`` (text log, TensorBoard, golden values) is the global token mean ``S / Ntok``
-  = ``lm_loss``; ``mtp_<k> loss`` = ``mtp_<k>_loss``; ``z_loss`` is the router z-loss.
+  = ``lm_loss``; ``mtp_<k> loss`` = ``mtp_<k>_loss``; ``z_loss`` is the router z-loss; ``total loss``
+  (knowledge distillation, the loss that is optimized) = ``objective``.
 - MaxText ``learning/loss`` (and the console ``loss``) is the objective (total loss);
   ``learning/lm_loss`` / console ``lm_loss`` = ``lm_loss``; ``learning/moe_lb_loss`` =
   ``load_balancing_loss``; ``learning/total_weights`` = ``tokens``. MaxText's
@@ -59,6 +60,7 @@ DEFAULT_NAME_MAP: dict[str, str] = {
     "loss": "objective",
     "learning/loss": "objective",
     "loss_metrics/global_avg_loss": "objective",
+    "total loss": "objective",  # Megatron (ModelOpt distillation): the optimized total
     # MoE auxiliary terms (Megatron names are already canonical)
     "learning/moe_lb_loss": "load_balancing_loss",
     "moe_lb_loss": "load_balancing_loss",

@@ -28,24 +28,34 @@ preset S?", with the conditions of an exact translation and warnings where none 
 
 from __future__ import annotations
 
-import argparse
-import sys
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
-from ..losses.modes import MODES
+from ..options import (
+    AUX_SCOPES,
+    MODES,
+    MTP_CONVENTIONS,
+    MTP_LOG_ESTIMATORS,
+    NORMALIZATIONS,
+    Z_FORMS,
+    AuxScope,
+    GradReduction,
+    Mode,
+    MTPConvention,
+    MTPLogEstimator,
+    Normalization,
+    ZForm,
+    check_option,
+)
 
 __all__ = [
     "FRAMEWORKS",
     "PRESET_NAMES",
     "Preset",
     "Translation",
-    "add_modes_translation_arguments",
     "all_presets",
-    "modes_translation_requested",
     "preset_table",
     "resolve_preset",
-    "run_modes_translation",
     "translate",
 ]
 
@@ -53,22 +63,18 @@ FRAMEWORKS: tuple[str, ...] = ("megatron", "maxtext", "hf-trainer", "torchtitan"
 PRESET_NAMES: tuple[str, ...] = (
     "megatron", "maxtext", "hf-trainer", "hf-trainer-legacy", "torchtitan", "verl", "lossparity",
 )
-_NORMALIZATIONS = ("precount", "deferred")
-_CONVENTIONS = ("own", "main", "pooled")
-_LOG_ESTIMATORS = ("token_mean", "microbatch_mean")
-_SCOPES = ("micro_batch", "sequence", "global_lagged", "global_running", "none")
-_Z_FORMS = ("global", "microbatch")
-_VERL_MODES = {
+_VERL_MODES: dict[str, Mode] = {
     "token-mean": "per_token",
     "seq-mean-token-mean": "per_sample",
     "seq-mean-token-sum": "sample_sum",
     "seq-mean-token-sum-norm": "sample_sum_norm",
 }
-_MEGATRON_LB = {"aux_loss": "micro_batch", "seq_aux_loss": "sequence", "global_aux_loss": "global_running",
-                "none": "none"}
-_QUIRKS = ("Megatron parity quirks (semantics §5) are reproduced only by lossparity's megatron preset: they matter with "
-           "global_aux_loss (aux gradient 1/D of its logged value), with a router z-loss in MTP layers, and with "
-           "calculate_per_token_loss=true plus aux/z losses (pre-multiplication by local token counts)")
+_MEGATRON_LB: dict[str, AuxScope] = {"aux_loss": "micro_batch", "seq_aux_loss": "sequence",
+                                     "global_aux_loss": "global_running", "none": "none"}
+_QUIRKS = ("Megatron parity quirks (semantics §5) are reproduced only by lossparity's megatron preset: they "
+           "matter with global_aux_loss (aux gradient 1/D of its logged value), with a router z-loss in MTP "
+           "layers, and with calculate_per_token_loss=true plus aux/z losses (pre-multiplication by local token "
+           "counts)")
 
 
 @dataclass(frozen=True)
@@ -85,13 +91,13 @@ class Preset:
 
     name: str
     framework: str
-    mode: str
-    normalization: str
-    mtp_convention: str
-    mtp_log_estimator: str
-    aux_scope: str
-    z_form: str
-    grad_reduction: str = "auto"
+    mode: Mode
+    normalization: Normalization
+    mtp_convention: MTPConvention
+    mtp_log_estimator: MTPLogEstimator
+    aux_scope: AuxScope
+    z_form: ZForm
+    grad_reduction: GradReduction | Literal["auto"] = "auto"
     megatron_quirks: bool = False
     description: str = ""
     notes: list[str] = field(default_factory=list)
@@ -141,10 +147,12 @@ def _parse_bool(value: str, option: str) -> bool:
     raise ValueError(f"option {option}={value!r}: expected true or false")
 
 
-def _choice(value: str, option: str, valid: tuple[str, ...] | list[str]) -> str:
-    if value not in valid:
-        raise ValueError(f"option {option}={value!r}: valid values: {', '.join(valid)}")
-    return value
+def _choice(value: str, option: str, valid: tuple[str, ...]) -> Any:
+    """``value`` checked against ``valid`` with :func:`lossparity.options.check_option` (its aliases too)."""
+    try:
+        return check_option(option, value, valid)
+    except ValueError:
+        raise ValueError(f"option {option}={value!r}: valid values: {', '.join(valid)}") from None
 
 
 def _positive(value: str, option: str) -> int:
@@ -410,7 +418,8 @@ def _hf_legacy(spec: str, positional: list[str], options: dict[str, str]) -> Pre
             "microbatch, is divided by gradient_accumulation_steps and DDP averages the ranks: the mean of the D·K "
             "microbatch means (per_microbatch, b = per_device_train_batch_size) — the gradient-accumulation bug "
             "fixed in 4.46 (transformers issue #34242).",
-            "a microbatch without loss tokens gives NaN in HF (mean over an empty set); lossparity gives 0 (semantics §1).",
+            "a microbatch without loss tokens gives NaN in HF (mean over an empty set); lossparity gives 0 "
+            "(semantics §1).",
             _HF_AUX_FACT + "; divided by the accumulation steps like the rest of the loss (micro_batch scope).",
             "assumed: the logged loss is the objective, averaged over the logging steps.",
         ],
@@ -524,12 +533,12 @@ def _lossparity(spec: str, positional: list[str], options: dict[str, str]) -> Pr
         raise ValueError(f"preset {spec!r}: mode sample_sum_norm needs fixed_length=L")
     p = Preset(
         name="lossparity", framework="lossparity", mode=mode,
-        normalization=_choice(options.get("normalization", "precount"), "normalization", _NORMALIZATIONS),
-        mtp_convention=_choice(options.get("mtp_convention", "own"), "mtp_convention", _CONVENTIONS),
+        normalization=_choice(options.get("normalization", "precount"), "normalization", NORMALIZATIONS),
+        mtp_convention=_choice(options.get("mtp_convention", "own"), "mtp_convention", MTP_CONVENTIONS),
         mtp_log_estimator=_choice(options.get("mtp_log_estimator", "token_mean"), "mtp_log_estimator",
-                                  _LOG_ESTIMATORS),
-        aux_scope=_choice(options.get("aux_scope", "global_lagged"), "aux_scope", _SCOPES),
-        z_form=_choice(options.get("z_form", "global"), "z_form", _Z_FORMS),
+                                  MTP_LOG_ESTIMATORS),
+        aux_scope=_choice(options.get("aux_scope", "global_lagged"), "aux_scope", AUX_SCOPES),
+        z_form=_choice(options.get("z_form", "global"), "z_form", Z_FORMS),
         grad_reduction="auto", fixed_length=L,
         description="lossparity: exact, layout-invariant defaults",
         notes=["the defaults of Accountant/MoEAccounting/TrainConfig: every number is the same for every layout "
@@ -720,100 +729,134 @@ def _candidates(target: str, source: Preset) -> list[Preset]:
                          f"({', '.join(PRESET_NAMES)})") from None
 
 
-def _assess(src: Preset, cand: Preset, b: int | None) -> tuple[int, Translation]:
-    settings = list(cand.settings)
-    logs: list[str] = []
-    conditions = [f"source: {r}" for r in src.requires] + [f"target: {r}" for r in cand.requires]
-    warnings: list[str] = []
-    penalty = 0
+@dataclass
+class _Assessment:
+    """What a candidate translation needs and lacks; ``penalty`` ranks candidates (lower is closer)."""
+
+    settings: list[str]
+    conditions: list[str]
+    logs: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    penalty: int = 0
+
+
+def _assess_mode(src: Preset, cand: Preset, b: int | None, acc: _Assessment) -> tuple[str, str, int | None]:
+    """The LM objective: ``(source mode, target mode, target micro-batch size)`` as the translation fixes them."""
     smode = _eff_mode(src.mode, b)
     tb: int | None = None  # the target's micro-batch size, when the translation fixes it
     if cand.mode == "per_microbatch" and smode == "per_sample":
         tb = 1
-        settings.append(_microbatch_setting(cand, 1))
+        acc.settings.append(_microbatch_setting(cand, 1))
     elif cand.mode == "per_microbatch" and smode == "per_microbatch":
         tb = b
-        settings.append(_microbatch_setting(cand, b))
-        conditions.append("the same micro-batch size and the same assignment of rows to microbatches as the source "
-                          "(per_microbatch depends on b)")
+        acc.settings.append(_microbatch_setting(cand, b))
+        acc.conditions.append("the same micro-batch size and the same assignment of rows to microbatches as the "
+                              "source (per_microbatch depends on b)")
     tmode = _eff_mode(cand.mode, tb)
-    if smode != tmode:
-        penalty += 100
-        if smode == "per_microbatch" and tmode == "per_sample" and b is None:
-            warnings.append(f"the source averages microbatch means (per_microbatch); {cand.framework}'s {tmode} equals "
-                            "it only when the source micro-batch size is 1: give --microbatch-size")
-        else:
-            what = f"per_microbatch with b={b}" if smode == "per_microbatch" and b else smode
-            gap = (" (the difference is the estimator gap Cov(n,l)/mean(n); measure it with `lossparity gap`)"
-                   if {smode, tmode} == {"per_token", "per_sample"} else "")
-            warnings.append(f"LM objective: the source optimizes {what}, no setting of {cand.framework} gives it "
+    if smode == tmode:
+        if smode == "sample_sum_norm":
+            acc.conditions.append(f"the same fixed length L{f' = {src.fixed_length}' if src.fixed_length else ''}")
+    elif smode == "per_microbatch" and tmode == "per_sample" and b is None:
+        acc.penalty += 100
+        acc.warnings.append(f"the source averages microbatch means (per_microbatch); {cand.framework}'s {tmode} "
+                            "equals it only when the source micro-batch size is 1: give --microbatch-size")
+    else:
+        acc.penalty += 100
+        what = f"per_microbatch with b={b}" if smode == "per_microbatch" and b else smode
+        gap = (" (the difference is the estimator gap Cov(n,l)/mean(n); measure it with `lossparity gap`)"
+               if {smode, tmode} == {"per_token", "per_sample"} else "")
+        acc.warnings.append(f"LM objective: the source optimizes {what}, no setting of {cand.framework} gives it "
                             f"(closest: {cand.name}, {tmode}){gap}")
-    elif smode == "sample_sum_norm":
-        conditions.append(f"the same fixed length L{f' = {src.fixed_length}' if src.fixed_length else ''}")
     if src.normalization != cand.normalization:
-        settings.append(f"(mechanism: {cand.normalization} instead of {src.normalization}; same objective)")
-    # MTP
-    if src.has_mtp and cand.has_mtp:
-        sc, tc = _eff_conv(src.mtp_convention, smode), _eff_conv(cand.mtp_convention, tmode)
-        if sc != tc:
-            penalty += 10
-            warnings.append(f"MTP objective: source convention {src.mtp_convention}, target {cand.mtp_convention} "
+        acc.settings.append(f"(mechanism: {cand.normalization} instead of {src.normalization}; same objective)")
+    return smode, tmode, tb
+
+
+def _assess_mtp(src: Preset, cand: Preset, smode: str, tmode: str, acc: _Assessment) -> None:
+    """The MTP objective convention and the per-depth MTP log."""
+    if src.has_mtp != cand.has_mtp:
+        acc.penalty += 1
+        acc.conditions.append(f"no MTP: {cand.framework if src.has_mtp else src.name} has none")
+        return
+    if not src.has_mtp:
+        return
+    if _eff_conv(src.mtp_convention, smode) != _eff_conv(cand.mtp_convention, tmode):
+        acc.penalty += 10
+        acc.warnings.append(f"MTP objective: source convention {src.mtp_convention}, target {cand.mtp_convention} "
                             "(exact only without MTP)")
-        if "mtp_loss" in src.log_names and "mtp_loss" in cand.log_names:
-            if src.mtp_log_estimator != cand.mtp_log_estimator:
-                penalty += 10
-                warnings.append(f"MTP log: source estimator {src.mtp_log_estimator} "
-                                f"({src.log_names['mtp_loss']}), target {cand.mtp_log_estimator} "
-                                f"({cand.log_names['mtp_loss']}): the per-depth MTP curves differ")
-            else:
-                logs.append(f"{src.log_names['mtp_loss']} <-> {cand.log_names['mtp_loss']}")
-        elif "mtp_loss" in src.log_names:
-            conditions.append(f"MTP logs are not compared: {cand.framework} logs no per-depth MTP loss")
-    elif src.has_mtp != cand.has_mtp:
-        penalty += 1
-        missing = cand.framework if src.has_mtp else src.name
-        conditions.append(f"no MTP: {missing} has none")
-    # logged LM loss / objective
+    if "mtp_loss" not in src.log_names:
+        return
+    if "mtp_loss" not in cand.log_names:
+        acc.conditions.append(f"MTP logs are not compared: {cand.framework} logs no per-depth MTP loss")
+    elif src.mtp_log_estimator != cand.mtp_log_estimator:
+        acc.penalty += 10
+        acc.warnings.append(f"MTP log: source estimator {src.mtp_log_estimator} ({src.log_names['mtp_loss']}), "
+                            f"target {cand.mtp_log_estimator} ({cand.log_names['mtp_loss']}): the per-depth MTP "
+                            "curves differ")
+    else:
+        acc.logs.append(f"{src.log_names['mtp_loss']} <-> {cand.log_names['mtp_loss']}")
+
+
+def _assess_logs(src: Preset, cand: Preset, smode: str, tmode: str, acc: _Assessment) -> None:
+    """Which logged LM loss / objective of the two frameworks correspond."""
     if "lm_loss" in src.log_names:
         if "lm_loss" in cand.log_names:
-            logs.append(f"{src.log_names['lm_loss']} <-> {cand.log_names['lm_loss']} (global token mean S/Ntok)")
+            acc.logs.append(f"{src.log_names['lm_loss']} <-> {cand.log_names['lm_loss']} (global token mean S/Ntok)")
         elif tmode == "per_token" and "objective" in cand.log_names:
-            logs.append(f"{src.log_names['lm_loss']} <-> {cand.log_names['objective']} (the target's objective is "
-                        "the token mean; equal without MTP and aux terms)")
-            conditions.append(f"no MTP or aux term in the compared curve: {cand.framework}'s logged loss includes them")
+            acc.logs.append(f"{src.log_names['lm_loss']} <-> {cand.log_names['objective']} (the target's objective "
+                            "is the token mean; equal without MTP and aux terms)")
+            acc.conditions.append(f"no MTP or aux term in the compared curve: {cand.framework}'s logged loss "
+                                  "includes them")
         else:
-            penalty += 5
-            conditions.append(f"the source's {src.log_names['lm_loss']} (global token mean) has no counterpart: "
-                              f"{cand.framework} logs only its objective ({tmode})")
+            acc.penalty += 5
+            acc.conditions.append(f"the source's {src.log_names['lm_loss']} (global token mean) has no counterpart: "
+                                  f"{cand.framework} logs only its objective ({tmode})")
     if "objective" in src.log_names and "objective" in cand.log_names and smode == tmode:
-        logs.append(f"{src.log_names['objective']} <-> {cand.log_names['objective']} (objective {tmode})")
-    # MoE load balancing
+        acc.logs.append(f"{src.log_names['objective']} <-> {cand.log_names['objective']} (objective {tmode})")
+
+
+def _assess_moe(src: Preset, cand: Preset, b: int | None, tb: int | None, acc: _Assessment) -> None:
+    """The MoE load-balancing scope, the router z-loss form and Megatron's quirks."""
     ss, ts = _eff_scope(src.aux_scope, b), _eff_scope(cand.aux_scope, tb)
-    if src.aux_scope != "none":
-        if cand.aux_scope == "none":
-            penalty += 3
-            conditions.append(f"no load-balancing loss in the source (coefficient 0): {cand.framework} has none")
-        elif ss != ts:
-            penalty += 5
-            conditions.append(f"no load-balancing loss (coefficient 0): source scope {ss}, target {ts}")
-        else:
-            conditions.append(f"load-balancing coefficient mapped: source {src.aux_note}; target {cand.aux_note}")
-    elif cand.aux_scope != "none":
-        settings.append(f"load-balancing loss off in {cand.framework} (coefficient 0)")
-    # router z-loss
-    if src.has_router_z_loss:
-        if not cand.has_router_z_loss:
-            penalty += 1
-            conditions.append(f"no router z-loss in the source: {cand.framework} has none")
-        elif src.z_form != cand.z_form:
-            penalty += 3
-            conditions.append(f"no router z-loss: source z form {src.z_form}, target {cand.z_form}")
+    if src.aux_scope == "none":
+        if cand.aux_scope != "none":
+            acc.settings.append(f"load-balancing loss off in {cand.framework} (coefficient 0)")
+    elif cand.aux_scope == "none":
+        acc.penalty += 3
+        acc.conditions.append(f"no load-balancing loss in the source (coefficient 0): {cand.framework} has none")
+    elif ss != ts:
+        acc.penalty += 5
+        acc.conditions.append(f"no load-balancing loss (coefficient 0): source scope {ss}, target {ts}")
+    else:
+        acc.conditions.append(f"load-balancing coefficient mapped: source {src.aux_note}; target {cand.aux_note}")
+    if src.has_router_z_loss and not cand.has_router_z_loss:
+        acc.penalty += 1
+        acc.conditions.append(f"no router z-loss in the source: {cand.framework} has none")
+    elif src.has_router_z_loss and src.z_form != cand.z_form:
+        acc.penalty += 3
+        acc.conditions.append(f"no router z-loss: source z form {src.z_form}, target {cand.z_form}")
     if src.megatron_quirks and not cand.megatron_quirks:
-        penalty += 1
-        conditions.append(_QUIRKS)
-    penalty += len(conditions) // 10  # among equals prefer fewer conditions, never over a real difference
-    return penalty, Translation(source=src, target_framework="", microbatch_size=b, target=cand, settings=settings,
-                                logs=logs, conditions=conditions, warnings=warnings)
+        acc.penalty += 1
+        acc.conditions.append(_QUIRKS)
+
+
+def _assess(src: Preset, cand: Preset, b: int | None) -> tuple[int, Translation]:
+    """Rank one candidate preset as a translation of ``src`` (micro-batch size ``b``): ``(penalty, translation)``.
+
+    Penalties: a different LM objective 100, a different MTP convention or MTP log estimator 10, an LM-loss
+    log without counterpart 5, load-balancing scopes or z forms that differ 5/3, a missing feature 1; among
+    equals, fewer conditions win (one point per ten), never over a real difference.
+    """
+    acc = _Assessment(settings=list(cand.settings),
+                      conditions=[f"source: {r}" for r in src.requires] + [f"target: {r}" for r in cand.requires])
+    smode, tmode, tb = _assess_mode(src, cand, b, acc)
+    _assess_mtp(src, cand, smode, tmode, acc)
+    _assess_logs(src, cand, smode, tmode, acc)
+    _assess_moe(src, cand, b, tb, acc)
+    penalty = acc.penalty + len(acc.conditions) // 10
+    return penalty, Translation(source=src, target_framework="", microbatch_size=b, target=cand,
+                                settings=acc.settings, logs=acc.logs, conditions=acc.conditions,
+                                warnings=acc.warnings)
 
 
 def translate(source: Preset, target_framework: str, microbatch_size: int | None = None) -> Translation:
@@ -833,49 +876,3 @@ def translate(source: Preset, target_framework: str, microbatch_size: int | None
     best = min((_assess(source, c, microbatch_size) for c in cands), key=lambda x: x[0])[1]
     best.target_framework = target_framework.strip()
     return best
-
-
-# --------------------------------------------------------------------------------------------------
-# command line
-
-
-def add_modes_translation_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--from SRC``, ``--to TGT``, ``--microbatch-size b`` and ``--presets`` to the ``modes`` parser."""
-    parser.add_argument("--from", dest="from_preset", default=None, metavar="SRC",
-                        help="source preset, e.g. megatron:calculate_per_token_loss=false")
-    parser.add_argument("--to", dest="to_framework", default=None, metavar="TGT",
-                        help=f"target framework ({', '.join(FRAMEWORKS)}) or preset spec")
-    parser.add_argument("--microbatch-size", dest="microbatch_size", type=int, default=None, metavar="b",
-                        help="the source's micro-batch size (decides per_microbatch vs per_sample)")
-    parser.add_argument("--presets", dest="show_presets", action="store_true",
-                        help="print the framework preset table (Markdown)")
-
-
-def modes_translation_requested(args: argparse.Namespace) -> bool:
-    """Whether the parsed ``modes`` arguments ask for a translation or the preset table."""
-    return bool(getattr(args, "from_preset", None) or getattr(args, "to_framework", None)
-                or getattr(args, "show_presets", False))
-
-
-def run_modes_translation(args: argparse.Namespace) -> int:
-    """Print the preset table (``--presets``) and/or the translation ``--from SRC --to TGT``.
-
-    Exit code: 0 = an exact translation exists (or only the table was asked), 1 = only an approximate one
-    (warnings printed), 2 = bad input (unknown preset or target, ``--from`` without ``--to``, b < 1).
-    """
-    src, tgt = getattr(args, "from_preset", None), getattr(args, "to_framework", None)
-    if getattr(args, "show_presets", False):
-        print(preset_table())
-        if not (src or tgt):
-            return 0
-        print()
-    if not (src and tgt):
-        print("lossparity modes: error: --from SRC and --to TGT go together", file=sys.stderr)
-        return 2
-    try:
-        tr = translate(resolve_preset(src), tgt, getattr(args, "microbatch_size", None))
-    except ValueError as e:
-        print(f"lossparity modes: error: {e}", file=sys.stderr)
-        return 2
-    print(tr.format())
-    return 0 if tr.exact else 1

@@ -1,4 +1,5 @@
-"""Report directory of a comparison: ``summary.md`` and one PNG per compared metric.
+"""Renderings of a comparison: the text table ``compare`` prints, and a report directory with ``summary.md``
+and one PNG per compared metric.
 
 Each plot has two panels over the alignment coordinate: both curves overlaid, and the signed
 relative difference ``(c - r) / |r|`` with the pass band ``±(abs + rel·|r|) / |r|`` shaded and the
@@ -15,7 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .compare import CompareResult, MetricResult
+from .compare import CompareResult, MetricResult, step_ranges
+
+__all__ = ["ReportFiles", "format_text", "run_labels", "summary_markdown", "plot_metric", "write_report"]
 
 
 @dataclass
@@ -35,17 +38,72 @@ def _fmt(v: float) -> str:
     return f"{v:.6g}" if np.isfinite(v) else str(v)
 
 
+def run_labels(ref_source: str, cand_source: str) -> tuple[str, str]:
+    """Short names that tell the two logs apart: the file names, or as many trailing path components as it
+    takes when the file names are equal (``runA/trainer_state.json`` vs ``runB/trainer_state.json``)."""
+    a = Path(os.path.abspath(ref_source)).parts
+    b = Path(os.path.abspath(cand_source)).parts
+    for k in range(1, max(len(a), len(b)) + 1):
+        la, lb = "/".join(a[-k:]), "/".join(b[-k:])
+        if la != lb:
+            return la, lb
+    return ref_source, cand_source
+
+
+def _metric_label(m: MetricResult) -> str:
+    return m.metric if m.cand_metric == m.metric else f"{m.metric} (cand: {m.cand_metric})"
+
+
+def _missing_cell(m: MetricResult) -> str:
+    return f"{m.only_ref}/{m.only_cand}"
+
+
+def format_text(result: CompareResult) -> str:
+    """Plain-text table of a :class:`CompareResult` (what ``compare`` prints without ``--json``): verdict,
+    both inputs, one row per metric (``missing`` = reference points the candidate lacks / candidate points
+    the reference lacks), the missing-steps violations, skipped metrics, notes."""
+    lines = [f"lossparity compare: {'PARITY' if result.passed else 'VIOLATION'}"]
+    for role, run in (("ref", result.ref), ("cand", result.cand)):
+        lines.append(f"  {role:<4} {run.source} ({run.format}, first step {run.step_base})")
+    head = ("metric", "tolerance", "points", "failed", "allowed", "first fail", "worst step", "max rel diff",
+            "missing r/c", "")
+    rows = [head]
+    for m in result.metrics.values():
+        first = m.first_fail_step
+        rows.append((_metric_label(m), str(m.tolerance), str(m.n_compared), str(m.n_failed), str(m.allowed_failures),
+                     "-" if first is None else str(first), str(m.worst_step), f"{m.max_rel_diff:.3e}",
+                     _missing_cell(m), "ok" if m.passed else "FAIL"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    for m in result.metrics.values():
+        if m.missing_cand:
+            lines.append(f"  {m.metric}: candidate lacks reference points {step_ranges(m.missing_cand)}")
+        if m.missing_ref:
+            lines.append(f"  {m.metric}: reference lacks candidate points {step_ranges(m.missing_ref)}")
+        if m.missing_violation:
+            lines.append(f"  {m.metric}: FAIL (missing steps, rule {result.missing_steps}): {m.missing_violation}")
+    lines += [f"  skipped {k}: {why}" for k, why in result.skipped.items()]
+    if result.not_compared:
+        names = ", ".join(result.not_compared)
+        lines.append(f"  not compared (not canonical; name them with --metrics): {names}")
+    lines += [f"  note: {n}" for n in result.notes]
+    for role, run in (("ref", result.ref), ("cand", result.cand)):
+        lines += [f"  note ({role}): {n}" for n in run.notes]
+    return "\n".join(lines)
+
+
 def summary_markdown(result: CompareResult, plots: dict[str, Path], plots_skipped: str | None) -> str:
-    """Markdown text of ``summary.md``: inputs, settings, one table row per metric, skipped metrics."""
+    """Markdown text of ``summary.md``: inputs, settings, one table row per metric, skipped metrics, notes."""
     verdict = "PARITY" if result.passed else "VIOLATION"
     out = [f"# lossparity compare: {verdict}", ""]
-    for role, run in (("Reference", result.ref), ("Candidate", result.cand)):
+    labels = run_labels(result.ref.source, result.cand.source)
+    for role, run, label in (("Reference", result.ref, labels[0]), ("Candidate", result.cand, labels[1])):
         notes = [f"format `{run.format}`", f"first step {run.step_base}"]
         if run.restarts:
             notes.append(f"{run.restarts} restart(s), {run.dropped_values} superseded value(s) dropped")
         if run.skipped_steps:
             notes.append(f"{len(run.skipped_steps)} step(s) flagged skipped/NaN/overflow by the log")
-        out.append(f"- {role}: `{os.path.basename(run.source) or run.source}` ({', '.join(notes)})")
+        out.append(f"- {role}: `{label}` ({', '.join(notes)})")
     window = "all" if result.window is None else f"{result.window[0]} .. {result.window[1]}"
     rule = "Megatron functional-test rule (min(max(n//100,1),50) failures allowed)" if result.megatron_rule \
         else "every point must pass"
@@ -53,18 +111,24 @@ def summary_markdown(result: CompareResult, plots: dict[str, Path], plots_skippe
         f"- Alignment: {result.align}; window: {window}; smoothing: {result.smooth}; verdict rule: {rule}",
         "",
         "| metric | tolerance | points | failed | allowed | first failing step | worst step | "
-        "max rel diff | ref at worst | cand at worst | result |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "max rel diff | ref at worst | cand at worst | missing ref/cand | result |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in result.metrics.values():
         w = m.worst_index
         first = m.first_fail_step
         out.append(
-            f"| {m.metric} | {m.tolerance} | {m.n_compared} | {m.n_failed} | {m.allowed_failures} | "
+            f"| {_metric_label(m)} | {m.tolerance} | {m.n_compared} | {m.n_failed} | {m.allowed_failures} | "
             f"{'-' if first is None else first} | {m.worst_step} | {m.max_rel_diff:.3e} | "
-            f"{_fmt(m.ref[w])} | {_fmt(m.cand[w])} | {'ok' if m.passed else '**FAIL**'} |"
+            f"{_fmt(m.ref[w])} | {_fmt(m.cand[w])} | {_missing_cell(m)} | {'ok' if m.passed else '**FAIL**'} |"
         )
     out.append("")
+    for m in result.metrics.values():
+        if m.missing_violation:
+            out.append(f"- `{m.metric}` fails the missing-steps rule ({result.missing_steps}): {m.missing_violation}")
+    out += [f"- Note: {n}" for n in result.notes]
+    for role, run in (("reference", result.ref), ("candidate", result.cand)):
+        out += [f"- Note ({role}): {n}" for n in run.notes]
     for name, why in result.skipped.items():
         out.append(f"- `{name}` skipped: {why}")
     if result.not_compared:

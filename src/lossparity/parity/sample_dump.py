@@ -196,6 +196,17 @@ def _read_records(path: str) -> np.ndarray:
     return data.reshape(-1, RECORD_FIELDS)
 
 
+def _read_rank_file(path: str, notes: list[str]) -> np.ndarray:
+    """The whole records of one rank file; a torn last record (a write cut by a crash) is ignored with a note."""
+    size = os.path.getsize(path)
+    whole = size // RECORD_BYTES
+    if size % RECORD_BYTES:
+        notes.append(f"{os.path.basename(path)}: incomplete last record ignored ({size % RECORD_BYTES} of "
+                     f"{RECORD_BYTES} bytes after {whole} whole records; the run stopped while writing it)")
+    data = np.fromfile(path, dtype=_RECORD, count=whole * RECORD_FIELDS)
+    return data.reshape(-1, RECORD_FIELDS)
+
+
 def find_dump(path: str | os.PathLike[str]) -> str:
     """Resolve ``path`` to a dump: an ``.npz`` file, a directory holding ``samples_rank*.bin`` or
     ``samples_meta.json``, or a run directory with such a ``samples/`` subdirectory. Raises
@@ -281,21 +292,24 @@ def _check_values(records: np.ndarray, origin: list[tuple[str, int]]) -> None:
                               f"step={step}, row={row}, n={n}, s={s}")
 
 
-def read_sample_dump(path: str | os.PathLike[str]) -> dict[int, StepSamples]:
+def read_sample_dump(path: str | os.PathLike[str], notes: list[str] | None = None) -> dict[int, StepSamples]:
     """Read a dump (directory of rank files, run directory, or ``.npz``) into ``{step: (rows, n, s)}``.
 
     All ranks are merged; within a step the three float64 arrays are sorted by ``row`` (``rows`` as
-    int64). Raises :class:`SampleDumpError` for a truncated rank file (file and record index), a
-    duplicate ``(step, row)`` (both locations), non-integer steps/rows/counts or a non-finite sum, and,
-    when ``samples_meta.json`` gives ``global_batch``, a step whose rows are not exactly ``0..N-1``.
+    int64). A torn last record of a rank file is ignored, and so is the last step when it is incomplete
+    (fewer rows than ``global_batch``: the step being written when the run stopped); each such decision is
+    appended to ``notes``. Raises :class:`SampleDumpError` for a duplicate ``(step, row)`` (both
+    locations), non-integer steps/rows/counts or a non-finite sum, and, when ``samples_meta.json`` gives
+    ``global_batch``, an earlier step whose rows are not exactly ``0..N-1``.
     """
+    notes = notes if notes is not None else []
     p = find_dump(path)
     if p.endswith(".npz"):
         records, origin = _read_npz(p)
     else:
         parts, origin = [], []
         for f in _rank_files(p):
-            rec = _read_records(f)
+            rec = _read_rank_file(f, notes)
             parts.append(rec)
             origin += [(os.path.basename(f), i) for i in range(rec.shape[0])]
         if not parts:
@@ -317,10 +331,15 @@ def read_sample_dump(path: str | os.PathLike[str]) -> dict[int, StepSamples]:
     out: dict[int, StepSamples] = {}
     steps, starts = np.unique(records[:, 0], return_index=True)
     bounds = list(starts[1:]) + [records.shape[0]]
-    for step, lo, hi in zip(steps, starts, bounds):
+    for j, (step, lo, hi) in enumerate(zip(steps, starts, bounds)):
         block = records[lo:hi]
         rows = block[:, 1].astype(np.int64)
-        if n_expected is not None and (rows.size != n_expected or rows[-1] != n_expected - 1):
+        incomplete = n_expected is not None and (rows.size != n_expected or rows[-1] != n_expected - 1)
+        if incomplete and n_expected is not None and j == len(steps) - 1 and rows.size < n_expected and len(steps) > 1:
+            notes.append(f"last step {int(step)} ignored: incomplete ({rows.size} of {n_expected} samples; the run "
+                         "stopped while writing it)")
+            break
+        if incomplete:
             raise SampleDumpError(f"{p}: step {int(step)} has {rows.size} samples (rows {rows.min()}..{rows.max()}), "
                                   f"but {META_FILE} says global_batch={n_expected}: a rank file is missing or "
                                   "incomplete")

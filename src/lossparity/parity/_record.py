@@ -1,0 +1,276 @@
+"""Shared pieces of the log readers: the :class:`Run` they return, the error they raise, the recorder that
+applies the name map and the restart rule, strict number parsing and a line iterator that knows whether a
+line was complete (ended with a newline).
+
+Torch-free and NumPy-free: the readers start fast and work where neither is installed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+
+from .names import canonical_name, is_canonical
+
+__all__ = ["LogParseError", "Run", "Recorder", "to_float", "to_number", "decorated_number", "json_number",
+           "int_step", "lines", "SAMPLES_KEYS"]
+
+SAMPLES_KEYS = ("consumed_samples", "consumed samples")
+
+
+class LogParseError(ValueError):
+    """A log that cannot be read: names the file, the 1-based line (when known) and what was expected."""
+
+    def __init__(self, path: str, line: int | None, expected: str, where: str | None = None):
+        self.path, self.line, self.expected, self.where = str(path), line, expected, where
+        loc = self.path if line is None else f"{self.path}:{line}"
+        if where:
+            loc += f" ({where})"
+        super().__init__(f"{loc}: expected {expected}")
+
+
+@dataclass
+class Run:
+    """The metrics of one training run, keyed by canonical metric name.
+
+    ``metrics[name][step] = value`` (see :mod:`lossparity.parity.readers` for missing/NaN values, restarts
+    and step numbering). ``consumed_samples[step]`` is the number of samples consumed up to and including
+    ``step`` when the log states it. ``raw_names[name]`` is the name in the log. ``notes`` says what the
+    reader ignored or decided on the user's behalf (an incomplete last line, joined wrapped lines,
+    evaluation entries, a detected step base), one sentence each. ``live``: the log's last line was
+    incomplete, i.e. the log is probably still being written.
+    """
+
+    source: str
+    format: str
+    metrics: dict[str, dict[int, float]] = field(default_factory=dict)
+    consumed_samples: dict[int, float] = field(default_factory=dict)
+    step_base: int = 1
+    skipped_lines: int = 0
+    skipped_steps: set[int] = field(default_factory=set)
+    restarts: int = 0
+    dropped_values: int = 0
+    raw_names: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    live: bool = False
+
+    def steps(self) -> list[int]:
+        """Sorted union of the steps at which any metric has a value."""
+        return sorted({s for values in self.metrics.values() for s in values})
+
+    def with_constant_batch_size(self, global_batch_size: int) -> Run:
+        """Copy of the run with ``consumed_samples[s] = (s - step_base + 1) · global_batch_size``.
+
+        For logs that do not state consumed samples and were trained with a fixed global batch size;
+        the value counts the batch of step ``s`` itself (Megatron's convention).
+        """
+        if global_batch_size <= 0:
+            raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+        samples = {s: float((s - self.step_base + 1) * global_batch_size) for s in self.steps()}
+        return replace(self, consumed_samples=samples)
+
+
+# ---------------------------------------------------------------------------------------------------
+# recording (name mapping, restart rule)
+
+
+def _drop_from(values: dict[int, float], step: int) -> int:
+    """Delete the entries at steps ``>= step``; return how many were deleted."""
+    stale = [s for s in values if s >= step]
+    for s in stale:
+        del values[s]
+    return len(stale)
+
+
+class Recorder:
+    """Collects values for one run and applies the name map and the restart rule."""
+
+    def __init__(self, path: str, fmt: str, name_map: Mapping[str, str] | None, step_base: int = 1):
+        self.path, self.fmt, self.name_map = path, fmt, name_map
+        self.metrics: dict[str, dict[int, float]] = {}
+        self.samples: dict[int, float] = {}
+        self.raw_names: dict[str, str] = {}
+        self.skipped_steps: set[int] = set()
+        self.step_base = step_base
+        self.skipped_lines = 0
+        self.restarts = 0
+        self.dropped = 0
+        self.notes: list[str] = []
+        self.live = False
+        self._last_step: int | None = None
+        self._last_by_metric: dict[str, int] = {}
+
+    def note(self, text: str) -> None:
+        """Record one sentence for ``Run.notes`` (said once)."""
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def torn(self, ln: int, why: str = "it does not end with a newline", last: bool = True) -> None:
+        """Ignore an incomplete line with a note; it is never compared. ``last``: it ends the file, so the log
+        is probably still being written (``Run.live``)."""
+        self.skipped_lines += 1
+        self.live = self.live or last
+        where = "last line" if last else "line"
+        self.note(f"{where} {ln} ignored: incomplete ({why}; the log may still be written)" if last
+                  else f"{where} {ln} ignored: incomplete ({why}; the job was probably killed while writing it)")
+
+    def begin(self, step: int) -> None:
+        """Start a record at ``step``; a step below the last one read is a restart."""
+        if self._last_step is not None and step < self._last_step:
+            self.restarts += 1
+            for values in self.metrics.values():
+                self.dropped += _drop_from(values, step)
+            _drop_from(self.samples, step)
+            self.skipped_steps = {s for s in self.skipped_steps if s < step}
+        self._last_step = step
+
+    def name(self, raw: str, line: int | None = None) -> str | None:
+        """Canonical name of ``raw`` (``None``: dropped by the name map); two raw names for one metric raise."""
+        name = canonical_name(raw, self.name_map)
+        if name is None:
+            return None
+        prev = self.raw_names.setdefault(name, raw)
+        if prev != raw:
+            raise LogParseError(
+                self.path, line,
+                f"one log name per metric, but {prev!r} and {raw!r} both map to {name!r} "
+                "(rename one with a name map)",
+            )
+        return name
+
+    def put(self, raw: str, step: int, value: float, line: int | None = None) -> None:
+        """Record ``value`` of the raw metric ``raw`` at ``step`` (consumed samples go to ``samples``)."""
+        if raw in SAMPLES_KEYS:
+            self.samples[step] = value
+            return
+        name = self.name(raw, line)
+        if name is not None:
+            self.metrics.setdefault(name, {})[step] = value
+
+    def put_ordered(self, raw: str, step: int, value: float, line: int | None = None) -> None:
+        """Add one value with the restart rule applied to this metric alone (one metric per record)."""
+        is_samples = raw in SAMPLES_KEYS
+        name = SAMPLES_KEYS[0] if is_samples else self.name(raw, line)
+        if name is None:
+            return
+        values = self.samples if is_samples else self.metrics.setdefault(name, {})
+        last = self._last_by_metric.get(name)
+        if last is not None and step < last:
+            self.restarts += 1
+            dropped = _drop_from(values, step)
+            self.dropped += 0 if is_samples else dropped
+        self._last_by_metric[name] = step
+        values[step] = value
+
+    def put_series(self, raw: str, points: Iterable[tuple[int, float]]) -> None:
+        """Add one tag's series from one file: replaces that tag's values from its first step on."""
+        points = sorted(points)
+        name = self.name(raw)
+        if name is None or not points:
+            return
+        values = self.metrics.setdefault(name, {})
+        dropped = _drop_from(values, points[0][0])
+        self.restarts += int(dropped > 0)
+        self.dropped += dropped
+        values.update(points)
+
+    def strict(self, raw: str) -> bool:
+        """Whether the value of ``raw`` must be a plain number: canonical metrics and any ``*loss*``."""
+        name = canonical_name(raw, self.name_map) or raw
+        return is_canonical(name) or "loss" in raw.lower()
+
+    def run(self) -> Run:
+        """The collected :class:`Run` (series sorted by step, empty metrics left out)."""
+        return Run(
+            source=self.path,
+            format=self.fmt,
+            metrics={k: dict(sorted(v.items())) for k, v in self.metrics.items() if v},
+            consumed_samples=dict(sorted(self.samples.items())),
+            step_base=self.step_base,
+            skipped_lines=self.skipped_lines,
+            skipped_steps=set(self.skipped_steps),
+            restarts=self.restarts,
+            dropped_values=self.dropped,
+            raw_names={k: v for k, v in self.raw_names.items() if self.metrics.get(k)},
+            notes=list(self.notes),
+            live=self.live,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# numbers
+
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "+inf": math.inf, "-inf": -math.inf,
+              "infinity": math.inf, "+infinity": math.inf, "-infinity": -math.inf}
+_PLAIN_RE = re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$")
+# a console number with decoration: thousands separators, a unit or percent sign, a parenthesized remark
+_DECORATED_RE = re.compile(
+    r"^([-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][-+]?\d+)?)(?:%|[A-Za-z/]+)?(?:\([^()]*\))?$"
+)
+
+
+def to_float(text: str) -> float | None:
+    """The float of a complete plain number token (``1.2E+00``, ``-3``, ``nan``, ``inf``), else ``None``.
+
+    The whole token must be the number: ``4.6O72`` or ``1 2`` are not numbers (no prefix is cut off).
+    """
+    t = text.strip()
+    if t.lower() in _NONFINITE:
+        return _NONFINITE[t.lower()]
+    return float(t) if _PLAIN_RE.match(t) else None
+
+
+def to_number(text: str) -> float | None:
+    """:func:`to_float` of a token that may be wrapped in one pair of brackets (``[4.56]``, MindFormers)."""
+    t = text.strip()
+    if t.startswith("[") and t.endswith("]"):
+        t = t[1:-1]
+    return to_float(t)
+
+
+def decorated_number(text: str) -> float | None:
+    """The number of a decorated console token: ``1,234``, ``5.7%``, ``123ms``, ``10.2GiB(11.3%)``, ``2.8T``.
+
+    The decoration must be the whole rest of the token, so a corrupted digit is not a number.
+    """
+    v = to_number(text)
+    if v is not None:
+        return v
+    m = _DECORATED_RE.match(text.strip())
+    return float(m.group(1).replace(",", "")) if m else None
+
+
+def json_number(value: object) -> float | None:
+    """Numeric value of a JSON scalar: numbers, and the strings ``nan``/``inf``; anything else ``None``."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str) and value.strip().lower() in _NONFINITE:
+        return _NONFINITE[value.strip().lower()]
+    return None
+
+
+def int_step(value: object) -> int | None:
+    """Integer step of a JSON/CSV value (``3``, ``3.0``, ``"3"``), or ``None``."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        v = to_float(value)
+        value = v if v is not None else value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value == int(value):
+        return int(value)
+    return None
+
+
+def lines(path: str) -> Iterator[tuple[int, str, bool]]:
+    """``(1-based number, text without the line break, complete)`` of every line; ``complete`` is False only
+    for a last line that does not end with a newline (a log cut while being written)."""
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        for i, line in enumerate(f, start=1):
+            complete = line.endswith(("\n", "\r"))
+            yield i, line.rstrip("\r\n").replace("\r", ""), complete
