@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_gap_arguments(g)
     g.set_defaults(func=run_gap)
 
+    # Unique prefixes of a flag are accepted (argparse's default): the preset logic reads parsed values
+    # (None = not given), never argv, so `--norm deferred` wins over a preset like `--normalization deferred`.
     t = sub.add_parser("train", help="train the reference MoE+MTP model (JSONL metrics, checkpoints)")
     add_train_args(t)
     t.set_defaults(func=cmd_train)
@@ -62,10 +64,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits with 2 on bad usage already
         return int(e.code or 0)
-    # Which options were given explicitly (a preset must not override them).
-    argv_list = list(sys.argv[1:] if argv is None else argv)
-    args._explicit = {k: any(a == "--" + k.replace("_", "-") or a.startswith("--" + k.replace("_", "-") + "=")
-                             for a in argv_list) for k in ("mode", "aux_scope", "mtp_convention", "normalization")}
     try:
         return int(args.func(args) or 0)
     except UsageError as e:

@@ -16,6 +16,7 @@ only checks; :meth:`TrainConfig.resolved` returns a validated copy with the deri
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from ..options import (
     check_option,
 )
 
-__all__ = ["TrainConfig", "FieldKind", "field_kind", "numbers_mismatch", "OPTION_CHOICES", "BYTE_VOCAB"]
+__all__ = ["TrainConfig", "FieldKind", "check_field", "field_kind", "numbers_mismatch", "OPTION_CHOICES", "BYTE_VOCAB"]
 
 FieldKind = Literal["numbers", "layout", "run"]
 
@@ -135,37 +136,13 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise ``ValueError``/``TypeError`` naming the offending field for any invalid or inconsistent
         setting, ``FileNotFoundError`` for a missing data file. Never changes the config."""
-        self._check_types()
         self._check_values()
         self._check_layout()
         self._check_features()
 
-    def _check_types(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name in OPTION_CHOICES:
-                check_option(f.name, value, OPTION_CHOICES[f.name])
-            elif not _type_ok(f.type, value):
-                raise TypeError(f"TrainConfig.{f.name} must be {f.type}, got {value!r} ({type(value).__name__})")
-
     def _check_values(self) -> None:
-        for name in _NON_NEGATIVE:
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if not math.isfinite(self.grad_clip):
-            raise ValueError(f"grad_clip must be finite (<= 0 disables clipping), got {self.grad_clip!r}")
-        for name in _POSITIVE_INTS:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup", "ckpt_interval"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in _OPTIONAL_NON_NEGATIVE_INTS:
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 or None, got {getattr(self, name)}")
-        if self.fixed_length is not None and self.fixed_length < 1:
-            raise ValueError(f"fixed_length must be >= 1 or None, got {self.fixed_length}")
+        for f in dataclasses.fields(self):
+            check_field(f.name, getattr(self, f.name))
         if self.global_batch % (self.dp * self.ga):
             raise ValueError(
                 f"global_batch={self.global_batch} is not divisible by dp*ga={self.dp}*{self.ga}: every rank "
@@ -248,6 +225,32 @@ class TrainConfig:
                 or self.z_form == "microbatch")
 
 
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def check_field(name: str, value: Any) -> None:
+    """Check one field on its own: its type, an option's spelling (aliases accepted), finiteness and range
+    (weights, coefficients and rates are finite and ``>= 0``; sizes ``>= 1``). Raises ``ValueError`` (or
+    ``TypeError``) whose message starts with the field name; an unknown name raises ``ValueError``."""
+    if name not in _FIELDS:
+        close = difflib.get_close_matches(name, list(_FIELDS), n=1)
+        raise ValueError(f"unknown field {name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    if name in OPTION_CHOICES:
+        check_option(name, value, OPTION_CHOICES[name])
+        return
+    annotation = str(_FIELDS[name].type)
+    if not _type_ok(annotation, value):
+        raise TypeError(f"{name} must be {annotation}, got {value!r} ({type(value).__name__})")
+    if name in _NON_NEGATIVE and not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    if name == "grad_clip" and not math.isfinite(value):
+        raise ValueError(f"grad_clip must be finite (<= 0 disables clipping), got {value!r}")
+    low = {**dict.fromkeys(_POSITIVE_INTS, 1), "warmup": 0, "ckpt_interval": 0, "fixed_length": 1,
+           **dict.fromkeys(_OPTIONAL_NON_NEGATIVE_INTS, 0)}.get(name)
+    if low is not None and value is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}{' or None' if 'None' in annotation else ''}, got {value}")
+
+
 def field_kind(name: str) -> FieldKind:
     """The kind (``numbers``/``layout``/``run``) of the ``TrainConfig`` field ``name``."""
     for f in dataclasses.fields(TrainConfig):
@@ -274,9 +277,9 @@ def numbers_mismatch(saved: dict[str, Any], new: TrainConfig) -> list[str]:
     return diffs
 
 
-def _type_ok(annotation: Any, value: Any) -> bool:
-    """Whether ``value`` fits the field annotation (a string under ``from __future__ import annotations``)."""
-    text = str(annotation)
+def _type_ok(text: str, value: Any) -> bool:
+    """Whether ``value`` fits the field annotation ``text`` (a string under ``from __future__ import
+    annotations``)."""
     if value is None:
         return "None" in text
     if text.startswith("bool"):
