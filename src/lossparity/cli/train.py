@@ -163,7 +163,8 @@ def _preset_fields(name: str) -> dict[str, Any]:
 
 def train_config_from_args(args: argparse.Namespace):
     """The validated ``TrainConfig`` of ``lossparity train``: defaults < preset < config file < flags (see
-    the module docstring). Raises :class:`UsageError` naming the flag, field or ``file:line``."""
+    the module docstring). Raises :class:`UsageError` (``file:line`` of a config file) or the ``ValueError``/
+    ``TypeError`` of :meth:`TrainConfig.validate` naming the field."""
     from ..training.config import TrainConfig
 
     file_fields, file_preset = _file_fields(args.config) if args.config else ({}, None)
@@ -175,10 +176,7 @@ def train_config_from_args(args: argparse.Namespace):
     values.update(flags)
     values["model_overrides"] = {**file_fields.get("model_overrides", {}), **_parse_set(args.model_set)}
     cfg = TrainConfig(**values)
-    try:
-        cfg.validate()
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        raise UsageError(str(e)) from None
+    cfg.validate()  # ValueError/TypeError/FileNotFoundError naming the field: cmd_train reports them (exit 2)
     return cfg
 
 
