@@ -38,6 +38,7 @@ __all__ = ["free_port", "spawn", "init_from_env", "RankError", "RankFailure", "d
 # Exceptions that mean "the input was invalid" (the CLI exits 2 for them), as opposed to a failure of the run.
 _INPUT_ERRORS = (ValueError, TypeError, LookupError, FileNotFoundError)
 _WATCHDOG_PERIOD_S = 1.0
+_GRACE_PERIOD_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
         failed = None
         deadline = time.monotonic() + 2 * timeout_s + 60
         try:
-            while not ctx.join(timeout=5):
+            # grace_period: after a rank fails, its peers get a few seconds to fail on their own and
+            # record their error (every failed rank is reported) before join terminates them.
+            while not ctx.join(timeout=5, grace_period=_GRACE_PERIOD_S):
                 if time.monotonic() > deadline:
                     for p in ctx.processes:
                         p.kill()
@@ -164,7 +167,6 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             failed = e
             # Peers of a failed rank may wait in a collective until their timeout: stop them now.
-            time.sleep(1.0)
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
