@@ -45,7 +45,9 @@ def add_train_args(t: argparse.ArgumentParser) -> None:
         if f.name in _SKIP_FLAGS:
             continue
         flag, annotation = "--" + f.name.replace("_", "-"), str(f.type)
-        help_text = f.metadata["help"] + f" (default: {_default_text(f)})"
+        help_text = f.metadata["help"]
+        if "(default" not in help_text:
+            help_text += f" (default: {_default_text(f)})"
         if f.name in OPTION_CHOICES:
             t.add_argument(flag, dest=f.name, default=None, metavar="|".join(OPTION_CHOICES[f.name]), help=help_text)
         elif annotation.startswith("bool"):
