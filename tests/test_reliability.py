@@ -295,3 +295,29 @@ def test_data_file_works_with_the_model_presets(tmp_path, capsys):
                  "--no-progress", "--out", str(tmp_path / "run"), "--no-tensorboard"]) == 0
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["model_overrides"]["vocab_size"] == 259
+
+
+def test_truncated_sharded_checkpoint_is_skipped(tmp_path):
+    # Sharded (torch.distributed.checkpoint) folders: a truncated data file or a missing .metadata is
+    # detected from the sizes the metadata records, and the previous folder is used.
+    import torch.distributed.checkpoint as dcp
+
+    from lossparity.training.rundir import load_newest_intact, sharded_checkpoint_intact
+
+    for step in (1, 2):
+        path = tmp_path / f"step_{step:08d}"
+        dcp.save({"w": torch.full((64,), float(step))}, checkpoint_id=str(path), no_dist=True)
+        torch.save({"step": step}, path / "extra_rank0.pt")
+    sharded_checkpoint_intact(str(tmp_path / "step_00000002"))
+    data = next(p for p in (tmp_path / "step_00000002").iterdir() if p.suffix == ".distcp")
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    with pytest.raises(ValueError, match="the metadata needs"):
+        sharded_checkpoint_intact(str(tmp_path / "step_00000002"))
+    with pytest.warns(UserWarning, match="step_00000002 cannot be read"):
+        step, path = load_newest_intact(str(tmp_path), lambda p: (sharded_checkpoint_intact(p), p)[1])
+    assert step == 1
+    (tmp_path / "step_00000001" / ".metadata").unlink()
+    with pytest.raises(RunDirError, match="no intact checkpoint"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_newest_intact(str(tmp_path), sharded_checkpoint_intact)

@@ -215,11 +215,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         for line in e.summary_lines():
             print(f"lossparity train: error: {line}", file=sys.stderr)
         return 2 if e.input_error else 1
-    except (*_INPUT_ERRORS, FloatingPointError) as e:
+    except (*_INPUT_ERRORS, FloatingPointError, OSError) as e:
+        # Input errors exit 2; a failure of the run itself (a non-finite gradient, a full disk) exits 1.
         if args.debug:
             raise
         print(f"lossparity train: error: {_one_line(e)}", file=sys.stderr)
-        return 1 if isinstance(e, FloatingPointError) else 2
+        return 2 if isinstance(e, _INPUT_ERRORS) else 1
     if history:
         last = history[-1]
         print(f"done: {len(history)} steps, last lm_loss {last.get('lm_loss')}, objective {last.get('objective')}"
