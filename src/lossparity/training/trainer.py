@@ -347,8 +347,8 @@ class Trainer:
         cfg = self.cfg
         if not math.isfinite(grad_norm):
             raise FloatingPointError(
-                f"step {self.step + 1} (rank {self.rank}): the gradient norm is {grad_norm}, the parameters were not "
-                "updated: a term of this step's objective or its gradient is not finite (the losses, weights and "
+                f"step {self.step + 1} (rank {self.rank}): the gradient norm is {grad_norm}; the optimizer step was "
+                "not taken: a term of this step's objective or its gradient is not finite (the losses, weights and "
                 "coefficients of the step were checked; look for an overflow, e.g. lower --lr or use float32)")
         lr = _lr_at(cfg, self.step)
         for group in self.optimizer.param_groups:
