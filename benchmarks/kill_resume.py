@@ -32,9 +32,28 @@ _CODE = "import sys; from lossparity.cli import main; sys.exit(main())"
 
 
 def _argv(out: Path, steps: int, dp: int, resume: bool) -> list[str]:
-    return [sys.executable, "-c", _CODE, "train", "--steps", str(steps), "--dp", str(dp), "--global-batch", "4",
-            "--seq-len", "32", "--packed", "--ckpt-interval", "1", "--dump-samples", "--no-progress",
-            "--no-tensorboard", "--out", str(out)] + (["--resume"] if resume else [])
+    return [
+        sys.executable,
+        "-c",
+        _CODE,
+        "train",
+        "--steps",
+        str(steps),
+        "--dp",
+        str(dp),
+        "--global-batch",
+        "4",
+        "--seq-len",
+        "32",
+        "--packed",
+        "--ckpt-interval",
+        "1",
+        "--dump-samples",
+        "--no-progress",
+        "--no-tensorboard",
+        "--out",
+        str(out),
+    ] + (["--resume"] if resume else [])
 
 
 def _env() -> dict[str, str]:
@@ -88,8 +107,10 @@ def _snapshot(out: Path, steps: int) -> dict[str, Any]:
 
     from lossparity.parity.sample_dump import read_sample_dump
 
-    lines = [{k: v for k, v in json.loads(x).items() if k not in _TIMINGS}
-             for x in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [
+        {k: v for k, v in json.loads(x).items() if k not in _TIMINGS}
+        for x in (out / "metrics.jsonl").read_text().splitlines()
+    ]
     dump = {s: [a.tolist() for a in v] for s, v in read_sample_dump(str(out)).items()}
     state = torch.load(out / "checkpoints" / f"step_{steps:08d}.pt", map_location="cpu", weights_only=False)
     return {"lines": lines, "dump": dump, "model": state["model"]}
@@ -99,14 +120,21 @@ def _equal(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     import torch
 
     bad = [k for k in ("lines", "dump") if a[k] != b[k]]
-    if a["model"].keys() != b["model"].keys() or not all(torch.equal(a["model"][k], b["model"][k])
-                                                          for k in a["model"]):
+    if a["model"].keys() != b["model"].keys() or not all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]):
         bad.append("parameters")
     return bad
 
 
-def run_trials(trials: int, *, steps: int = 8, dp: int = 1, seed: int = 0, workdir: str | None = None,
-               resume_kill_p: float = 0.5, log=print) -> dict[str, Any]:
+def run_trials(
+    trials: int,
+    *,
+    steps: int = 8,
+    dp: int = 1,
+    seed: int = 0,
+    workdir: str | None = None,
+    resume_kill_p: float = 0.5,
+    log=print,
+) -> dict[str, Any]:
     """Run ``trials`` kill-and-resume trials against one reference run; ``resume_kill_p`` is the chance
     that each resume (up to two) is killed too. Returns the counts and the per-trial details."""
     rng = random.Random(seed)
@@ -126,21 +154,44 @@ def run_trials(trials: int, *, steps: int = 8, dp: int = 1, seed: int = 0, workd
                 break
             kills += 1
             in_resume += during_start
-            in_write += any(p.name.startswith(".tmp-") for d in (out, out / "checkpoints", out / "samples")
-                            if d.is_dir() for p in d.iterdir())
+            in_write += any(
+                p.name.startswith(".tmp-")
+                for d in (out, out / "checkpoints", out / "samples")
+                if d.is_dir()
+                for p in d.iterdir()
+            )
         _finish(out, steps, dp)
         diffs = _equal(reference, _snapshot(out, steps))
-        results.append({"trial": t, "kills": kills, "kills_during_resume": in_resume, "kills_inside_a_write": in_write,
-                        "bit_exact": not diffs, "differs": diffs})
-        log(f"trial {t}: {kills} kill(s) ({in_resume} during a resume, {in_write} inside a write): "
-            + ("bit-exact" if not diffs else f"DIFFERS in {', '.join(diffs)}"))
+        results.append(
+            {
+                "trial": t,
+                "kills": kills,
+                "kills_during_resume": in_resume,
+                "kills_inside_a_write": in_write,
+                "bit_exact": not diffs,
+                "differs": diffs,
+            }
+        )
+        log(
+            f"trial {t}: {kills} kill(s) ({in_resume} during a resume, {in_write} inside a write): "
+            + ("bit-exact" if not diffs else f"DIFFERS in {', '.join(diffs)}")
+        )
     exact = sum(r["bit_exact"] for r in results)
-    summary = {"trials": trials, "bit_exact": exact, "kills": sum(r["kills"] for r in results),
-               "kills_during_resume": sum(r["kills_during_resume"] for r in results),
-               "kills_inside_a_write": sum(r["kills_inside_a_write"] for r in results), "steps": steps, "dp": dp,
-               "seed": seed, "results": results}
-    log(f"{exact}/{trials} bit-exact resumes; {summary['kills']} kills, {summary['kills_during_resume']} during a "
-        f"resume, {summary['kills_inside_a_write']} inside a write")
+    summary = {
+        "trials": trials,
+        "bit_exact": exact,
+        "kills": sum(r["kills"] for r in results),
+        "kills_during_resume": sum(r["kills_during_resume"] for r in results),
+        "kills_inside_a_write": sum(r["kills_inside_a_write"] for r in results),
+        "steps": steps,
+        "dp": dp,
+        "seed": seed,
+        "results": results,
+    }
+    log(
+        f"{exact}/{trials} bit-exact resumes; {summary['kills']} kills, {summary['kills_during_resume']} during a "
+        f"resume, {summary['kills_inside_a_write']} inside a write"
+    )
     return summary
 
 

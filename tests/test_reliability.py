@@ -221,8 +221,11 @@ def test_non_finite_gradient_norm_names_the_cause_and_updates_nothing():
     t = Trainer(small_cfg(steps=1))
     t.raw.output.weight.register_hook(lambda g: g * float("nan"))  # finite losses, a NaN gradient
     before = {n: p.detach().clone() for n, p in t.raw.named_parameters()}
-    with pytest.raises(FloatingPointError, match=r"step 1 \(rank 0\): the gradient norm is nan; the optimizer "
-                                                 "step was not taken"):
+    with pytest.raises(
+        FloatingPointError,
+        match=r"step 1 \(rank 0\): the gradient norm is nan; the optimizer "
+        "step was not taken",
+    ):
         t.fit()
     assert all(torch.equal(p, before[n]) for n, p in t.raw.named_parameters())
 
@@ -245,8 +248,9 @@ def test_config_file_sets_fields_and_flags_win(tmp_path):
 
     run = tmp_path / "run.yaml"
     run.write_text("preset: torchtitan\nsteps: 7\nga: 2\nmodel_overrides:\n  mtp_depths: 0\n")
-    cfg = train_config_from_args(build_parser().parse_args(["train", "--config", str(run), "--ga", "4",
-                                                            "--set", "n_layers=3"]))
+    cfg = train_config_from_args(
+        build_parser().parse_args(["train", "--config", str(run), "--ga", "4", "--set", "n_layers=3"])
+    )
     assert (cfg.steps, cfg.ga, cfg.mtp_convention, cfg.aux_scope) == (7, 4, "main", "none")
     assert cfg.model_overrides == {"mtp_depths": 0, "n_layers": 3}
     js = tmp_path / "run.json"
@@ -255,13 +259,16 @@ def test_config_file_sets_fields_and_flags_win(tmp_path):
     assert (cfg.steps, cfg.mode) == (5, "per_sample")
 
 
-@pytest.mark.parametrize("text, message", [
-    ("steps: 7\nmodee: per_token\n", "run.yaml:2: unknown field 'modee' (did you mean 'mode'?)"),
-    ("steps: ten\n", "run.yaml:1: steps must be int, got 'ten'"),
-    ("seed: 1\nmtp_weight: .nan\n", "run.yaml:2: mtp_weight must be a finite number >= 0, got nan"),
-    ("steps: [1,\n", "run.yaml:2: invalid YAML"),
-    ("- 1\n", "run.yaml:1: expected a mapping"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("steps: 7\nmodee: per_token\n", "run.yaml:2: unknown field 'modee' (did you mean 'mode'?)"),
+        ("steps: ten\n", "run.yaml:1: steps must be int, got 'ten'"),
+        ("seed: 1\nmtp_weight: .nan\n", "run.yaml:2: mtp_weight must be a finite number >= 0, got nan"),
+        ("steps: [1,\n", "run.yaml:2: invalid YAML"),
+        ("- 1\n", "run.yaml:1: expected a mapping"),
+    ],
+)
 def test_config_file_errors_name_file_and_line(tmp_path, capsys, text, message):
     (tmp_path / "run.yaml").write_text(text)
     assert main(["train", "--config", str(tmp_path / "run.yaml")]) == 2
@@ -291,8 +298,26 @@ def test_data_file_works_with_the_model_presets(tmp_path, capsys):
     # Before: every model preset had vocab_size 256 < the byte tokenizer's 259.
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"document {i} " + "word " * (i % 7 + 1) for i in range(40)))
-    assert main(["train", "--data", str(corpus), "--steps", "1", "--global-batch", "2", "--seq-len", "16",
-                 "--no-progress", "--out", str(tmp_path / "run"), "--no-tensorboard"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                str(corpus),
+                "--steps",
+                "1",
+                "--global-batch",
+                "2",
+                "--seq-len",
+                "16",
+                "--no-progress",
+                "--out",
+                str(tmp_path / "run"),
+                "--no-tensorboard",
+            ]
+        )
+        == 0
+    )
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["model_overrides"]["vocab_size"] == 259
 

@@ -56,11 +56,32 @@ def test_ranks_exit_when_the_launcher_is_killed(tmp_path):
     # a shell script) left both ranks training and writing the run folder.
     out = tmp_path / "run"
     code = "import sys; from lossparity.cli import main; sys.exit(main())"
-    argv = [sys.executable, "-c", code, "train", "--dp", "2", "--steps", "100000", "--global-batch", "4",
-            "--seq-len", "16", "--no-progress", "--no-tensorboard", "--out", str(out)]
+    argv = [
+        sys.executable,
+        "-c",
+        code,
+        "train",
+        "--dp",
+        "2",
+        "--steps",
+        "100000",
+        "--global-batch",
+        "4",
+        "--seq-len",
+        "16",
+        "--no-progress",
+        "--no-tensorboard",
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    launcher = subprocess.Popen(argv, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    launcher = subprocess.Popen(
+        argv,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 240

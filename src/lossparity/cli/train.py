@@ -30,8 +30,10 @@ _SKIP_FLAGS = ("model_overrides",)  # given as --set FIELD=VALUE
 
 def _none_or(convert):
     """argparse ``type``: ``none``/``null`` gives ``None`` (an optional field set explicitly to nothing)."""
+
     def parse(text: str) -> Any:
         return None if text.lower() in ("none", "null") else convert(text)
+
     parse.__name__ = getattr(convert, "__name__", "value")
     return parse
 
@@ -54,16 +56,29 @@ def add_train_args(t: argparse.ArgumentParser) -> None:
             t.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help_text)
         else:
             base = int if annotation.startswith("int") else float if annotation.startswith("float") else str
-            t.add_argument(flag, dest=f.name, default=None, help=help_text,
-                           type=_none_or(base) if "None" in annotation else base)
-    t.add_argument("--set", dest="model_set", action="append", metavar="FIELD=VALUE",
-                   help="override a ModelConfig field (repeatable), e.g. --set mtp_depths=0")
-    t.add_argument("--preset", default=None,
-                   help="framework preset, e.g. megatron:calculate_per_token_loss=false, maxtext, torchtitan, "
-                        "hf-trainer, verl:seq-mean-token-mean, lossparity (see `lossparity modes`); explicit flags "
-                        "and config-file fields win over it")
-    t.add_argument("--config", default=None, metavar="FILE",
-                   help="YAML or JSON mapping of TrainConfig fields (and optionally 'preset'); flags win over it")
+            t.add_argument(
+                flag, dest=f.name, default=None, help=help_text, type=_none_or(base) if "None" in annotation else base
+            )
+    t.add_argument(
+        "--set",
+        dest="model_set",
+        action="append",
+        metavar="FIELD=VALUE",
+        help="override a ModelConfig field (repeatable), e.g. --set mtp_depths=0",
+    )
+    t.add_argument(
+        "--preset",
+        default=None,
+        help="framework preset, e.g. megatron:calculate_per_token_loss=false, maxtext, torchtitan, "
+        "hf-trainer, verl:seq-mean-token-mean, lossparity (see `lossparity modes`); explicit flags "
+        "and config-file fields win over it",
+    )
+    t.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="YAML or JSON mapping of TrainConfig fields (and optionally 'preset'); flags win over it",
+    )
     t.add_argument("--debug", action="store_true", help="show the traceback of an error")
 
 
@@ -100,8 +115,9 @@ def load_config_file(path: str) -> tuple[dict[str, Any], dict[str, int]]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise UsageError(f"{path}:{e.lineno}: invalid JSON ({e.msg}); --config takes a .json, .yaml or .yml "
-                         "file") from None
+        raise UsageError(
+            f"{path}:{e.lineno}: invalid JSON ({e.msg}); --config takes a .json, .yaml or .yml file"
+        ) from None
     if not isinstance(data, dict):
         raise UsageError(f"{path}:1: expected a JSON object of TrainConfig fields, got {type(data).__name__}")
     lines = {}
@@ -115,8 +131,9 @@ def _load_yaml(path: str, text: str) -> tuple[dict[str, Any], dict[str, int]]:
     try:
         import yaml
     except ImportError:
-        raise UsageError(f"--config {path}: YAML needs PyYAML (pip install 'lossparity[config]'), or give a "
-                         ".json file") from None
+        raise UsageError(
+            f"--config {path}: YAML needs PyYAML (pip install 'lossparity[config]'), or give a .json file"
+        ) from None
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
@@ -159,8 +176,10 @@ def _preset_fields(name: str) -> dict[str, Any]:
         preset = resolve_preset(name)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    return {**preset.train_config_fields(),
-            "mtp_log_estimator": preset.accountant_kwargs().get("mtp_log_estimator", "token_mean")}
+    return {
+        **preset.train_config_fields(),
+        "mtp_log_estimator": preset.accountant_kwargs().get("mtp_log_estimator", "token_mean"),
+    }
 
 
 def train_config_from_args(args: argparse.Namespace):
@@ -173,8 +192,11 @@ def train_config_from_args(args: argparse.Namespace):
     preset = args.preset or file_preset
     values: dict[str, Any] = _preset_fields(preset) if preset else {}
     values.update(file_fields)
-    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-             if f.name not in _SKIP_FLAGS and getattr(args, f.name) is not None}
+    flags = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(TrainConfig)
+        if f.name not in _SKIP_FLAGS and getattr(args, f.name) is not None
+    }
     values.update(flags)
     values["model_overrides"] = {**file_fields.get("model_overrides", {}), **_parse_set(args.model_set)}
     cfg = TrainConfig(**values)
@@ -223,8 +245,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 2 if isinstance(e, _INPUT_ERRORS) else 1
     if history:
         last = history[-1]
-        print(f"done: {len(history)} steps, last lm_loss {last.get('lm_loss')}, objective {last.get('objective')}"
-              + (f"; logs in {cfg.out}" if cfg.out else ""))
+        print(
+            f"done: {len(history)} steps, last lm_loss {last.get('lm_loss')}, objective {last.get('objective')}"
+            + (f"; logs in {cfg.out}" if cfg.out else "")
+        )
     return 0
 
 
@@ -249,8 +273,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise UsageError("--quick and --full exclude each other")
     steps = args.steps if args.steps else (2 if args.quick else 5 if args.full else 3)
     overrides = {"aux_scope": args.aux_scope}
-    print(f"lossparity verify: tiny MoE+MTP model, {len(layouts)} layouts x {len(modes)} modes, {steps} steps, "
-          f"float64, reference = 1x1 run")
+    print(
+        f"lossparity verify: tiny MoE+MTP model, {len(layouts)} layouts x {len(modes)} modes, {steps} steps, "
+        f"float64, reference = 1x1 run"
+    )
     report = run_verify(layouts, modes, steps=steps, overrides=overrides)
     print(format_table(report))
     if args.json:

@@ -48,8 +48,13 @@ FieldKind = Literal["numbers", "layout", "run"]
 
 # The option fields and their valid spellings (the CLI's choices, validate()'s check).
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {
-    "mode": MODES, "normalization": NORMALIZATIONS, "mtp_convention": MTP_CONVENTIONS,
-    "mtp_log_estimator": MTP_LOG_ESTIMATORS, "aux_scope": AUX_SCOPES, "z_form": Z_FORMS, "dtype": DTYPES,
+    "mode": MODES,
+    "normalization": NORMALIZATIONS,
+    "mtp_convention": MTP_CONVENTIONS,
+    "mtp_log_estimator": MTP_LOG_ESTIMATORS,
+    "aux_scope": AUX_SCOPES,
+    "z_form": Z_FORMS,
+    "dtype": DTYPES,
     "engine": ENGINES,
 }
 
@@ -57,8 +62,17 @@ OPTION_CHOICES: dict[str, tuple[str, ...]] = {
 BYTE_VOCAB = 259
 
 # Weights and rates that must be finite and >= 0 (NaN is never a valid weight).
-_NON_NEGATIVE = ("lr", "min_lr", "weight_decay", "mtp_weight", "mtp_weight_after", "aux_coeff", "z_coeff",
-                 "bias_rate", "indexer_coeff")
+_NON_NEGATIVE = (
+    "lr",
+    "min_lr",
+    "weight_decay",
+    "mtp_weight",
+    "mtp_weight_after",
+    "aux_coeff",
+    "z_coeff",
+    "bias_rate",
+    "indexer_coeff",
+)
 _POSITIVE_INTS = ("dp", "cp", "pp", "pp_virtual", "tp", "ga", "global_batch", "seq_len", "steps", "log_interval")
 _OPTIONAL_NON_NEGATIVE_INTS = ("mtp_switch_step", "bias_freeze_step")
 
@@ -78,8 +92,11 @@ class TrainConfig:
     model: str = _f("tiny", "model preset: tiny, small, medium, 100m")
     model_overrides: dict[str, Any] = _f(dict, "ModelConfig field overrides (CLI: --set FIELD=VALUE)")
     mode: Mode = _f("per_token", "objective mode (docs/semantics.md §1)")
-    normalization: Normalization = _f("precount", "precount: normalizers counted before the step; deferred: "
-                                                  "gradients divided by the all-reduced count at the end")
+    normalization: Normalization = _f(
+        "precount",
+        "precount: normalizers counted before the step; deferred: "
+        "gradients divided by the all-reduced count at the end",
+    )
     fixed_length: int | None = _f(None, "L of sample_sum_norm (default: seq_len)")
     dp: int = _f(1, "data-parallel ranks (started here unless under torchrun)", "layout")
     cp: int = _f(1, "context-parallel ranks per data-parallel rank (zig-zag shards)", "layout")
@@ -103,8 +120,9 @@ class TrainConfig:
     seed: int = _f(0, "seed of the initialization and the synthetic data")
     dtype: DType = _f("float32", "parameter dtype (bf16: float32 weights, bf16 autocast)")
     recompute: bool = _f(False, "activation recompute of every block", "layout")
-    engine: Engine = _f("ddp", "data-parallel gradient engine: DDP, FSDP2 fully_shard, or the accountant's "
-                               "all-reduce", "layout")
+    engine: Engine = _f(
+        "ddp", "data-parallel gradient engine: DDP, FSDP2 fully_shard, or the accountant's all-reduce", "layout"
+    )
     mtp_weight: float = _f(0.3, "MTP lambda until --mtp-switch-step")
     mtp_weight_after: float = _f(0.1, "MTP lambda from --mtp-switch-step on")
     mtp_switch_step: int | None = _f(None, "step at which lambda switches (DeepSeek-V3)")
@@ -123,14 +141,17 @@ class TrainConfig:
     log_interval: int = _f(1, "console line every N steps (mean over the interval)", "run")
     ckpt_interval: int = _f(0, "checkpoint every N steps and at the last step (0: never)", "run")
     resume: bool = _f(False, "resume from OUT/checkpoints (the newest intact checkpoint)", "run")
-    overwrite: bool = _f(False, "start a new run in a non-empty OUT: deletes its metrics, samples, "
-                                "tensorboard and checkpoints", "run")
+    overwrite: bool = _f(
+        False, "start a new run in a non-empty OUT: deletes its metrics, samples, tensorboard and checkpoints", "run"
+    )
     tensorboard: bool = _f(True, "write TensorBoard scalars to OUT/tensorboard when tensorboard is installed", "run")
     progress: bool = _f(True, "print a progress line", "run")
-    dump_samples: bool = _f(False, "write per-sample (n_i, s_i) of every step to OUT/samples for `lossparity gap`",
-                            "run")
-    device: str = _f("cpu", "cpu, or cuda for single-process runs on the current GPU (multi-rank runs use "
-                            "NCCL's device)", "layout")
+    dump_samples: bool = _f(
+        False, "write per-sample (n_i, s_i) of every step to OUT/samples for `lossparity gap`", "run"
+    )
+    device: str = _f(
+        "cpu", "cpu, or cuda for single-process runs on the current GPU (multi-rank runs use NCCL's device)", "layout"
+    )
 
     # ------------------------------------------------------------------ checks (never mutate)
     def validate(self) -> None:
@@ -146,15 +167,18 @@ class TrainConfig:
         if self.global_batch % (self.dp * self.ga):
             raise ValueError(
                 f"global_batch={self.global_batch} is not divisible by dp*ga={self.dp}*{self.ga}: every rank "
-                "needs the same number of whole rows per microbatch")
+                "needs the same number of whole rows per microbatch"
+            )
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite exclude each other")
 
     def _check_layout(self) -> None:
         if self.engine == "fsdp" and (self.cp > 1 or self.pp > 1):
             raise ValueError("engine='fsdp' is supported for data parallelism without cp/pp")
-        whole = ("aux_scope global_lagged/none and z_form global (got aux_scope={!r}, z_form={!r}): the other forms "
-                 "need the counts of whole microbatches or sequences on every shard")
+        whole = (
+            "aux_scope global_lagged/none and z_form global (got aux_scope={!r}, z_form={!r}): the other forms "
+            "need the counts of whole microbatches or sequences on every shard"
+        )
         split = self.aux_scope not in ("global_lagged", "none") or self.z_form != "global"
         if self.cp > 1:
             if split:
@@ -175,22 +199,29 @@ class TrainConfig:
             if self.cp > 1 or self.dump_samples or self.ckpt_interval:
                 raise ValueError(f"pp={self.pp} is not combined with cp > 1, dump_samples or checkpoints yet")
             if self.ga < self.pp:
-                raise ValueError(f"pp={self.pp} needs ga >= pp microbatches per step (got ga={self.ga}) to fill the "
-                                 "pipeline")
+                raise ValueError(
+                    f"pp={self.pp} needs ga >= pp microbatches per step (got ga={self.ga}) to fill the pipeline"
+                )
             if self.pp_virtual > 1 and self.ga % self.pp:
-                raise ValueError(f"interleaved pipelining (pp_virtual={self.pp_virtual}) needs ga divisible by "
-                                 f"pp={self.pp}, got ga={self.ga}")
+                raise ValueError(
+                    f"interleaved pipelining (pp_virtual={self.pp_virtual}) needs ga divisible by "
+                    f"pp={self.pp}, got ga={self.ga}"
+                )
 
     def _check_features(self) -> None:
         if self.dump_samples and (self.out is None or self.cp > 1):
-            raise ValueError("dump_samples needs out= (the dump goes to OUT/samples) and cp=1 (a context-parallel "
-                             "shard holds only part of a sample's sum)")
+            raise ValueError(
+                "dump_samples needs out= (the dump goes to OUT/samples) and cp=1 (a context-parallel "
+                "shard holds only part of a sample's sum)"
+            )
         if self.data != "synthetic" and not os.path.isfile(self.data):
             raise FileNotFoundError(f"data file not found: {self.data}")
         vocab = self.model_overrides.get("vocab_size")
         if self.data != "synthetic" and isinstance(vocab, int) and vocab < BYTE_VOCAB:
-            raise ValueError(f"--set vocab_size={vocab} is smaller than the byte tokenizer's {BYTE_VOCAB} needed by "
-                             f"--data {self.data}: drop the override (the vocabulary then follows the tokenizer)")
+            raise ValueError(
+                f"--set vocab_size={vocab} is smaller than the byte tokenizer's {BYTE_VOCAB} needed by "
+                f"--data {self.data}: drop the override (the vocabulary then follows the tokenizer)"
+            )
 
     # ------------------------------------------------------------------ derived values
     def resolved(self) -> TrainConfig:
@@ -199,8 +230,9 @@ class TrainConfig:
         (DTensor-sharded parameters: the accountant sums gradients over DP); with a data file, the model's
         ``vocab_size`` = the byte tokenizer's 259 rounded up to a multiple of ``tp`` unless ``--set`` gives it."""
         self.validate()
-        changes: dict[str, Any] = {name: check_option(name, getattr(self, name), valid)
-                                   for name, valid in OPTION_CHOICES.items()}
+        changes: dict[str, Any] = {
+            name: check_option(name, getattr(self, name), valid) for name, valid in OPTION_CHOICES.items()
+        }
         if self.mode == "sample_sum_norm" and self.fixed_length is None:
             changes["fixed_length"] = self.seq_len
         if self.tp > 1:
@@ -221,8 +253,11 @@ class TrainConfig:
     def depends_on_microbatch_size(self) -> bool:
         """Whether the numbers depend on ``b`` by definition (``per_microbatch``, the ``micro_batch`` and
         ``global_running`` aux scopes, the per-microbatch z form): then ``b`` is part of the numbers."""
-        return (self.mode == "per_microbatch" or self.aux_scope in ("micro_batch", "global_running")
-                or self.z_form == "microbatch")
+        return (
+            self.mode == "per_microbatch"
+            or self.aux_scope in ("micro_batch", "global_running")
+            or self.z_form == "microbatch"
+        )
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -245,8 +280,13 @@ def check_field(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     if name == "grad_clip" and not math.isfinite(value):
         raise ValueError(f"grad_clip must be finite (<= 0 disables clipping), got {value!r}")
-    low = {**dict.fromkeys(_POSITIVE_INTS, 1), "warmup": 0, "ckpt_interval": 0, "fixed_length": 1,
-           **dict.fromkeys(_OPTIONAL_NON_NEGATIVE_INTS, 0)}.get(name)
+    low = {
+        **dict.fromkeys(_POSITIVE_INTS, 1),
+        "warmup": 0,
+        "ckpt_interval": 0,
+        "fixed_length": 1,
+        **dict.fromkeys(_OPTIONAL_NON_NEGATIVE_INTS, 0),
+    }.get(name)
     if low is not None and value is not None and value < low:
         raise ValueError(f"{name} must be >= {low}{' or None' if 'None' in annotation else ''}, got {value}")
 
@@ -264,16 +304,22 @@ def numbers_mismatch(saved: dict[str, Any], new: TrainConfig) -> list[str]:
     config) differs from ``new``, as ``"field: saved -> new"`` strings; ``microbatch_size`` is compared too
     when either side depends on it. Fields absent from ``saved`` (older checkpoints) are not compared."""
     new_d = dataclasses.asdict(new)
-    diffs = [f"{name}: {saved[name]!r} -> {new_d[name]!r}" for name in new_d
-             if field_kind(name) == "numbers" and name in saved and saved[name] != new_d[name]]
+    diffs = [
+        f"{name}: {saved[name]!r} -> {new_d[name]!r}"
+        for name in new_d
+        if field_kind(name) == "numbers" and name in saved and saved[name] != new_d[name]
+    ]
     try:
         old = TrainConfig(**{k: v for k, v in saved.items() if k in new_d})
     except TypeError:
         return diffs
-    if (old.depends_on_microbatch_size or new.depends_on_microbatch_size) and \
-            old.microbatch_size != new.microbatch_size:
-        diffs.append(f"microbatch_size (global_batch/(dp*ga)): {old.microbatch_size} -> {new.microbatch_size} "
-                     f"(mode {new.mode!r}, aux_scope {new.aux_scope!r} and z_form {new.z_form!r} depend on it)")
+    if (
+        old.depends_on_microbatch_size or new.depends_on_microbatch_size
+    ) and old.microbatch_size != new.microbatch_size:
+        diffs.append(
+            f"microbatch_size (global_batch/(dp*ga)): {old.microbatch_size} -> {new.microbatch_size} "
+            f"(mode {new.mode!r}, aux_scope {new.aux_scope!r} and z_form {new.z_form!r} depend on it)"
+        )
     return diffs
 
 

@@ -36,8 +36,17 @@ from typing import TypeVar
 from ..atomic_io import atomic_write_bytes, remove_stale_temporaries
 from .config import TrainConfig, numbers_mismatch
 
-__all__ = ["RunDirError", "CONFIG_FILE", "CHECKPOINT_SUBDIR", "prepare_run_dir", "check_run_dir", "list_checkpoints",
-           "rotate_checkpoints", "load_newest_intact", "sharded_checkpoint_intact"]
+__all__ = [
+    "RunDirError",
+    "CONFIG_FILE",
+    "CHECKPOINT_SUBDIR",
+    "prepare_run_dir",
+    "check_run_dir",
+    "list_checkpoints",
+    "rotate_checkpoints",
+    "load_newest_intact",
+    "sharded_checkpoint_intact",
+]
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -60,21 +69,26 @@ def check_run_dir(cfg: TrainConfig) -> None:
     entries = sorted(os.listdir(out))
     if entries and not cfg.resume and not cfg.overwrite:
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-        raise RunDirError(f"--out {out} is not empty ({shown}): pass --resume to continue that run, --overwrite to "
-                          "replace it, or another --out")
+        raise RunDirError(
+            f"--out {out} is not empty ({shown}): pass --resume to continue that run, --overwrite to "
+            "replace it, or another --out"
+        )
     saved_path = os.path.join(out, CONFIG_FILE)
     if cfg.resume and os.path.exists(saved_path):
         try:
             with open(saved_path, encoding="utf-8") as f:
                 saved = json.load(f)
         except (OSError, ValueError) as e:
-            raise RunDirError(f"{saved_path}: cannot be read ({e}); --resume needs it to check the configuration") \
-                from None
+            raise RunDirError(
+                f"{saved_path}: cannot be read ({e}); --resume needs it to check the configuration"
+            ) from None
         diffs = numbers_mismatch(saved, cfg)
         if diffs:
-            raise RunDirError(f"--resume into {out}: the configuration differs from the saved one in fields that "
-                              f"change the numbers: {'; '.join(diffs)} (the layout may change; start a new run with "
-                              "another --out or --overwrite)")
+            raise RunDirError(
+                f"--resume into {out}: the configuration differs from the saved one in fields that "
+                f"change the numbers: {'; '.join(diffs)} (the layout may change; start a new run with "
+                "another --out or --overwrite)"
+            )
 
 
 def prepare_run_dir(cfg: TrainConfig, rank: int = 0, barrier: Callable[[], None] | None = None) -> None:
@@ -91,8 +105,11 @@ def prepare_run_dir(cfg: TrainConfig, rank: int = 0, barrier: Callable[[], None]
         for sub in ("", CHECKPOINT_SUBDIR, "samples"):
             removed = remove_stale_temporaries(os.path.join(cfg.out, sub))
             if removed:
-                warnings.warn(f"removed temporary files of an interrupted write in "
-                              f"{os.path.join(cfg.out, sub)}: {', '.join(removed)}", stacklevel=2)
+                warnings.warn(
+                    f"removed temporary files of an interrupted write in "
+                    f"{os.path.join(cfg.out, sub)}: {', '.join(removed)}",
+                    stacklevel=2,
+                )
         text = json.dumps(dataclasses.asdict(cfg), indent=2, sort_keys=True) + "\n"
         atomic_write_bytes(os.path.join(cfg.out, CONFIG_FILE), text.encode("utf-8"))
     if barrier is not None:
@@ -173,8 +190,10 @@ def load_newest_intact(ckpt_dir: str, load: Callable[[str], T]) -> tuple[int, T]
             return step, load(path)
         except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back to the previous one
             errors.append(f"{name}: {type(e).__name__}: {e}")
-            warnings.warn(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); falling back to the "
-                          "previous one", stacklevel=2)
+            warnings.warn(
+                f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); falling back to the previous one",
+                stacklevel=2,
+            )
     if errors:
         raise RunDirError(f"no intact checkpoint in {ckpt_dir}: {'; '.join(errors)}")
     return None

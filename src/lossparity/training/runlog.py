@@ -34,8 +34,10 @@ def _parse_lines(path: str, data: bytes) -> tuple[list[tuple[int, bytes]], list[
     tail = lines.pop()  # after the last newline: empty unless the last write was torn
     notes = []
     if tail.strip():
-        notes.append(f"{path}:{len(lines) + 1}: dropped a torn last line ({len(tail)} bytes without a newline; "
-                     "the run was killed while writing it)")
+        notes.append(
+            f"{path}:{len(lines) + 1}: dropped a torn last line ({len(tail)} bytes without a newline; "
+            "the run was killed while writing it)"
+        )
     out = []
     for lineno, raw in enumerate(lines, start=1):
         if not raw.strip():
@@ -43,8 +45,9 @@ def _parse_lines(path: str, data: bytes) -> tuple[list[tuple[int, bytes]], list[
         try:
             step = json.loads(raw)["step"]
         except (ValueError, KeyError, TypeError):
-            raise ValueError(f"{path}:{lineno}: not a metrics line (a JSON object with a 'step'); repair or "
-                             "remove the file") from None
+            raise ValueError(
+                f"{path}:{lineno}: not a metrics line (a JSON object with a 'step'); repair or remove the file"
+            ) from None
         out.append((int(step), raw + b"\n"))
     return out, notes
 
