@@ -107,7 +107,10 @@ def free_port() -> int:
 
 def init_from_env(backend: str | None = None, timeout_s: float = 120.0) -> None:
     """Initialize the default process group from ``torchrun``-style environment variables
-    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) with a bounded timeout."""
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) with a bounded timeout. Under
+    ``torchrun`` (``TORCHELASTIC_RUN_ID`` set) the rank also dies with its agent (:func:`die_with_parent`)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent(os.getppid())
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
