@@ -27,10 +27,10 @@ __all__ = [
     "Z_FORMS",
     "ScoreFunction",
     "SCORE_FUNCTIONS",
-    "DType",
-    "DTYPES",
     "Engine",
     "ENGINES",
+    "DType",
+    "DTYPES",
     "ALIASES",
     "check_option",
 ]
@@ -61,13 +61,14 @@ Z_FORMS: tuple[ZForm, ...] = get_args(ZForm)
 ScoreFunction = Literal["softmax", "sigmoid"]
 SCORE_FUNCTIONS: tuple[ScoreFunction, ...] = get_args(ScoreFunction)
 
-# Reference trainer: parameter/compute dtype (bf16 = float32 master weights + bf16 autocast) and the
-# data-parallel gradient engine (plain = the accountant's own all-reduce).
-DType = Literal["float32", "float64", "bf16"]
-DTYPES: tuple[DType, ...] = get_args(DType)
-
+# Gradient engine of the trainer: DistributedDataParallel, FSDP2 (fully_shard) or a plain module whose
+# gradients the accountant sums itself.
 Engine = Literal["ddp", "fsdp", "plain"]
 ENGINES: tuple[Engine, ...] = get_args(Engine)
+
+# Parameter dtype of the reference trainer (bf16: float32 weights, bf16 autocast).
+DType = Literal["float32", "float64", "bf16"]
+DTYPES: tuple[DType, ...] = get_args(DType)
 
 # Spellings accepted for backward compatibility, per option name: old -> canonical.
 ALIASES: dict[str, dict[str, str]] = {
