@@ -12,5 +12,5 @@ def two_different_errors(rank: int, world: int) -> None:
     dist.barrier()
     if rank == 1:
         raise ValueError("mask of rank 1, microbatch 0 has values outside {0, 1}")
-    time.sleep(0.3)
+    time.sleep(1.0)  # well after rank 1, well inside the launcher's 3 s grace period
     raise RuntimeError("rank 0 noticed that a peer left")
