@@ -125,6 +125,34 @@ def _equal(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return bad
 
 
+def _left_temporaries(out: Path) -> bool:
+    """Whether a killed write left a ``.tmp-*`` file (the next start removes it)."""
+    dirs = [d for d in (out, out / "checkpoints", out / "samples") if d.is_dir()]
+    return any(p.name.startswith(".tmp-") for d in dirs for p in d.iterdir())
+
+
+def _trial(out: Path, steps: int, dp: int, rng: random.Random, resume_kill_p: float, reference: dict) -> dict:
+    """One trial: a killed run, up to two killed resumes, a resume to the end, the comparison."""
+    kills = in_write = in_resume = 0
+    for attempt in range(3):
+        if attempt > 0 and rng.random() >= resume_kill_p:
+            break
+        if not _run_and_kill(out, steps, dp, attempt > 0, rng, during_start=attempt > 0):
+            break
+        kills += 1
+        in_resume += attempt > 0
+        in_write += _left_temporaries(out)
+    _finish(out, steps, dp)
+    diffs = _equal(reference, _snapshot(out, steps))
+    return {
+        "kills": kills,
+        "kills_during_resume": in_resume,
+        "kills_inside_a_write": in_write,
+        "bit_exact": not diffs,
+        "differs": diffs,
+    }
+
+
 def run_trials(
     trials: int,
     *,
@@ -144,53 +172,25 @@ def run_trials(
     reference = _snapshot(ref, steps)
     results = []
     for t in range(trials):
-        out = base / f"trial{t}"
-        kills = in_write = in_resume = 0
-        for attempt in range(3):
-            during_start = attempt > 0
-            if attempt > 0 and rng.random() >= resume_kill_p:
-                break
-            if not _run_and_kill(out, steps, dp, attempt > 0, rng, during_start):
-                break
-            kills += 1
-            in_resume += during_start
-            in_write += any(
-                p.name.startswith(".tmp-")
-                for d in (out, out / "checkpoints", out / "samples")
-                if d.is_dir()
-                for p in d.iterdir()
-            )
-        _finish(out, steps, dp)
-        diffs = _equal(reference, _snapshot(out, steps))
-        results.append(
-            {
-                "trial": t,
-                "kills": kills,
-                "kills_during_resume": in_resume,
-                "kills_inside_a_write": in_write,
-                "bit_exact": not diffs,
-                "differs": diffs,
-            }
-        )
+        r = {"trial": t, **_trial(base / f"trial{t}", steps, dp, rng, resume_kill_p, reference)}
+        results.append(r)
         log(
-            f"trial {t}: {kills} kill(s) ({in_resume} during a resume, {in_write} inside a write): "
-            + ("bit-exact" if not diffs else f"DIFFERS in {', '.join(diffs)}")
+            f"trial {t}: {r['kills']} kill(s) ({r['kills_during_resume']} during a resume, "
+            f"{r['kills_inside_a_write']} inside a write): "
+            + ("bit-exact" if r["bit_exact"] else f"DIFFERS in {', '.join(r['differs'])}")
         )
-    exact = sum(r["bit_exact"] for r in results)
+    keys = ("kills", "kills_during_resume", "kills_inside_a_write", "bit_exact")
     summary = {
         "trials": trials,
-        "bit_exact": exact,
-        "kills": sum(r["kills"] for r in results),
-        "kills_during_resume": sum(r["kills_during_resume"] for r in results),
-        "kills_inside_a_write": sum(r["kills_inside_a_write"] for r in results),
+        **{k: sum(r[k] for r in results) for k in keys},
         "steps": steps,
         "dp": dp,
         "seed": seed,
         "results": results,
     }
     log(
-        f"{exact}/{trials} bit-exact resumes; {summary['kills']} kills, {summary['kills_during_resume']} during a "
-        f"resume, {summary['kills_inside_a_write']} inside a write"
+        f"{summary['bit_exact']}/{trials} bit-exact resumes; {summary['kills']} kills, "
+        f"{summary['kills_during_resume']} during a resume, {summary['kills_inside_a_write']} inside a write"
     )
     return summary
 
