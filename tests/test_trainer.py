@@ -92,7 +92,7 @@ def test_atomic_save_keeps_previous_checkpoint_on_crash(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["train", "--mode", "token_mean"], "unknown mode 'token_mean'; valid modes"),
+    (["train", "--mode", "token_mean"], "unknown mode 'token_mean'; valid: per_token"),
     (["train", "--global-batch", "6", "--ga", "4"], "global_batch=6 is not divisible by dp*ga=1*4"),
     (["train", "--data", "no_such_file.jsonl"], "data file not found: no_such_file.jsonl"),
     (["train", "--model", "huge"], "unknown model preset 'huge'"),

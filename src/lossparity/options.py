@@ -31,6 +31,10 @@ __all__ = [
     "ALIGNS",
     "MissingSteps",
     "MISSING_STEPS",
+    "Engine",
+    "ENGINES",
+    "DType",
+    "DTYPES",
     "ALIASES",
     "check_option",
     "MODE_INFO",
@@ -93,6 +97,15 @@ MODE_INFO: dict[Mode, tuple[str, str]] = {
     "sample_sum": ("(1/N) Σ_i s_i", "verl seq-mean-token-sum"),
     "sample_sum_norm": ("S / (N · L)", "Dr. GRPO; verl seq-mean-token-sum-norm"),
 }
+
+# Gradient engine of the trainer: DistributedDataParallel, FSDP2 (fully_shard) or a plain module whose
+# gradients the accountant sums itself.
+Engine = Literal["ddp", "fsdp", "plain"]
+ENGINES: tuple[Engine, ...] = get_args(Engine)
+
+# Parameter dtype of the reference trainer (bf16: float32 weights, bf16 autocast).
+DType = Literal["float32", "float64", "bf16"]
+DTYPES: tuple[DType, ...] = get_args(DType)
 
 # Spellings accepted for backward compatibility, per option name: old -> canonical.
 ALIASES: dict[str, dict[str, str]] = {

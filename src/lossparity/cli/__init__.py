@@ -49,6 +49,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     add_gap_arguments(g)
     g.set_defaults(func=cmd_gap)
 
+    # Unique prefixes of a flag are accepted (argparse's default): the preset logic reads parsed values
+    # (None = not given), never argv, so `--norm deferred` wins over a preset like `--normalization deferred`.
     t = sub.add_parser("train", help="train the reference MoE+MTP model (JSONL metrics, checkpoints)")
     if command in (None, "train"):
         from .train import add_train_args
@@ -90,9 +92,6 @@ def _run(argv_list: list[str]) -> int:
         args = parser.parse_args(argv_list)
     except SystemExit as e:  # argparse exits with 2 on bad usage already (0 after --help)
         return int(e.code or 0)
-    # Which options were given explicitly (a preset must not override them).
-    args._explicit = {k: any(a == "--" + k.replace("_", "-") or a.startswith("--" + k.replace("_", "-") + "=")
-                             for a in argv_list) for k in ("mode", "aux_scope", "mtp_convention", "normalization")}
     try:
         return int(args.func(args) or 0)
     except UsageError as e:

@@ -1,80 +1,266 @@
-"""CLI glue of the reference trainer: ``train`` and ``verify``."""
+"""CLI glue of the reference trainer: ``train`` (generated from ``TrainConfig``) and ``verify``.
+
+``lossparity train`` has one flag per :class:`~lossparity.training.config.TrainConfig` field
+(``--field-name``; booleans also as ``--no-field-name``), whose default is "not given", plus ``--set``
+(model overrides), ``--preset``, ``--config FILE`` and ``--debug``. The configuration is assembled in
+this order, each source overriding the previous one for the fields it names:
+
+    dataclass defaults < preset (--preset, else the file's ``preset``) < config file < explicit flags
+
+so an explicit flag (or a unique prefix of it, as argparse allows) always wins over a preset. Every input
+error (bad value, bad file, a run folder that refuses, a rank's invalid input) is one line on stderr with
+exit code 2 (``file:line`` for config files); ``--debug`` shows the traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import re
+import sys
+from typing import Any
 
 from ._common import UsageError
 
-__all__ = ["cmd_train", "cmd_verify", "add_train_args"]
+__all__ = ["cmd_train", "cmd_verify", "add_train_args", "train_config_from_args", "load_config_file"]
+
+_SKIP_FLAGS = ("model_overrides",)  # given as --set FIELD=VALUE
 
 
-def _train_config(args: argparse.Namespace):
-    from ..training.trainer import TrainConfig
+def _none_or(convert):
+    """argparse ``type``: ``none``/``null`` gives ``None`` (an optional field set explicitly to nothing)."""
 
-    overrides = {}
-    for item in args.model_set or []:
+    def parse(text: str) -> Any:
+        return None if text.lower() in ("none", "null") else convert(text)
+
+    parse.__name__ = getattr(convert, "__name__", "value")
+    return parse
+
+
+def add_train_args(t: argparse.ArgumentParser) -> None:
+    """One flag per ``TrainConfig`` field (default ``None`` = not given), plus ``--set``, ``--preset``,
+    ``--config`` and ``--debug``."""
+    from ..training.config import OPTION_CHOICES, TrainConfig
+
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in _SKIP_FLAGS:
+            continue
+        flag, annotation = "--" + f.name.replace("_", "-"), str(f.type)
+        help_text = f.metadata["help"]
+        if "(default" not in help_text:
+            help_text += f" (default: {_default_text(f)})"
+        if f.name in OPTION_CHOICES:
+            t.add_argument(flag, dest=f.name, default=None, metavar="|".join(OPTION_CHOICES[f.name]), help=help_text)
+        elif annotation.startswith("bool"):
+            t.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            base = int if annotation.startswith("int") else float if annotation.startswith("float") else str
+            t.add_argument(
+                flag, dest=f.name, default=None, help=help_text, type=_none_or(base) if "None" in annotation else base
+            )
+    t.add_argument(
+        "--set",
+        dest="model_set",
+        action="append",
+        metavar="FIELD=VALUE",
+        help="override a ModelConfig field (repeatable), e.g. --set mtp_depths=0",
+    )
+    t.add_argument(
+        "--preset",
+        default=None,
+        help="framework preset, e.g. megatron:calculate_per_token_loss=false, maxtext, torchtitan, "
+        "hf-trainer, verl:seq-mean-token-mean, lossparity (see `lossparity modes`); explicit flags "
+        "and config-file fields win over it",
+    )
+    t.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="YAML or JSON mapping of TrainConfig fields (and optionally 'preset'); flags win over it",
+    )
+    t.add_argument("--debug", action="store_true", help="show the traceback of an error")
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return "none" if f.default is None else str(f.default)
+    return "{}"
+
+
+def _parse_set(items: list[str] | None) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for item in items or []:
         key, sep, value = item.partition("=")
-        if not sep:
+        if not sep or not key:
             raise UsageError(f"--set expects FIELD=VALUE, got {item!r}")
         try:
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:
             overrides[key] = value
-    preset_fields: dict = {}
-    if args.preset:
-        from ..parity.presets import resolve_preset
+    return overrides
 
-        try:
-            preset = resolve_preset(args.preset)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-        preset_fields = {**preset.train_config_fields(),
-                         "mtp_log_estimator": preset.accountant_kwargs().get("mtp_log_estimator", "token_mean")}
-    cfg = TrainConfig(
-        model=args.model, model_overrides=overrides, mode=args.mode, normalization=args.normalization,
-        dp=args.dp, cp=args.cp, tp=args.tp, sp=args.sp, pp=args.pp, pp_virtual=args.pp_virtual, ga=args.ga,
-        global_batch=args.global_batch, seq_len=args.seq_len, packed=args.packed,
-        data=args.data, steps=args.steps, lr=args.lr, seed=args.seed, dtype=args.dtype, recompute=args.recompute,
-        engine=args.engine, mtp_convention=args.mtp_convention, mtp_weight=args.mtp_weight,
-        mtp_weight_after=args.mtp_weight_after, mtp_switch_step=args.mtp_switch_step,
-        bias_freeze_step=args.bias_freeze_step, aux_scope=args.aux_scope, aux_coeff=args.aux_coeff,
-        z_coeff=args.z_coeff, bias_rate=args.bias_rate, out=args.out, log_interval=args.log_interval,
-        ckpt_interval=args.ckpt_interval, resume=args.resume, progress=not args.no_progress,
-        dump_samples=args.dump_samples,
-    )
-    for key, value in preset_fields.items():
-        # An explicit command-line value wins over the preset for the fields it names.
-        if key in ("mode", "aux_scope", "mtp_convention", "normalization") and args._explicit.get(key):
-            continue
-        setattr(cfg, key, value)
+
+def load_config_file(path: str) -> tuple[dict[str, Any], dict[str, int]]:
+    """Read a ``--config`` file: a YAML (``.yaml``/``.yml``, needs PyYAML) or JSON mapping. Returns the
+    mapping and the line of each key; raises :class:`UsageError` with ``file:line`` for a syntax error or
+    a top level that is not a mapping."""
     try:
-        cfg.validate()
-    except (ValueError, FileNotFoundError) as e:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--config {path}: cannot be read ({e})") from None
+    if path.endswith((".yaml", ".yml")):
+        return _load_yaml(path, text)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(
+            f"{path}:{e.lineno}: invalid JSON ({e.msg}); --config takes a .json, .yaml or .yml file"
+        ) from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}:1: expected a JSON object of TrainConfig fields, got {type(data).__name__}")
+    lines = {}
+    for key in data:
+        m = re.search(r'"' + re.escape(key) + r'"\s*:', text)
+        lines[key] = text.count("\n", 0, m.start()) + 1 if m else 1
+    return data, lines
+
+
+def _load_yaml(path: str, text: str) -> tuple[dict[str, Any], dict[str, int]]:
+    try:
+        import yaml
+    except ImportError:
+        raise UsageError(
+            f"--config {path}: YAML needs PyYAML (pip install 'lossparity[config]'), or give a .json file"
+        ) from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else 1
+        raise UsageError(f"{path}:{line}: invalid YAML ({getattr(e, 'problem', None) or e})") from None
+    if not isinstance(data, dict) or not isinstance(node, yaml.MappingNode):
+        raise UsageError(f"{path}:1: expected a mapping of TrainConfig fields, got {type(data).__name__}")
+    return data, {k.value: k.start_mark.line + 1 for k, _ in node.value}
+
+
+def _file_fields(path: str) -> tuple[dict[str, Any], str | None]:
+    """The checked TrainConfig fields of a config file and its ``preset`` (every error names file:line)."""
+    from ..training.config import check_field
+
+    data, lines = load_config_file(path)
+    fields: dict[str, Any] = {}
+    preset = data.pop("preset", None)
+    if preset is not None and not isinstance(preset, str):
+        raise UsageError(f"{path}:{lines.get('preset', 1)}: preset must be a string, got {preset!r}")
+    for key, value in data.items():
+        where = f"{path}:{lines.get(key, 1)}"
+        if key == "model_overrides":
+            if not isinstance(value, dict):
+                raise UsageError(f"{where}: model_overrides must be a mapping of ModelConfig fields")
+        else:
+            try:
+                check_field(str(key), value)
+            except (TypeError, ValueError) as e:
+                raise UsageError(f"{where}: {e}") from None
+        fields[str(key)] = value
+    return fields, preset
+
+
+def _preset_fields(name: str) -> dict[str, Any]:
+    from ..parity.presets import resolve_preset
+
+    try:
+        preset = resolve_preset(name)
+    except ValueError as e:
         raise UsageError(str(e)) from None
+    return {
+        **preset.train_config_fields(),
+        "mtp_log_estimator": preset.accountant_kwargs().get("mtp_log_estimator", "token_mean"),
+    }
+
+
+def train_config_from_args(args: argparse.Namespace):
+    """The validated ``TrainConfig`` of ``lossparity train``: defaults < preset < config file < flags (see
+    the module docstring). Raises :class:`UsageError` (``file:line`` of a config file) or the ``ValueError``/
+    ``TypeError`` of :meth:`TrainConfig.validate` naming the field."""
+    from ..training.config import TrainConfig
+
+    file_fields, file_preset = _file_fields(args.config) if args.config else ({}, None)
+    preset = args.preset or file_preset
+    values: dict[str, Any] = _preset_fields(preset) if preset else {}
+    values.update(file_fields)
+    flags = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(TrainConfig)
+        if f.name not in _SKIP_FLAGS and getattr(args, f.name) is not None
+    }
+    values.update(flags)
+    values["model_overrides"] = {**file_fields.get("model_overrides", {}), **_parse_set(args.model_set)}
+    cfg = TrainConfig(**values)
+    cfg.validate()  # ValueError/TypeError/FileNotFoundError naming the field: cmd_train reports them (exit 2)
     return cfg
 
 
+def _preflight(cfg) -> None:
+    """Input errors that would otherwise surface in every rank: the model configuration and the data file
+    (read once here, e.g. a binary file names its path)."""
+    from ..model import get_config
+    from ..training.rundir import check_run_dir
+    from ..training.trainer import build_corpus
+
+    resolved = cfg.resolved()
+    model_config = get_config(resolved.model, **resolved.model_overrides)
+    if cfg.data != "synthetic":
+        build_corpus(resolved, model_config.vocab_size)
+    check_run_dir(resolved)
+
+
+_INPUT_ERRORS = (UsageError, ValueError, TypeError, FileNotFoundError, IsADirectoryError, PermissionError)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    """``lossparity train``: exit 0 done, 2 an input error, 1 a failure of the run (one line each; the
+    traceback with ``--debug``)."""
+    from ..distributed.launch import RankError
     from ..training.trainer import run_training
 
-    cfg = _train_config(args)
     try:
-        from ..model import get_config
-
-        get_config(cfg.model, **cfg.model_overrides)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    history = run_training(cfg)
+        cfg = train_config_from_args(args)
+        _preflight(cfg)
+        history = run_training(cfg)
+    except RankError as e:
+        if args.debug:
+            raise
+        for line in e.summary_lines():
+            print(f"lossparity train: error: {line}", file=sys.stderr)
+        return 2 if e.input_error else 1
+    except (*_INPUT_ERRORS, FloatingPointError, OSError) as e:
+        # Input errors exit 2; a failure of the run itself (a non-finite gradient, a full disk) exits 1.
+        if args.debug:
+            raise
+        print(f"lossparity train: error: {_one_line(e)}", file=sys.stderr)
+        return 2 if isinstance(e, _INPUT_ERRORS) else 1
     if history:
         last = history[-1]
-        print(f"done: {len(history)} steps, last lm_loss {last.get('lm_loss')}, objective {last.get('objective')}"
-              + (f"; logs in {cfg.out}" if cfg.out else ""))
+        print(
+            f"done: {len(history)} steps, last lm_loss {last.get('lm_loss')}, objective {last.get('objective')}"
+            + (f"; logs in {cfg.out}" if cfg.out else "")
+        )
     return 0
 
 
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, OSError) and e.filename and str(e.filename) not in text:
+        text = f"{e.filename}: {text}"
+    return text
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
+    """``lossparity verify``: the layout-invariance table; exit 1 on any FAIL."""
     from ..losses.modes import MODES
     from ..training.verify import DEFAULT_LAYOUTS, QUICK_LAYOUTS, format_table, run_verify, write_json
 
@@ -87,59 +273,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise UsageError("--quick and --full exclude each other")
     steps = args.steps if args.steps else (2 if args.quick else 5 if args.full else 3)
     overrides = {"aux_scope": args.aux_scope}
-    print(f"lossparity verify: tiny MoE+MTP model, {len(layouts)} layouts x {len(modes)} modes, {steps} steps, "
-          f"float64, reference = 1x1 run")
+    print(
+        f"lossparity verify: tiny MoE+MTP model, {len(layouts)} layouts x {len(modes)} modes, {steps} steps, "
+        f"float64, reference = 1x1 run"
+    )
     report = run_verify(layouts, modes, steps=steps, overrides=overrides)
     print(format_table(report))
     if args.json:
         write_json(report, args.json)
     return 0 if all(r["pass"] for r in report["rows"]) else 1
-
-
-def add_train_args(t: argparse.ArgumentParser) -> None:
-    from ..distributed.moe_accounting import SCOPES
-    from ..losses.modes import MODES
-    from ..losses.mtp import CONVENTIONS
-
-    t.add_argument("--model", default="tiny", help="model preset: tiny, small, medium, 100m")
-    t.add_argument("--set", dest="model_set", action="append", metavar="FIELD=VALUE",
-                   help="override a ModelConfig field (repeatable), e.g. --set mtp_depths=0")
-    t.add_argument("--preset", default=None,
-                   help="framework preset, e.g. megatron:calculate_per_token_loss=false, maxtext, torchtitan, "
-                        "hf-trainer, verl:seq-mean-token-mean, lossparity (see `lossparity modes`)")
-    t.add_argument("--mode", default="per_token", help=f"objective mode: {', '.join(MODES)}")
-    t.add_argument("--normalization", default="precount", choices=["precount", "deferred"])
-    t.add_argument("--dp", type=int, default=1, help="data-parallel ranks (started here unless under torchrun)")
-    t.add_argument("--cp", type=int, default=1, help="context-parallel ranks per data-parallel rank (zig-zag shards)")
-    t.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (vocabulary-parallel head)")
-    t.add_argument("--sp", action="store_true", help="sequence parallelism with --tp (Megatron SP)")
-    t.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B; needs --ga >= --pp)")
-    t.add_argument("--pp-virtual", type=int, default=1, help="virtual chunks per stage (interleaved 1F1B)")
-    t.add_argument("--ga", type=int, default=1, help="gradient-accumulation microbatches per rank")
-    t.add_argument("--global-batch", type=int, default=8, help="rows per optimizer step")
-    t.add_argument("--seq-len", type=int, default=64)
-    t.add_argument("--packed", action="store_true", help="pack documents into rows (segment ids)")
-    t.add_argument("--data", default="synthetic", help="'synthetic' or a .txt / .jsonl file")
-    t.add_argument("--steps", type=int, default=20)
-    t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--dtype", default="float32", choices=["float32", "float64", "bf16"])
-    t.add_argument("--recompute", action="store_true", help="activation recompute of every block")
-    t.add_argument("--engine", default="ddp", choices=["ddp", "fsdp", "plain"],
-                   help="data-parallel gradient engine: DDP, FSDP2 fully_shard, or the accountant's all-reduce")
-    t.add_argument("--mtp-convention", default="own", choices=list(CONVENTIONS))
-    t.add_argument("--mtp-weight", type=float, default=0.3, help="MTP lambda until --mtp-switch-step")
-    t.add_argument("--mtp-weight-after", type=float, default=0.1, help="MTP lambda from --mtp-switch-step on")
-    t.add_argument("--mtp-switch-step", type=int, default=None, help="step at which lambda switches (DeepSeek-V3)")
-    t.add_argument("--bias-freeze-step", type=int, default=None, help="expert-bias rate becomes 0 from this step")
-    t.add_argument("--aux-scope", default="global_lagged", choices=list(SCOPES))
-    t.add_argument("--aux-coeff", type=float, default=1e-2)
-    t.add_argument("--z-coeff", type=float, default=1e-3)
-    t.add_argument("--bias-rate", type=float, default=1e-3)
-    t.add_argument("--out", default=None, help="run directory: metrics.jsonl, tensorboard/, checkpoints/")
-    t.add_argument("--log-interval", type=int, default=1)
-    t.add_argument("--ckpt-interval", type=int, default=0)
-    t.add_argument("--resume", action="store_true", help="resume from OUT/checkpoints/latest if present")
-    t.add_argument("--no-progress", action="store_true")
-    t.add_argument("--dump-samples", action="store_true",
-                   help="write per-sample (n_i, s_i) of every step to OUT/samples for `lossparity gap`")

@@ -37,10 +37,13 @@ import glob
 import json
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from ..atomic_io import atomic_write_bytes
 
 __all__ = [
     "DUMP_SUBDIR",
@@ -52,6 +55,7 @@ __all__ = [
     "SampleDumpWriter",
     "find_dump",
     "rank_file_name",
+    "truncate_records",
     "read_sample_dump",
     "read_sample_meta",
     "write_sample_meta",
@@ -99,12 +103,31 @@ def write_sample_meta(path_dir: str | os.PathLike[str], **fields: Any) -> str:
     os.makedirs(path_dir, exist_ok=True)
     meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step_base": 1, **fields}
     path = os.path.join(os.fspath(path_dir), META_FILE)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    atomic_write_bytes(path, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode("utf-8"))
     return path
+
+
+def truncate_records(path: str, step: int) -> list[str]:
+    """Resume of a dump: keep the records of steps ``<= step`` of the rank file ``path`` and drop a torn
+    last record (a kill mid-write), replacing the file atomically (temporary file + fsync + rename, never
+    an in-place rewrite) when anything is dropped. Returns notes for the user; no file: nothing to do."""
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        data = f.read()
+    notes = []
+    torn = len(data) % RECORD_BYTES
+    if torn:
+        notes.append(f"{path}: dropped a torn last record ({torn} of {RECORD_BYTES} bytes; the run was killed "
+                     "while writing it)")
+    records = np.frombuffer(data[:len(data) - torn], dtype=_RECORD).reshape(-1, RECORD_FIELDS)
+    keep = records[:, 0] <= step
+    if not keep.all():
+        notes.append(f"{path}: dropped {int((~keep).sum())} record(s) after step {step}, the step resumed from")
+    new = records[keep].astype(_RECORD).tobytes()
+    if new != data:
+        atomic_write_bytes(path, new)
+    return notes
 
 
 class SampleDumpWriter:
@@ -112,7 +135,8 @@ class SampleDumpWriter:
 
     ``SampleDumpWriter(path_dir, rank)`` creates ``path_dir/samples_rank<rank>.bin`` (truncating an old
     one). With ``resume_step=s`` an existing file is kept up to and including step ``s`` and later records
-    are dropped (a resumed run rewrites them). With ``meta`` and ``rank == 0`` it also writes
+    are dropped (a resumed run rewrites them) by :func:`truncate_records`, atomically, then appended to.
+    :meth:`sync` makes the records durable (before a checkpoint). With ``meta`` and ``rank == 0`` it also writes
     ``samples_meta.json``. Call :meth:`write` once per microbatch and :meth:`close` at the end (or use it
     as a context manager).
     """
@@ -129,13 +153,11 @@ class SampleDumpWriter:
         self.rank = int(rank)
         os.makedirs(self.path_dir, exist_ok=True)
         self.path = os.path.join(self.path_dir, rank_file_name(self.rank))
-        kept = b""
-        if resume_step is not None and os.path.exists(self.path):
-            records = _read_records(self.path)
-            kept = records[records[:, 0] <= resume_step].astype(_RECORD).tobytes()
-        self._file = open(self.path, "wb")
-        if kept:
-            self._file.write(kept)
+        if resume_step is not None:
+            for note in truncate_records(self.path, resume_step):
+                warnings.warn(note, stacklevel=2)
+        # Append-only after the (atomic) truncation of a resume; a new dump starts empty.
+        self._file = open(self.path, "ab" if resume_step is not None else "wb")  # noqa: SIM115 - closed in close()
         if meta is not None and self.rank == 0:
             write_sample_meta(self.path_dir, **dict(meta))
 
@@ -168,12 +190,18 @@ class SampleDumpWriter:
         self._file.write(block.tobytes())
 
     def flush(self) -> None:
-        """Flush buffered records to the operating system (e.g. before a checkpoint)."""
+        """Flush buffered records to the operating system (the trainer does it after every step)."""
         self._file.flush()
+
+    def sync(self) -> None:
+        """Make every written record durable (flush + fsync); the trainer calls it before each checkpoint."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
 
     def close(self) -> None:
         """Flush and close the file; further writes raise."""
         if not self._file.closed:
+            self.sync()
             self._file.close()
 
     def __enter__(self) -> SampleDumpWriter:

@@ -3,7 +3,8 @@
 A checkpoint is one file ``step_<n>.pt`` written to a temporary name in the same directory, flushed
 and fsync'ed, then renamed over (``os.replace`` is atomic on POSIX): a crash mid-write leaves the
 previous checkpoint intact and never a truncated file under a final name. ``latest`` (a text file
-holding the file name) is replaced the same way after the checkpoint itself.
+holding the file name) is replaced the same way after the checkpoint itself. Which checkpoints are kept
+and which one a resume loads (by step number, the newest intact one) is decided in ``training/rundir.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from .rundir import load_newest_intact, rotate_checkpoints, sharded_checkpoint_intact
 
 __all__ = ["atomic_save", "save_checkpoint", "load_latest", "save_sharded_checkpoint", "load_sharded_latest",
            "rng_state", "set_rng_state"]
@@ -56,20 +59,16 @@ def save_checkpoint(directory: str, step: int, state: dict[str, Any], keep: int 
     path = os.path.join(directory, name)
     atomic_save(state, path)
     _atomic_text(name, os.path.join(directory, "latest"))
-    old = sorted(f for f in os.listdir(directory) if f.startswith("step_") and f.endswith(".pt"))
-    for f in old[:-keep] if keep > 0 else []:
-        os.unlink(os.path.join(directory, f))
+    rotate_checkpoints(directory, keep, step)
     return path
 
 
 def load_latest(directory: str) -> dict[str, Any] | None:
-    """The state of the newest complete checkpoint in ``directory``, or ``None`` when there is none."""
-    pointer = os.path.join(directory, "latest")
-    if not os.path.exists(pointer):
-        return None
-    with open(pointer) as f:
-        name = f.read().strip()
-    return torch.load(os.path.join(directory, name), map_location="cpu", weights_only=False)
+    """The state of the newest intact checkpoint in ``directory`` (by step number; a corrupt or empty one
+    falls back to the previous one with a warning, see ``training/rundir.py``), or ``None`` when there is
+    none."""
+    found = load_newest_intact(directory, lambda p: torch.load(p, map_location="cpu", weights_only=False))
+    return None if found is None else found[1]
 
 
 def rng_state() -> dict[str, Any]:
@@ -89,11 +88,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_sharded_checkpoint(directory: str, step: int, model: Any, optimizer: Any, extra: dict[str, Any]) -> str:
+def save_sharded_checkpoint(directory: str, step: int, model: Any, optimizer: Any, extra: dict[str, Any],
+                            keep: int = 2) -> str:
     """Sharded checkpoint (FSDP2 / tensor-parallel DTensors) with ``torch.distributed.checkpoint``:
     every rank writes its shards into ``.tmp-step_<n>/``, then its own ``extra_rank<r>.pt`` (RNG states,
     step, MoE state); after a barrier rank 0 renames the folder to ``step_<n>/`` (atomic) and points
-    ``latest`` at it. A crash before the rename leaves the previous checkpoint as ``latest``."""
+    ``latest`` at it and deletes all but the ``keep`` newest checkpoints. A crash before the rename leaves
+    the previous checkpoint as the newest."""
     import shutil
 
     import torch.distributed as dist
@@ -116,6 +117,7 @@ def save_sharded_checkpoint(directory: str, step: int, model: Any, optimizer: An
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _atomic_text(name, os.path.join(directory, "latest"))
+        rotate_checkpoints(directory, keep, step)
     dist.barrier()
     return final
 
@@ -127,11 +129,10 @@ def load_sharded_latest(directory: str, model: Any, optimizer: Any) -> dict[str,
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    pointer = os.path.join(directory, "latest")
-    if not os.path.exists(pointer):
+    found = load_newest_intact(directory, lambda p: (sharded_checkpoint_intact(p), p)[1])
+    if found is None:
         return None
-    with open(pointer) as f:
-        path = os.path.join(directory, f.read().strip())
+    path = found[1]
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)

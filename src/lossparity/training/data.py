@@ -361,8 +361,12 @@ def _encode_documents(texts: Sequence[str], tokenizer: Tokenizer, add_eos: bool)
 def _read_text(path: str | os.PathLike[str]) -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"corpus file not found: {os.fspath(path)!r}")
-    with open(path, encoding="utf-8") as f:
-        return f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:  # a binary file: name it instead of failing deep in the decoder
+        raise ValueError(f"corpus file {os.fspath(path)!r} is not UTF-8 text (byte {e.start}: {e.reason}); "
+                         "--data takes a .txt or .jsonl file") from None
 
 
 _PARAGRAPH_BREAK = re.compile(r"\n[ \t\r\f\v]*\n")

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,12 +29,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..distributed.accountant import Accountant
-from ..distributed.moe_accounting import ROUTER_TOKENS, SCOPES, MoEAccounting
+from ..distributed.moe_accounting import ROUTER_TOKENS, MoEAccounting
 from ..losses.cross_entropy import chunked_cross_entropy
 from ..losses.indexer import indexer_kl
 from ..losses.logchannel import IntervalMean
-from ..losses.modes import check_mode
-from ..losses.mtp import check_convention, roll_mtp
+from ..losses.mtp import roll_mtp
 from ..losses.stats import sample_stats
 from ..model import GPT, RouterRecord, get_config
 from .checkpoint import (
@@ -47,133 +44,12 @@ from .checkpoint import (
     save_sharded_checkpoint,
     set_rng_state,
 )
+from .config import TrainConfig
 from .data import Batch, Corpus, JsonlCorpus, SyntheticCorpus, TextFileCorpus, global_batch, split_batch
+from .rundir import prepare_run_dir
+from .runlog import MetricsLog
 
 __all__ = ["TrainConfig", "Trainer", "build_corpus", "run_training"]
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bf16": torch.float32}
-
-
-@dataclass
-class TrainConfig:
-    """Everything that defines a run. Layout fields (``dp``, ``ga``, ``recompute``, ``engine``) must not
-    change the numbers (semantics §3), all others may."""
-
-    model: str = "tiny"
-    model_overrides: dict[str, Any] = field(default_factory=dict)
-    mode: str = "per_token"
-    normalization: str = "precount"
-    fixed_length: int | None = None
-    dp: int = 1
-    cp: int = 1
-    pp: int = 1
-    pp_virtual: int = 1
-    tp: int = 1
-    sp: bool = False
-    cp_zigzag: bool = True
-    ga: int = 1
-    global_batch: int = 8
-    seq_len: int = 64
-    packed: bool = False
-    data: str = "synthetic"
-    data_field: str = "text"
-    steps: int = 20
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup: int = 2
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    seed: int = 0
-    dtype: str = "float32"
-    recompute: bool = False
-    engine: str = "ddp"
-    mtp_weight: float = 0.3
-    mtp_weight_after: float = 0.1
-    mtp_switch_step: int | None = None
-    mtp_convention: str = "own"
-    mtp_log_estimator: str = "token_mean"
-    aux_scope: str = "global_lagged"
-    aux_coeff: float = 1e-2
-    z_coeff: float = 1e-3
-    z_form: str = "global"
-    megatron_quirks: bool = False
-    bias_rate: float = 1e-3
-    bias_freeze_step: int | None = None
-    bias_zero_mean: bool = False
-    indexer_coeff: float = 1e-2
-    out: str | None = None
-    log_interval: int = 1
-    ckpt_interval: int = 0
-    resume: bool = False
-    tensorboard: bool = True
-    progress: bool = True
-    dump_samples: bool = False
-    device: str = "cpu"  # "cuda": single-process runs on the current GPU (multi-rank runs use NCCL's device)
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the offending field for any inconsistent setting."""
-        check_mode(self.mode)
-        check_convention(self.mtp_convention)
-        if self.aux_scope not in SCOPES:
-            raise ValueError(f"unknown aux_scope {self.aux_scope!r}; valid: {', '.join(SCOPES)}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; valid: {', '.join(_DTYPES)}")
-        if self.engine not in ("ddp", "fsdp", "plain"):
-            raise ValueError(f"unknown engine {self.engine!r}; valid: ddp, fsdp, plain")
-        if self.engine == "fsdp" and (self.cp > 1 or self.pp > 1):
-            raise ValueError("engine='fsdp' is supported for data parallelism without cp/pp")
-        if self.cp > 1:
-            if self.aux_scope not in ("global_lagged", "none") or self.z_form != "global":
-                raise ValueError(f"cp={self.cp} supports aux_scope global_lagged/none and z_form global (got "
-                                 f"aux_scope={self.aux_scope!r}, z_form={self.z_form!r}): the other forms need the "
-                                 "counts of whole microbatches or sequences on every shard")
-            parts = 2 * self.cp if self.cp_zigzag else self.cp
-            if self.seq_len % parts:
-                raise ValueError(f"seq_len={self.seq_len} must be divisible by {parts} for cp={self.cp}")
-        if self.sp:
-            if self.tp < 2:
-                raise ValueError("sp (sequence parallelism) needs tp > 1")
-            if self.seq_len % self.tp:
-                raise ValueError(f"seq_len={self.seq_len} must be divisible by tp={self.tp} for sequence parallelism")
-            if self.aux_scope not in ("global_lagged", "none") or self.z_form != "global":
-                raise ValueError(f"sp supports aux_scope global_lagged/none and z_form global (got aux_scope="
-                                 f"{self.aux_scope!r}, z_form={self.z_form!r}): the other forms need the counts of "
-                                 "whole microbatches or sequences on every shard")
-        if self.tp > 1:
-            if self.cp > 1 or self.pp > 1:
-                raise ValueError(f"tp={self.tp} is not combined with cp > 1 or pp > 1 yet")
-            if self.engine != "plain":
-                self.engine = "plain"  # DTensor-sharded parameters: the accountant sums gradients over DP
-        if self.pp > 1:
-            if self.cp > 1 or self.dump_samples or self.ckpt_interval:
-                raise ValueError(f"pp={self.pp} is not combined with cp > 1, dump_samples or checkpoints yet")
-            if self.ga < self.pp:
-                raise ValueError(f"pp={self.pp} needs ga >= pp microbatches per step (got ga={self.ga}) to fill the "
-                                 "pipeline")
-            if self.pp_virtual > 1 and self.ga % self.pp:
-                raise ValueError(f"interleaved pipelining (pp_virtual={self.pp_virtual}) needs ga divisible by "
-                                 f"pp={self.pp}, got ga={self.ga}")
-        for name in ("dp", "cp", "pp", "pp_virtual", "tp", "ga", "global_batch", "seq_len", "steps", "log_interval"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.global_batch % (self.dp * self.ga):
-            raise ValueError(
-                f"global_batch={self.global_batch} is not divisible by dp*ga={self.dp}*{self.ga}: every rank "
-                "needs the same number of whole rows per microbatch"
-            )
-        if self.mode == "sample_sum_norm" and self.fixed_length is None:
-            self.fixed_length = self.seq_len
-        if self.dump_samples and (self.out is None or self.cp > 1):
-            raise ValueError("dump_samples needs out= (the dump goes to OUT/samples) and cp=1 (a context-parallel "
-                             "shard holds only part of a sample's sum)")
-        if self.data != "synthetic" and not os.path.exists(self.data):
-            raise FileNotFoundError(f"data file not found: {self.data}")
-
-    @property
-    def microbatch_size(self) -> int:
-        """``b = N / (D·K)``."""
-        return self.global_batch // (self.dp * self.ga)
-
 
 def build_corpus(cfg: TrainConfig, vocab_size: int) -> Corpus:
     """The corpus named by ``cfg.data``: ``synthetic`` (embedded generator), a ``.jsonl`` file or a text file
@@ -184,7 +60,8 @@ def build_corpus(cfg: TrainConfig, vocab_size: int) -> Corpus:
         return SyntheticCorpus(vocab_size=vocab_size, seed=cfg.seed)
     tok = ByteTokenizer()
     if tok.vocab_size > vocab_size:
-        raise ValueError(f"model vocab_size {vocab_size} is smaller than the byte tokenizer's {tok.vocab_size}")
+        raise ValueError(f"model vocab_size {vocab_size} is smaller than the byte tokenizer's {tok.vocab_size} "
+                         f"needed by --data {cfg.data}: pass --set vocab_size={tok.vocab_size} (or more)")
     if cfg.data.endswith(".jsonl"):
         return JsonlCorpus(cfg.data, tok, field=cfg.data_field)
     return TextFileCorpus(cfg.data, tok)
@@ -285,7 +162,7 @@ class Trainer:
     """A reference training run on this process (rank ``dist.get_rank()`` when distributed)."""
 
     def __init__(self, cfg: TrainConfig) -> None:
-        cfg.validate()
+        cfg = cfg.resolved()  # validated copy with the derived values (the caller's config is not changed)
         self.cfg = cfg
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -468,6 +345,11 @@ class Trainer:
     def _optimizer_step(self, grad_norm: float, extra_logs: dict[str, float], t0: float) -> dict[str, Any]:
         """Step 5 of :meth:`train_step`: learning rate, optimizer step, the logging collective, the log line."""
         cfg = self.cfg
+        if not math.isfinite(grad_norm):
+            raise FloatingPointError(
+                f"step {self.step + 1} (rank {self.rank}): the gradient norm is {grad_norm}; the optimizer step was "
+                "not taken: a term of this step's objective or its gradient is not finite (the losses, weights and "
+                "coefficients of the step were checked; look for an overflow, e.g. lower --lr or use float32)")
         lr = _lr_at(cfg, self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -552,6 +434,16 @@ class Trainer:
         self.step = int(state["step"])
 
     # ------------------------------------------------------------------ loop
+    def _sync_run_logs(self, writer: MetricsLog | None) -> None:
+        """Before a checkpoint of step ``s``: the metrics lines and sample records of steps ``<= s`` are made
+        durable on every rank first, so that a resume from it never finds them missing."""
+        if writer is not None:
+            writer.sync()
+        if self.dump is not None:
+            self.dump.sync()
+            if self.world > 1:
+                dist.barrier()
+
     def fit(self, steps: int | None = None, crash_after: int | None = None) -> list[dict[str, Any]]:
         """Train until ``steps`` (default ``cfg.steps``) optimizer steps are done; logs, checkpoints and
         resumes as configured. ``crash_after`` (tests) raises after that many steps of this call."""
@@ -559,9 +451,12 @@ class Trainer:
         total = cfg.steps if steps is None else steps
         out = cfg.out if self.rank == 0 else None
         ckpt_dir = os.path.join(cfg.out, "checkpoints") if cfg.out else None
+        if not getattr(self, "_run_dir_ready", False):  # the run-folder contract, once per Trainer
+            prepare_run_dir(cfg, self.rank, dist.barrier if self.world > 1 else None)
+            self._run_dir_ready = True
         if cfg.resume and ckpt_dir:
             self.restore(ckpt_dir)
-        writer = _open_logs(out, self.step, cfg.tensorboard) if out else None
+        writer = MetricsLog(out, self.step, cfg.tensorboard) if out else None
         if cfg.dump_samples and cfg.out:
             from ..parity.sample_dump import DUMP_SUBDIR, SampleDumpWriter
 
@@ -574,6 +469,8 @@ class Trainer:
         try:
             while self.step < total:
                 line = self.train_step()
+                if self.dump is not None:
+                    self.dump.flush()  # a killed process loses no record of a finished step
                 self.history.append(line)
                 interval.update(line)
                 if writer:
@@ -583,6 +480,7 @@ class Trainer:
                         _progress(self.step, total, interval.compute())
                     interval.reset()
                 if ckpt_dir and cfg.ckpt_interval and (self.step % cfg.ckpt_interval == 0 or self.step == total):
+                    self._sync_run_logs(writer)
                     self.save(ckpt_dir)
                 done += 1
                 if crash_after is not None and done >= crash_after:
@@ -596,47 +494,6 @@ class Trainer:
             if self.rank == 0 and cfg.progress and sys.stdout.isatty():
                 print()
         return self.history
-
-
-class _LogWriter:
-    """``metrics.jsonl`` (one line per step, the schema is the README's) and TensorBoard scalars."""
-
-    def __init__(self, out: str, start_step: int, tensorboard: bool) -> None:
-        os.makedirs(out, exist_ok=True)
-        path = os.path.join(out, "metrics.jsonl")
-        kept = []
-        if start_step and os.path.exists(path):
-            # Resume: drop lines of steps after the checkpoint (they will be recomputed identically).
-            with open(path) as f:
-                kept = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= start_step]
-        self.f = open(path, "w")  # noqa: SIM115 - closed in close()
-        self.f.writelines(kept)
-        self.f.flush()
-        self.tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(os.path.join(out, "tensorboard"))
-            except Exception:  # noqa: BLE001 - tensorboard is optional
-                self.tb = None
-
-    def write(self, line: dict[str, Any]) -> None:
-        self.f.write(json.dumps(line, sort_keys=False) + "\n")
-        self.f.flush()
-        if self.tb:
-            for k, v in line.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, line["step"])
-
-    def close(self) -> None:
-        self.f.close()
-        if self.tb:
-            self.tb.close()
-
-
-def _open_logs(out: str, start_step: int, tensorboard: bool) -> _LogWriter:
-    return _LogWriter(out, start_step, tensorboard)
 
 
 def _progress(step: int, total: int, means: dict[str, float]) -> None:
@@ -662,7 +519,7 @@ def run_training(cfg: TrainConfig) -> list[dict[str, Any]]:
     ranks started here (gloo on CPU). Returns rank 0's per-step log lines."""
     from ..distributed.launch import init_from_env, spawn
 
-    cfg.validate()
+    cfg = cfg.resolved()
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
         init_from_env()
         try:

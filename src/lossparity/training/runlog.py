@@ -1,0 +1,119 @@
+"""The run's metrics log ``OUT/metrics.jsonl``: append-only, durable at every checkpoint, exact on resume.
+
+- One JSON object per line and step, appended and flushed to the operating system after every step
+  (a killed process loses nothing written); :meth:`MetricsLog.sync` also fsyncs, and the trainer calls
+  it before writing each checkpoint, so a checkpoint of step ``s`` implies the lines of steps ``<= s``
+  are on disk.
+- On resume from the checkpoint of step ``s`` the file is cut to the lines of steps ``<= s``
+  (the later ones are recomputed identically) by writing the kept lines to a temporary file and renaming
+  it over the old one (:func:`truncate_metrics`): a crash at any moment leaves the old or the new file,
+  never a partial one. A torn last line (a kill in the middle of a write) is dropped with a note.
+
+TensorBoard scalars go to ``OUT/tensorboard`` when the package is installed (an event file per start,
+read by TensorBoard as one run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any
+
+from ..atomic_io import atomic_write_bytes
+
+__all__ = ["METRICS_FILE", "MetricsLog", "truncate_metrics"]
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _parse_lines(path: str, data: bytes) -> tuple[list[tuple[int, bytes]], list[str]]:
+    """``[(step, raw line)]`` of a metrics file and the notes about a dropped torn last line. A broken line
+    that is not the last raises ``ValueError`` naming ``path:line``."""
+    lines = data.split(b"\n")
+    tail = lines.pop()  # after the last newline: empty unless the last write was torn
+    notes = []
+    if tail.strip():
+        notes.append(
+            f"{path}:{len(lines) + 1}: dropped a torn last line ({len(tail)} bytes without a newline; "
+            "the run was killed while writing it)"
+        )
+    out = []
+    for lineno, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            step = json.loads(raw)["step"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(
+                f"{path}:{lineno}: not a metrics line (a JSON object with a 'step'); repair or remove the file"
+            ) from None
+        out.append((int(step), raw + b"\n"))
+    return out, notes
+
+
+def truncate_metrics(path: str, step: int) -> list[str]:
+    """Keep the lines of steps ``<= step`` of ``path`` (a torn last line is dropped), replacing the file
+    atomically (temporary file + fsync + rename) when anything is dropped; no file: nothing to do.
+    Returns notes for the user (dropped lines, torn line)."""
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        data = f.read()
+    lines, notes = _parse_lines(path, data)
+    kept = [raw for s, raw in lines if s <= step]
+    if len(kept) < len(lines):
+        notes.append(f"{path}: dropped {len(lines) - len(kept)} line(s) after step {step}, the step resumed from")
+    new = b"".join(kept)
+    if new != data:
+        atomic_write_bytes(path, new)
+    return notes
+
+
+class MetricsLog:
+    """Append-only writer of ``OUT/metrics.jsonl`` (schema in the README) plus TensorBoard scalars.
+
+    ``start_step > 0`` (a resume from that step) first truncates the file to the steps ``<= start_step``;
+    ``start_step == 0`` starts an empty file (the run-folder checks guarantee no earlier run is there)."""
+
+    def __init__(self, out: str, start_step: int, tensorboard: bool) -> None:
+        os.makedirs(out, exist_ok=True)
+        self.path = os.path.join(out, METRICS_FILE)
+        for note in truncate_metrics(self.path, start_step):
+            warnings.warn(note, stacklevel=2)
+        self.f = open(self.path, "ab")  # noqa: SIM115 - closed in close()
+        self.tb = _tensorboard(out) if tensorboard else None
+
+    def write(self, line: dict[str, Any]) -> None:
+        """Append one step's line and hand it to the operating system (flush, no fsync)."""
+        self.f.write((json.dumps(line, sort_keys=False) + "\n").encode())
+        self.f.flush()
+        if self.tb:
+            for k, v in line.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, line["step"])
+
+    def sync(self) -> None:
+        """Make every written line durable (flush + fsync); called before each checkpoint."""
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        if self.tb:
+            self.tb.flush()
+
+    def close(self) -> None:
+        """Sync and close."""
+        if not self.f.closed:
+            self.sync()
+            self.f.close()
+        if self.tb:
+            self.tb.close()
+            self.tb = None
+
+
+def _tensorboard(out: str) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(os.path.join(out, "tensorboard"))
+    except Exception:  # noqa: BLE001 - tensorboard is optional
+        return None
