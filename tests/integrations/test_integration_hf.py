@@ -1,0 +1,182 @@
+"""lossparity.integrations.hf with the real ``transformers.Trainer`` (CPU, models built from configs).
+
+Layouts of one global batch of 8 rows: (a) batch 8 × GA 1, (b) batch 2 × GA 4 (one process), (c) 2 gloo
+ranks × batch 2 × GA 2 (``torchrun``). Expected values come from naive loops over the rows written out
+here (per-row cross-entropy from the logits, per-sample / per-document means), never from lossparity.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from _hf_common import packed_rows, padded_rows, run, tiny_model  # noqa: E402
+
+from lossparity.distributed.launch import free_port  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parents[1] / "src"
+RTOL = 1e-6  # fp32, 5 steps
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Bit-for-bit comparisons and speed on 2 shared cores: one intra-op thread, restored afterwards.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _param_rel(a: dict, b: dict, p0: dict) -> tuple[float, float]:
+    """(max over tensors of |a-b|∞/|b|∞, max |a-b|∞ / max |b-p0|∞): parameters, and the same difference
+    relative to the largest update of the 5 steps."""
+    par = max(float((a[n] - b[n]).abs().max() / b[n].abs().max()) for n in b)
+    upd = max(float((a[n] - b[n]).abs().max()) for n in b) / max(float((b[n] - p0[n]).abs().max()) for n in b)
+    return par, upd
+
+
+def _naive_step1_objective(mode: str, rows: list[dict]) -> float:
+    """J of the first 8 rows under the initial weights: per row, the model's logits, log-softmax in
+    float64, the next-token loss at each labelled position, then the per-sample or per-document mean."""
+    model = tiny_model("llama")
+    units = []
+    with torch.no_grad():
+        for r in rows[:8]:
+            kw = {k: r[k][None] for k in ("input_ids", "attention_mask", "position_ids") if k in r}
+            logp = torch.log_softmax(model(**kw, use_cache=False).logits[0].double(), -1)
+            doc = (r["position_ids"] == 0).cumsum(0) if mode == "per_document" else torch.ones(len(r["labels"]))
+            sums: dict[int, list[float]] = {int(d): [0.0, 0] for d in doc.unique()}
+            for t in range(len(r["labels"]) - 1):
+                y = int(r["labels"][t + 1])
+                if y != -100:
+                    sums[int(doc[t])][0] -= float(logp[t, y])
+                    sums[int(doc[t])][1] += 1
+            units += [s / max(n, 1) for s, n in sums.values()]
+    return sum(units) / len(units)
+
+
+def _torchrun(tmp_path: Path, runs: list[dict]) -> list[dict]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(HERE)]), OMP_NUM_THREADS="1",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(HERE / "_hf_common.py"),
+           str(tmp_path / "out"), json.dumps(runs)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [torch.load(tmp_path / f"out.rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.slow
+def test_objective_is_layout_invariant_across_batch_ga_and_ranks(tmp_path):
+    specs = [("per_sample", "padded"), ("per_document", "packed")]
+    runs = [{"name": f"{m}-{d}", "kind": "llama", "mode": m, "b": 2, "ga": 2, "data": d} for m, d in specs]
+    runs.append({"name": "ignored", "kind": "llama", "mode": "per_sample", "b": 2, "ga": 2, "data": "ignored"})
+    runs.append({"name": "segbad", "kind": "llama", "mode": "per_document", "b": 2, "ga": 2, "data": "segbad"})
+    ranks = _torchrun(tmp_path, runs)
+    p0 = {n: p.detach().clone() for n, p in tiny_model().named_parameters()}
+    for mode, data in specs:
+        pa, la, _ = run(str(tmp_path), "llama", mode, 8, 1, data=data)
+        pb, lb, _ = run(str(tmp_path), "llama", mode, 2, 4, data=data)
+        pc, lc = ranks[0][f"{mode}-{data}"]["params"], ranks[0][f"{mode}-{data}"]["logs"]
+        for other in (pb, pc):
+            par, upd = _param_rel(other, pa, p0)
+            assert par <= RTOL and upd <= RTOL, (mode, par, upd)
+        naive = _naive_step1_objective(mode, packed_rows() if data == "packed" else padded_rows())
+        for logs in (la, lb, lc):
+            assert logs[0]["step"] == 1
+            assert logs[0]["objective"] == pytest.approx(naive, rel=1e-5), (mode, logs[0])
+            assert logs[0]["loss"] == pytest.approx(naive, rel=1e-5)  # HF's own logged loss is J too
+            assert "lm_loss" in logs[0]
+        for key in ("objective", "lm_loss"):
+            assert [x[key] for x in lc if key in x] == pytest.approx([x[key] for x in la if key in x], rel=1e-5)
+    # Bad input on every rank, before the first optimizer step, without a hang.
+    for rank in ranks:
+        assert "labels" in rank["ignored"]["error"] and "ignore_index" in rank["ignored"]["error"]
+    assert "segment id 0" in ranks[1]["segbad"]["error"]
+    assert "another rank" in ranks[0]["segbad"]["error"]
+
+
+def test_per_token_reproduces_plain_trainer_gradients_exactly(tmp_path):
+    _, _, plain = run(str(tmp_path), "llama", None, 2, 4, steps=2, record_grads=True)
+    _, _, ours = run(str(tmp_path), "llama", "per_token", 2, 4, steps=2, record_grads=True)
+    assert len(plain) == len(ours) == 2
+    for g_plain, g_ours in zip(plain, ours):
+        for name, g in g_plain.items():
+            assert torch.equal(g, g_ours[name]), name
+
+
+def test_moe_aux_loss_is_added_once_per_step(tmp_path):
+    """Mixtral with output_router_logits, batch 4 × GA 2: the step-1 gradient is that of
+    J_per_sample + coef · mean over the 2 microbatches of the model's aux_loss."""
+    _, logs, grads = run(str(tmp_path), "mixtral", "per_sample", 4, 2, steps=1, record_grads=True)
+    rows = padded_rows()[:8]
+    model = tiny_model("mixtral")
+    coef, auxes = model.config.router_aux_loss_coef, []
+    for k in range(2):
+        batch = {key: torch.stack([r[key] for r in rows[4 * k:4 * k + 4]]) for key in rows[0]}
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        logp = torch.log_softmax(out.logits.float(), -1)
+        term = 0.0
+        for i in range(4):
+            y = batch["labels"][i, 1:]
+            keep = y != -100
+            nll = -logp[i, :-1].gather(-1, y.clamp(min=0)[:, None])[:, 0]
+            term = term + (nll * keep).sum() / max(int(keep.sum()), 1)
+        (term / 8 + coef * out.aux_loss / 2).backward()
+        auxes.append(float(out.aux_loss))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[0][name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert logs[0]["aux_loss"] == pytest.approx(sum(auxes) / 2, rel=1e-6)
+
+
+def _no_logits_model():
+    import transformers
+
+    class NoLogits(transformers.LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kw):
+            out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kw)
+            return transformers.modeling_outputs.BaseModelOutput(last_hidden_state=out.logits)
+
+    torch.manual_seed(0)
+    return NoLogits(tiny_model().config)
+
+
+@pytest.mark.parametrize("case", ["per_document_without_segments", "all_labels_ignored", "no_logits"])
+def test_bad_input_raises_before_the_first_optimizer_step(tmp_path, case):
+    import transformers
+    from _hf_common import RowDataset, rows_for, training_args
+
+    from lossparity.integrations.hf import LossParityTrainer
+
+    mode = "per_document" if case == "per_document_without_segments" else "per_sample"
+    rows = rows_for("ignored" if case == "all_labels_ignored" else "padded")
+    model = _no_logits_model() if case == "no_logits" else tiny_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = LossParityTrainer(model=model, args=training_args(str(tmp_path), 2, 2), train_dataset=RowDataset(rows),
+                                loss_mode=mode)
+    match = {"per_document_without_segments": "segment_ids", "all_labels_ignored": "labels",
+             "no_logits": "model: .*logits"}[case]
+    with pytest.raises(ValueError, match=match):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert isinstance(trainer, transformers.Trainer)
+
+
+def test_unknown_loss_mode_is_rejected_at_construction(tmp_path):
+    from _hf_common import RowDataset, training_args
+
+    from lossparity.integrations.hf import LossParityTrainer
+
+    with pytest.raises(ValueError, match="loss_mode"):
+        LossParityTrainer(model=tiny_model(), args=training_args(str(tmp_path), 2, 1),
+                          train_dataset=RowDataset(padded_rows()), loss_mode="per_row")
