@@ -1,0 +1,48 @@
+"""``class MySFT(LossParityMixin, trl.SFTTrainer)``: padded and padding-free SFT (CPU, offline).
+
+Global batch of 8 examples as (a) batch 8 × GA 1 and (b) batch 2 × GA 4. Padded batches: ``per_sample``;
+padding-free batches (TRL flattens a microbatch into one row, ``position_ids`` restarting per example):
+``per_document``, one document per example. Both objectives are then the mean over the 8 examples of
+their token means, computed here by a naive loop over the examples TRL prepared.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+import torch  # noqa: E402
+from _hf_common import tiny_model  # noqa: E402
+from _trl_common import run_sft  # noqa: E402
+
+
+def _naive_mean_of_example_means(examples: list[dict]) -> float:
+    model = tiny_model("llama")
+    means = []
+    with torch.no_grad():
+        for ex in examples:
+            ids, labels = torch.tensor(ex["input_ids"]), torch.tensor(ex["labels"])
+            logp = torch.log_softmax(model(input_ids=ids[None], use_cache=False).logits[0].double(), -1)
+            terms = [-float(logp[t, labels[t + 1]]) for t in range(len(ids) - 1) if labels[t + 1] != -100]
+            means.append(sum(terms) / max(len(terms), 1))
+    return sum(means) / len(means)
+
+
+@pytest.mark.parametrize("mode,padding_free", [("per_sample", False), ("per_document", True)])
+def test_sft_trainer_objective_is_layout_invariant(tmp_path, mode, padding_free):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pa, la, first = run_sft(str(tmp_path), mode, 8, 1, padding_free=padding_free)
+        pb, lb, _ = run_sft(str(tmp_path), mode, 2, 4, padding_free=padding_free)
+    finally:
+        torch.set_num_threads(n)
+    rel = max(float((pa[k] - pb[k]).abs().max() / pa[k].abs().max()) for k in pa)
+    assert rel <= 1e-6, rel
+    naive = _naive_mean_of_example_means(first)
+    for logs in (la, lb):
+        assert logs[0]["step"] == 1 and logs[0]["objective"] == pytest.approx(naive, rel=1e-5)
+    assert [x["objective"] for x in lb if "objective" in x] == pytest.approx(
+        [x["objective"] for x in la if "objective" in x], rel=1e-5)
