@@ -37,38 +37,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..losses.modes import DENOMINATOR_KEY
-from ..losses.stats import masked_token_sum, sample_stats
+from ..losses.stats import masked_token_sum
 from ..options import MODES, Mode, check_option
 from . import require
+from ._common import document_sums, mode_numerator
 
 __all__ = ["LossFunc", "document_sums"]
-
-
-def document_sums(per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-document sums and counts of a microbatch of packed rows, without a host synchronization.
-
-    A document is a maximal run of equal non-zero ``segment_ids`` within a row (segment id 0 = padding),
-    the packed-row convention of Megatron and MaxText. Returns ``(s, n, ndoc)``: ``s[j] = Σ_{t∈j} w·l``,
-    ``n[j] = Σ_{t∈j} w`` in ``b·S`` slots (unused slots hold 0) and the integer document count ``ndoc``
-    (0-dim int tensor). Same values as ``lossparity.losses.stats.document_stats`` for contiguous
-    segments; the run starts replace its ``torch.unique`` (a host sync) so that it fits a hot path.
-    """
-    seg = segment_ids.long()
-    prev = torch.nn.functional.pad(seg[:, :-1], (1, 0), value=0)
-    # A run starts where the id is non-zero and differs from the left neighbour (or the row starts).
-    start = (seg != 0) & ((seg != prev) | (torch.arange(seg.shape[1], device=seg.device) == 0))
-    index = start.flatten().cumsum(0) - 1
-    w = mask.to(per_token_loss.dtype)
-    # A loss token at segment id 0 belongs to no document: fail loudly (asynchronously on a GPU).
-    torch._assert_async(~((seg == 0) & (w > 0)).any(), "segment_ids: loss-bearing token at segment id 0 (padding)")
-    inside = (seg != 0).flatten()
-    contrib = torch.where(w > 0, per_token_loss, torch.zeros_like(per_token_loss)).flatten()
-    slot = torch.where(inside, index, torch.zeros_like(index)).clamp(min=0)
-    zeros = per_token_loss.new_zeros(seg.numel())
-    s = zeros.index_add(0, slot, torch.where(inside, contrib, torch.zeros_like(contrib)))
-    n = zeros.index_add(0, slot, torch.where(inside, w.flatten(), torch.zeros_like(contrib)))
-    return s, n, start.sum().to(torch.int)
 
 
 class LossFunc:
@@ -123,22 +97,7 @@ class LossFunc:
         return num, count, report
 
     def _numerator(self, loss: Tensor, mask: Tensor, segment_ids: Tensor | None) -> tuple[Tensor, Tensor]:
-        key = DENOMINATOR_KEY[self.mode]
-        rows = torch.tensor(loss.shape[0], dtype=torch.int)
-        if self.mode == "per_document":
-            assert segment_ids is not None
-            s, n, ndoc = document_sums(loss, mask, segment_ids.view_as(loss))
-            return (s / n.clamp(min=1)).sum(), ndoc
-        if self.mode == "per_token":
-            return masked_token_sum(loss, mask), mask.sum().to(torch.int)
-        s, n = sample_stats(loss, mask)
-        if self.mode == "per_sample":
-            return (s / n.clamp(min=1)).sum(), rows
-        if self.mode == "per_microbatch":
-            return s.sum() / n.sum().clamp(min=1), torch.tensor(1, dtype=torch.int)
-        assert key == "samples"
-        scale = 1.0 if self.mode == "sample_sum" else 1.0 / float(self.fixed_length or 1)
-        return s.sum() * scale, rows
+        return mode_numerator(self.mode, loss, mask, segment_ids, self.fixed_length)
 
     def _check(self, loss_mask: Tensor, output_tensor: Tensor, segment_ids: Tensor | None) -> tuple[Tensor, Tensor]:
         if not isinstance(output_tensor, Tensor) or not output_tensor.is_floating_point():
