@@ -47,7 +47,9 @@ def _rel(a, b):
 @pytest.mark.parametrize("mode", MODES)
 def test_train_step_with_gradient_accumulation_matches_reference(mode):
     got = titan_step(mode, slice(0, 16), ga=4)
-    assert _rel(got, _reference(mode)) <= 1e-10
+    rel = _rel(got, _reference(mode))
+    print(f"measured: torchtitan {mode} GA 4 gradients vs one-pass float64: {rel:.1e}")
+    assert rel <= 1e-10
 
 
 @pytest.mark.slow
@@ -56,7 +58,9 @@ def test_two_data_parallel_ranks_match_reference():
     for mode in MODES:
         ref = _reference(mode)
         for rank in range(2):
-            assert _rel(results[rank][mode], ref) <= 1e-10, (mode, rank)
+            rel = _rel(results[rank][mode], ref)
+            print(f"measured: torchtitan {mode} 2 ranks x GA 2 gradients vs one-pass float64: {rel:.1e}")
+            assert rel <= 1e-10, (mode, rank)
 
 
 def test_bad_input_names_the_argument():
