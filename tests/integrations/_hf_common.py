@@ -130,6 +130,26 @@ def run(out_dir: str, kind: str, mode: str | None, b: int, ga: int, *, data: str
     return params, trainer.state.log_history, (rec.grads if rec else None)
 
 
+def naive_step1_objective(mode: str, rows: list[dict]) -> float:
+    """J of the first 8 rows under the initial weights: per row, the model's logits, log-softmax in
+    float64, the next-token loss at each labelled position, then the per-sample or per-document mean."""
+    model = tiny_model("llama")
+    units = []
+    with torch.no_grad():
+        for r in rows[:8]:
+            kw = {k: r[k][None] for k in ("input_ids", "attention_mask", "position_ids") if k in r}
+            logp = torch.log_softmax(model(**kw, use_cache=False).logits[0].double(), -1)
+            doc = (r["position_ids"] == 0).cumsum(0) if mode == "per_document" else torch.ones(len(r["labels"]))
+            sums: dict[int, list[float]] = {int(d): [0.0, 0] for d in doc.unique()}
+            for t in range(len(r["labels"]) - 1):
+                y = int(r["labels"][t + 1])
+                if y != -100:
+                    sums[int(doc[t])][0] -= float(logp[t, y])
+                    sums[int(doc[t])][1] += 1
+            units += [s / max(n, 1) for s, n in sums.values()]
+    return sum(units) / len(units)
+
+
 def rows_for(data: str) -> list[dict[str, torch.Tensor]]:
     """``padded``, ``packed``, ``ignored`` (every label -100) or ``segbad`` (per-row ``segment_ids`` with a
     labelled token at segment 0 in rows 2-3 only: with b=2 and 2 ranks, only rank 1 receives them)."""

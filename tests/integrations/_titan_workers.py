@@ -64,14 +64,18 @@ class _Optim:
         self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters()}
 
 
-def titan_step(mode: str, rows: slice, ga: int, mesh=None):
-    """One torchtitan ``train_step`` over ``rows`` of the global batch cut into ``ga`` microbatches."""
+def titan_step(mode: str, rows: slice, ga: int, mesh=None, cls=None, install=None):
+    """One torchtitan ``train_step`` over ``rows`` of the global batch cut into ``ga`` microbatches.
+    ``cls``: the trainer class (default: LossParityTitanMixin + Trainer); ``install(trainer, mode)`` sets
+    its loss (default: ``trainer.loss_fn = LossParityLoss(mode)``)."""
     from torchtitan.trainer import Trainer
 
     from lossparity.integrations.torchtitan import LossParityLoss, LossParityTitanMixin
 
     class T(LossParityTitanMixin, Trainer):
         pass
+
+    T = cls or T
 
     tokens, labels, positions = global_batch(16)
     tokens, labels, positions = tokens[rows], labels[rows], positions[rows]
@@ -91,7 +95,10 @@ def titan_step(mode: str, rows: slice, ga: int, mesh=None):
     t.checkpointer = SimpleNamespace(maybe_wait_for_staging=lambda: None)
     t.train_context = contextlib.nullcontext
     t.fwd_bwd_fn = t._forward_backward_body
-    t.loss_fn = LossParityLoss(mode)
+    if install is None:
+        t.loss_fn = LossParityLoss(mode)
+    else:
+        install(t, mode)
     b = tokens.shape[0] // ga
     data = iter([({"input": tokens[k * b:(k + 1) * b], "positions": positions[k * b:(k + 1) * b]},
                   labels[k * b:(k + 1) * b]) for k in range(ga)])

@@ -30,6 +30,16 @@ def examples(n: int = 40, seed: int = 5) -> list[dict[str, list[int]]]:
     return out
 
 
+def sft_args(out_dir: str, b: int, ga: int, *, padding_free: bool = False, steps: int = STEPS):
+    import trl
+
+    return trl.SFTConfig(output_dir=out_dir, per_device_train_batch_size=b, gradient_accumulation_steps=ga,
+                         max_steps=steps, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant",
+                         logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+                         train_sampling_strategy="sequential", dataloader_num_workers=0, disable_tqdm=True,
+                         max_grad_norm=0.0, padding_free=padding_free, max_length=None, bf16=False)
+
+
 def run_sft(out_dir: str, mode: str, b: int, ga: int, *, padding_free: bool = False, steps: int = STEPS):
     """``class MySFT(LossParityMixin, trl.SFTTrainer)`` for ``steps`` steps; returns (params, log_history,
     the first 8 examples as TRL prepared them)."""
@@ -41,14 +51,22 @@ def run_sft(out_dir: str, mode: str, b: int, ga: int, *, padding_free: bool = Fa
     class MySFT(LossParityMixin, trl.SFTTrainer):
         pass
 
-    args = trl.SFTConfig(output_dir=out_dir, per_device_train_batch_size=b, gradient_accumulation_steps=ga,
-                         max_steps=steps, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant",
-                         logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-                         train_sampling_strategy="sequential", dataloader_num_workers=0, disable_tqdm=True,
-                         max_grad_norm=0.0, padding_free=padding_free, max_length=None, bf16=False)
+    args = sft_args(out_dir, b, ga, padding_free=padding_free, steps=steps)
     model = tiny_model("llama")
     trainer = MySFT(model=model, args=args, train_dataset=datasets.Dataset.from_list(examples()),
                     processing_class=tokenizer(), loss_mode=mode)
     trainer.train()
     first = [trainer.train_dataset[i] for i in range(8)]
     return {n: p.detach().clone() for n, p in model.named_parameters()}, trainer.state.log_history, first
+
+
+def naive_mean_of_example_means(examples: list[dict]) -> float:
+    model = tiny_model("llama")
+    means = []
+    with torch.no_grad():
+        for ex in examples:
+            ids, labels = torch.tensor(ex["input_ids"]), torch.tensor(ex["labels"])
+            logp = torch.log_softmax(model(input_ids=ids[None], use_cache=False).logits[0].double(), -1)
+            terms = [-float(logp[t, labels[t + 1]]) for t in range(len(ids) - 1) if labels[t + 1] != -100]
+            means.append(sum(terms) / max(len(terms), 1))
+    return sum(means) / len(means)

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from _hf_common import packed_rows, padded_rows, run, tiny_model  # noqa: E402
+from _hf_common import naive_step1_objective, packed_rows, padded_rows, run, tiny_model  # noqa: E402
 
 from lossparity.distributed.launch import free_port  # noqa: E402
 
@@ -42,26 +42,6 @@ def _param_rel(a: dict, b: dict, p0: dict) -> tuple[float, float]:
     par = max(float((a[n] - b[n]).abs().max() / b[n].abs().max()) for n in b)
     upd = max(float((a[n] - b[n]).abs().max()) for n in b) / max(float((b[n] - p0[n]).abs().max()) for n in b)
     return par, upd
-
-
-def _naive_step1_objective(mode: str, rows: list[dict]) -> float:
-    """J of the first 8 rows under the initial weights: per row, the model's logits, log-softmax in
-    float64, the next-token loss at each labelled position, then the per-sample or per-document mean."""
-    model = tiny_model("llama")
-    units = []
-    with torch.no_grad():
-        for r in rows[:8]:
-            kw = {k: r[k][None] for k in ("input_ids", "attention_mask", "position_ids") if k in r}
-            logp = torch.log_softmax(model(**kw, use_cache=False).logits[0].double(), -1)
-            doc = (r["position_ids"] == 0).cumsum(0) if mode == "per_document" else torch.ones(len(r["labels"]))
-            sums: dict[int, list[float]] = {int(d): [0.0, 0] for d in doc.unique()}
-            for t in range(len(r["labels"]) - 1):
-                y = int(r["labels"][t + 1])
-                if y != -100:
-                    sums[int(doc[t])][0] -= float(logp[t, y])
-                    sums[int(doc[t])][1] += 1
-            units += [s / max(n, 1) for s, n in sums.values()]
-    return sum(units) / len(units)
 
 
 def _torchrun(tmp_path: Path, runs: list[dict]) -> list[dict]:
@@ -91,7 +71,7 @@ def test_objective_is_layout_invariant_across_batch_ga_and_ranks(tmp_path):
             par, upd = _param_rel(other, pa, p0)
             print(f"measured: HF Trainer {mode} {name} vs 8x1 after 5 steps: params {par:.1e}, updates {upd:.1e}")
             assert par <= RTOL and upd <= RTOL, (mode, par, upd)
-        naive = _naive_step1_objective(mode, packed_rows() if data == "packed" else padded_rows())
+        naive = naive_step1_objective(mode, packed_rows() if data == "packed" else padded_rows())
         worst = max(abs(x[0]["objective"] - naive) / naive for x in (la, lb, lc))
         print(f"measured: HF Trainer {mode} step-1 objective vs naive float64: {worst:.1e}")
         for logs in (la, lb, lc):

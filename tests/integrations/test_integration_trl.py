@@ -14,20 +14,7 @@ pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
 import torch  # noqa: E402
-from _hf_common import tiny_model  # noqa: E402
-from _trl_common import run_sft  # noqa: E402
-
-
-def _naive_mean_of_example_means(examples: list[dict]) -> float:
-    model = tiny_model("llama")
-    means = []
-    with torch.no_grad():
-        for ex in examples:
-            ids, labels = torch.tensor(ex["input_ids"]), torch.tensor(ex["labels"])
-            logp = torch.log_softmax(model(input_ids=ids[None], use_cache=False).logits[0].double(), -1)
-            terms = [-float(logp[t, labels[t + 1]]) for t in range(len(ids) - 1) if labels[t + 1] != -100]
-            means.append(sum(terms) / max(len(terms), 1))
-    return sum(means) / len(means)
+from _trl_common import naive_mean_of_example_means, run_sft  # noqa: E402
 
 
 @pytest.mark.parametrize("mode,padding_free", [("per_sample", False), ("per_document", True)])
@@ -41,7 +28,7 @@ def test_sft_trainer_objective_is_layout_invariant(tmp_path, mode, padding_free)
         torch.set_num_threads(n)
     rel = max(float((pa[k] - pb[k]).abs().max() / pa[k].abs().max()) for k in pa)
     assert rel <= 1e-6, rel
-    naive = _naive_mean_of_example_means(first)
+    naive = naive_mean_of_example_means(first)
     worst = max(abs(x[0]["objective"] - naive) / naive for x in (la, lb))
     print(f"measured: TRL SFTTrainer {mode} 2x4 vs 8x1 after 5 steps: params {rel:.1e}; step-1 objective {worst:.1e}")
     for logs in (la, lb):
