@@ -163,3 +163,16 @@ def test_unknown_loss_mode_is_rejected_at_construction(tmp_path):
     with pytest.raises(ValueError, match="loss_mode"):
         LossParityTrainer(model=tiny_model(), args=training_args(str(tmp_path), 2, 1),
                           train_dataset=RowDataset(padded_rows()), loss_mode="per_row")
+
+
+def test_evaluate_reports_the_batch_objective(tmp_path):
+    from _hf_common import RowDataset, training_args
+
+    from lossparity.integrations.hf import LossParityTrainer
+
+    rows = padded_rows()[:8]
+    args = training_args(str(tmp_path), 2, 1, per_device_eval_batch_size=8)
+    trainer = LossParityTrainer(model=tiny_model(), args=args, train_dataset=RowDataset(rows),
+                                eval_dataset=RowDataset(rows), loss_mode="per_sample")
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] == pytest.approx(naive_step1_objective("per_sample", rows), rel=1e-5)
