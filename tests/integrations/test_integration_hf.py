@@ -155,7 +155,7 @@ def test_bad_input_raises_before_the_first_optimizer_step(tmp_path, case):
     assert isinstance(trainer, transformers.Trainer)
 
 
-def test_unknown_loss_mode_is_rejected_at_construction(tmp_path):
+def test_bad_options_are_rejected_at_construction(tmp_path):
     from _hf_common import RowDataset, training_args
 
     from lossparity.integrations.hf import LossParityTrainer
@@ -163,6 +163,12 @@ def test_unknown_loss_mode_is_rejected_at_construction(tmp_path):
     with pytest.raises(ValueError, match="loss_mode"):
         LossParityTrainer(model=tiny_model(), args=training_args(str(tmp_path), 2, 1),
                           train_dataset=RowDataset(padded_rows()), loss_mode="per_row")
+    with pytest.raises(ValueError, match="label_smoothing_factor"):
+        LossParityTrainer(model=tiny_model(), args=training_args(str(tmp_path), 2, 1, label_smoothing_factor=0.1),
+                          train_dataset=RowDataset(padded_rows()))
+    with pytest.raises(ValueError, match="compute_loss_func"):
+        LossParityTrainer(model=tiny_model(), args=training_args(str(tmp_path), 2, 1),
+                          train_dataset=RowDataset(padded_rows()), compute_loss_func=lambda *a, **k: 0.0)
 
 
 def test_evaluate_reports_the_batch_objective(tmp_path):

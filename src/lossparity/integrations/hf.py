@@ -112,6 +112,11 @@ class LossParityMixin:
         self._lp_in_train = False
         self._lp_step_logs: list[dict[str, float | None]] = []
         super().__init__(*args, **kwargs)
+        # The mixin computes the loss itself: options that would change HF's loss would be silently ignored.
+        if getattr(self, "compute_loss_func", None) is not None:
+            raise ValueError("compute_loss_func: LossParityMixin computes the loss of loss_mode itself; drop it")
+        if getattr(self.args, "label_smoothing_factor", 0) != 0:  # type: ignore[attr-defined]
+            raise ValueError("args.label_smoothing_factor: label smoothing is not supported by LossParityMixin")
 
     # ------------------------------------------------------------------ step plan
     def _lp_accountant(self) -> Any:
