@@ -182,3 +182,20 @@ def test_evaluate_reports_the_batch_objective(tmp_path):
                                 eval_dataset=RowDataset(rows), loss_mode="per_sample")
     metrics = trainer.evaluate()
     assert metrics["eval_loss"] == pytest.approx(naive_step1_objective("per_sample", rows), rel=1e-5)
+
+
+def test_per_document_from_a_segment_ids_column(tmp_path):
+    """A ``segment_ids`` column survives the Trainer's column pruning and is not passed to the model; with
+    one document per row (ids = attention mask) per_document equals the naive per-sample mean."""
+    from _hf_common import RowDataset, training_args
+
+    from lossparity.integrations.hf import LossParityTrainer
+
+    rows = padded_rows()
+    for r in rows:
+        r["segment_ids"] = r["attention_mask"].clone()
+    trainer = LossParityTrainer(model=tiny_model(), args=training_args(str(tmp_path), 4, 2, steps=1),
+                                train_dataset=RowDataset(rows), loss_mode="per_document")
+    trainer.train()
+    logs = trainer.state.log_history[0]
+    assert logs["objective"] == pytest.approx(naive_step1_objective("per_sample", padded_rows()), rel=1e-5)

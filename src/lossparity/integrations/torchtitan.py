@@ -117,6 +117,9 @@ class LossParityTitanMixin:
     own ``train_step`` on the same batches. ``self.loss_fn`` must be a :class:`LossParityLoss`."""
 
     def train_step(self, data_iterator: Iterator[tuple[dict[str, Tensor], Tensor]]) -> Any:
+        """Fetch the step's ``gradient_accumulation_steps × pipeline microbatches`` batches, pre-count
+        ``max(Σ count, 1)`` of the loss's mode over the ``batch`` mesh, then run torchtitan's ``train_step``
+        on exactly those batches (exhaustion raises from ``next`` as in torchtitan's own loop)."""
         loss_fn = self.loss_fn  # type: ignore[attr-defined]
         if not isinstance(loss_fn, LossParityLoss):
             raise TypeError(f"loss_fn: LossParityTitanMixin needs a LossParityLoss, got {type(loss_fn).__name__}")
