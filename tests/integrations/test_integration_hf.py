@@ -199,3 +199,14 @@ def test_per_document_from_a_segment_ids_column(tmp_path):
     trainer.train()
     logs = trainer.state.log_history[0]
     assert logs["objective"] == pytest.approx(naive_step1_objective("per_sample", padded_rows()), rel=1e-5)
+
+
+def test_row_weighted_mode_on_packed_rows_warns(tmp_path):
+    from _hf_common import RowDataset, training_args
+
+    from lossparity.integrations.hf import LossParityTrainer
+
+    trainer = LossParityTrainer(model=tiny_model(), args=training_args(str(tmp_path), 4, 1, steps=1),
+                                train_dataset=RowDataset(packed_rows()), loss_mode="per_sample")
+    with pytest.warns(UserWarning, match="per_document"):
+        trainer.train()

@@ -27,6 +27,7 @@ Usage (two lines changed in an existing script)::
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -140,6 +141,7 @@ class LossParityMixin:
         for batch in batches:
             labels = shifted_labels(batch, shift)
             masks.append((labels != IGNORE_INDEX).float())
+            self._lp_warn_packed_rows(batch)
             if self.loss_mode == "per_document":
                 seg = segments_of(batch, labels.shape)
                 # Checked here, inside the pre-count, so that every rank stops (not one rank mid-backward).
@@ -148,6 +150,17 @@ class LossParityMixin:
                                      "belong to no document")
                 segs.append(seg)
         return masks, (segs if self.loss_mode == "per_document" else None)
+
+    def _lp_warn_packed_rows(self, batch: Mapping[str, Any]) -> None:
+        """Warn once when a row-weighted mode meets rows that pack several examples (padding-free/packing)."""
+        pos = batch.get("position_ids")
+        if self.loss_mode in ("per_document", "per_token") or getattr(self, "_lp_warned", False):
+            return
+        if isinstance(pos, Tensor) and bool(((pos == 0).sum(-1) > 1).any()):
+            self._lp_warned = True
+            warnings.warn(f"loss_mode={self.loss_mode!r} weights rows, and these rows pack several examples "
+                          "(position_ids restart at 0): use loss_mode='per_document' to weight every example once",
+                          stacklevel=2)
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
         """Trainer hook: fetch the window's batches (HF), then pre-count the step's normalizers over ranks."""
