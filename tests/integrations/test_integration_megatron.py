@@ -104,6 +104,9 @@ def test_bad_input_names_the_argument():
 
     with pytest.raises(ValueError, match="calculate_per_token_loss=True"):
         LossFunc("per_sample", config=SimpleNamespace(calculate_per_token_loss=False))
+    with pytest.raises(ValueError, match="context_parallel_size"):
+        LossFunc("per_sample", config=SimpleNamespace(calculate_per_token_loss=True, context_parallel_size=2))
+    LossFunc("per_token", config=SimpleNamespace(calculate_per_token_loss=True, context_parallel_size=2))
     with pytest.raises(ValueError, match="segment_ids"):
         LossFunc("per_document")(torch.ones(2, 3), torch.rand(2, 3))
     with pytest.raises(ValueError, match="loss_mask"):

@@ -71,6 +71,12 @@ class LossFunc:
         self.fixed_length = fixed_length
         if config is not None:
             self.check_config(config)
+            # Under context parallelism each rank sees a shard of every row: unit counts (n_i, n_j, b) would
+            # be shard-local and Megatron sums the counts over DP×CP, so only per_token stays exact.
+            cp = getattr(config, "context_parallel_size", 1) or 1
+            if cp > 1 and self.mode != "per_token":
+                raise ValueError(f"config.context_parallel_size={cp}: mode {self.mode!r} needs whole rows on each "
+                                 "rank (only per_token is exact under context parallelism)")
 
     @staticmethod
     def check_config(config: Any) -> None:
