@@ -91,21 +91,19 @@ def training_args(out_dir: str, b: int, ga: int, steps: int = STEPS, **over):
     return transformers.TrainingArguments(**kw)
 
 
-class GradRecorder:
+def grad_recorder():
     """A Trainer callback keeping a copy of every parameter gradient just before each optimizer step."""
+    import transformers
 
-    def __new__(cls):
-        import transformers
+    class GradRecorder(transformers.TrainerCallback):
+        def __init__(self):
+            self.grads = []
 
-        class _Rec(transformers.TrainerCallback):
-            def __init__(self):
-                self.grads = []
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+            self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()
+                               if p.grad is not None})
 
-            def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
-                self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()
-                                   if p.grad is not None})
-
-        return _Rec()
+    return GradRecorder()
 
 
 def run(out_dir: str, kind: str, mode: str | None, b: int, ga: int, *, data: str = "padded", steps: int = STEPS,
@@ -118,7 +116,7 @@ def run(out_dir: str, kind: str, mode: str | None, b: int, ga: int, *, data: str
 
     rows = rows_for(data)
     model = tiny_model(kind)
-    rec = GradRecorder() if record_grads else None
+    rec = grad_recorder() if record_grads else None
     kw = dict(model=model, args=training_args(out_dir, b, ga, steps), train_dataset=RowDataset(rows),
               callbacks=[rec] if rec else None)
     if mode is None:
