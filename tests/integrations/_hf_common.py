@@ -26,6 +26,14 @@ def tiny_model(kind: str = "llama"):
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    if kind == "nologits":  # a model whose outputs carry no logits (bad input of the integration)
+        class NoLogits(transformers.LlamaForCausalLM):
+            def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kw):
+                out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                      **kw)
+                return transformers.modeling_outputs.BaseModelOutput(last_hidden_state=out.logits)
+
+        return NoLogits(transformers.LlamaConfig(**common))
     if kind == "mixtral":
         config = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
                                             output_router_logits=True, router_aux_loss_coef=0.05)

@@ -61,6 +61,8 @@ def test_objective_is_layout_invariant_across_batch_ga_and_ranks(tmp_path):
     runs = [{"name": f"{m}-{d}", "kind": "llama", "mode": m, "b": 2, "ga": 2, "data": d} for m, d in specs]
     runs.append({"name": "ignored", "kind": "llama", "mode": "per_sample", "b": 2, "ga": 2, "data": "ignored"})
     runs.append({"name": "segbad", "kind": "llama", "mode": "per_document", "b": 2, "ga": 2, "data": "segbad"})
+    runs.append({"name": "noseg", "kind": "llama", "mode": "per_document", "b": 2, "ga": 2, "data": "padded"})
+    runs.append({"name": "nologits", "kind": "nologits", "mode": "per_sample", "b": 2, "ga": 2, "data": "padded"})
     ranks = _torchrun(tmp_path, runs)
     p0 = {n: p.detach().clone() for n, p in tiny_model().named_parameters()}
     for mode, data in specs:
@@ -84,6 +86,7 @@ def test_objective_is_layout_invariant_across_batch_ga_and_ranks(tmp_path):
     # Bad input on every rank, before the first optimizer step, without a hang.
     for rank in ranks:
         assert "labels" in rank["ignored"]["error"] and "ignore_index" in rank["ignored"]["error"]
+        assert "segment_ids" in rank["noseg"]["error"] and rank["nologits"]["error"].startswith("model:")
     assert "segment id 0" in ranks[1]["segbad"]["error"]
     assert "another rank" in ranks[0]["segbad"]["error"]
 
@@ -123,18 +126,6 @@ def test_moe_aux_loss_is_added_once_per_step(tmp_path):
     assert logs[0]["aux_loss"] == pytest.approx(sum(auxes) / 2, rel=1e-6)
 
 
-def _no_logits_model():
-    import transformers
-
-    class NoLogits(transformers.LlamaForCausalLM):
-        def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kw):
-            out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kw)
-            return transformers.modeling_outputs.BaseModelOutput(last_hidden_state=out.logits)
-
-    torch.manual_seed(0)
-    return NoLogits(tiny_model().config)
-
-
 @pytest.mark.parametrize("case", ["per_document_without_segments", "all_labels_ignored", "no_logits"])
 def test_bad_input_raises_before_the_first_optimizer_step(tmp_path, case):
     import transformers
@@ -144,7 +135,7 @@ def test_bad_input_raises_before_the_first_optimizer_step(tmp_path, case):
 
     mode = "per_document" if case == "per_document_without_segments" else "per_sample"
     rows = rows_for("ignored" if case == "all_labels_ignored" else "padded")
-    model = _no_logits_model() if case == "no_logits" else tiny_model()
+    model = tiny_model("nologits" if case == "no_logits" else "llama")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = LossParityTrainer(model=model, args=training_args(str(tmp_path), 2, 2), train_dataset=RowDataset(rows),
                                 loss_mode=mode)
