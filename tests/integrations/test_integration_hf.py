@@ -203,3 +203,21 @@ def test_row_weighted_mode_on_packed_rows_warns(tmp_path):
                                 train_dataset=RowDataset(packed_rows()), loss_mode="per_sample")
     with pytest.warns(UserWarning, match="per_document"):
         trainer.train()
+
+
+def test_logging_interval_averages_the_per_step_values(tmp_path):
+    """logging_steps=2: lm_loss and objective are the plain means of the per-step values (semantics §2)."""
+    from _hf_common import RowDataset, training_args
+
+    from lossparity.integrations.hf import LossParityTrainer
+
+    logs = {}
+    for every in (1, 2):
+        trainer = LossParityTrainer(model=tiny_model(), train_dataset=RowDataset(padded_rows()), loss_mode="per_sample",
+                                    args=training_args(str(tmp_path), 4, 2, steps=4, logging_steps=every))
+        trainer.train()
+        logs[every] = [x for x in trainer.state.log_history if "objective" in x]
+    for key in ("objective", "lm_loss"):
+        per_step = [x[key] for x in logs[1]]
+        pairs = [(per_step[0] + per_step[1]) / 2, (per_step[2] + per_step[3]) / 2]
+        assert [x[key] for x in logs[2]] == pytest.approx(pairs, rel=1e-12)
