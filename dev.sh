@@ -15,9 +15,14 @@ ensure_env() {  # $1 = extras profile: main | test
   local stamp="$VENV/.lossparity-$1-$(cat pyproject.toml dev.sh | sha1sum | cut -c1-12)"
   [ -f "$stamp" ] && return 0
   if [ "$1" = test ]; then
-    "$VENV/bin/pip" install -q -e ".[dev,report,tensorboard,jax,config]"
+    # hf/trl: the Hugging Face Trainer and TRL integrations (their tests build tiny models from configs).
+    "$VENV/bin/pip" install -q -e ".[dev,report,tensorboard,jax,config,hf,trl]"
     # megatron-core is the oracle of the MoE tests; --no-deps keeps it from touching torch.
     "$VENV/bin/pip" install -q --no-deps "megatron-core==0.16.1"
+    # torchtitan 0.3.0 pins datasets<4.8 and pulls wandb/torch_checkpointing that its trainer module does not
+    # need: install it and the modules it imports without their dependencies (torch stays as installed).
+    "$VENV/bin/pip" install -q --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3" "torchdata==0.11.0"
+    "$VENV/bin/pip" install -q tyro einops
   else
     "$VENV/bin/pip" install -q -e .
   fi

@@ -1,0 +1,283 @@
+"""Hugging Face ``transformers.Trainer`` (and TRL) integration: every optimizer step optimizes exactly the
+chosen lossparity mode, whatever ``per_device_train_batch_size`` × ``gradient_accumulation_steps`` ×
+data-parallel size (docs/semantics.md §1, §3).
+
+How (pre-counted normalizers, docs/semantics.md §3): the Trainer fetches the accumulation window's
+batches before the step (``get_batch_samples``); the mixin counts the mode's normalizers (``Ntok``,
+``N``, ``Ndoc``, ``D·K``) from their shifted labels and sums them over the data-parallel ranks in one
+all-reduce (:class:`lossparity.Accountant`). Each microbatch then back-propagates its exact share
+``numerator(mb) / denominator`` of ``J``, computed from the model's logits with the causal shift and
+``ignore_index = -100`` that HF causal LMs use, multiplied by the number of processes because DDP
+averages gradients (so that they are summed, as §3 requires). ``log_history`` gains ``lm_loss`` (global
+token mean ``S/Ntok``) and ``objective`` (``J``); HF's own ``loss`` is ``J`` too.
+
+Packed rows: ``per_document`` takes the documents from a ``segment_ids`` column (0 = padding) or, as
+TRL's padding-free collator emits, from ``position_ids`` restarting at 0 (positions where
+``attention_mask`` is 0 are padding). MoE models returning ``aux_loss`` (``output_router_logits``)
+keep their auxiliary term as the model defines it, ``router_aux_loss_coef · aux_loss`` of each
+microbatch, added once per step: weighted ``1/(D·K)`` (the mean over the step's microbatches).
+
+Usage (two lines changed in an existing script)::
+
+    from lossparity.integrations.hf import LossParityTrainer
+    trainer = LossParityTrainer(model=model, args=args, train_dataset=ds, loss_mode="per_sample")
+
+    class MySFT(LossParityMixin, trl.SFTTrainer): ...   # TRL: mixin first
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..losses.modes import objective as _batch_objective
+from ..options import MODES, Mode, check_option
+from . import require
+
+__all__ = ["IGNORE_INDEX", "LossParityMixin", "LossParityTrainer", "shifted_labels", "segments_of"]  # noqa: F822
+
+IGNORE_INDEX = -100  # the label HF causal-LM losses and Trainer's num_items_in_batch ignore
+_LOSS_ONLY_KEYS = ("labels", "shift_labels", "segment_ids")  # columns the model's forward must not see
+_BAD = "lossparity_bad_input"  # extra count: a rank flags invalid input inside the pre-count all-reduce
+
+
+def shifted_labels(batch: Mapping[str, Any], shift: bool = True) -> Tensor:
+    """The label predicted at each position, ``[b, S]``: ``batch["shift_labels"]`` when the collator gives
+    it (padding-free collators), else ``labels[:, t+1]`` with ``IGNORE_INDEX`` at the last position (HF's
+    ``ForCausalLMLoss``), or ``labels`` unchanged when ``shift`` is False."""
+    if "shift_labels" in batch:
+        return batch["shift_labels"]
+    labels = batch.get("labels")
+    if not isinstance(labels, Tensor) or labels.dim() != 2:
+        raise ValueError(
+            f"labels: every batch needs a [batch, seq] 'labels' tensor (or 'shift_labels'); got {type(labels).__name__}"
+        )
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX) if shift else labels
+
+
+def segments_of(batch: Mapping[str, Any], shape: torch.Size) -> Tensor:
+    """Document ids of packed rows, ``[b, S]`` (0 = padding): ``batch["segment_ids"]``, or the running count
+    of ``position_ids == 0`` (each restart opens a document), zeroed where ``attention_mask`` is 0."""
+    if "segment_ids" in batch:
+        seg = batch["segment_ids"]
+    elif isinstance(batch.get("position_ids"), Tensor):
+        pos = batch["position_ids"].expand(shape)
+        seg = (pos == 0).long().cumsum(-1)
+        mask = batch.get("attention_mask")
+        if isinstance(mask, Tensor) and mask.shape == shape:
+            seg = seg * (mask != 0)
+    else:
+        raise ValueError(
+            "segment_ids: loss_mode='per_document' needs the documents of packed rows: a 'segment_ids' column "
+            "or 'position_ids' that restart at 0 for each document (TRL padding_free/packing)"
+        )
+    if tuple(seg.shape) != tuple(shape):
+        raise ValueError(f"segment_ids: shape {tuple(seg.shape)} does not match labels {tuple(shape)}")
+    return seg
+
+
+class LossParityMixin:
+    """Mix into ``transformers.Trainer`` or a subclass (TRL ``SFTTrainer``...), **first** in the bases.
+
+    Extra constructor keywords: ``loss_mode`` (a mode of docs/semantics.md §1, default ``per_sample``),
+    ``fixed_length`` (the ``L`` of ``sample_sum_norm``), ``allow_empty_steps`` (default False: a step
+    whose labels are all ``-100`` on every rank raises, since it is almost always a data bug).
+
+    Bad input (no labels, ``per_document`` without segment ids or position ids, all labels ignored, a
+    model output without ``logits``) raises ``ValueError`` naming the argument before the first optimizer
+    step, on every rank: a rank's error is flagged inside the pre-count all-reduce so no rank hangs.
+    """
+
+    # Trainer.training_step must not divide our loss by the accumulation steps: it is already J's share.
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *args: Any, loss_mode: Mode = "per_sample", fixed_length: int | None = None,
+                 allow_empty_steps: bool = False, **kwargs: Any) -> None:
+        transformers = require("transformers", "hf")
+        if not hasattr(transformers.Trainer, "loss_is_scaled_for_ga"):
+            raise ImportError('lossparity.integrations.hf needs transformers >= 5 (Trainer.loss_is_scaled_for_ga): '
+                              'pip install "lossparity[hf]"')
+        self.loss_mode: Mode = check_option("loss_mode", loss_mode, MODES)
+        if loss_mode == "sample_sum_norm" and (fixed_length is None or fixed_length <= 0):
+            raise ValueError(f"fixed_length: loss_mode 'sample_sum_norm' needs fixed_length > 0, got {fixed_length}")
+        self.lp_fixed_length = fixed_length
+        self.lp_allow_empty_steps = allow_empty_steps
+        self._lp_acc: Any = None
+        self._lp_left = 0  # microbatches of the current step not yet seen by compute_loss
+        self._lp_open = False  # a step was begun and not yet closed (finish_step + logs)
+        self._lp_in_train = False
+        self._lp_step_logs: list[dict[str, float | None]] = []
+        super().__init__(*args, **kwargs)
+        # The mixin computes the loss itself: options that would change HF's loss would be silently ignored.
+        if getattr(self, "compute_loss_func", None) is not None:
+            raise ValueError("compute_loss_func: LossParityMixin computes the loss of loss_mode itself; drop it")
+        if getattr(self.args, "label_smoothing_factor", 0) != 0:  # type: ignore[attr-defined]
+            raise ValueError("args.label_smoothing_factor: label smoothing is not supported by LossParityMixin")
+
+    # ------------------------------------------------------------------ step plan
+    def _lp_accountant(self) -> Any:
+        if self._lp_acc is None:
+            from ..distributed.accountant import Accountant
+
+            sizes = [getattr(self, f"get_{k}_size", lambda: 1)() for k in ("tp", "cp", "sp")]
+            if any(s > 1 for s in sizes):
+                raise ValueError(f"LossParityMixin supports data parallelism only; tp/cp/sp sizes are {sizes}")
+            # Gradients: the loss is multiplied by the process count (DDP averages), so the accountant
+            # touches none (grad_reduction="sum"); its group is the default one (data parallel).
+            self._lp_acc = Accountant(self.loss_mode, group=None, grad_reduction="sum",
+                                      fixed_length=self.lp_fixed_length)
+            if self._lp_aux_coef() is not None:
+                self._lp_acc.declare_metric("aux_loss")
+        return self._lp_acc
+
+    def _lp_masks(self, batches: Sequence[Mapping[str, Any]]) -> tuple[list[Tensor], list[Tensor] | None]:
+        shift = getattr(self, "_loss_shifts_labels", True)
+        masks, segs = [], []
+        for batch in batches:
+            labels = shifted_labels(batch, shift)
+            masks.append((labels != IGNORE_INDEX).float())
+            self._lp_warn_packed_rows(batch)
+            if self.loss_mode == "per_document":
+                seg = segments_of(batch, labels.shape)
+                # Checked here, inside the pre-count, so that every rank stops (not one rank mid-backward).
+                if bool(((seg == 0) & (labels != IGNORE_INDEX)).any()):
+                    raise ValueError("segment_ids: a label (not -100) sits at segment id 0 (padding); it would "
+                                     "belong to no document")
+                segs.append(seg)
+        return masks, (segs if self.loss_mode == "per_document" else None)
+
+    def _lp_warn_packed_rows(self, batch: Mapping[str, Any]) -> None:
+        """Warn once when a row-weighted mode meets rows that pack several examples (padding-free/packing)."""
+        pos = batch.get("position_ids")
+        if self.loss_mode in ("per_document", "per_token") or getattr(self, "_lp_warned", False):
+            return
+        if isinstance(pos, Tensor) and bool(((pos == 0).sum(-1) > 1).any()):
+            self._lp_warned = True
+            warnings.warn(f"loss_mode={self.loss_mode!r} weights rows, and these rows pack several examples "
+                          "(position_ids restart at 0): use loss_mode='per_document' to weight every example once",
+                          stacklevel=2)
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+        """Trainer hook: fetch the window's batches (HF), then pre-count the step's normalizers over ranks."""
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
+        if batches:
+            self._lp_begin_step(batches)
+        return batches, num_items
+
+    def _lp_begin_step(self, batches: list) -> None:
+        if self._lp_open:  # the previous window was cut short (training stopped mid-window): drop it
+            self._lp_acc, self._lp_left, self._lp_open = None, 0, False
+        acc = self._lp_accountant()
+        error: Exception | None = None
+        try:
+            masks, segs = self._lp_masks(batches)
+        except ValueError as e:  # keep the collective: this rank flags, every rank raises below
+            error = e
+            masks = [torch.zeros(1, 1)]
+            segs = [torch.ones(1, 1, dtype=torch.long)] if self.loss_mode == "per_document" else None
+        acc.begin_step(masks, segs, extra_counts={_BAD: float(error is not None)})
+        if error is not None:
+            raise error
+        if acc.global_count(_BAD) > 0:
+            raise ValueError("another rank reported invalid input (labels/segment_ids) before the first forward of "
+                             "this step; see its error")
+        if acc.global_count("tokens") == 0 and not self.lp_allow_empty_steps:
+            raise ValueError(f"labels: every label of this step is ignore_index ({IGNORE_INDEX}) on every rank: "
+                             "nothing to train on (pass allow_empty_steps=True to accept such steps)")
+        self._lp_left, self._lp_open = len(masks), True
+        self._lp_mbs = acc.global_count("microbatches")
+        self._lp_factor = float(getattr(self.accelerator, "num_processes", 1))  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ loss
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Tensor:
+        """Trainer hook: one microbatch; after the window's last one, close the step and keep its logs."""
+        self._lp_in_train = True
+        try:
+            loss = super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
+        finally:
+            self._lp_in_train = False
+        if self._lp_open and self._lp_left == 0:
+            self._lp_open = False
+            self._lp_acc.finish_step()
+            self._lp_step_logs.append(self._lp_acc.logs())
+        return loss
+
+    def compute_loss(self, model: Any, inputs: dict, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        """This microbatch's exact share of ``J`` (training) or the batch's own ``J`` (evaluation)."""
+        labels = shifted_labels(inputs, getattr(self, "_loss_shifts_labels", True))
+        seg = segments_of(inputs, labels.shape) if self.loss_mode == "per_document" else None
+        fwd = {k: v for k, v in inputs.items() if k not in _LOSS_ONLY_KEYS}
+        if getattr(getattr(self.model, "config", None), "use_cache", None) is not None:
+            # As TRL does: no KV cache in a loss forward (it also keeps HF's packed-sequence attention mask on).
+            fwd.setdefault("use_cache", False)
+        outputs = model(**fwd)
+        logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None)
+        if not isinstance(logits, Tensor):
+            raise ValueError("model: its outputs have no 'logits' tensor; LossParityMixin computes the per-token "
+                             "loss from the logits (a model that fuses the LM head into its loss cannot be used)")
+        per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten().to(logits.device),
+                                    ignore_index=IGNORE_INDEX, reduction="none").view(labels.shape)
+        mask = (labels != IGNORE_INDEX).to(per_token.dtype)
+        if self._lp_in_train and self._lp_left > 0:
+            loss = self._lp_train_share(per_token, mask, seg, outputs)
+        else:
+            loss = _batch_objective(self.loss_mode, per_token, mask, segment_ids=seg,
+                                    microbatch_size=per_token.shape[0], fixed_length=self.lp_fixed_length)
+        return (loss, outputs) if return_outputs else loss
+
+    def _lp_train_share(self, per_token: Tensor, mask: Tensor, seg: Tensor | None, outputs: Any) -> Tensor:
+        acc = self._lp_acc
+        loss = acc.lm_loss(per_token, mask, seg)
+        aux = getattr(outputs, "aux_loss", None)
+        coef = self._lp_aux_coef()
+        if aux is not None and coef is not None:
+            # The model's own term, coef·aux(mb), once per step: the mean over the step's D·K microbatches.
+            share = coef * aux.to(loss.dtype) / self._lp_mbs
+            acc.add_objective(share.detach())
+            acc.record("aux_loss", aux.detach())
+            loss = loss + share
+        self._lp_left -= 1
+        return loss * self._lp_factor
+
+    def _lp_aux_coef(self) -> float | None:
+        config = getattr(getattr(self, "model", None), "config", None)
+        if not getattr(config, "output_router_logits", False):
+            return None
+        return float(getattr(config, "router_aux_loss_coef", 0.0))
+
+    # ------------------------------------------------------------------ logs and columns
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Trainer hook: training logs gain ``lm_loss``, ``objective`` (and ``aux_loss``), each the plain mean
+        of its per-step values over the logging interval (docs/semantics.md §2)."""
+        if "loss" in logs and self._lp_step_logs:
+            steps, self._lp_step_logs = self._lp_step_logs, []
+            for key in ("lm_loss", "objective", "aux_loss"):
+                values = [s[key] for s in steps if s.get(key) is not None]
+                if values:
+                    logs[key] = sum(values) / len(values)
+        super().log(logs, *args, **kwargs)  # type: ignore[misc]
+
+    def _set_signature_columns_if_needed(self) -> None:
+        super()._set_signature_columns_if_needed()  # type: ignore[misc]
+        cols = getattr(self, "_signature_columns", None)
+        if cols is not None:  # keep the loss-only columns that the model's forward does not name
+            self._signature_columns = list(cols) + [k for k in _LOSS_ONLY_KEYS if k not in cols]
+
+
+def __getattr__(name: str) -> Any:
+    # LossParityTrainer is built on first use so that importing this module needs no transformers.
+    if name == "LossParityTrainer":
+        transformers = require("transformers", "hf")
+        cls = type("LossParityTrainer", (LossParityMixin, transformers.Trainer), {
+            "__doc__": "``transformers.Trainer`` optimizing a lossparity mode exactly (see LossParityMixin).",
+            "__module__": __name__,
+        })
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

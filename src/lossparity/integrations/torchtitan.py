@@ -1,0 +1,134 @@
+"""torchtitan integration: a loss with torchtitan's signature and a step hook that pre-counts its normalizer.
+
+torchtitan's ``Trainer.train_step`` fetches the step's ``gradient_accumulation_steps ×
+pipeline microbatches`` batches first, counts ``global_valid_tokens`` (labels ≠ -100, summed over the
+``batch`` mesh) and calls ``loss_fn(pred, labels, global_valid_tokens, **loss_kwargs)`` for every
+microbatch; the loss is the local sum divided by that count and FSDP *sums* gradients (its divide factor
+is set to 1). That is per_token with pre-counted normalizers (docs/semantics.md §3). The other modes need
+their own global count (``N``, ``Ndoc``, ``D·K``) before the first forward:
+
+- :class:`LossParityLoss` ``(pred, labels, global_valid_tokens=None, positions=None) -> (loss, {})``
+  returns ``numerator(mb) / global count`` of its mode (per_token keeps torchtitan's own
+  ``global_valid_tokens``);
+- :meth:`LossParityLoss.precount` is the step hook: the counts of every microbatch of the step,
+  summed over the ``batch`` mesh in one all-reduce, kept on the device (no host sync);
+- :class:`LossParityTitanMixin` calls it from ``train_step``: ``class T(LossParityTitanMixin, Trainer)``
+  with ``trainer.loss_fn = LossParityLoss("per_sample")``.
+
+``per_document`` reads the documents of packed rows from torchtitan's ``positions`` (per-document
+positions restarting at 0, passed to the loss when the dataloader provides them). Not supported:
+context parallelism and tensor-parallel loss-parallel logits (DTensor ``pred``) for the unit modes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..options import MODES, Mode, check_option
+from . import require
+from ._common import mode_numerator, unit_count
+
+__all__ = ["IGNORE_INDEX", "LossParityLoss", "LossParityTitanMixin", "segments_from_positions"]
+
+IGNORE_INDEX = -100  # torchtitan.components.loss.IGNORE_INDEX
+
+
+def segments_from_positions(positions: Tensor) -> Tensor:
+    """Document ids ``[b, S]`` of packed rows from per-document positions: each 0 opens a new document."""
+    return (positions == 0).long().cumsum(-1)
+
+
+def _group_of(group: Any) -> Any:
+    """A ``ProcessGroup`` from a 1-D ``DeviceMesh`` (torchtitan's ``batch`` mesh), a group, or None."""
+    if group is not None and hasattr(group, "get_group"):
+        return group.get_group()
+    return group
+
+
+class LossParityLoss:
+    """torchtitan-compatible loss for any lossparity mode (module docstring).
+
+    Args:
+        mode: docs/semantics.md §1 mode (default ``per_sample``).
+        fixed_length: the ``L`` of ``sample_sum_norm``.
+    """
+
+    def __init__(self, mode: Mode = "per_sample", *, fixed_length: int | None = None) -> None:
+        require("torchtitan", "torchtitan")
+        self.mode: Mode = check_option("mode", mode, MODES)
+        if mode == "sample_sum_norm" and (fixed_length is None or fixed_length <= 0):
+            raise ValueError(f"fixed_length: mode 'sample_sum_norm' needs fixed_length > 0, got {fixed_length}")
+        self.fixed_length = fixed_length
+        self.denominator: Tensor | None = None  # set by precount, once per step
+
+    def precount(self, labels: Sequence[Tensor], positions: Sequence[Tensor | None] | None = None,
+                 group: Any = None, device: torch.device | str | None = None) -> Tensor:
+        """Step hook: ``max(Σ count, 1)`` over this rank's microbatches (their ``labels``, and ``positions``
+        for per_document) and the data-parallel ``group`` (a ``DeviceMesh`` or process group), in one
+        all-reduce. Kept on ``device`` as this step's denominator and returned."""
+        if not labels:
+            raise ValueError("labels: precount needs the labels of at least one microbatch")
+        pos = list(positions) if positions is not None else [None] * len(labels)
+        total = torch.zeros((), dtype=torch.int64, device=device or labels[0].device)
+        for i, lab in enumerate(labels):
+            seg = None
+            if self.mode == "per_document":
+                if pos[i] is None:
+                    raise ValueError(f"positions: mode 'per_document' needs per-document positions (microbatch {i})")
+                seg = segments_from_positions(pos[i])
+            total += unit_count(self.mode, (lab != IGNORE_INDEX), seg).to(total.device)
+        pg = _group_of(group)
+        if pg is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pg)
+        self.denominator = total.clamp(min=1)
+        return self.denominator
+
+    def __call__(self, pred: Tensor, labels: Tensor, global_valid_tokens: Tensor | None = None,
+                 **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        """``(numerator(mb) / global count, {})``: this microbatch's exact share of ``J``."""
+        if type(pred).__name__ == "DTensor":
+            raise TypeError("pred: LossParityLoss takes plain logits; loss-parallel DTensor logits are not supported")
+        logits = pred.float() if pred.dtype in (torch.float16, torch.bfloat16) else pred  # fp32 at least, as torchtitan
+        per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1), reduction="none",
+                                    ignore_index=IGNORE_INDEX).view(labels.shape)
+        mask = (labels != IGNORE_INDEX).to(per_token.dtype)
+        positions = kwargs.get("positions")
+        if self.mode == "per_document" and positions is None:
+            raise ValueError("positions: mode 'per_document' needs torchtitan's per-document positions")
+        seg = segments_from_positions(positions) if self.mode == "per_document" else None
+        num, _ = mode_numerator(self.mode, per_token, mask, seg, self.fixed_length)
+        if self.mode == "per_token" and global_valid_tokens is not None:
+            return num / global_valid_tokens, {}
+        if self.denominator is None:
+            raise RuntimeError(f"LossParityLoss({self.mode!r}) called before precount: call it from the step hook "
+                               "(LossParityTitanMixin.train_step) before the first forward of every step")
+        return num / self.denominator.to(num.device), {}
+
+
+class LossParityTitanMixin:
+    """Mix first into torchtitan's ``Trainer``: ``train_step`` fetches the step's microbatches, pre-counts
+    the loss's normalizer over the ``batch`` mesh (:meth:`LossParityLoss.precount`), then runs torchtitan's
+    own ``train_step`` on the same batches. ``self.loss_fn`` must be a :class:`LossParityLoss`."""
+
+    def train_step(self, data_iterator: Iterator[tuple[dict[str, Tensor], Tensor]]) -> Any:
+        """Fetch the step's ``gradient_accumulation_steps × pipeline microbatches`` batches, pre-count
+        ``max(Σ count, 1)`` of the loss's mode over the ``batch`` mesh, then run torchtitan's ``train_step``
+        on exactly those batches (exhaustion raises from ``next`` as in torchtitan's own loop)."""
+        loss_fn = self.loss_fn  # type: ignore[attr-defined]
+        if not isinstance(loss_fn, LossParityLoss):
+            raise TypeError(f"loss_fn: LossParityTitanMixin needs a LossParityLoss, got {type(loss_fn).__name__}")
+        dims = self.parallel_dims  # type: ignore[attr-defined]
+        if getattr(dims, "cp_enabled", False) and loss_fn.mode != "per_token":
+            raise ValueError(f"mode {loss_fn.mode!r}: context parallelism is not supported by LossParityTitanMixin")
+        n = self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches  # type: ignore[attr-defined]
+        batches = [next(data_iterator) for _ in range(n)]
+        group = dims.get_mesh("batch") if dims.dp_enabled else None
+        loss_fn.precount([lab for _, lab in batches], [d.get("positions") for d, _ in batches], group,
+                         device=self.device)  # type: ignore[attr-defined]
+        return super().train_step(iter(batches))  # type: ignore[misc]

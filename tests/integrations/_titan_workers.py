@@ -1,0 +1,115 @@
+"""torchtitan's real ``Trainer.train_step`` driven on CPU around a tiny float64 model.
+
+The Trainer object is made without its ``__init__`` (which builds a model from a registry, tokenizer,
+dataloader and checkpointer): the attributes ``train_step`` reads are set by hand. The stand-ins are the
+optimizer (``step`` sums the gradients over the data-parallel group, as torchtitan's FSDP does with its
+gradient divide factor set to 1, then keeps them), the LR scheduler, checkpointer and metrics processor
+(no logging step). Everything between fetching the batches and the optimizer step is torchtitan's code:
+``global_valid_tokens``, ``forward_backward_step``, ``post_dataloading_process``, the loss call with
+``positions``, backward and gradient clipping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+V, S, H = 11, 10, 6
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(11)
+        self.emb = nn.Parameter(torch.randn(V, H, generator=g, dtype=torch.float64))
+        self.out = nn.Parameter(torch.randn(V, H, generator=g, dtype=torch.float64) / H**0.5)
+        self.pos = nn.Parameter(torch.randn(S, H, generator=g, dtype=torch.float64) / 4)
+
+    def forward(self, tokens, positions=None):
+        h = self.emb[tokens] + (self.pos[positions] if positions is not None else 0)
+        return torch.tanh(h) @ self.out.T
+
+
+def global_batch(n_rows: int):
+    """Tokens, labels (-100 = ignored; ragged, row 1 has none) and per-document positions (1-3 docs)."""
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, V, (n_rows, S), generator=g)
+    labels = torch.randint(0, V, (n_rows, S), generator=g)
+    keep = torch.rand(n_rows, S, generator=g) < 0.7
+    keep[1] = False
+    labels = torch.where(keep, labels, -100)
+    positions = torch.zeros(n_rows, S, dtype=torch.long)
+    for i in range(n_rows):
+        cuts = sorted(set(torch.randint(1, S, (int(torch.randint(0, 3, (1,), generator=g)),), generator=g).tolist()))
+        for a, b in zip([0] + cuts, cuts + [S]):
+            positions[i, a:b] = torch.arange(b - a)
+    return tokens, labels, positions
+
+
+class _Optim:
+    def __init__(self, model, group):
+        self.model, self.group, self.grads = model, group, None
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=True)
+
+    def step(self):
+        for p in self.model.parameters():
+            if self.group is not None:
+                dist.all_reduce(p.grad, group=self.group)
+        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters()}
+
+
+def titan_step(mode: str, rows: slice, ga: int, mesh=None, cls=None, install=None):
+    """One torchtitan ``train_step`` over ``rows`` of the global batch cut into ``ga`` microbatches.
+    ``cls``: the trainer class (default: LossParityTitanMixin + Trainer); ``install(trainer, mode)`` sets
+    its loss (default: ``trainer.loss_fn = LossParityLoss(mode)``)."""
+    from torchtitan.trainer import Trainer
+
+    from lossparity.integrations.torchtitan import LossParityLoss, LossParityTitanMixin
+
+    class T(LossParityTitanMixin, Trainer):
+        pass
+
+    T = cls or T
+
+    tokens, labels, positions = global_batch(16)
+    tokens, labels, positions = tokens[rows], labels[rows], positions[rows]
+    model = TinyLM()
+    t = object.__new__(T)
+    group = mesh.get_group() if mesh is not None else None
+    t.config = SimpleNamespace(training=SimpleNamespace(disable_cuda_graphs=False, max_norm=1e6),
+                               parallelism=SimpleNamespace(spmd_backend="none"))
+    t.parallel_dims = SimpleNamespace(dp_enabled=mesh is not None, pp_enabled=False, cp_enabled=False,
+                                      ep_enabled=False, dp_cp_enabled=mesh is not None,
+                                      get_mesh=lambda name: mesh, get_optional_mesh=lambda name: None)
+    t.model_parts, t.model_config, t.device, t.step, t.ntokens_seen = [model], SimpleNamespace(), "cpu", 1, 0
+    t.gradient_accumulation_steps, t.num_pipeline_parallel_microbatches = ga, 1
+    t.optimizers = _Optim(model, group)
+    t.lr_schedulers = SimpleNamespace(get_metrics=lambda: {}, step=lambda: None)
+    t.metrics_processor = SimpleNamespace(should_log=lambda step: False)
+    t.checkpointer = SimpleNamespace(maybe_wait_for_staging=lambda: None)
+    t.train_context = contextlib.nullcontext
+    t.fwd_bwd_fn = t._forward_backward_body
+    if install is None:
+        t.loss_fn = LossParityLoss(mode)
+    else:
+        install(t, mode)
+    b = tokens.shape[0] // ga
+    data = iter([({"input": tokens[k * b:(k + 1) * b], "positions": positions[k * b:(k + 1) * b]},
+                  labels[k * b:(k + 1) * b]) for k in range(ga)])
+    t.train_step(data)
+    return t.optimizers.grads
+
+
+def run_titan(rank: int, world: int, modes: list[str]):
+    """Every mode on 2 ranks × GA 2 × b 4 (rank r holds rows [8r, 8r+8)) over a 1-D ``batch`` mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("batch",))
+    per = 16 // world
+    return {m: titan_step(m, slice(rank * per, (rank + 1) * per), 2, mesh) for m in modes}
