@@ -124,7 +124,7 @@ def test_no_t_by_v_buffer_in_the_compiled_program():
 
 def test_bad_input():
     h, w = jnp.ones((4, 3)), jnp.ones((5, 3))
-    with pytest.raises(ValueError, match=r"labels must lie in \[0, 5\) or equal ignore_index=-100; labels\[2\] = 7"):
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 5\) or equal ignore_index=-100, found 7 at index \[2\]"):
         chunked_cross_entropy(h, w, jnp.asarray([0, 1, 7, -100]))
     with pytest.raises(ValueError, match=r"weight hidden size 4"):
         chunked_cross_entropy(h, jnp.ones((5, 4)), jnp.zeros(4, jnp.int32))

@@ -143,7 +143,7 @@ def test_mtp_log_losses(batch):
     losses, masks, _, _ = _depth_batch(batch, 14)
     got = jmtp.mtp_log_losses([jnp.asarray(x) for x in losses], [jnp.asarray(w) for w in masks])
     meg = jmtp.mtp_log_losses([jnp.asarray(x) for x in losses], [jnp.asarray(w) for w in masks],
-                              estimator="megatron", microbatch_size=2)
+                              estimator="microbatch_mean", microbatch_size=2)
     for (value, valid), (mvalue, _), x, w in zip(got, meg, losses, masks):
         assert bool(valid) and float(value) == pytest.approx((x * w).sum() / w.sum(), rel=1e-12)
         local = [(x[i:i + 2] * w[i:i + 2]).sum() / max(w[i:i + 2].sum(), 1) for i in range(0, 8, 2)]

@@ -16,7 +16,8 @@ from numbers import Real
 import jax
 import jax.numpy as jnp
 
-from ._checks import check_mode_name, concrete
+from ..options import SCORE_FUNCTIONS, check_option
+from ._checks import concrete
 
 __all__ = [
     "SCORE_FUNCTIONS",
@@ -31,7 +32,6 @@ __all__ = [
     "max_violation",
 ]
 
-SCORE_FUNCTIONS: tuple[str, ...] = ("softmax", "sigmoid")
 
 # As in Megatron: only matters when every sigmoid of a row underflows (0/0).
 _SIGMOID_EPS = 1e-20
@@ -87,7 +87,7 @@ def router_probs(logits: jax.Array, score_function: str = "softmax") -> jax.Arra
     """Router scores ``p[x,e]`` in float32: ``softmax(logits[x])``, or (``sigmoid``, DeepSeek-V3)
     ``s[x,e] / (Σ_e' s[x,e'] + 1e-20)`` with ``s = sigmoid(logits)``. Shape of ``logits`` (``[..., E]``)."""
     _check_scores("logits", logits)
-    check_mode_name(score_function, SCORE_FUNCTIONS, "score_function")
+    score_function = check_option("score_function", score_function, SCORE_FUNCTIONS)
     x = logits.astype(jnp.float32)
     if score_function == "softmax":
         return jax.nn.softmax(x, axis=-1)
