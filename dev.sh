@@ -15,7 +15,7 @@ ensure_env() {  # $1 = extras profile: main | test
   local stamp="$VENV/.lossparity-$1-$(cat pyproject.toml dev.sh | sha1sum | cut -c1-12)"
   [ -f "$stamp" ] && return 0
   if [ "$1" = test ]; then
-    "$VENV/bin/pip" install -q -e ".[dev,report,tensorboard,jax]"
+    "$VENV/bin/pip" install -q -e ".[dev,report,tensorboard,jax,jax-test]"
     # megatron-core is the oracle of the MoE tests; --no-deps keeps it from touching torch.
     "$VENV/bin/pip" install -q --no-deps "megatron-core==0.16.1"
   else

@@ -223,7 +223,8 @@ def test_bad_input_raises_clear_errors():
         lj.objective("per_document", loss, mask, segment_ids=jnp.ones((2, 3)))
     with pytest.raises(ValueError, match="segment_ids == 0"):
         lj.document_stats(loss, mask, jnp.asarray([[1, 1, 0], [1, 1, 1]]))
-    with pytest.raises(FloatingPointError, match=r"NaN/Inf \(nan\) at loss-bearing index \[1, 2\] \(rank 0, microbatch 1\)"):
+    nan_msg = r"NaN/Inf \(nan\) at loss-bearing index \[1, 2\] \(rank 0, microbatch 1\)"
+    with pytest.raises(FloatingPointError, match=nan_msg):
         lj.check_inputs(loss.at[1, 2].set(jnp.nan), mask, where="rank 0, microbatch 1")
     with pytest.raises(TypeError, match="per_token_loss must be floating point"):
         lj.sample_stats(jnp.ones((2, 3), jnp.int32), mask)

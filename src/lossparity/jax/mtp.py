@@ -25,7 +25,15 @@ import jax.numpy as jnp
 from ..options import MTP_CONVENTIONS, MTP_LOG_ESTIMATORS, MTPConvention, check_option
 from ._checks import check_positive_int
 from .logchannel import LogValue, ratio_or_missing
-from .modes import Normalizers, check_mode, count_normalizers, denominator, numerator, objective, require_microbatch_size
+from .modes import (
+    Normalizers,
+    check_mode,
+    count_normalizers,
+    denominator,
+    numerator,
+    objective,
+    require_microbatch_size,
+)
 from .stats import _as_2d, check_inputs, sample_stats
 
 __all__ = [

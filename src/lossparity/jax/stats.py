@@ -12,7 +12,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ._checks import check_positive_int, loc, poison, value_check
 
