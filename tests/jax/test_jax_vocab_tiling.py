@@ -81,8 +81,8 @@ def test_fused_matches_optax_weighted_sum_and_grads():
         want_v, want_l, (want_dh, want_dw) = _optax_reference(h, w, y, tw, z_coeff)
 
         def f(a, b, t, z=z_coeff):
-            total, loss = lj.fused_linear_cross_entropy(a, b, jnp.asarray(y), t, chunk_size=8, vocab_chunk_size=7,
-                                                        z_loss_coeff=z)
+            # one vocabulary tile (V = 29): the single-pass path (the multi-tile path: the 3-D test below)
+            total, loss = lj.fused_linear_cross_entropy(a, b, jnp.asarray(y), t, chunk_size=8, z_loss_coeff=z)
             return 3.0 * total, loss  # the backward scales the stored gradients by the incoming 3.0
 
         (value, loss), (dh, dw, dtw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(
@@ -92,6 +92,13 @@ def test_fused_matches_optax_weighted_sum_and_grads():
         _close(dh, 3.0 * np.asarray(want_dh))
         _close(dw, 3.0 * np.asarray(want_dw))
         _close(dtw, 3.0 * np.asarray(want_l))  # d(Σ w l)/dw = l, 0 at ignored tokens
+    # forward + backward of the fused function hold 3 matmuls (logits, dh, dW), the chunked one 4
+    # (its backward recomputes the logits)
+    args = (jnp.asarray(h), jnp.asarray(w))
+    fused = jax.make_jaxpr(jax.grad(lambda a, b: f(a, b, jnp.asarray(tw))[0], argnums=(0, 1)))(*args)
+    chunked = jax.make_jaxpr(jax.grad(lambda a, b: jnp.sum(jnp.asarray(tw) * lj.chunked_cross_entropy(
+        a, b, jnp.asarray(y), chunk_size=8)), argnums=(0, 1)))(*args)
+    assert (str(fused).count("dot_general"), str(chunked).count("dot_general")) == (3, 4)
 
 
 def test_fused_3d_input_per_sample_weights_and_detached_losses():

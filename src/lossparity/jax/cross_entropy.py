@@ -163,42 +163,58 @@ def _logits(h: jax.Array, w_tile: jax.Array, v0, vocab: int) -> jax.Array:
     return jnp.where(cols < vocab, z, -jnp.inf)
 
 
+def _lse_step(carry, z, y, v0, vchunk: int):
+    """One vocabulary tile of the online logsumexp: ``(run_max, run_sum, target)`` updated by ``z``."""
+    run_max, run_sum, target = carry
+    local = y - v0
+    hit = (local >= 0) & (local < vchunk)
+    picked = jnp.take_along_axis(z, jnp.clip(local, 0, vchunk - 1)[..., None], axis=-1)[..., 0]
+    new_max = jnp.maximum(run_max, z.max(axis=-1))
+    # rescale the running sum to the new max (exp(-inf) = 0 on the first tile)
+    run_sum = run_sum * jnp.exp(run_max - new_max) + jnp.exp(z - new_max[..., None]).sum(axis=-1)
+    return new_max, run_sum, target + jnp.where(hit, picked, 0)
+
+
 def _online_lse(h: jax.Array, y: jax.Array, w_tiles: jax.Array, vocab: int):
     """``(lse, z[y])`` of one token chunk, scanning the vocabulary tiles with a running max and sum."""
     vchunk = w_tiles.shape[1]
+    zero = jnp.zeros(y.shape, h.dtype)
+    init = (zero - jnp.inf, zero, zero)
+    if w_tiles.shape[0] == 1:  # one tile: no inner loop (a simpler program to compile)
+        run_max, run_sum, target = _lse_step(init, _logits(h, w_tiles[0], 0, vocab), y, 0, vchunk)
+        return run_max + jnp.log(run_sum), target
 
     def body(carry, xs):
-        run_max, run_sum, target = carry
         w_tile, v0 = xs
-        z = _logits(h, w_tile, v0, vocab)
-        local = y - v0
-        hit = (local >= 0) & (local < vchunk)
-        picked = jnp.take_along_axis(z, jnp.clip(local, 0, vchunk - 1)[..., None], axis=-1)[..., 0]
-        new_max = jnp.maximum(run_max, z.max(axis=-1))
-        # rescale the running sum to the new max (exp(-inf) = 0 on the first tile)
-        run_sum = run_sum * jnp.exp(run_max - new_max) + jnp.exp(z - new_max[..., None]).sum(axis=-1)
-        return (new_max, run_sum, target + jnp.where(hit, picked, 0)), None
+        return _lse_step(carry, _logits(h, w_tile, v0, vocab), y, v0, vchunk), None
 
-    zero = jnp.zeros(y.shape, h.dtype)
     starts = jnp.arange(w_tiles.shape[0]) * vchunk
-    (run_max, run_sum, target), _ = jax.lax.scan(body, (zero - jnp.inf, zero, zero), (w_tiles, starts))
+    (run_max, run_sum, target), _ = jax.lax.scan(body, init, (w_tiles, starts))
     return run_max + jnp.log(run_sum), target
 
 
+def _dz_grads(h, z, y, lse, scale, gy, w_tile, v0):
+    """``(dh, dW_tile)`` of one tile from its logits: ``dz = P·scale - [v == y]·gy``, ``P = exp(z - lse)``."""
+    p = jnp.exp(z - lse[..., None])
+    cols = v0 + jnp.arange(w_tile.shape[0])
+    dz = p * scale[..., None] - jnp.where(cols == y[..., None], gy[..., None], 0)
+    grad_h = jnp.einsum("crv,vh->crh", dz, w_tile, precision=_HIGHEST, preferred_element_type=h.dtype)
+    return grad_h, jnp.einsum("crv,crh->vh", dz, h, precision=_HIGHEST, preferred_element_type=h.dtype)
+
+
 def _tile_grads(h, y, lse, scale, gy, w_tiles, grad_w, vocab: int):
-    """Gradients of one token chunk over all vocabulary tiles: ``dz = P·scale - [v == y]·gy``;
-    returns ``(dh [c, R, H], grad_w + dW)`` with ``grad_w`` tiled like ``w_tiles``."""
+    """Gradients of one token chunk over all vocabulary tiles; returns ``(dh [c, R, H], grad_w + dW)``
+    with ``grad_w`` tiled like ``w_tiles``."""
     vchunk = w_tiles.shape[1]
+    if w_tiles.shape[0] == 1:
+        grad_h, dw = _dz_grads(h, _logits(h, w_tiles[0], 0, vocab), y, lse, scale, gy, w_tiles[0], 0)
+        return grad_h, grad_w + dw[None]
 
     def body(carry, xs):
         grad_h, grad_w = carry
         w_tile, v0, i = xs
-        p = jnp.exp(_logits(h, w_tile, v0, vocab) - lse[..., None])
-        cols = v0 + jnp.arange(vchunk)
-        dz = p * scale[..., None] - jnp.where(cols == y[..., None], gy[..., None], 0)
-        grad_h = grad_h + jnp.einsum("crv,vh->crh", dz, w_tile, precision=_HIGHEST, preferred_element_type=h.dtype)
-        dw = jnp.einsum("crv,crh->vh", dz, h, precision=_HIGHEST, preferred_element_type=h.dtype)
-        return (grad_h, grad_w.at[i].add(dw)), None
+        dh, dw = _dz_grads(h, _logits(h, w_tile, v0, vocab), y, lse, scale, gy, w_tile, v0)
+        return (grad_h + dh, grad_w.at[i].add(dw)), None
 
     nv = w_tiles.shape[0]
     xs = (w_tiles, jnp.arange(nv) * vchunk, jnp.arange(nv))
@@ -324,10 +340,21 @@ def _fused_forward(hidden, weight, labels, token_weights, ignore_index: int, chu
         h, y, tw = xs  # [c, R, H], [c, R], [c, R]
         h = h.astype(cdt)
         valid = y != ignore_index
-        lse, target = _online_lse(h, y, w_tiles, vocab)
+        z = None
+        if w_tiles.shape[0] == 1:  # one vocabulary tile: its logits serve the loss and the gradients
+            z = _logits(h, w_tiles[0], 0, vocab)
+            zero = jnp.zeros(y.shape, cdt)
+            run_max, run_sum, target = _lse_step((zero - jnp.inf, zero, zero), z, y, 0, w_tiles.shape[1])
+            lse = run_max + jnp.log(run_sum)
+        else:
+            lse, target = _online_lse(h, y, w_tiles, vocab)
         tw = jnp.where(valid, tw.astype(cdt), jnp.zeros_like(lse))
         scale = tw * (1 + 2 * z_coeff * lse) if z_coeff else tw
-        grad_h, grad_w = _tile_grads(h, y, lse, scale, tw, w_tiles, grad_w, vocab)
+        if z is None:
+            grad_h, grad_w = _tile_grads(h, y, lse, scale, tw, w_tiles, grad_w, vocab)
+        else:
+            grad_h, dw = _dz_grads(h, z, y, lse, scale, tw, w_tiles[0], 0)
+            grad_w = grad_w + dw[None]
         return grad_w, (_token_loss(lse, target, valid, z_coeff), grad_h)
 
     xs = (_chunks(hidden, chunk, 0), _chunks(labels, chunk, ignore_index), _chunks(token_weights, chunk, 0))
