@@ -73,8 +73,14 @@ def _reference(params, data, mask, seg, *, b=1, modes=lj.MODES):
 def _accumulate(params, data, mask, seg, *, k, modes=lj.MODES, microbatch_size=1, normalization="precount"):
     return {
         mode: lj.accumulate_gradients(
-            loss_fn, params, lj.split_microbatches(data, k), mode=mode, mask=lj.split_microbatches(mask, k),
-            segment_ids=lj.split_microbatches(seg, k), microbatch_size=microbatch_size, fixed_length=L_FIXED,
+            loss_fn,
+            params,
+            lj.split_microbatches(data, k),
+            mode=mode,
+            mask=lj.split_microbatches(mask, k),
+            segment_ids=lj.split_microbatches(seg, k),
+            microbatch_size=microbatch_size,
+            fixed_length=L_FIXED,
             normalization=normalization,
         )
         for mode in modes
@@ -119,8 +125,7 @@ def test_ga_k_equals_k1_float32(batch):
 def test_deferred_normalization_equals_naive(batch):
     params, data, mask, seg = _setup(0, jnp.float64, batch)
     ref = _reference(params, data, mask, seg)  # same shapes as above: the compiled program is reused
-    deferred = _accumulate(params, data, mask, seg, k=4, modes=("per_token", "per_document"),
-                           normalization="deferred")
+    deferred = _accumulate(params, data, mask, seg, k=4, modes=("per_token", "per_document"), normalization="deferred")
     for mode, (j, grads, _) in deferred.items():
         assert float(j) == pytest.approx(float(ref[mode][0]), rel=1e-12)
         _assert_tree_close(grads, ref[mode][1], 1e-12)
@@ -129,9 +134,7 @@ def test_deferred_normalization_equals_naive(batch):
 def test_per_microbatch_group_of_the_scan_microbatch(batch):
     # microbatch_size = b = N/K: a scan microbatch is one per_microbatch group (Megatron =False, D = 1).
     params, data, mask, seg = _setup(3, jnp.float64, batch)
-    want_j, want_g = _reference(params, data, mask, seg, b=N // 4, modes=("per_microbatch",))[
-        "per_microbatch"
-    ]
+    want_j, want_g = _reference(params, data, mask, seg, b=N // 4, modes=("per_microbatch",))["per_microbatch"]
     j, grads, logs = _accumulate(params, data, mask, seg, k=4, modes=("per_microbatch",), microbatch_size=N // 4)[
         "per_microbatch"
     ]
@@ -173,8 +176,11 @@ def test_bf16_params_accumulate_in_float32():
     x = jnp.asarray([[8.0]] + [[2.0**-5]] * 7, jnp.float32)
     exact = 1 + 7 * 2.0**-8
     _, grads, _ = lj.accumulate_gradients(
-        lambda p, mb: p["w"].astype(jnp.float32) * mb, {"w": jnp.asarray(1.0, jnp.bfloat16)},
-        lj.split_microbatches(x, 8), mode="per_token", mask=jnp.ones((8, 1, 1)),
+        lambda p, mb: p["w"].astype(jnp.float32) * mb,
+        {"w": jnp.asarray(1.0, jnp.bfloat16)},
+        lj.split_microbatches(x, 8),
+        mode="per_token",
+        mask=jnp.ones((8, 1, 1)),
     )
     assert grads["w"].dtype == jnp.bfloat16
     assert float(grads["w"]) == float(jnp.asarray(exact, jnp.bfloat16)) == 1.03125

@@ -137,8 +137,9 @@ def test_per_microbatch_group_size_rule():
     with pytest.raises(ValueError, match="per_microbatch.*needs microbatch_size"):
         lj.mtp_objective("per_microbatch", [loss], [mask], mask)
     with pytest.raises(ValueError, match="per_microbatch.*needs microbatch_size"):
-        lj.accumulate_gradients(lambda p, mb: p * mb, jnp.asarray(1.0), loss, mode="per_microbatch", mask=mask,
-                                num_microbatches=2)
+        lj.accumulate_gradients(
+            lambda p, mb: p * mb, jnp.asarray(1.0), loss, mode="per_microbatch", mask=mask, num_microbatches=2
+        )
     # one-microbatch functions: None means the input is one microbatch, the same as microbatch_size = rows
     whole = (1 + 2 + 3 + 7 + 8) / 5
     assert float(lj.numerator("per_microbatch", loss, mask)) == pytest.approx(whole, abs=1e-15)
@@ -160,13 +161,19 @@ def test_missing_lm_loss_is_not_a_number_in_the_logs():
     lm = lj.lm_loss(loss, empty)
     assert lm.get() is None and not bool(lm.valid)  # eager read: None, like the PyTorch port
     assert np.isfinite(float(lm.value))  # NaN-free inside traced code
-    j, _, logs = jax.jit(lambda p: lj.accumulate_gradients(lambda q, mb: q * mb, p, loss, mode="per_token",
-                                                           mask=empty, num_microbatches=2))(jnp.asarray(1.0))
+    j, _, logs = jax.jit(
+        lambda p: lj.accumulate_gradients(
+            lambda q, mb: q * mb, p, loss, mode="per_token", mask=empty, num_microbatches=2
+        )
+    )(jnp.asarray(1.0))
     host = lj.host_logs(logs)
     assert "lm_loss" not in host  # omitted, as the PyTorch accountant omits it at Ntok = 0
     assert host["tokens"] == 0 and host["objective"] == 0.0 and float(j) == 0.0
-    full = lj.host_logs(lj.accumulate_gradients(lambda q, mb: q * mb, jnp.asarray(1.0), loss, mode="per_token",
-                                                mask=jnp.ones((2, 3)), num_microbatches=2)[2])
+    full = lj.host_logs(
+        lj.accumulate_gradients(
+            lambda q, mb: q * mb, jnp.asarray(1.0), loss, mode="per_token", mask=jnp.ones((2, 3)), num_microbatches=2
+        )[2]
+    )
     assert full["lm_loss"] == 1.0 and isinstance(full["lm_loss"], float)
     with pytest.raises(TypeError):
         float(logs["lm_loss"])  # a logger that writes every key cannot record a fake 0.0
@@ -202,8 +209,9 @@ def test_numpy_and_jax_scalar_z_loss_coeff_accepted():
     h, w, y = jnp.ones((3, 2)), jnp.asarray([[0.1, 0.2], [0.3, -0.1]]), jnp.asarray([0, 1, 1])
     want = lj.chunked_cross_entropy(h, w, y, z_loss_coeff=0.25)
     for coeff in (jnp.float32(0.25), np.float64(0.25), jnp.asarray(0.25)):
-        np.testing.assert_array_equal(np.asarray(lj.chunked_cross_entropy(h, w, y, z_loss_coeff=coeff)),
-                                      np.asarray(want))
+        np.testing.assert_array_equal(
+            np.asarray(lj.chunked_cross_entropy(h, w, y, z_loss_coeff=coeff)), np.asarray(want)
+        )
     with pytest.raises(TypeError, match="z_loss_coeff must be a concrete number.*traced"):
         jax.jit(lambda c: lj.chunked_cross_entropy(h, w, y, z_loss_coeff=c))(0.25)
 
@@ -212,16 +220,28 @@ def test_accumulate_splits_mask_with_the_batch_or_checks_the_split():
     x = jnp.asarray(np.arange(12.0).reshape(4, 3))
     mask = jnp.asarray([[1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1]])
     want = (0 + 1 + 3 + 9 + 10 + 11) / 6  # per_token of p * x at p = 1
-    j, grads, _ = lj.accumulate_gradients(lambda p, mb: p * mb, jnp.asarray(1.0), x, mode="per_token", mask=mask,
-                                          num_microbatches=2)
+    j, grads, _ = lj.accumulate_gradients(
+        lambda p, mb: p * mb, jnp.asarray(1.0), x, mode="per_token", mask=mask, num_microbatches=2
+    )
     assert float(j) == pytest.approx(want, abs=1e-15) and float(grads) == pytest.approx(want, abs=1e-15)
     # pre-split input: every leaf must be cut into the same [K, b] blocks as the mask
     with pytest.raises(ValueError, match=r"rows per microbatch.*b=2.*shape \(2, 1, 6\)"):
-        lj.accumulate_gradients(lambda p, mb: p * mb.reshape(2, 3), jnp.asarray(1.0), x.reshape(2, 1, 6),
-                                mode="per_token", mask=lj.split_microbatches(mask, 2))
+        lj.accumulate_gradients(
+            lambda p, mb: p * mb.reshape(2, 3),
+            jnp.asarray(1.0),
+            x.reshape(2, 1, 6),
+            mode="per_token",
+            mask=lj.split_microbatches(mask, 2),
+        )
     with pytest.raises(ValueError, match="num_microbatches.*already split"):
-        lj.accumulate_gradients(lambda p, mb: p * mb, jnp.asarray(1.0), x, mode="per_token",
-                                mask=lj.split_microbatches(mask, 2), num_microbatches=2)
+        lj.accumulate_gradients(
+            lambda p, mb: p * mb,
+            jnp.asarray(1.0),
+            x,
+            mode="per_token",
+            mask=lj.split_microbatches(mask, 2),
+            num_microbatches=2,
+        )
 
 
 def test_option_spellings_shared_with_pytorch():
@@ -231,12 +251,28 @@ def test_option_spellings_shared_with_pytorch():
     x, mask = jnp.ones((2, 3)), jnp.ones((2, 3))
     out = {}
     for norm in ("precount", "precounted", "deferred"):
-        out[norm] = lj.accumulate_gradients(lambda p, mb: p * mb, jnp.asarray(2.0), x, mode="per_token", mask=mask,
-                                            num_microbatches=2, normalization=norm)[0]
+        out[norm] = lj.accumulate_gradients(
+            lambda p, mb: p * mb,
+            jnp.asarray(2.0),
+            x,
+            mode="per_token",
+            mask=mask,
+            num_microbatches=2,
+            normalization=norm,
+        )[0]
     assert {float(v) for v in out.values()} == {2.0}
-    logs = {est: jmtp.mtp_log_losses([x], [mask], estimator=est, microbatch_size=1)[0].get()
-            for est in ("token_mean", "global", "microbatch_mean", "megatron")}
+    logs = {
+        est: jmtp.mtp_log_losses([x], [mask], estimator=est, microbatch_size=1)[0].get()
+        for est in ("token_mean", "global", "microbatch_mean", "megatron")
+    }
     assert set(logs.values()) == {1.0}
     with pytest.raises(ValueError, match="unknown normalization 'lazy'; valid: precount, deferred"):
-        lj.accumulate_gradients(lambda p, mb: p * mb, jnp.asarray(2.0), x, mode="per_token", mask=mask,
-                                num_microbatches=2, normalization="lazy")
+        lj.accumulate_gradients(
+            lambda p, mb: p * mb,
+            jnp.asarray(2.0),
+            x,
+            mode="per_token",
+            mask=mask,
+            num_microbatches=2,
+            normalization="lazy",
+        )

@@ -12,8 +12,19 @@ from pathlib import Path
 import lossparity
 
 JAX_PKG = Path(lossparity.__file__).parent / "jax"
-ALLOWED_ROOTS = {"jax", "numpy", "__future__", "collections", "contextlib", "dataclasses", "functools", "math",
-                 "numbers", "threading", "typing"}
+ALLOWED_ROOTS = {
+    "jax",
+    "numpy",
+    "__future__",
+    "collections",
+    "contextlib",
+    "dataclasses",
+    "functools",
+    "math",
+    "numbers",
+    "threading",
+    "typing",
+}
 
 
 def _run(code: str) -> subprocess.CompletedProcess:

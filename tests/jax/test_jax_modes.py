@@ -121,8 +121,12 @@ HAND = {
 @pytest.mark.parametrize("mode", lj.MODES)
 def test_hand_worked_example(mode):
     got = lj.objective(
-        mode, jnp.asarray(HAND_LOSS, jnp.float64), jnp.asarray(HAND_MASK), segment_ids=jnp.asarray(HAND_SEG),
-        microbatch_size=2, fixed_length=3,
+        mode,
+        jnp.asarray(HAND_LOSS, jnp.float64),
+        jnp.asarray(HAND_MASK),
+        segment_ids=jnp.asarray(HAND_SEG),
+        microbatch_size=2,
+        fixed_length=3,
     )
     assert float(got) == pytest.approx(HAND[mode], abs=1e-15)
 
@@ -146,8 +150,9 @@ def test_masked_inf_does_not_leak():
     loss = jnp.asarray([[1.0, jnp.inf], [2.0, 3.0]])
     mask = jnp.asarray([[1, 0], [1, 1]])
     kw = dict(segment_ids=jnp.ones((2, 2), jnp.int32), microbatch_size=1, fixed_length=2)
-    got = jax.jit(lambda x: {m: jax.value_and_grad(lambda y, m=m: lj.objective(m, y, mask, **kw))(x)
-                             for m in lj.MODES})(loss)
+    got = jax.jit(
+        lambda x: {m: jax.value_and_grad(lambda y, m=m: lj.objective(m, y, mask, **kw))(x) for m in lj.MODES}
+    )(loss)
     for mode, (j, g) in got.items():
         assert np.isfinite(float(j)) and np.isfinite(np.asarray(g)).all(), mode
 

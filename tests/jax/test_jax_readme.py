@@ -17,7 +17,7 @@ README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 def test_maxtext_recipe_runs_with_documented_output():
     text = README.read_text()
-    section = text[text.index("### Drop-in recipe for a MaxText"):]
+    section = text[text.index("### Drop-in recipe for a MaxText") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -29,7 +29,7 @@ def test_maxtext_recipe_runs_with_documented_output():
 
 def _run_block(header: str) -> tuple[dict, list[str]]:
     text = README.read_text()
-    code = re.search(r"```python\n(.*?)```", text[text.index(header):], re.S).group(1)
+    code = re.search(r"```python\n(.*?)```", text[text.index(header) :], re.S).group(1)
     out, ns = io.StringIO(), {}
     with contextlib.redirect_stdout(out):
         exec(compile(code, "README-maxtext-step", "exec"), ns)
@@ -51,7 +51,7 @@ def _naive_float64(params, batch):
 def test_maxtext_step_with_ga_and_mesh_matches_float64_and_maxtext_formulas():
     header = "### MaxText-shaped training step"
     ns, lines = _run_block(header)
-    section = README.read_text()[README.read_text().index(header):]
+    section = README.read_text()[README.read_text().index(header) :]
     documented = re.search(r"Output \(any `K`, any mesh\): `([\d. ]+)`.*?and `([\d. ]+)`", section, re.S)
     assert lines[0] == documented.group(1) and lines[1] == documented.group(2)
 
@@ -82,8 +82,9 @@ def test_maxtext_step_with_ga_and_mesh_matches_float64_and_maxtext_formulas():
     doc_n = {(i, d): (seg[i] == d).sum() for i, d in docs}
     unit = {
         "per_sample": np.where(mask, 1.0 / (len(n) * np.maximum(n, 1))[:, None], 0.0),
-        "per_document": np.array([[1.0 / (len(docs) * doc_n[i, d]) if d else 0.0 for d in row]
-                                  for i, row in enumerate(seg)]),
+        "per_document": np.array(
+            [[1.0 / (len(docs) * doc_n[i, d]) if d else 0.0 for d in row] for i, row in enumerate(seg)]
+        ),
     }
 
     @jax.jit
@@ -93,6 +94,7 @@ def test_maxtext_step_with_ga_and_mesh_matches_float64_and_maxtext_formulas():
             logits = hidden @ q["out"].astype(jnp.float64).T
             ce = -jnp.take_along_axis(jax.nn.log_softmax(logits), ns["batch"]["targets"][..., None], -1)[..., 0]
             return jnp.sum(u * ce)
+
         return jax.grad(objective)(p)
 
     for mode, u in unit.items():

@@ -60,11 +60,13 @@ def test_vocab_tiled_chunked_ce_matches_optax():
         out = {}
         for vchunk in (1, 7):  # one row per tile; a padded last tile (one whole tile: test_jax_cross_entropy)
             f = lambda a, b, vc=vchunk: jnp.sum(  # noqa: E731
-                jnp.asarray(tw) * lj.chunked_cross_entropy(a, b, jnp.asarray(y), chunk_size=8, vocab_chunk_size=vc,
-                                                           z_loss_coeff=z_coeff))
+                jnp.asarray(tw)
+                * lj.chunked_cross_entropy(
+                    a, b, jnp.asarray(y), chunk_size=8, vocab_chunk_size=vc, z_loss_coeff=z_coeff
+                )
+            )
             out[vchunk] = jax.value_and_grad(f, argnums=(0, 1))(hh, ww)
-        loss = lj.chunked_cross_entropy(hh, ww, jnp.asarray(y), chunk_size=8, vocab_chunk_size=7,
-                                        z_loss_coeff=z_coeff)
+        loss = lj.chunked_cross_entropy(hh, ww, jnp.asarray(y), chunk_size=8, vocab_chunk_size=7, z_loss_coeff=z_coeff)
         return out, loss
 
     out, loss = run(jnp.asarray(h), jnp.asarray(w))
@@ -86,7 +88,8 @@ def test_fused_matches_optax_weighted_sum_and_grads():
             return 3.0 * total, loss  # the backward scales the stored gradients by the incoming 3.0
 
         (value, loss), (dh, dw, dtw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(
-            jnp.asarray(h), jnp.asarray(w), jnp.asarray(tw))
+            jnp.asarray(h), jnp.asarray(w), jnp.asarray(tw)
+        )
         _close(value, 3.0 * want_v)
         _close(loss, want_l)
         _close(dh, 3.0 * np.asarray(want_dh))
@@ -96,8 +99,12 @@ def test_fused_matches_optax_weighted_sum_and_grads():
     # (its backward recomputes the logits)
     args = (jnp.asarray(h), jnp.asarray(w))
     fused = jax.make_jaxpr(jax.grad(lambda a, b: f(a, b, jnp.asarray(tw))[0], argnums=(0, 1)))(*args)
-    chunked = jax.make_jaxpr(jax.grad(lambda a, b: jnp.sum(jnp.asarray(tw) * lj.chunked_cross_entropy(
-        a, b, jnp.asarray(y), chunk_size=8)), argnums=(0, 1)))(*args)
+    chunked = jax.make_jaxpr(
+        jax.grad(
+            lambda a, b: jnp.sum(jnp.asarray(tw) * lj.chunked_cross_entropy(a, b, jnp.asarray(y), chunk_size=8)),
+            argnums=(0, 1),
+        )
+    )(*args)
     assert (str(fused).count("dot_general"), str(chunked).count("dot_general")) == (3, 4)
 
 
@@ -111,8 +118,10 @@ def test_fused_3d_input_per_sample_weights_and_detached_losses():
     @jax.jit
     def run(a, b):
         def f(p, q):
-            return lj.fused_linear_cross_entropy(p, q, jnp.asarray(y), jnp.asarray(tw), chunk_size=8,
-                                                 vocab_chunk_size=5)
+            return lj.fused_linear_cross_entropy(
+                p, q, jnp.asarray(y), jnp.asarray(tw), chunk_size=8, vocab_chunk_size=5
+            )
+
         (total, loss), grads = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(a, b)
         # the per-token losses are returned detached: differentiating them gives zero, by design
         g_loss = jax.grad(lambda p: f(p, b)[1].sum())(a)
@@ -133,7 +142,9 @@ def test_fused_dtype_rules_and_bad_input():
     hb, wb = jnp.asarray(h, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
     (total, loss), (dh, dw) = jax.value_and_grad(
         lambda a, b: lj.fused_linear_cross_entropy(a, b, jnp.asarray(y), jnp.asarray(tw, jnp.float32)),
-        argnums=(0, 1), has_aux=True)(hb, wb)
+        argnums=(0, 1),
+        has_aux=True,
+    )(hb, wb)
     assert total.dtype == loss.dtype == jnp.float32
     assert dh.dtype == dw.dtype == jnp.bfloat16
     with pytest.raises(ValueError, match=r"token_weights must be a floating-point array of the labels' shape \(37,\)"):
@@ -165,13 +176,16 @@ def test_compiled_temp_memory_has_no_t_by_v_buffer():
         return jax.grad(lambda p, q: lj.chunked_cross_entropy(p, q, lab, **tiles).sum(), argnums=(0, 1))(a, b)
 
     def fused(a, b, lab):
-        return jax.grad(lambda p, q: lj.fused_linear_cross_entropy(p, q, lab, jnp.ones(lab.shape), **tiles)[0],
-                        argnums=(0, 1))(a, b)
+        return jax.grad(
+            lambda p, q: lj.fused_linear_cross_entropy(p, q, lab, jnp.ones(lab.shape), **tiles)[0], argnums=(0, 1)
+        )(a, b)
 
     def naive(a, b, lab):
         return jax.grad(lambda p, q: lj.naive_cross_entropy(p, q, lab).sum(), argnums=(0, 1))(a, b)
 
-    temp = {f.__name__: jax.jit(f).lower(h, w, y).compile().memory_analysis().temp_size_in_bytes
-            for f in (chunked, fused, naive)}
+    temp = {
+        f.__name__: jax.jit(f).lower(h, w, y).compile().memory_analysis().temp_size_in_bytes
+        for f in (chunked, fused, naive)
+    }
     assert temp["naive"] >= tv_bytes, temp
     assert temp["chunked"] < tv_bytes / 4 and temp["fused"] < tv_bytes / 4, temp

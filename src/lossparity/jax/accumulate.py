@@ -73,17 +73,42 @@ def _split_inputs(batch, mask, segment_ids, num_microbatches):
     return batch, mask, segment_ids
 
 
+def _check_segment_ids(mode: str, segment_ids, mask) -> None:
+    if segment_ids is not None and tuple(segment_ids.shape) != tuple(mask.shape):
+        raise ValueError(f"segment_ids shape {tuple(segment_ids.shape)} does not match mask shape {tuple(mask.shape)}")
+    if mode == "per_document" and segment_ids is None:
+        raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
+
+
 def _step_checks(mask, doc_ids, num_segments) -> list[jax.Array | None]:
     """Value checks of the whole step's ``[K, b, S]`` mask and document ids, naming the microbatch."""
     kw = dict(index_text=_MB_INDEX, index_order=(1, 2, 0))
-    flags = [value_check(ValueError, "mask values must be 0 or 1, found {}", lambda xp, w: (w != 0) & (w != 1),
-                         (mask,), **kw)]
+    flags = [
+        value_check(
+            ValueError, "mask values must be 0 or 1, found {}", lambda xp, w: (w != 0) & (w != 1), (mask,), **kw
+        )
+    ]
     if doc_ids is not None:
         m = resolve_num_segments(doc_ids, num_segments)
-        flags.append(value_check(ValueError, f"segment_ids must lie in [0, num_segments={m}] (0 = padding), "
-                                 "found {}", lambda xp, s: (s < 0) | (s > m), (doc_ids,), **kw))
-        flags.append(value_check(ValueError, "mask has a loss-bearing token at segment_ids == 0 (padding)",
-                                 lambda xp, s, w: (s == 0) & (w != 0), (doc_ids, mask), shown=None, **kw))
+        flags.append(
+            value_check(
+                ValueError,
+                f"segment_ids must lie in [0, num_segments={m}] (0 = padding), found {{}}",
+                lambda xp, s: (s < 0) | (s > m),
+                (doc_ids,),
+                **kw,
+            )
+        )
+        flags.append(
+            value_check(
+                ValueError,
+                "mask has a loss-bearing token at segment_ids == 0 (padding)",
+                lambda xp, s, w: (s == 0) & (w != 0),
+                (doc_ids, mask),
+                shown=None,
+                **kw,
+            )
+        )
     return flags
 
 
@@ -102,8 +127,11 @@ def _step_normalizers(mask, doc_ids, num_segments, groups: int) -> Normalizers:
     k, b, s = (int(d) for d in mask.shape)
     tokens = jnp.sum(mask != 0)
     one = jnp.ones((), tokens.dtype)
-    docs = (jnp.zeros((), tokens.dtype) if doc_ids is None
-            else document_count(doc_ids.reshape(k * b, s), num_segments=num_segments).astype(tokens.dtype))
+    docs = (
+        jnp.zeros((), tokens.dtype)
+        if doc_ids is None
+        else document_count(doc_ids.reshape(k * b, s), num_segments=num_segments).astype(tokens.dtype)
+    )
     return Normalizers(tokens, one * (k * b), docs, one * groups)
 
 
@@ -145,10 +173,7 @@ def accumulate_gradients(
     normalization = check_option("normalization", normalization, NORMALIZATIONS)
     microbatches, mask, segment_ids = _split_inputs(microbatches, mask, segment_ids, num_microbatches)
     k, b, s = (int(d) for d in mask.shape)
-    if segment_ids is not None and tuple(segment_ids.shape) != tuple(mask.shape):
-        raise ValueError(f"segment_ids shape {tuple(segment_ids.shape)} does not match mask shape {tuple(mask.shape)}")
-    if mode == "per_document" and segment_ids is None:
-        raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
+    _check_segment_ids(mode, segment_ids, mask)
     group = require_microbatch_size(microbatch_size, b, "accumulate_gradients") if mode == "per_microbatch" else None
     ldt = _loss_shape(loss_fn, params, microbatches, b, s)
     doc_ids = segment_ids if mode == "per_document" else None
@@ -156,17 +181,29 @@ def accumulate_gradients(
     flags = _step_checks(mask, doc_ids, num_segments)
     norms = _step_normalizers(mask, segment_ids, num_segments, k * (b // group) if group else k)
     den = denominator(mode, norms).astype(ldt)
-    total, grads, loss_sum, bad = _scan(loss_fn, params, microbatches, mask, doc_ids, mode, ldt,
-                                        den if normalization == "precount" else jnp.ones((), ldt),
-                                        dict(num_segments=num_segments, fixed_length=fixed_length,
-                                             microbatch_size=group))
+    total, grads, loss_sum, bad = _scan(
+        loss_fn,
+        params,
+        microbatches,
+        mask,
+        doc_ids,
+        mode,
+        ldt,
+        den if normalization == "precount" else jnp.ones((), ldt),
+        dict(num_segments=num_segments, fixed_length=fixed_length, microbatch_size=group),
+    )
     _nonfinite_check(*bad)
     if normalization == "deferred":
         total = total / den
         grads = jax.tree_util.tree_map(lambda x: x / den.astype(x.dtype), grads)
     total = poison(total, *flags)
     grads = jax.tree_util.tree_map(lambda x, p: poison(x, *flags).astype(p.dtype), grads, params)
-    logs = {
+    return total, grads, _logs(total, loss_sum, norms)
+
+
+def _logs(total: jax.Array, loss_sum: jax.Array, norms: Normalizers) -> dict[str, Any]:
+    """The step's log channel (docs/semantics.md §2): ``lm_loss`` is the global token mean, missing at ``Ntok = 0``."""
+    return {
         "objective": total,
         "lm_loss": ratio_or_missing(loss_sum, norms.tokens),
         "tokens": norms.tokens,
@@ -174,7 +211,6 @@ def accumulate_gradients(
         "documents": norms.documents,
         "microbatches": norms.microbatches,
     }
-    return total, grads, logs
 
 
 def _scan(loss_fn, params, microbatches, mask, doc_ids, mode, ldt, scale, kw):
@@ -208,7 +244,12 @@ def _scan(loss_fn, params, microbatches, mask, doc_ids, mode, ldt, scale, kw):
 
 
 def _nonfinite_check(nonfinite, values) -> None:
-    value_check(FloatingPointError, "per_token_loss has NaN/Inf ({}) at loss-bearing",
-                lambda xp, v, bad: bad, (values, nonfinite), index_text=_MB_INDEX, index_order=(1, 2, 0),
-                at=" index ")
-
+    value_check(
+        FloatingPointError,
+        "per_token_loss has NaN/Inf ({}) at loss-bearing",
+        lambda xp, v, bad: bad,
+        (values, nonfinite),
+        index_text=_MB_INDEX,
+        index_order=(1, 2, 0),
+        at=" index ",
+    )

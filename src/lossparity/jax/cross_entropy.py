@@ -133,8 +133,10 @@ def _check_inputs(hidden, weight, labels, chunk_size, vocab_chunk_size) -> None:
 
 def _label_check(labels, ignore_index: int, vocab: int) -> jax.Array | None:
     return value_check(
-        ValueError, f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}, found {{}}",
-        lambda xp, y: (y != ignore_index) & ((y < 0) | (y >= vocab)), (labels,),
+        ValueError,
+        f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}, found {{}}",
+        lambda xp, y: (y != ignore_index) & ((y < 0) | (y >= vocab)),
+        (labels,),
     )
 
 
@@ -267,8 +269,7 @@ def _chunked_ce_bwd(ignore_index: int, chunk: int, vchunk: int, z_coeff: float, 
         scale = g_c * (1 + 2 * z_coeff * lse_c) if z_coeff else g_c
         return _tile_grads(h.astype(cdt), y, lse_c, scale, g_c, w_tiles, grad_w, vocab)[::-1]
 
-    xs = (_chunks(hidden, chunk, 0), _chunks(labels, chunk, ignore_index), _chunks(lse, chunk, 0),
-          _chunks(g, chunk, 0))
+    xs = (_chunks(hidden, chunk, 0), _chunks(labels, chunk, ignore_index), _chunks(lse, chunk, 0), _chunks(g, chunk, 0))
     grad_w, grad_h = jax.lax.scan(body, jnp.zeros(w_tiles.shape, cdt), xs)
     grad_h = grad_h.reshape((-1,) + hidden.shape[1:])[:n].astype(hidden.dtype)
     grad_w = grad_w.reshape(-1, weight.shape[1])[:vocab].astype(weight.dtype)
@@ -329,8 +330,7 @@ def chunked_cross_entropy(
 # ---- fused (gradients formed in the forward) ------------------------------------------------------------
 
 
-def _fused_forward(hidden, weight, labels, token_weights, ignore_index: int, chunk: int, vchunk: int,
-                   z_coeff: float):
+def _fused_forward(hidden, weight, labels, token_weights, ignore_index: int, chunk: int, vchunk: int, z_coeff: float):
     """Per-token losses, ``Σ_t w_t l_t`` and its gradients w.r.t. ``hidden`` and ``weight``."""
     n, vocab = hidden.shape[0], weight.shape[0]
     cdt = _compute_dtype(hidden, weight)
@@ -371,10 +371,10 @@ def _fused_ce(hidden, weight, labels, token_weights, ignore_index: int, chunk: i
     return total, loss
 
 
-def _fused_ce_fwd(hidden, weight, labels, token_weights, ignore_index: int, chunk: int, vchunk: int,
-                  z_coeff: float):
-    total, loss, grad_h, grad_w = _fused_forward(hidden, weight, labels, token_weights, ignore_index, chunk,
-                                                 vchunk, z_coeff)
+def _fused_ce_fwd(hidden, weight, labels, token_weights, ignore_index: int, chunk: int, vchunk: int, z_coeff: float):
+    total, loss, grad_h, grad_w = _fused_forward(
+        hidden, weight, labels, token_weights, ignore_index, chunk, vchunk, z_coeff
+    )
     tw_like = jnp.zeros((), token_weights.dtype)  # carries the dtype of the token-weight cotangent
     return (total, loss), (grad_h.astype(hidden.dtype), grad_w.astype(weight.dtype), loss, tw_like)
 
@@ -414,8 +414,11 @@ def fused_linear_cross_entropy(
     """
     z_coeff = _z_coeff(z_loss_coeff)
     _check_inputs(hidden, weight, labels, chunk_size, vocab_chunk_size)
-    if not hasattr(token_weights, "dtype") or not jnp.issubdtype(token_weights.dtype, jnp.floating) \
-            or tuple(token_weights.shape) != tuple(labels.shape):
+    if (
+        not hasattr(token_weights, "dtype")
+        or not jnp.issubdtype(token_weights.dtype, jnp.floating)
+        or tuple(token_weights.shape) != tuple(labels.shape)
+    ):
         raise ValueError(
             f"token_weights must be a floating-point array of the labels' shape {tuple(labels.shape)}, got "
             f"{getattr(token_weights, 'dtype', type(token_weights).__name__)} of shape "

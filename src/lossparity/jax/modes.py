@@ -131,9 +131,7 @@ def denominator(mode: str, norms: Normalizers, fixed_length: int | None = None) 
 
 def _check_fixed_length(fixed_length: int | None) -> int:
     if isinstance(fixed_length, bool) or not isinstance(fixed_length, (int, float)) or fixed_length <= 0:
-        raise ValueError(
-            f"mode 'sample_sum_norm' needs fixed_length > 0 (the L of Dr. GRPO), got {fixed_length!r}"
-        )
+        raise ValueError(f"mode 'sample_sum_norm' needs fixed_length > 0 (the L of Dr. GRPO), got {fixed_length!r}")
     return fixed_length
 
 
@@ -184,15 +182,24 @@ def numerator(
     """
     mode = check_mode(mode)
     seg = segment_ids if mode == "per_document" else None  # ids matter (and are checked) only here
-    loss, bearing, seg2, bad = prepare(per_token_loss, mask, seg, num_segments=num_segments, where=where,
-                                       check_finite=check_finite)
+    loss, bearing, seg2, bad = prepare(
+        per_token_loss, mask, seg, num_segments=num_segments, where=where, check_finite=check_finite
+    )
     if mode == "per_document" and segment_ids is None:
         raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
     rows = int(loss.shape[0])
     if mode == "per_microbatch":
         _check_microbatch_size(microbatch_size, rows)
-    return _unit_sum(mode, loss, bearing, seg2, bad, num_segments=num_segments, fixed_length=fixed_length,
-                     microbatch_size=microbatch_size or rows)
+    return _unit_sum(
+        mode,
+        loss,
+        bearing,
+        seg2,
+        bad,
+        num_segments=num_segments,
+        fixed_length=fixed_length,
+        microbatch_size=microbatch_size or rows,
+    )
 
 
 def objective(
@@ -224,8 +231,9 @@ def objective(
     if mode == "per_document" and segment_ids is None:
         raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
     size = require_microbatch_size(microbatch_size, rows, "objective") if mode == "per_microbatch" else rows
-    num = _unit_sum(mode, loss, bearing, seg2, bad, num_segments=num_segments, fixed_length=fixed_length,
-                    microbatch_size=size)
+    num = _unit_sum(
+        mode, loss, bearing, seg2, bad, num_segments=num_segments, fixed_length=fixed_length, microbatch_size=size
+    )
     if mode == "per_document":
         return num / jnp.maximum(document_count(seg2, num_segments=num_segments), 1)
     return num / (rows // size if mode == "per_microbatch" else max(rows, 1))

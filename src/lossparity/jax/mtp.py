@@ -138,8 +138,9 @@ def mtp_numerator(
     mode = check_mode(mode)
     convention = check_convention(convention)
     xs, ws = _depths(losses, masks)
-    kw = dict(segment_ids=segment_ids, num_segments=num_segments, fixed_length=fixed_length,
-              microbatch_size=microbatch_size)
+    kw = dict(
+        segment_ids=segment_ids, num_segments=num_segments, fixed_length=fixed_length, microbatch_size=microbatch_size
+    )
     if convention == "pooled":
         x, w, seg = _pool(xs, ws, segment_ids)
         kw["segment_ids"] = seg
@@ -195,8 +196,9 @@ def mtp_objective(
         check_inputs(x, w, seg, num_segments=num_segments, where=f"MTP depth {k}")
     if mode == "per_microbatch":
         require_microbatch_size(microbatch_size, int(xs[0].shape[0]), "mtp_objective")
-    kw = dict(segment_ids=segment_ids, num_segments=num_segments, microbatch_size=microbatch_size,
-              fixed_length=fixed_length)
+    kw = dict(
+        segment_ids=segment_ids, num_segments=num_segments, microbatch_size=microbatch_size, fixed_length=fixed_length
+    )
     if convention == "pooled":
         x, w, seg = _pool(xs, ws, segment_ids)
         kw["segment_ids"] = seg
@@ -246,5 +248,6 @@ def mtp_normalizers(
     microbatch_size: int | None = None,
 ) -> list[Normalizers]:
     """:func:`count_normalizers` of each depth's rolled mask (for :func:`mtp_denominators`)."""
-    return [count_normalizers(w, segment_ids, num_segments=num_segments, microbatch_size=microbatch_size)
-            for w in masks]
+    return [
+        count_normalizers(w, segment_ids, num_segments=num_segments, microbatch_size=microbatch_size) for w in masks
+    ]

@@ -55,30 +55,51 @@ def _static_checks(per_token_loss, mask, segment_ids, at: str) -> None:
 
 
 def _mask_check(mask, where: str) -> jax.Array | None:
-    return value_check(ValueError, "mask values must be 0 or 1, found {}",
-                       lambda xp, w: (w != 0) & (w != 1), (mask,), where=where)
+    return value_check(
+        ValueError, "mask values must be 0 or 1, found {}", lambda xp, w: (w != 0) & (w != 1), (mask,), where=where
+    )
 
 
 def _segment_checks(mask, segment_ids, m: int, where: str) -> tuple[jax.Array | None, ...]:
     in_range = value_check(
-        ValueError, f"segment_ids must lie in [0, num_segments={m}] (0 = padding), found {{}}",
-        lambda xp, s: (s < 0) | (s > m), (segment_ids,), where=where,
+        ValueError,
+        f"segment_ids must lie in [0, num_segments={m}] (0 = padding), found {{}}",
+        lambda xp, s: (s < 0) | (s > m),
+        (segment_ids,),
+        where=where,
     )
     padding = value_check(
-        ValueError, "mask has a loss-bearing token at segment_ids == 0 (padding)",
-        lambda xp, s, w: (s == 0) & (w != 0), (segment_ids, mask), shown=None, where=where,
+        ValueError,
+        "mask has a loss-bearing token at segment_ids == 0 (padding)",
+        lambda xp, s, w: (s == 0) & (w != 0),
+        (segment_ids, mask),
+        shown=None,
+        where=where,
     )
     return in_range, padding
 
 
 def _finite_check(per_token_loss, mask, where: str) -> jax.Array | None:
-    value_check(FloatingPointError, "per_token_loss has NaN/Inf ({}) at loss-bearing",
-                lambda xp, x, w: (w != 0) & ~xp.isfinite(x), (per_token_loss, mask), where=where,
-                at=" index ")
+    value_check(
+        FloatingPointError,
+        "per_token_loss has NaN/Inf ({}) at loss-bearing",
+        lambda xp, x, w: (w != 0) & ~xp.isfinite(x),
+        (per_token_loss, mask),
+        where=where,
+        at=" index ",
+    )
     return None  # a NaN loss propagates by itself: nothing to poison
 
 
-def _validate(per_token_loss, mask, segment_ids=None, *, num_segments=None, where="", check_finite=True):
+def _validate(
+    per_token_loss: jax.Array,
+    mask: jax.Array,
+    segment_ids: jax.Array | None = None,
+    *,
+    num_segments: int | None = None,
+    where: str = "",
+    check_finite: bool = True,
+) -> tuple[jax.Array | None, ...]:
     """Static checks (raise), then value checks (module ``_checks``); returns the traced "bad" flags."""
     at = loc(where)
     _static_checks(per_token_loss, mask, segment_ids, at)
@@ -90,12 +111,25 @@ def _validate(per_token_loss, mask, segment_ids=None, *, num_segments=None, wher
     return tuple(flags)
 
 
-def prepare(per_token_loss, mask, segment_ids=None, *, num_segments=None, where="", check_finite=True):
+def prepare(
+    per_token_loss: jax.Array,
+    mask: jax.Array,
+    segment_ids: jax.Array | None = None,
+    *,
+    num_segments: int | None = None,
+    where: str = "",
+    check_finite: bool = True,
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
     """Validate, then return ``(loss, bearing, segment_ids, bad)``, arrays as ``[B, S]``:
     ``bearing = mask != 0`` (bool), the loss poisoned with NaN when an unchecked traced input is
     invalid (``_checks``), and ``bad`` that traced flag (or None) for poisoning counts too."""
-    flags = [f for f in _validate(per_token_loss, mask, segment_ids, num_segments=num_segments, where=where,
-                                  check_finite=check_finite) if f is not None]
+    flags = [
+        f
+        for f in _validate(
+            per_token_loss, mask, segment_ids, num_segments=num_segments, where=where, check_finite=check_finite
+        )
+        if f is not None
+    ]
     bad = functools.reduce(jnp.logical_or, flags) if flags else None
     loss = poison(_as_2d(per_token_loss), bad)
     seg = None if segment_ids is None else _as_2d(segment_ids)
@@ -178,7 +212,9 @@ def document_stats(
     return poison(s, bad), poison(n, bad), present
 
 
-def document_sums(loss: jax.Array, bearing: jax.Array, seg: jax.Array, m: int):
+def document_sums(
+    loss: jax.Array, bearing: jax.Array, seg: jax.Array, m: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`document_stats` of already validated ``[B, S]`` inputs (``bearing`` boolean)."""
     s = _segment_sum_rows(jnp.where(bearing, loss, jnp.zeros_like(loss)), seg, m)
     n = _segment_sum_rows(bearing.astype(loss.dtype), seg, m)
@@ -193,8 +229,12 @@ def document_count(segment_ids: jax.Array, *, num_segments: int | None = None) -
     if not hasattr(segment_ids, "dtype") or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise TypeError(f"segment_ids must be an integer array, got {getattr(segment_ids, 'dtype', None)}")
     m = resolve_num_segments(segment_ids, num_segments)
-    value_check(ValueError, f"segment_ids must lie in [0, num_segments={m}] (0 = padding), found {{}}",
-                lambda xp, s: (s < 0) | (s > m), (segment_ids,))
+    value_check(
+        ValueError,
+        f"segment_ids must lie in [0, num_segments={m}] (0 = padding), found {{}}",
+        lambda xp, s: (s < 0) | (s > m),
+        (segment_ids,),
+    )
     seg = _as_2d(segment_ids)
     present = _segment_sum_rows((seg > 0).astype(jnp.int32), seg, m) > 0
     return present.sum()
