@@ -5,8 +5,8 @@ The log channel keeps its own estimators whatever the objective's mode. A metric
 a value cannot be ``None``, and it must not be NaN either (it may be summed or averaged over steps under
 ``jit``), so ``value`` holds a placeholder 0 when ``valid`` is false. The placeholder never reaches a
 log as a number: a ``LogValue`` is a pair, not a scalar (``float(lv)`` raises), :meth:`LogValue.get`
-gives ``None`` when missing, and :func:`host_logs` drops missing entries, as the PyTorch accountant omits
-``lm_loss`` from its logs when ``Ntok = 0``.
+gives ``None`` when missing, and :func:`host_logs` writes ``None``, as the PyTorch accountant's
+``logs()`` reports ``lm_loss = None`` when ``Ntok = 0`` (JSON ``null``; scalar writers skip it).
 """
 
 from __future__ import annotations
@@ -56,17 +56,16 @@ def lm_loss(per_token_loss: jax.Array, mask: jax.Array) -> LogValue:
     return ratio_or_missing(s.sum(), n.sum())
 
 
-def host_logs(logs: Mapping[str, Any]) -> dict[str, float | int]:
-    """Turn a step's logs (e.g. ``accumulate_gradients``' third result, after ``jit``) into Python numbers
-    for a logger: scalars become ``float`` (``int`` for integer counts), a :class:`LogValue` becomes its
-    value, and a missing :class:`LogValue` is left out (not written as 0 or NaN). Synchronizes; call it
-    once per logged step, outside ``jit``."""
-    out: dict[str, float | int] = {}
+def host_logs(logs: Mapping[str, Any]) -> dict[str, float | int | None]:
+    """Turn a step's logs (e.g. ``accumulate_gradients``' third result, after ``jit``) into Python values
+    for a logger, the same shape as the PyTorch ``Accountant.logs()``: scalars become ``float`` (``int``
+    for integer counts), a :class:`LogValue` becomes its value, or ``None`` when missing (JSON ``null``,
+    skipped by scalar writers; never 0 or NaN). Synchronizes; call it once per logged step, outside
+    ``jit``."""
+    out: dict[str, float | int | None] = {}
     for key, value in logs.items():
         if isinstance(value, LogValue):
-            got = value.get()
-            if got is not None:
-                out[key] = got
+            out[key] = value.get()
             continue
         arr = np.asarray(value)
         if arr.shape != ():
