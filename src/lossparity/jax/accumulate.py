@@ -1,4 +1,4 @@
-"""Gradient accumulation with ``jax.lax.scan`` and pre-counted normalizers (semantics §3).
+"""Gradient accumulation with ``jax.lax.scan`` and pre-counted normalizers (docs/semantics.md §3).
 
 Before the scan, the normalizers of the mode (``Ntok``, ``N``, ``Ndoc``, number of ``per_microbatch``
 groups) are counted from the masks of all ``K`` microbatches; each microbatch then back-propagates its

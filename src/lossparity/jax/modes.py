@@ -1,4 +1,4 @@
-"""Normalization modes of the language-model objective in JAX (semantics §1, §3).
+"""Normalization modes of the language-model objective in JAX (docs/semantics.md §1, §3).
 
 Same decomposition and names as the PyTorch ``lossparity.losses.modes``: every mode is
 ``J = Σ_mb numerator(mb) / denominator``, a per-microbatch numerator from that microbatch's own sample
@@ -13,9 +13,19 @@ or document statistics and one global denominator that is pre-counted from the m
 | sample_sum       | Σ_i s_i                             | N             |
 | sample_sum_norm  | Σ_i s_i / L                         | N             |
 
-(``mb'``: the microbatches of ``microbatch_size`` rows inside the numerator's input; by default the
-whole input is one microbatch, as in PyTorch.) All functions are pure and ``jit``-able on global
-arrays; ``mode``, ``num_segments``, ``microbatch_size`` and ``fixed_length`` are static Python values.
+(``mb'``: the microbatches of ``microbatch_size`` rows inside the numerator's input.) All functions are
+pure and ``jit``-able on global arrays; ``mode``, ``num_segments``, ``microbatch_size`` and
+``fixed_length`` are static Python values; mode names come from ``lossparity.options``.
+
+One rule for ``per_microbatch``'s group size: the one-microbatch functions (:func:`numerator`,
+:func:`count_normalizers`) read ``microbatch_size=None`` as "the input is one microbatch", as the
+PyTorch ones do; the whole-step functions (:func:`objective`, ``accumulate_gradients``,
+``mtp_objective``, ``mtp_log_losses``) need it explicitly, since they see several microbatches and
+cannot know how the step was cut (e.g. a scan microbatch of ``b`` rows spread over ``D`` devices holds
+``D`` Megatron microbatches of ``b/D`` rows).
+
+Loss-bearing tokens are those with ``mask != 0``; inputs are validated as in ``check_inputs`` (value
+checks: eagerly, or under ``checked``; see ``_checks``).
 """
 
 from __future__ import annotations

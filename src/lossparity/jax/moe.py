@@ -1,4 +1,4 @@
-"""MoE auxiliary losses and expert-bias balancing in JAX (semantics §5).
+"""MoE auxiliary losses and expert-bias balancing in JAX (docs/semantics.md §5).
 
 Same formulas, names and float32 math as the PyTorch ``lossparity.losses.moe``. The caller chooses the
 token set ``X`` by what it passes in; with global (possibly sharded) arrays the natural scope is the
@@ -225,7 +225,7 @@ def expert_bias_update(
 
     ``tokens_per_expert`` and ``expert_bias`` are ``[E]`` or ``[layers, E]`` (means per layer, over
     experts); ``zero_mean`` (torchtitan) centres the step's update: ``Δb -= mean_e(Δb)``. Counts are the
-    step's dispatch counts over every microbatch and every rank holding distinct tokens (semantics §5).
+    step's dispatch counts over every microbatch and every rank holding distinct tokens (docs/semantics.md §5).
     """
     if tokens_per_expert.ndim not in (1, 2) or tokens_per_expert.shape[-1] < 1:
         raise ValueError(f"tokens_per_expert must be [E] or [layers, E], got shape {tuple(tokens_per_expert.shape)}")

@@ -1,4 +1,4 @@
-"""Multi-token prediction (MTP) labels, masks and objective in JAX (semantics §4).
+"""Multi-token prediction (MTP) labels, masks and objective in JAX (docs/semantics.md §4).
 
 Same semantics and names as the PyTorch ``lossparity.losses.mtp``. Depth ``k`` predicts, from position
 ``t``, the token that the main head predicts from ``t + k``: labels and mask are rolled left by ``k``
@@ -89,7 +89,7 @@ def roll_mask(mask: jax.Array, segment_ids: jax.Array | None, k: int) -> jax.Arr
 def roll_mtp(
     labels: jax.Array, mask: jax.Array, segment_ids: jax.Array | None, k: int, *, ignore_index: int = -100
 ) -> tuple[jax.Array, jax.Array]:
-    """Labels and mask of MTP depth ``k`` (semantics §4): both rolled left by ``k`` within each row and each
+    """Labels and mask of MTP depth ``k`` (docs/semantics.md §4): both rolled left by ``k`` within each row and each
     document; positions whose rolled mask is 0 get ``ignore_index``. Raises if ``k`` is not smaller than
     the sequence length (the depth would have no position at all)."""
     _check_depth(k)

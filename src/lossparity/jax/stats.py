@@ -1,4 +1,4 @@
-"""Per-sample and per-document sums and counts in JAX (semantics §0), on global arrays.
+"""Per-sample and per-document sums and counts in JAX (docs/semantics.md §0), on global arrays.
 
 Every function here is pure and ``jit``-able and does not care how its inputs are sharded: it sees the
 global ``[B, S]`` arrays and reduces along the sequence axis only (per row), so a batch sharded over
