@@ -80,13 +80,15 @@ def test_fractional_mask_under_jit_raises_when_checked_and_is_nan_otherwise():
     with pytest.raises(ValueError, match=eager_msg):
         _per_token(loss, mask)
     err, _ = jax.jit(lj.checked(_per_token))(loss, mask)
-    with pytest.raises(Exception, match=eager_msg):
+    with pytest.raises(ValueError, match=eager_msg):  # the eager exception, from the compiled program
+        lj.throw(err)
+    with pytest.raises(Exception, match=eager_msg):  # checkify's own JaxRuntimeError, same text
         err.throw()
     # without checks a traced program cannot raise: the value is NaN, never a plausible number
     value, grad = jax.jit(jax.value_and_grad(_per_token))(loss, mask)
     assert np.isnan(float(value)) and np.isnan(np.asarray(grad)[np.asarray(ROW_MASK) != 0]).all()
     err, value = jax.jit(lj.checked(_per_token))(loss, jnp.asarray(ROW_MASK))  # valid input: no error
-    err.throw()
+    assert lj.throw(err) is None
     assert float(value) == pytest.approx(3.0, abs=1e-15)
 
 
@@ -96,13 +98,13 @@ def test_segment_ids_out_of_range_under_jit():
     with pytest.raises(ValueError, match=msg):
         _per_document(loss, mask, seg)
     err, _ = jax.jit(lj.checked(_per_document))(loss, mask, seg)
-    with pytest.raises(Exception, match=msg):
-        err.throw()
+    with pytest.raises(ValueError, match=msg):
+        lj.throw(err)
     assert np.isnan(float(jax.jit(_per_document)(loss, mask, seg)))
     padded = jnp.asarray(ROW_SEG).at[1].set(0)  # a loss-bearing token in padding
     err, _ = jax.jit(lj.checked(_per_document))(loss, mask, padded)
-    with pytest.raises(Exception, match=r"loss-bearing token at segment_ids == 0 \(padding\) at index \[1\]"):
-        err.throw()
+    with pytest.raises(ValueError, match=r"loss-bearing token at segment_ids == 0 \(padding\) at index \[1\]"):
+        lj.throw(err)
     assert np.isnan(float(jax.jit(_per_document)(loss, mask, padded)))
 
 
@@ -121,8 +123,8 @@ def test_nan_in_scan_names_the_microbatch():
     with pytest.raises(FloatingPointError, match=msg):
         step(jnp.asarray(1.0))
     err, _ = jax.jit(lj.checked(step))(jnp.asarray(1.0))
-    with pytest.raises(Exception, match=msg):
-        err.throw()
+    with pytest.raises(FloatingPointError, match=msg):
+        lj.throw(err)
 
 
 # -- defect 5: one per_microbatch rule -----------------------------------------------------------------

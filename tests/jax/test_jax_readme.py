@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lossparity.jax import throw as lpj_throw
+
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 
@@ -99,7 +101,7 @@ def test_maxtext_step_with_ga_and_mesh_matches_float64_and_maxtext_formulas():
 
     for mode, u in unit.items():
         err, (_, grads, _) = ns["step"](ns["params"], ns["micro"], mode)  # compiled above: cached
-        err.throw()
+        lpj_throw(err)
         want_g = naive_grads(ns["params"], jnp.asarray(u))
         for name in ("emb", "out"):
             g, w = np.asarray(grads[name], np.float64), np.asarray(want_g[name])

@@ -158,8 +158,8 @@ def test_fused_dtype_rules_and_bad_input():
     traced = jax.jit(lambda lab: lj.chunked_cross_entropy(jnp.asarray(h), jnp.asarray(w), lab))(bad)
     assert np.isnan(np.asarray(traced)).all()
     err, _ = jax.jit(lj.checked(lambda lab: lj.chunked_cross_entropy(jnp.asarray(h), jnp.asarray(w), lab)))(bad)
-    with pytest.raises(Exception, match=rf"found {V} at index \[4\]"):
-        err.throw()
+    with pytest.raises(ValueError, match=rf"found {V} at index \[4\]"):
+        lj.throw(err)
 
 
 def test_compiled_temp_memory_has_no_t_by_v_buffer():

@@ -11,14 +11,15 @@ torch, and ``import lossparity`` never imports it. Names and semantics follow th
 - :mod:`.cross_entropy`: ``chunked_cross_entropy`` (``custom_vjp``, never materializes ``[T, V]``).
 - :mod:`.cross_entropy`: also ``fused_linear_cross_entropy`` (gradients formed in the forward).
 - :mod:`.accumulate`: ``accumulate_gradients`` over ``lax.scan`` with pre-counted normalizers.
-- ``checked(fn)``: run the value checks under ``jit`` too (``jax.experimental.checkify``).
+- ``checked(fn)`` / ``throw(err)``: run the value checks under ``jit`` too (``jax.experimental.checkify``)
+  and raise them as an eager call would.
 
 Option spellings come from ``lossparity.options`` (shared with the PyTorch port).
 """
 
 from __future__ import annotations
 
-from ._checks import checked
+from ._checks import checked, throw
 from .accumulate import accumulate_gradients, split_microbatches
 from .cross_entropy import chunked_cross_entropy, fused_linear_cross_entropy, naive_cross_entropy
 from .gap import GapResult, estimator_gap
@@ -56,4 +57,5 @@ __all__ = [
     "sample_stats",
     "split_microbatches",
     "switch_load_balancing_loss",
+    "throw",
 ]

@@ -7,8 +7,8 @@ Where each check runs:
   loss-bearing tokens, labels in range) need values:
 
   * eager call (concrete arrays): they raise ``ValueError`` / ``FloatingPointError`` at once;
-  * traced inside :func:`checked` (``jax.experimental.checkify``): the same message, with the same
-    offending value and index, is raised by ``err.throw()`` after the compiled program ran;
+  * traced inside :func:`checked` (``jax.experimental.checkify``): the same exception with the same
+    message (offending value and index) is raised by :func:`throw` after the compiled program ran;
   * traced without :func:`checked`: a program cannot raise, so an invalid mask or segment id makes the
     result NaN (value and gradient), never a plausible number; a NaN loss propagates by itself.
 """
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-__all__ = ["checked", "checking", "concrete", "loc", "value_check", "poison", "check_positive_int"]
+__all__ = ["checked", "throw", "checking", "concrete", "loc", "value_check", "poison", "check_positive_int"]
 
 # jax.core.Tracer is the public name today; if it ever moves, the conversion error below still catches tracers.
 _TRACER = getattr(jax.core, "Tracer", ())
@@ -67,7 +67,8 @@ def checked(fn: Callable[..., Any]) -> Callable[..., tuple[checkify.Error, Any]]
     """Wrap ``fn`` so that the value checks of ``lossparity.jax`` also run under ``jit``.
 
     ``checked(fn)(*args)`` returns ``(err, out)`` as ``jax.experimental.checkify.checkify`` does;
-    ``err.throw()`` (outside ``jit``) raises the first failed check with the message an eager call gives.
+    ``lpj.throw(err)`` (outside ``jit``) raises the first failed check as an eager call does (same
+    exception type and message); ``err.throw()`` raises it as checkify's ``JaxRuntimeError``.
     Use ``jax.jit(lpj.checked(step))``. The checks are emitted while ``fn`` is traced: a function that
     ``jax.jit`` already compiled without checks elsewhere is reused as it was traced.
     """
@@ -78,6 +79,24 @@ def checked(fn: Callable[..., Any]) -> Callable[..., tuple[checkify.Error, Any]]
             return fn(*args, **kwargs)
 
     return checkify.checkify(traced, errors=checkify.user_checks)
+
+
+# the exception type of every value check, by the text of its message before the first field: lets
+# :func:`throw` raise what an eager call raises
+_EXCEPTIONS: dict[str, type[Exception]] = {}
+
+
+def throw(err: checkify.Error) -> None:
+    """Raise the first failed check of a :func:`checked` program as the eager call would (``ValueError``,
+    ``FloatingPointError``, same message); return ``None`` when every check passed. Host side."""
+    message = err.get()
+    if message is None:
+        return
+    message = message.split(" (`check` failed)")[0]
+    matches = [prefix for prefix in _EXCEPTIONS if message.startswith(prefix)]
+    if not matches:
+        err.throw()  # not a lossparity check: checkify's own error
+    raise _EXCEPTIONS[max(matches, key=len)](message)
 
 
 def _index_text(ndim: int) -> str:
@@ -105,6 +124,7 @@ def value_check(
     Under :func:`checked`: a ``checkify.check`` with the same text. Otherwise return a traced boolean
     scalar "some position is bad" for :func:`poison` (``None`` when checked).
     """
+    _EXCEPTIONS.setdefault(message.split("{")[0], exc)
     values = [concrete(a) for a in arrays]
     ndim = np.ndim(arrays[0])
     order = index_order or tuple(range(ndim))
