@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from ..options import NORMALIZATIONS, check_option
 from ._checks import poison, value_check
 from .logchannel import ratio_or_missing
-from .modes import Normalizers, check_mode, denominator, numerator, require_microbatch_size
+from .modes import Normalizers, check_mode, denominator, require_microbatch_size, unit_sum
 from .stats import _static_checks, document_count, resolve_num_segments
 
 __all__ = ["NORMALIZATIONS", "split_microbatches", "accumulate_gradients"]
@@ -224,8 +224,9 @@ def _scan(loss_fn, params, microbatches, mask, doc_ids, mode, ldt, scale, kw):
         def share(p):
             loss = loss_fn(p, mb)
             bearing = w != 0
-            # the finite check of the loss runs once after the scan, where it can name the microbatch
-            num = numerator(mode, loss, w, segment_ids=seg, check_finite=False, **kw)
+            # the step's mask and ids were checked before the scan, the loss is checked after it (where the
+            # microbatch can be named): the share is formed from the numerator's formula directly
+            num = unit_sum(mode, loss, bearing, seg, None, **kw)
             return num / scale, (jnp.where(bearing, loss, jnp.zeros_like(loss)).sum(), loss)
 
         (value, (s_mb, loss)), g = jax.value_and_grad(share, has_aux=True)(params)

@@ -151,8 +151,19 @@ def _per_microbatch_sum(s: jax.Array, n: jax.Array, microbatch_size: int) -> jax
     return (s_mb / jnp.maximum(n_mb, 1)).sum()
 
 
-def _unit_sum(mode: str, loss, bearing, seg, bad, *, num_segments, fixed_length, microbatch_size) -> jax.Array:
-    """``Σ_units s_u / max(n_u, 1)`` (or the plain / ``L``-scaled sum) of validated ``[B, S]`` inputs."""
+def unit_sum(
+    mode: str,
+    loss: jax.Array,
+    bearing: jax.Array,
+    seg: jax.Array | None,
+    bad: jax.Array | None,
+    *,
+    num_segments: int | None,
+    fixed_length: int | None,
+    microbatch_size: int | None,
+) -> jax.Array:
+    """The numerator of ``mode`` from validated ``[B, S]`` inputs (``bearing = mask != 0``, ``bad`` the
+    traced poison flag or None): ``Σ_units s_u / max(n_u, 1)``, or the plain or ``L``-scaled sum."""
     if mode == "per_document":
         if seg is None:
             raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
@@ -200,7 +211,7 @@ def numerator(
     rows = int(loss.shape[0])
     if mode == "per_microbatch":
         _check_microbatch_size(microbatch_size, rows)
-    return _unit_sum(
+    return unit_sum(
         mode,
         loss,
         bearing,
@@ -241,7 +252,7 @@ def objective(
     if mode == "per_document" and segment_ids is None:
         raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
     size = require_microbatch_size(microbatch_size, rows, "objective") if mode == "per_microbatch" else rows
-    num = _unit_sum(
+    num = unit_sum(
         mode, loss, bearing, seg2, bad, num_segments=num_segments, fixed_length=fixed_length, microbatch_size=size
     )
     if mode == "per_document":
