@@ -1,7 +1,8 @@
 """lossparity semantics in JAX: pure, ``jit``-able functions on global (possibly sharded) arrays.
 
 Optional extra (``pip install lossparity[jax]``); imports only ``jax``, ``jax.numpy``, NumPy and the
-torch-free ``lossparity.options``, never torch, and ``import lossparity`` never imports it. Names and semantics follow the PyTorch modules:
+torch-free ``lossparity.options``, never torch, and ``import lossparity`` never imports it. Names and
+semantics follow the PyTorch modules:
 
 - :mod:`.stats`: ``sample_stats``, ``document_stats`` (static ``num_segments`` slots per row).
 - :mod:`.modes`: ``MODES``, ``objective``, ``numerator`` / ``denominator``, ``Normalizers``.

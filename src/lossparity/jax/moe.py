@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ..options import SCORE_FUNCTIONS, check_option
-from ._checks import concrete
+from ._checks import concrete, value_check
 
 __all__ = [
     "SCORE_FUNCTIONS",
@@ -76,9 +76,13 @@ def _padding(padding_mask, leading: tuple[int, ...], against: str) -> jax.Array 
     if padding_mask.dtype != jnp.bool_:
         if not jnp.issubdtype(padding_mask.dtype, jnp.integer):
             raise TypeError(f"padding_mask must be bool or integer 0/1, got dtype {padding_mask.dtype}")
-        values = concrete(padding_mask)
-        if values is not None and values.size and not ((values == 0) | (values == 1)).all():
-            raise ValueError("padding_mask values must be 0 or 1 (True = padding)")
+        # eagerly and under `checked`; an unchecked traced program reads any non-zero value as padding
+        value_check(
+            ValueError,
+            "padding_mask values must be 0 or 1 (True = padding), found {}",
+            lambda xp, m: (m != 0) & (m != 1),
+            (padding_mask,),
+        )
         padding_mask = padding_mask != 0
     return padding_mask
 
