@@ -69,8 +69,12 @@ def checked(fn: Callable[..., Any]) -> Callable[..., tuple[checkify.Error, Any]]
     ``checked(fn)(*args)`` returns ``(err, out)`` as ``jax.experimental.checkify.checkify`` does;
     ``lpj.throw(err)`` (outside ``jit``) raises the first failed check as an eager call does (same
     exception type and message); ``err.throw()`` raises it as checkify's ``JaxRuntimeError``.
-    Use ``jax.jit(lpj.checked(step))``. The checks are emitted while ``fn`` is traced: a function that
-    ``jax.jit`` already compiled without checks elsewhere is reused as it was traced.
+    Use ``jax.jit(lpj.checked(step))``. The checks are emitted while ``fn`` is traced, and JAX's trace
+    cache does not know about it: an inner ``jax.jit``-ed function already traced without checks is
+    reused unchecked (invalid input then gives the NaN result, not an error), and one first traced
+    under ``checked`` fails when later called outside it (checkify's "not functionalized" error). Wrap
+    the outermost function and do not share inner jitted helpers between checked and unchecked steps.
+    Under ``checked`` the outputs are not NaN-poisoned: read them only when ``err`` is empty.
     """
 
     @functools.wraps(fn)
