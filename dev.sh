@@ -16,7 +16,7 @@ ensure_env() {  # $1 = extras profile: main | test
   [ -f "$stamp" ] && return 0
   if [ "$1" = test ]; then
     # hf/trl: the Hugging Face Trainer and TRL integrations (their tests build tiny models from configs).
-    "$VENV/bin/pip" install -q -e ".[dev,report,tensorboard,jax,config,hf,trl]"
+    "$VENV/bin/pip" install -q -e ".[dev,report,tensorboard,jax,jax-test,config,hf,trl]"
     # megatron-core is the oracle of the MoE tests; --no-deps keeps it from touching torch.
     "$VENV/bin/pip" install -q --no-deps "megatron-core==0.16.1"
     # torchtitan 0.3.0 pins datasets<4.8 and pulls wandb/torch_checkpointing that its trainer module does not

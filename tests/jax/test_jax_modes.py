@@ -121,8 +121,12 @@ HAND = {
 @pytest.mark.parametrize("mode", lj.MODES)
 def test_hand_worked_example(mode):
     got = lj.objective(
-        mode, jnp.asarray(HAND_LOSS, jnp.float64), jnp.asarray(HAND_MASK), segment_ids=jnp.asarray(HAND_SEG),
-        microbatch_size=2, fixed_length=3,
+        mode,
+        jnp.asarray(HAND_LOSS, jnp.float64),
+        jnp.asarray(HAND_MASK),
+        segment_ids=jnp.asarray(HAND_SEG),
+        microbatch_size=2,
+        fixed_length=3,
     )
     assert float(got) == pytest.approx(HAND[mode], abs=1e-15)
 
@@ -146,8 +150,9 @@ def test_masked_inf_does_not_leak():
     loss = jnp.asarray([[1.0, jnp.inf], [2.0, 3.0]])
     mask = jnp.asarray([[1, 0], [1, 1]])
     kw = dict(segment_ids=jnp.ones((2, 2), jnp.int32), microbatch_size=1, fixed_length=2)
-    got = jax.jit(lambda x: {m: jax.value_and_grad(lambda y, m=m: lj.objective(m, y, mask, **kw))(x)
-                             for m in lj.MODES})(loss)
+    got = jax.jit(
+        lambda x: {m: jax.value_and_grad(lambda y, m=m: lj.objective(m, y, mask, **kw))(x) for m in lj.MODES}
+    )(loss)
     for mode, (j, g) in got.items():
         assert np.isfinite(float(j)) and np.isfinite(np.asarray(g)).all(), mode
 
@@ -195,7 +200,7 @@ def test_lm_loss_log_channel_is_token_mean_for_every_mode(batch):
 
 def test_per_microbatch_numerator_groups():
     loss, mask = jnp.asarray(HAND_LOSS, jnp.float64), jnp.asarray(HAND_MASK)
-    whole = lj.numerator("per_microbatch", loss, mask)  # one group: 12 / 6
+    whole = lj.numerator("per_microbatch", loss, mask)  # the input is one microbatch: 12 / 6
     groups = lj.numerator("per_microbatch", loss, mask, microbatch_size=2)  # 10/4 + 2/2
     assert float(whole) == pytest.approx(2.0, abs=1e-15)
     assert float(groups) == pytest.approx(3.5, abs=1e-15)
@@ -211,7 +216,7 @@ def test_bad_input_raises_clear_errors():
         lj.objective("per_row", loss, mask)
     with pytest.raises(ValueError, match=r"mask shape \(2, 4\)"):
         lj.objective("per_token", loss, jnp.ones((2, 4)))
-    with pytest.raises(ValueError, match=r"mask values must be 0 or 1, found \[2.0\]"):
+    with pytest.raises(ValueError, match=r"mask values must be 0 or 1, found 2.0 at index \[0, 0\]"):
         lj.objective("per_token", loss, mask.at[0, 0].set(2))
     with pytest.raises(ValueError, match="needs segment_ids"):
         lj.objective("per_document", loss, mask)
@@ -223,7 +228,8 @@ def test_bad_input_raises_clear_errors():
         lj.objective("per_document", loss, mask, segment_ids=jnp.ones((2, 3)))
     with pytest.raises(ValueError, match="segment_ids == 0"):
         lj.document_stats(loss, mask, jnp.asarray([[1, 1, 0], [1, 1, 1]]))
-    with pytest.raises(FloatingPointError, match=r"NaN/Inf at index \(1, 2\)"):
+    nan_msg = r"NaN/Inf \(nan\) at loss-bearing index \[1, 2\] \(rank 0, microbatch 1\)"
+    with pytest.raises(FloatingPointError, match=nan_msg):
         lj.check_inputs(loss.at[1, 2].set(jnp.nan), mask, where="rank 0, microbatch 1")
     with pytest.raises(TypeError, match="per_token_loss must be floating point"):
         lj.sample_stats(jnp.ones((2, 3), jnp.int32), mask)

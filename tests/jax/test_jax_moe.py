@@ -111,11 +111,13 @@ def test_sequence_loss_and_max_violation_match_torch():
     pad[2] = True  # an all-padding sequence contributes 0 and still counts
     probs = jmoe.router_probs(jnp.asarray(logits))
     rmap = jmoe.topk_routing_map(probs, K)
-    got, n = jmoe.sequence_load_balancing_loss(probs, rmap, topk=K, num_experts=E, coeff=0.1,
-                                               padding_mask=jnp.asarray(pad))
+    got, n = jmoe.sequence_load_balancing_loss(
+        probs, rmap, topk=K, num_experts=E, coeff=0.1, padding_mask=jnp.asarray(pad)
+    )
     tp = tmoe.router_probs(torch.tensor(logits))
-    want, tn = tmoe.sequence_load_balancing_loss(tp, tmoe.topk_routing_map(tp, K), topk=K, num_experts=E, coeff=0.1,
-                                                 padding_mask=torch.tensor(pad))
+    want, tn = tmoe.sequence_load_balancing_loss(
+        tp, tmoe.topk_routing_map(tp, K), topk=K, num_experts=E, coeff=0.1, padding_mask=torch.tensor(pad)
+    )
     assert int(n) == int(tn) == 3
     assert float(got) == pytest.approx(want.item(), rel=1e-6)
     counts = np.array([[4, 4, 4, 4], [8, 0, 4, 4], [0, 0, 0, 0]])

@@ -82,12 +82,20 @@ def _all_mtp_objectives(losses, masks, main_mask, seg):
 
 def test_mtp_objective_matches_torch(batch):
     losses, masks, main_mask, seg = _depth_batch(batch, 12)
-    got = _all_mtp_objectives([jnp.asarray(x) for x in losses], [jnp.asarray(w) for w in masks],
-                              jnp.asarray(main_mask), jnp.asarray(seg))
+    got = _all_mtp_objectives(
+        [jnp.asarray(x) for x in losses], [jnp.asarray(w) for w in masks], jnp.asarray(main_mask), jnp.asarray(seg)
+    )
     for (mode, convention), (value, grads) in got.items():
         tl = [torch.tensor(x, requires_grad=True) for x in losses]
-        want = tmtp.mtp_objective(mode, tl, [torch.tensor(w) for w in masks], torch.tensor(main_mask),
-                                  segment_ids=torch.tensor(seg), convention=convention, **KW)
+        want = tmtp.mtp_objective(
+            mode,
+            tl,
+            [torch.tensor(w) for w in masks],
+            torch.tensor(main_mask),
+            segment_ids=torch.tensor(seg),
+            convention=convention,
+            **KW,
+        )
         want.backward()
         assert float(value) == pytest.approx(want.item(), rel=1e-12), (mode, convention)
         for g, t in zip(grads, tl):
@@ -123,8 +131,9 @@ def _decompositions(losses, masks, main_mask, seg):
             dens = jmtp.mtp_denominators(mode, depth_norms, main_norms, convention=conv)
             total = 0.0
             for rows in (slice(0, 3), slice(3, 8)):
-                nums = jmtp.mtp_numerator(mode, [x[rows] for x in losses], [w[rows] for w in masks],
-                                          convention=conv, segment_ids=seg[rows])
+                nums = jmtp.mtp_numerator(
+                    mode, [x[rows] for x in losses], [w[rows] for w in masks], convention=conv, segment_ids=seg[rows]
+                )
                 assert len(nums) == len(dens)
                 total += sum(n / d for n, d in zip(nums, dens))
             out[(mode, conv)] = (total / (1 if conv == "pooled" else DEPTHS), want)
@@ -133,8 +142,9 @@ def _decompositions(losses, masks, main_mask, seg):
 
 def test_mtp_numerators_over_microbatches_sum_to_objective(batch):
     losses, masks, main_mask, seg = _depth_batch(batch, 13)
-    got = _decompositions([jnp.asarray(x) for x in losses], [jnp.asarray(w) for w in masks],
-                          jnp.asarray(main_mask), jnp.asarray(seg))
+    got = _decompositions(
+        [jnp.asarray(x) for x in losses], [jnp.asarray(w) for w in masks], jnp.asarray(main_mask), jnp.asarray(seg)
+    )
     for key, (total, want) in got.items():
         assert float(total) == pytest.approx(float(want), rel=1e-12), key
 
@@ -142,13 +152,17 @@ def test_mtp_numerators_over_microbatches_sum_to_objective(batch):
 def test_mtp_log_losses(batch):
     losses, masks, _, _ = _depth_batch(batch, 14)
     got = jmtp.mtp_log_losses([jnp.asarray(x) for x in losses], [jnp.asarray(w) for w in masks])
-    meg = jmtp.mtp_log_losses([jnp.asarray(x) for x in losses], [jnp.asarray(w) for w in masks],
-                              estimator="megatron", microbatch_size=2)
+    meg = jmtp.mtp_log_losses(
+        [jnp.asarray(x) for x in losses],
+        [jnp.asarray(w) for w in masks],
+        estimator="microbatch_mean",
+        microbatch_size=2,
+    )
     for (value, valid), (mvalue, _), x, w in zip(got, meg, losses, masks):
         assert bool(valid) and float(value) == pytest.approx((x * w).sum() / w.sum(), rel=1e-12)
-        local = [(x[i:i + 2] * w[i:i + 2]).sum() / max(w[i:i + 2].sum(), 1) for i in range(0, 8, 2)]
+        local = [(x[i : i + 2] * w[i : i + 2]).sum() / max(w[i : i + 2].sum(), 1) for i in range(0, 8, 2)]
         assert float(mvalue) == pytest.approx(np.mean(local), rel=1e-12)
-    (value, valid), = jmtp.mtp_log_losses([jnp.ones((2, 2))], [jnp.zeros((2, 2))])
+    ((value, valid),) = jmtp.mtp_log_losses([jnp.ones((2, 2))], [jnp.zeros((2, 2))])
     assert float(value) == 0.0 and not bool(valid)
     with pytest.raises(ValueError, match="unknown mtp_convention 'mean'"):
         lj.mtp_objective("per_token", [jnp.ones((1, 2))], [jnp.ones((1, 2))], jnp.ones((1, 2)), convention="mean")

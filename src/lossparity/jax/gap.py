@@ -1,4 +1,4 @@
-"""The estimator gap between the per-token and per-sample means in JAX (semantics §1).
+"""The estimator gap between the per-token and per-sample means in JAX (docs/semantics.md §1).
 
 With per-sample means ``l_i = s_i / max(n_i, 1)`` and counts ``n_i``::
 

@@ -1,4 +1,4 @@
-"""Normalization modes of the language-model objective in JAX (semantics §1, §3).
+"""Normalization modes of the language-model objective in JAX (docs/semantics.md §1, §3).
 
 Same decomposition and names as the PyTorch ``lossparity.losses.modes``: every mode is
 ``J = Σ_mb numerator(mb) / denominator``, a per-microbatch numerator from that microbatch's own sample
@@ -13,9 +13,19 @@ or document statistics and one global denominator that is pre-counted from the m
 | sample_sum       | Σ_i s_i                             | N             |
 | sample_sum_norm  | Σ_i s_i / L                         | N             |
 
-(``mb'``: the microbatches of ``microbatch_size`` rows inside the numerator's input; by default the
-whole input is one microbatch, as in PyTorch.) All functions are pure and ``jit``-able on global
-arrays; ``mode``, ``num_segments``, ``microbatch_size`` and ``fixed_length`` are static Python values.
+(``mb'``: the microbatches of ``microbatch_size`` rows inside the numerator's input.) All functions are
+pure and ``jit``-able on global arrays; ``mode``, ``num_segments``, ``microbatch_size`` and
+``fixed_length`` are static Python values; mode names come from ``lossparity.options``.
+
+One rule for ``per_microbatch``'s group size: the one-microbatch functions (:func:`numerator`,
+:func:`count_normalizers`) read ``microbatch_size=None`` as "the input is one microbatch", as the
+PyTorch ones do; the whole-step functions (:func:`objective`, ``accumulate_gradients``,
+``mtp_objective``, ``mtp_log_losses``) need it explicitly, since they see several microbatches and
+cannot know how the step was cut (e.g. a scan microbatch of ``b`` rows spread over ``D`` devices holds
+``D`` Megatron microbatches of ``b/D`` rows).
+
+Loss-bearing tokens are those with ``mask != 0``; inputs are validated as in ``check_inputs`` (value
+checks: eagerly, or under ``checked``; see ``_checks``).
 """
 
 from __future__ import annotations
@@ -25,8 +35,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ._checks import check_mode_name, check_positive_int
-from .stats import _as_2d, check_inputs, document_count, document_stats, sample_stats
+from ..options import MODES, Mode, check_option
+from ._checks import check_positive_int, poison
+from .stats import _as_2d, _masked_sums, document_count, document_sums, prepare, resolve_num_segments
 
 __all__ = [
     "MODES",
@@ -38,15 +49,6 @@ __all__ = [
     "objective",
 ]
 
-MODES: tuple[str, ...] = (
-    "per_token",
-    "per_sample",
-    "per_microbatch",
-    "per_document",
-    "sample_sum",
-    "sample_sum_norm",
-)
-
 _DENOMINATOR_KEY = {
     "per_token": "tokens",
     "per_sample": "samples",
@@ -57,9 +59,10 @@ _DENOMINATOR_KEY = {
 }
 
 
-def check_mode(mode: str) -> str:
-    """Return ``mode`` if it is one of :data:`MODES`, else raise ``ValueError`` listing the valid ones."""
-    return check_mode_name(mode, MODES)
+def check_mode(mode: str) -> Mode:
+    """Return ``mode`` if it is one of :data:`MODES` (``lossparity.options``), else raise ``ValueError``
+    listing the valid ones."""
+    return check_option("mode", mode, MODES)
 
 
 class Normalizers(NamedTuple):
@@ -84,6 +87,19 @@ def _check_microbatch_size(microbatch_size: int | None, rows: int) -> None:
         raise ValueError(f"microbatch_size={microbatch_size} does not divide the {rows} rows of the batch")
 
 
+def require_microbatch_size(microbatch_size: int | None, rows: int, what: str) -> int:
+    """The group size of ``per_microbatch`` in a whole-step function (``what``): it must be given, since
+    the function sees several microbatches and cannot know how they were cut."""
+    if microbatch_size is None:
+        raise ValueError(
+            f"mode 'per_microbatch' in {what} needs microbatch_size (the rows of one microbatch on one "
+            f"rank, dividing the {rows} rows); only the one-microbatch functions numerator and "
+            "count_normalizers default to 'the input is one microbatch'"
+        )
+    _check_microbatch_size(microbatch_size, rows)
+    return microbatch_size
+
+
 def count_normalizers(
     mask: jax.Array,
     segment_ids: jax.Array | None = None,
@@ -91,9 +107,9 @@ def count_normalizers(
     num_segments: int | None = None,
     microbatch_size: int | None = None,
 ) -> Normalizers:
-    """Normalizers of a ``[B, S]`` batch: ``tokens = Σ w``, ``samples = B``, ``documents = Ndoc`` (0
-    without ``segment_ids``) and ``microbatches = B / microbatch_size`` (1 when ``microbatch_size`` is
-    None: the whole batch is one microbatch, as in the PyTorch ``count_normalizers``)."""
+    """Normalizers of a ``[B, S]`` batch: ``tokens = #{mask != 0}``, ``samples = B``, ``documents = Ndoc``
+    (0 without ``segment_ids``) and ``microbatches = B / microbatch_size``; ``microbatch_size=None``
+    means the input is one microbatch (``microbatches = 1``, as the PyTorch ``count_normalizers``)."""
     w = _as_2d(mask)
     rows = int(w.shape[0])
     _check_microbatch_size(microbatch_size, rows)
@@ -111,25 +127,57 @@ def count_normalizers(
 def denominator(mode: str, norms: Normalizers, fixed_length: int | None = None) -> jax.Array:
     """The global denominator of ``mode`` (module table): ``max(count, 1)`` of ``Ntok``, ``N``, ``Ndoc``
     or ``D·K``; the ``max`` only turns an empty count into 1 so that an empty batch gives ``J = 0``.
-    ``fixed_length`` is accepted for symmetry with :func:`numerator` (``sample_sum_norm`` divides by
-    ``L`` in the numerator)."""
+    ``sample_sum_norm``'s ``L`` is divided in :func:`numerator`, so its denominator is ``N``: passing
+    ``fixed_length`` here raises instead of being silently ignored (the parameter exists only so that
+    a call written for the PyTorch signature gets this explanation)."""
     check_mode(mode)
+    if fixed_length is not None:
+        raise ValueError(
+            f"denominator takes no fixed_length (got {fixed_length!r}): the L of 'sample_sum_norm' is divided "
+            "in numerator(..., fixed_length=L), and the denominator of every mode is a plain count"
+        )
     return jnp.maximum(jnp.asarray(getattr(norms, _DENOMINATOR_KEY[mode])), 1)
 
 
 def _check_fixed_length(fixed_length: int | None) -> int:
     if isinstance(fixed_length, bool) or not isinstance(fixed_length, (int, float)) or fixed_length <= 0:
-        raise ValueError(
-            f"mode 'sample_sum_norm' needs fixed_length > 0 (the L of Dr. GRPO), got {fixed_length!r}"
-        )
+        raise ValueError(f"mode 'sample_sum_norm' needs fixed_length > 0 (the L of Dr. GRPO), got {fixed_length!r}")
     return fixed_length
 
 
-def _per_microbatch_sum(s: jax.Array, n: jax.Array, microbatch_size: int | None) -> jax.Array:
-    b = s.shape[0] if microbatch_size is None else microbatch_size
-    s_mb = s.reshape(-1, b).sum(axis=-1)
-    n_mb = n.reshape(-1, b).sum(axis=-1)
+def _per_microbatch_sum(s: jax.Array, n: jax.Array, microbatch_size: int) -> jax.Array:
+    s_mb = s.reshape(-1, microbatch_size).sum(axis=-1)
+    n_mb = n.reshape(-1, microbatch_size).sum(axis=-1)
     return (s_mb / jnp.maximum(n_mb, 1)).sum()
+
+
+def unit_sum(
+    mode: str,
+    loss: jax.Array,
+    bearing: jax.Array,
+    seg: jax.Array | None,
+    bad: jax.Array | None,
+    *,
+    num_segments: int | None,
+    fixed_length: int | None,
+    microbatch_size: int | None,
+) -> jax.Array:
+    """The numerator of ``mode`` from validated ``[B, S]`` inputs (``bearing = mask != 0``, ``bad`` the
+    traced poison flag or None): ``Σ_units s_u / max(n_u, 1)``, or the plain or ``L``-scaled sum."""
+    if mode == "per_document":
+        if seg is None:
+            raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
+        s, n, _ = document_sums(loss, bearing, seg, resolve_num_segments(seg, num_segments))
+        return (s / jnp.maximum(poison(n, bad), 1)).sum()
+    s, n = _masked_sums(loss, bearing)
+    n = poison(n, bad)
+    if mode in ("per_token", "sample_sum"):
+        return poison(s.sum(), bad)
+    if mode == "per_sample":
+        return (s / jnp.maximum(n, 1)).sum()
+    if mode == "per_microbatch":
+        return _per_microbatch_sum(s, n, microbatch_size)
+    return poison(s.sum(), bad) / _check_fixed_length(fixed_length)
 
 
 def numerator(
@@ -141,32 +189,38 @@ def numerator(
     num_segments: int | None = None,
     fixed_length: int | None = None,
     microbatch_size: int | None = None,
+    where: str = "",
+    check_finite: bool = True,
 ) -> jax.Array:
     """The numerator of ``mode`` for one microbatch (module table); differentiable w.r.t. the loss.
 
-    ``per_token_loss`` and ``mask`` are ``[b, S]``. ``per_document`` needs ``segment_ids`` (ids in
-    ``[0, num_segments]``, default ``S``); ``sample_sum_norm`` needs ``fixed_length`` (the ``L`` of Dr.
-    GRPO, divided here so that every denominator is a plain count). ``per_microbatch`` sums the local
-    means of consecutive groups of ``microbatch_size`` rows (default: the whole input is one group).
+    ``per_token_loss`` and ``mask`` are ``[b, S]`` (or ``[S]``). ``per_document`` needs ``segment_ids``
+    (ids in ``[0, num_segments]``, default ``S``); ``sample_sum_norm`` needs ``fixed_length`` (the ``L``
+    of Dr. GRPO, divided here so that every denominator is a plain count). ``per_microbatch`` sums the
+    local means of consecutive groups of ``microbatch_size`` rows; ``None`` means the input is one
+    microbatch. Inputs are validated as in ``check_inputs`` (``where`` ends every message; ``check_finite``
+    as there).
     """
-    check_mode(mode)
-    # segment ids matter (and are validated) only where documents are counted
-    seg = segment_ids if mode == "per_document" else None
-    check_inputs(per_token_loss, mask, seg, num_segments=num_segments, check_finite=False)
-    if mode == "per_document":
-        if segment_ids is None:
-            raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
-        s, n, _ = document_stats(per_token_loss, mask, segment_ids, num_segments=num_segments)
-        return (s / jnp.maximum(n, 1)).sum()
-    s, n = sample_stats(per_token_loss, mask)
-    if mode in ("per_token", "sample_sum"):
-        return s.sum()
-    if mode == "per_sample":
-        return (s / jnp.maximum(n, 1)).sum()
+    mode = check_mode(mode)
+    seg = segment_ids if mode == "per_document" else None  # ids matter (and are checked) only here
+    loss, bearing, seg2, bad = prepare(
+        per_token_loss, mask, seg, num_segments=num_segments, where=where, check_finite=check_finite
+    )
+    if mode == "per_document" and segment_ids is None:
+        raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
+    rows = int(loss.shape[0])
     if mode == "per_microbatch":
-        _check_microbatch_size(microbatch_size, s.shape[0])
-        return _per_microbatch_sum(s, n, microbatch_size)
-    return s.sum() / _check_fixed_length(fixed_length)
+        _check_microbatch_size(microbatch_size, rows)
+    return unit_sum(
+        mode,
+        loss,
+        bearing,
+        seg2,
+        bad,
+        num_segments=num_segments,
+        fixed_length=fixed_length,
+        microbatch_size=microbatch_size or rows,
+    )
 
 
 def objective(
@@ -179,33 +233,28 @@ def objective(
     microbatch_size: int | None = None,
     fixed_length: int | None = None,
 ) -> jax.Array:
-    """The objective ``J`` of semantics §1 on a whole global batch ``[N, S]``, straight from the formula.
+    """The objective ``J`` of docs/semantics.md §1 on a whole global batch ``[N, S]``, from the formula.
 
     ``per_token``: ``S / max(Ntok, 1)``, computed as one reduction ``Σ(w·l) / max(Σ w, 1)`` so that it is
     bit-identical to the usual ``sum(xent·mask) / sum(mask)``. ``per_sample``: ``(1/N) Σ_i s_i/max(n_i,1)``.
     ``per_microbatch``: consecutive blocks of ``microbatch_size`` rows (required; rank ``d``, microbatch
     ``k`` = block ``d·K + k``), ``(1/(D·K)) Σ_mb s_mb/max(n_mb,1)``. ``per_document``:
     ``(1/max(Ndoc,1)) Σ_j s_j/max(n_j,1)``. ``sample_sum``: ``(1/N) Σ_i s_i``. ``sample_sum_norm``:
-    ``S/(N·L)`` with ``L = fixed_length``.
+    ``S/(N·L)`` with ``L = fixed_length``. Inputs are validated as in ``check_inputs``.
     """
-    check_mode(mode)
+    mode = check_mode(mode)
     seg = segment_ids if mode == "per_document" else None
-    check_inputs(per_token_loss, mask, seg, num_segments=num_segments, check_finite=False)
-    loss, w = _as_2d(per_token_loss), _as_2d(mask)
-    rows = loss.shape[0]
+    loss, bearing, seg2, bad = prepare(per_token_loss, mask, seg, num_segments=num_segments)
+    rows = int(loss.shape[0])
     if mode == "per_token":
-        wf = w.astype(loss.dtype)
-        return jnp.sum(jnp.where(wf > 0, loss, jnp.zeros_like(loss))) / jnp.maximum(jnp.sum(wf), 1)
-    if mode == "per_microbatch":
-        if microbatch_size is None:
-            raise ValueError(f"mode 'per_microbatch' needs microbatch_size dividing the {rows} rows, got None")
-        _check_microbatch_size(microbatch_size, rows)
-        s, n = sample_stats(loss, w)
-        return _per_microbatch_sum(s, n, microbatch_size) / (rows // microbatch_size)
+        wf = bearing.astype(loss.dtype)
+        return jnp.sum(jnp.where(bearing, loss, jnp.zeros_like(loss))) / poison(jnp.maximum(jnp.sum(wf), 1), bad)
+    if mode == "per_document" and segment_ids is None:
+        raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
+    size = require_microbatch_size(microbatch_size, rows, "objective") if mode == "per_microbatch" else rows
+    num = unit_sum(
+        mode, loss, bearing, seg2, bad, num_segments=num_segments, fixed_length=fixed_length, microbatch_size=size
+    )
     if mode == "per_document":
-        if segment_ids is None:
-            raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
-        s, n, present = document_stats(loss, w, segment_ids, num_segments=num_segments)
-        return (s / jnp.maximum(n, 1)).sum() / jnp.maximum(present.sum(), 1)
-    num = numerator(mode, loss, w, fixed_length=fixed_length)
-    return num / max(rows, 1)
+        return num / jnp.maximum(document_count(seg2, num_segments=num_segments), 1)
+    return num / (rows // size if mode == "per_microbatch" else max(rows, 1))

@@ -1,4 +1,4 @@
-"""MoE auxiliary losses and expert-bias balancing in JAX (semantics §5).
+"""MoE auxiliary losses and expert-bias balancing in JAX (docs/semantics.md §5).
 
 Same formulas, names and float32 math as the PyTorch ``lossparity.losses.moe``. The caller chooses the
 token set ``X`` by what it passes in; with global (possibly sharded) arrays the natural scope is the
@@ -16,7 +16,8 @@ from numbers import Real
 import jax
 import jax.numpy as jnp
 
-from ._checks import check_mode_name, concrete
+from ..options import SCORE_FUNCTIONS, check_option
+from ._checks import concrete, value_check
 
 __all__ = [
     "SCORE_FUNCTIONS",
@@ -31,7 +32,6 @@ __all__ = [
     "max_violation",
 ]
 
-SCORE_FUNCTIONS: tuple[str, ...] = ("softmax", "sigmoid")
 
 # As in Megatron: only matters when every sigmoid of a row underflows (0/0).
 _SIGMOID_EPS = 1e-20
@@ -76,9 +76,13 @@ def _padding(padding_mask, leading: tuple[int, ...], against: str) -> jax.Array 
     if padding_mask.dtype != jnp.bool_:
         if not jnp.issubdtype(padding_mask.dtype, jnp.integer):
             raise TypeError(f"padding_mask must be bool or integer 0/1, got dtype {padding_mask.dtype}")
-        values = concrete(padding_mask)
-        if values is not None and values.size and not ((values == 0) | (values == 1)).all():
-            raise ValueError("padding_mask values must be 0 or 1 (True = padding)")
+        # eagerly and under `checked`; an unchecked traced program reads any non-zero value as padding
+        value_check(
+            ValueError,
+            "padding_mask values must be 0 or 1 (True = padding), found {}",
+            lambda xp, m: (m != 0) & (m != 1),
+            (padding_mask,),
+        )
         padding_mask = padding_mask != 0
     return padding_mask
 
@@ -87,7 +91,7 @@ def router_probs(logits: jax.Array, score_function: str = "softmax") -> jax.Arra
     """Router scores ``p[x,e]`` in float32: ``softmax(logits[x])``, or (``sigmoid``, DeepSeek-V3)
     ``s[x,e] / (Σ_e' s[x,e'] + 1e-20)`` with ``s = sigmoid(logits)``. Shape of ``logits`` (``[..., E]``)."""
     _check_scores("logits", logits)
-    check_mode_name(score_function, SCORE_FUNCTIONS, "score_function")
+    score_function = check_option("score_function", score_function, SCORE_FUNCTIONS)
     x = logits.astype(jnp.float32)
     if score_function == "softmax":
         return jax.nn.softmax(x, axis=-1)
@@ -225,7 +229,7 @@ def expert_bias_update(
 
     ``tokens_per_expert`` and ``expert_bias`` are ``[E]`` or ``[layers, E]`` (means per layer, over
     experts); ``zero_mean`` (torchtitan) centres the step's update: ``Δb -= mean_e(Δb)``. Counts are the
-    step's dispatch counts over every microbatch and every rank holding distinct tokens (semantics §5).
+    step's dispatch counts over every microbatch and every rank holding distinct tokens (docs/semantics.md §5).
     """
     if tokens_per_expert.ndim not in (1, 2) or tokens_per_expert.shape[-1] < 1:
         raise ValueError(f"tokens_per_expert must be [E] or [layers, E], got shape {tuple(tokens_per_expert.shape)}")

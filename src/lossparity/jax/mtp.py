@@ -1,4 +1,4 @@
-"""Multi-token prediction (MTP) labels, masks and objective in JAX (semantics §4).
+"""Multi-token prediction (MTP) labels, masks and objective in JAX (docs/semantics.md §4).
 
 Same semantics and names as the PyTorch ``lossparity.losses.mtp``. Depth ``k`` predicts, from position
 ``t``, the token that the main head predicts from ``t + k``: labels and mask are rolled left by ``k``
@@ -7,7 +7,9 @@ within each row and each document of a packed row, the vacated tail masked. Coun
 - ``own`` (default, exact): ``λ·(1/Dm)·Σ_k J_k``, ``J_k`` the active mode on depth ``k`` alone. For
   ``per_sample`` every (depth, sample) pair weighs the same: MaxText ``mtp_per_layer_loss_norm=True``.
 - ``main`` (DeepSeek-V3 paper, torchtitan, Megatron ``calculate_per_token_loss=True``): as ``own`` but a
-  ``per_token`` depth is divided by the main loss's token count ``max(Ntok, 1)``.
+  ``per_token`` depth is divided by the main loss's token count ``max(Ntok, 1)``. For every other mode
+  ``main`` equals ``own``: their denominators (``N``, ``Ndoc``, ``D·K``) do not depend on the mask, so
+  the main loss's and the depth's are the same count.
 - ``pooled`` (MaxText): one ``J`` over the depths pooled, no ``1/Dm``; ``per_token``:
   ``λ·Σ_k S_k / max(Σ_k Ntok_k, 1)``; ``per_sample``: ``λ·(1/N) Σ_i Σ_k s_ki / max(Σ_k n_ki, 1)``, i.e.
   MaxText ``mtp_per_layer_loss_norm=False``.
@@ -20,9 +22,18 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from ._checks import check_mode_name, check_positive_int
-from .logchannel import ratio_or_missing
-from .modes import Normalizers, check_mode, count_normalizers, denominator, numerator, objective
+from ..options import MTP_CONVENTIONS, MTP_LOG_ESTIMATORS, MTPConvention, check_option
+from ._checks import check_positive_int
+from .logchannel import LogValue, ratio_or_missing
+from .modes import (
+    Normalizers,
+    check_mode,
+    count_normalizers,
+    denominator,
+    numerator,
+    objective,
+    require_microbatch_size,
+)
 from .stats import _as_2d, check_inputs, sample_stats
 
 __all__ = [
@@ -38,13 +49,13 @@ __all__ = [
     "mtp_normalizers",
 ]
 
-CONVENTIONS: tuple[str, ...] = ("own", "main", "pooled")
-LOG_ESTIMATORS: tuple[str, ...] = ("global", "megatron")
+CONVENTIONS = MTP_CONVENTIONS  # ("own", "main", "pooled"), from lossparity.options
+LOG_ESTIMATORS = MTP_LOG_ESTIMATORS  # ("token_mean", "microbatch_mean"); old "global"/"megatron" accepted
 
 
-def check_convention(convention: str) -> str:
+def check_convention(convention: str) -> MTPConvention:
     """Return ``convention`` if it is one of :data:`CONVENTIONS`, else raise ``ValueError``."""
-    return check_mode_name(convention, CONVENTIONS, "mtp_convention")
+    return check_option("mtp_convention", convention, MTP_CONVENTIONS)
 
 
 def _shift_left(x: jax.Array, k: int, fill) -> jax.Array:
@@ -78,7 +89,7 @@ def roll_mask(mask: jax.Array, segment_ids: jax.Array | None, k: int) -> jax.Arr
 def roll_mtp(
     labels: jax.Array, mask: jax.Array, segment_ids: jax.Array | None, k: int, *, ignore_index: int = -100
 ) -> tuple[jax.Array, jax.Array]:
-    """Labels and mask of MTP depth ``k`` (semantics §4): both rolled left by ``k`` within each row and each
+    """Labels and mask of MTP depth ``k`` (docs/semantics.md §4): both rolled left by ``k`` within each row and each
     document; positions whose rolled mask is 0 get ``ignore_index``. Raises if ``k`` is not smaller than
     the sequence length (the depth would have no position at all)."""
     _check_depth(k)
@@ -124,11 +135,12 @@ def mtp_numerator(
     a stacked ``[Dm, b, S]`` array). ``own``/``main``: one :func:`numerator` per depth. ``pooled``: a
     one-element list, the numerator of all depths concatenated along the sequence axis.
     """
-    check_mode(mode)
-    check_convention(convention)
+    mode = check_mode(mode)
+    convention = check_convention(convention)
     xs, ws = _depths(losses, masks)
-    kw = dict(segment_ids=segment_ids, num_segments=num_segments, fixed_length=fixed_length,
-              microbatch_size=microbatch_size)
+    kw = dict(
+        segment_ids=segment_ids, num_segments=num_segments, fixed_length=fixed_length, microbatch_size=microbatch_size
+    )
     if convention == "pooled":
         x, w, seg = _pool(xs, ws, segment_ids)
         kw["segment_ids"] = seg
@@ -148,8 +160,8 @@ def mtp_denominators(
     :func:`denominator`; ``main``: ``per_token`` uses ``max(Ntok_main, 1)``; ``pooled``: one denominator
     of the depths' normalizers summed (``per_token``: ``max(Σ_k Ntok_k, 1)``; counts of rows, documents
     and microbatches are those of one depth, since pooling keeps them)."""
-    check_mode(mode)
-    check_convention(convention)
+    mode = check_mode(mode)
+    convention = check_convention(convention)
     if not depth_norms:
         raise ValueError("depth_norms must hold one Normalizers per MTP depth, got none")
     if convention == "pooled":
@@ -176,14 +188,17 @@ def mtp_objective(
     """The MTP objective term on a whole global batch ``[N, S]`` per depth (module docstring):
     ``λ·(1/Dm)·Σ_k J_k`` (``own``/``main``) or ``λ·J_pooled`` (``pooled``); ``main_mask`` is the main
     loss mask (the ``main`` convention's count); ``λ = weight``."""
-    check_mode(mode)
-    check_convention(convention)
+    mode = check_mode(mode)
+    convention = check_convention(convention)
     xs, ws = _depths(losses, masks)
-    for k, (x, w) in enumerate(zip(xs, ws), start=1):
-        seg = None if segment_ids is None or mode != "per_document" else _as_2d(segment_ids)
-        check_inputs(x, w, seg, num_segments=num_segments, where=f"MTP depth {k}", check_finite=False)
-    kw = dict(segment_ids=segment_ids, num_segments=num_segments, microbatch_size=microbatch_size,
-              fixed_length=fixed_length)
+    seg = segment_ids if mode == "per_document" else None
+    for k, (x, w) in enumerate(zip(losses, masks), start=1):  # as given: messages show the caller's indices
+        check_inputs(x, w, seg, num_segments=num_segments, where=f"MTP depth {k}")
+    if mode == "per_microbatch":
+        require_microbatch_size(microbatch_size, int(xs[0].shape[0]), "mtp_objective")
+    kw = dict(
+        segment_ids=segment_ids, num_segments=num_segments, microbatch_size=microbatch_size, fixed_length=fixed_length
+    )
     if convention == "pooled":
         x, w, seg = _pool(xs, ws, segment_ids)
         kw["segment_ids"] = seg
@@ -200,26 +215,28 @@ def mtp_log_losses(
     losses: Sequence[jax.Array] | jax.Array,
     masks: Sequence[jax.Array] | jax.Array,
     *,
-    estimator: str = "global",
+    estimator: str = "token_mean",
     microbatch_size: int | None = None,
-) -> list[tuple[jax.Array, jax.Array]]:
-    """The logged ``mtp_k_loss`` per depth as ``(value, valid)`` pairs, not multiplied by ``λ``.
+) -> list[LogValue]:
+    """The logged ``mtp_k_loss`` per depth as :class:`LogValue` pairs, not multiplied by ``λ``.
 
-    ``global`` (default): the depth's token mean ``S_k / Ntok_k`` (missing when ``Ntok_k = 0``).
-    ``megatron``: the mean over microbatches of ``microbatch_size`` rows of local means
-    ``s_{k,mb} / max(n_{k,mb}, 1)`` (Megatron's tracker; always valid).
+    ``token_mean`` (default; old name ``global``): the depth's token mean ``S_k / Ntok_k`` (missing when
+    ``Ntok_k = 0``). ``microbatch_mean`` (old name ``megatron``): the mean over microbatches of
+    ``microbatch_size`` rows of local means ``s_{k,mb} / max(n_{k,mb}, 1)`` (Megatron's tracker; always
+    valid; ``microbatch_size`` required).
     """
-    check_mode_name(estimator, LOG_ESTIMATORS, "estimator")
-    xs, ws = _depths(losses, masks)
+    estimator = check_option("mtp_log_estimator", estimator, MTP_LOG_ESTIMATORS)
+    _depths(losses, masks)
     out = []
-    for x, w in zip(xs, ws):
-        if estimator == "global":
+    for k, (x, w) in enumerate(zip(losses, masks), start=1):
+        if estimator == "token_mean":
+            check_inputs(x, w, where=f"MTP depth {k}")
             s, n = sample_stats(x, w)
             out.append(ratio_or_missing(s.sum(), n.sum()))
         else:
             check_positive_int("microbatch_size", microbatch_size)
             value = objective("per_microbatch", x, w, microbatch_size=microbatch_size)
-            out.append((value, jnp.ones((), bool)))
+            out.append(LogValue(value, jnp.ones((), bool)))
     return out
 
 
@@ -231,5 +248,6 @@ def mtp_normalizers(
     microbatch_size: int | None = None,
 ) -> list[Normalizers]:
     """:func:`count_normalizers` of each depth's rolled mask (for :func:`mtp_denominators`)."""
-    return [count_normalizers(w, segment_ids, num_segments=num_segments, microbatch_size=microbatch_size)
-            for w in masks]
+    return [
+        count_normalizers(w, segment_ids, num_segments=num_segments, microbatch_size=microbatch_size) for w in masks
+    ]

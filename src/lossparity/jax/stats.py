@@ -1,4 +1,4 @@
-"""Per-sample and per-document sums and counts in JAX (semantics §0), on global arrays.
+"""Per-sample and per-document sums and counts in JAX (docs/semantics.md §0), on global arrays.
 
 Every function here is pure and ``jit``-able and does not care how its inputs are sharded: it sees the
 global ``[B, S]`` arrays and reduces along the sequence axis only (per row), so a batch sharded over
@@ -8,11 +8,12 @@ of the data-dependent compaction of the PyTorch version, so shapes never depend 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from ._checks import check_positive_int, concrete, loc
+from ._checks import check_positive_int, loc, poison, value_check
 
 __all__ = [
     "check_inputs",
@@ -20,6 +21,7 @@ __all__ = [
     "document_stats",
     "document_count",
     "resolve_num_segments",
+    "prepare",
 ]
 
 
@@ -27,24 +29,7 @@ def _as_2d(x: jax.Array) -> jax.Array:
     return x[None, :] if x.ndim == 1 else x
 
 
-def check_inputs(
-    per_token_loss: jax.Array,
-    mask: jax.Array,
-    segment_ids: jax.Array | None = None,
-    *,
-    num_segments: int | None = None,
-    where: str = "",
-    check_finite: bool = True,
-) -> None:
-    """Validate a (per-token loss, mask, segment ids) triple, raising a clear error (semantics §7).
-
-    Always (also under ``jit``): ``per_token_loss`` is a floating ``[B, S]`` (or ``[S]``) array, ``mask``
-    and ``segment_ids`` (integer) have the same shape. On concrete values only: mask values in {0, 1},
-    segment ids in ``[0, num_segments]`` (default ``S``), no loss-bearing token at segment id 0 when
-    ``segment_ids`` is given, and (``check_finite``) no NaN/Inf in the loss. ``where`` is appended to
-    every message.
-    """
-    at = loc(where)
+def _static_checks(per_token_loss, mask, segment_ids, at: str) -> None:
     for name, x in (("per_token_loss", per_token_loss), ("mask", mask)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}{at}")
@@ -67,30 +52,115 @@ def check_inputs(
                 f"segment_ids shape {tuple(segment_ids.shape)} does not match per_token_loss shape "
                 f"{tuple(per_token_loss.shape)}{at}"
             )
-    w = concrete(mask)
-    if w is not None and w.size and not np.all((w == 0) | (w == 1)):
-        bad = w[(w != 0) & (w != 1)].ravel()[:3].tolist()
-        raise ValueError(f"mask values must be 0 or 1, found {bad}{at}")
+
+
+def _mask_check(mask, where: str) -> jax.Array | None:
+    return value_check(
+        ValueError, "mask values must be 0 or 1, found {}", lambda xp, w: (w != 0) & (w != 1), (mask,), where=where
+    )
+
+
+def _segment_checks(mask, segment_ids, m: int, where: str) -> tuple[jax.Array | None, ...]:
+    in_range = value_check(
+        ValueError,
+        f"segment_ids must lie in [0, num_segments={m}] (0 = padding), found {{}}",
+        lambda xp, s: (s < 0) | (s > m),
+        (segment_ids,),
+        where=where,
+    )
+    padding = value_check(
+        ValueError,
+        "mask has a loss-bearing token at segment_ids == 0 (padding)",
+        lambda xp, s, w: (s == 0) & (w != 0),
+        (segment_ids, mask),
+        shown=None,
+        where=where,
+    )
+    return in_range, padding
+
+
+def _finite_check(per_token_loss, mask, where: str) -> jax.Array | None:
+    value_check(
+        FloatingPointError,
+        "per_token_loss has NaN/Inf ({}) at loss-bearing",
+        lambda xp, x, w: (w != 0) & ~xp.isfinite(x),
+        (per_token_loss, mask),
+        where=where,
+        at=" index ",
+    )
+    return None  # a NaN loss propagates by itself: nothing to poison
+
+
+def _validate(
+    per_token_loss: jax.Array,
+    mask: jax.Array,
+    segment_ids: jax.Array | None = None,
+    *,
+    num_segments: int | None = None,
+    where: str = "",
+    check_finite: bool = True,
+) -> tuple[jax.Array | None, ...]:
+    """Static checks (raise), then value checks (module ``_checks``); returns the traced "bad" flags."""
+    at = loc(where)
+    _static_checks(per_token_loss, mask, segment_ids, at)
+    flags = [_mask_check(mask, where)]
     if segment_ids is not None:
-        seg = concrete(segment_ids)
-        if seg is not None and seg.size:
-            m = resolve_num_segments(segment_ids, num_segments)
-            if seg.min() < 0 or seg.max() > m:
-                raise ValueError(
-                    f"segment_ids must lie in [0, num_segments={m}] (0 = padding), found values in "
-                    f"[{seg.min()}, {seg.max()}]; pass a larger num_segments{at}"
-                )
-            if w is not None and np.any((seg == 0) & (w > 0)):
-                idx = tuple(int(i) for i in np.argwhere((seg == 0) & (w > 0))[0])
-                raise ValueError(
-                    f"mask has a loss-bearing token at segment_ids == 0 (padding) at index {idx}; "
-                    f"it would belong to no document{at}"
-                )
+        flags += _segment_checks(mask, segment_ids, resolve_num_segments(segment_ids, num_segments), where)
     if check_finite:
-        x = concrete(per_token_loss)
-        if x is not None and x.size and not np.all(np.isfinite(x)):
-            idx = tuple(int(i) for i in np.argwhere(~np.isfinite(x))[0])
-            raise FloatingPointError(f"per_token_loss has NaN/Inf at index {idx}{at}")
+        _finite_check(per_token_loss, mask, where)
+    return tuple(flags)
+
+
+def prepare(
+    per_token_loss: jax.Array,
+    mask: jax.Array,
+    segment_ids: jax.Array | None = None,
+    *,
+    num_segments: int | None = None,
+    where: str = "",
+    check_finite: bool = True,
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+    """Validate, then return ``(loss, bearing, segment_ids, bad)``, arrays as ``[B, S]``:
+    ``bearing = mask != 0`` (bool), the loss poisoned with NaN when an unchecked traced input is
+    invalid (``_checks``), and ``bad`` that traced flag (or None) for poisoning counts too."""
+    flags = [
+        f
+        for f in _validate(
+            per_token_loss, mask, segment_ids, num_segments=num_segments, where=where, check_finite=check_finite
+        )
+        if f is not None
+    ]
+    bad = functools.reduce(jnp.logical_or, flags) if flags else None
+    loss = poison(_as_2d(per_token_loss), bad)
+    seg = None if segment_ids is None else _as_2d(segment_ids)
+    return loss, _as_2d(mask) != 0, seg, bad
+
+
+def check_inputs(
+    per_token_loss: jax.Array,
+    mask: jax.Array,
+    segment_ids: jax.Array | None = None,
+    *,
+    num_segments: int | None = None,
+    where: str = "",
+    check_finite: bool = True,
+) -> None:
+    """Validate a (per-token loss, mask, segment ids) triple, raising a clear error (docs/semantics.md §7).
+
+    Static (always, also under ``jit``): ``per_token_loss`` is a floating ``[B, S]`` (or ``[S]``) array,
+    ``mask`` and ``segment_ids`` (integer) have its shape. Values (eagerly, or under :func:`checked`):
+    mask values in {0, 1}; segment ids in ``[0, num_segments]`` (default ``S``) and no loss-bearing token
+    (``mask != 0``) at id 0; with ``check_finite``, no NaN/Inf in the loss at a loss-bearing token (a
+    masked position may hold anything: it is selected away). Messages name the first offending value
+    and its index; ``where`` is appended to every message.
+    """
+    _validate(per_token_loss, mask, segment_ids, num_segments=num_segments, where=where, check_finite=check_finite)
+
+
+def _masked_sums(loss: jax.Array, bearing: jax.Array) -> tuple[jax.Array, jax.Array]:
+    # selected, not multiplied: a masked Inf/NaN contributes exactly 0 (also to the gradient)
+    s = jnp.where(bearing, loss, jnp.zeros_like(loss)).sum(axis=-1)
+    return s, bearing.astype(loss.dtype).sum(axis=-1)
 
 
 def sample_stats(per_token_loss: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -99,12 +169,11 @@ def sample_stats(per_token_loss: jax.Array, mask: jax.Array) -> tuple[jax.Array,
     ``per_token_loss`` and ``mask`` are ``[B, S]`` (a 1-D input is one sample). Returns ``(s, n)``, both
     ``[B]`` in the loss dtype (counts exact below 2**24 in float32). Masked positions contribute exactly
     0, also when the loss there is Inf/NaN, because they are selected away rather than multiplied.
+    Inputs are validated as in :func:`check_inputs`.
     """
-    check_inputs(per_token_loss, mask, check_finite=False)
-    l2 = _as_2d(per_token_loss)
-    w2 = _as_2d(mask).astype(per_token_loss.dtype)
-    s = jnp.where(w2 > 0, l2, jnp.zeros_like(l2)).sum(axis=-1)
-    return s, w2.sum(axis=-1)
+    loss, bearing, _, bad = prepare(per_token_loss, mask)
+    s, n = _masked_sums(loss, bearing)
+    return s, poison(n, bad)
 
 
 def resolve_num_segments(segment_ids: jax.Array, num_segments: int | None) -> int:
@@ -134,32 +203,38 @@ def document_stats(
     ``s[i,j] = Σ_{t: seg=j+1} w·l``, ``n[i,j] = Σ_{t: seg=j+1} w`` and ``present[i,j]`` true when the id
     occurs in the row (a document without loss-bearing tokens still exists and counts in ``Ndoc``).
     ``s[present]`` lists the documents in the order of the PyTorch ``document_stats`` (row, then id).
-    Eager calls raise on ids outside ``[0, M]`` and on loss-bearing tokens at id 0; under ``jit`` those
-    cannot be detected and such tokens belong to no document (they are dropped).
+    A 1-D input is one row. Ids outside ``[0, M]`` or a loss-bearing token at id 0 raise eagerly and
+    under :func:`checked`; in an unchecked traced program they make ``s`` and ``n`` NaN.
     """
-    check_inputs(per_token_loss, mask, segment_ids, num_segments=num_segments, check_finite=False)
     m = resolve_num_segments(segment_ids, num_segments)
-    l2 = _as_2d(per_token_loss)
-    w2 = _as_2d(mask).astype(per_token_loss.dtype)
-    seg = _as_2d(segment_ids)
-    contrib = jnp.where(w2 > 0, l2, jnp.zeros_like(l2))
-    s = _segment_sum_rows(contrib, seg, m)
-    n = _segment_sum_rows(w2, seg, m)
+    loss, bearing, seg, bad = prepare(per_token_loss, mask, segment_ids, num_segments=m)
+    s, n, present = document_sums(loss, bearing, seg, m)
+    return poison(s, bad), poison(n, bad), present
+
+
+def document_sums(
+    loss: jax.Array, bearing: jax.Array, seg: jax.Array, m: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`document_stats` of already validated ``[B, S]`` inputs (``bearing`` boolean)."""
+    s = _segment_sum_rows(jnp.where(bearing, loss, jnp.zeros_like(loss)), seg, m)
+    n = _segment_sum_rows(bearing.astype(loss.dtype), seg, m)
     present = _segment_sum_rows((seg > 0).astype(jnp.int32), seg, m) > 0
     return s, n, present
 
 
 def document_count(segment_ids: jax.Array, *, num_segments: int | None = None) -> jax.Array:
-    """``Ndoc``: the number of distinct non-zero ``(row, segment_id)`` pairs, as an integer array."""
-    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-        raise TypeError(f"segment_ids must be an integer array, got {segment_ids.dtype}")
+    """``Ndoc``: the number of distinct non-zero ``(row, segment_id)`` pairs, as an integer array.
+    Ids outside ``[0, num_segments]`` raise eagerly and under :func:`checked`; an unchecked traced
+    program cannot flag them in an integer count (they are not counted)."""
+    if not hasattr(segment_ids, "dtype") or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise TypeError(f"segment_ids must be an integer array, got {getattr(segment_ids, 'dtype', None)}")
     m = resolve_num_segments(segment_ids, num_segments)
-    values = concrete(segment_ids)
-    if values is not None and values.size and (values.min() < 0 or values.max() > m):
-        raise ValueError(
-            f"segment_ids must lie in [0, num_segments={m}] (0 = padding), found values in "
-            f"[{values.min()}, {values.max()}]; pass a larger num_segments"
-        )
+    value_check(
+        ValueError,
+        f"segment_ids must lie in [0, num_segments={m}] (0 = padding), found {{}}",
+        lambda xp, s: (s < 0) | (s > m),
+        (segment_ids,),
+    )
     seg = _as_2d(segment_ids)
     present = _segment_sum_rows((seg > 0).astype(jnp.int32), seg, m) > 0
     return present.sum()
