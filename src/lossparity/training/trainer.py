@@ -138,8 +138,8 @@ class TrainConfig:
             raise ValueError(f"seq_len/cp={self.seq_len}/{self.cp} must be divisible by tp={self.tp} for sequence "
                              "parallelism")
         if self.pp > 1:
-            if self.dump_samples or self.ckpt_interval:
-                raise ValueError(f"pp={self.pp} is not combined with dump_samples or checkpoints yet")
+            if self.dump_samples:
+                raise ValueError(f"pp={self.pp} is not combined with dump_samples yet")
             if self.ga < self.pp:
                 raise ValueError(f"pp={self.pp} needs ga >= pp microbatches per step (got ga={self.ga}) to fill the "
                                  "pipeline")
@@ -408,31 +408,83 @@ class Trainer:
 
     @property
     def sharded(self) -> bool:
-        """Parameters are DTensor shards (FSDP2 or tensor parallel): checkpoints go through DCP."""
-        return self.world > 1 and (self.dims.grad_engine == "fsdp" or self.cfg.tp > 1)
+        """Multi-rank runs checkpoint through DCP, in the layout-independent form of
+        :meth:`distributed_state` (any layout can resume from any other)."""
+        return self.world > 1
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"step": self.step, "moe": self.moe.state_dict(), "rng": rng_state(),
-                "config": dataclasses.asdict(self.cfg)}
+        return {"step": self.step, "rng": rng_state(), "config": dataclasses.asdict(self.cfg),
+                "mtp_weight": self.acc.mtp_weight, "world": self.world}
+
+    def _moe_instances(self) -> list[tuple[MoEAccounting, list[Any]]]:
+        return [(self.moe, self.routers)] if self.pipeline is None else list(self.pipeline.moes)
+
+    def _owned_names(self) -> set[str] | None:
+        """FQNs of the parameters and buffers this pipeline rank owns (``None`` without PP: all)."""
+        if self.pipeline is None:
+            return None
+        ids = {id(t) for m in self.pipeline.stages for t in [*m.parameters(), *m.buffers()]}
+        named = [*self.raw.named_parameters(), *self.raw.named_buffers()]
+        return {n for n, t in named if id(t) in ids}
+
+    def distributed_state(self) -> dict[str, Any]:
+        """The checkpoint state of this rank, keyed by layout-independent names: the model and AdamW state
+        by parameter FQN (DTensor shards under TP/FSDP, plain tensors otherwise; under PP only what this
+        rank owns, the union over ranks is everything), the MoE ``global_lagged`` counts by MoE layer id.
+        ``torch.distributed.checkpoint`` re-shards each entry to the loading layout."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        owned = self._owned_names()
+        msd = get_model_state_dict(self.raw)
+        osd = get_optimizer_state_dict(self.raw, self.optimizer)
+        if owned is not None:
+            msd = {k: v for k, v in msd.items() if k in owned}
+        moe: dict[str, Tensor] = {}
+        for acc_moe, routers in self._moe_instances():
+            sd = acc_moe.state_dict()
+            if len(routers) != sd["lagged_counts"].shape[0]:
+                raise ValueError("checkpoints of repeated MTP MoE layers are not supported")
+            for r, row in zip(routers, sd["lagged_counts"]):
+                moe[f"lagged_counts.layer_{r.layer_id}"] = row.clone()
+            moe["lagged_tokens"] = torch.tensor(float(sd["lagged_tokens"]), dtype=torch.float64)
+        return {"model": msd, "optim": {"state": osd["state"]}, "moe": moe, "_osd": osd}
+
+    def _apply_distributed_state(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        set_model_state_dict(self.raw, state["model"], options=StateDictOptions(strict=False))
+        set_optimizer_state_dict(self.raw, self.optimizer, state["_osd"])  # its "state" was loaded in place
+        moe = state["moe"]
+        for acc_moe, routers in self._moe_instances():
+            if routers:
+                rows = torch.stack([moe[f"lagged_counts.layer_{r.layer_id}"] for r in routers])
+                acc_moe.load_state_dict({"lagged_counts": rows, "lagged_tokens": float(moe["lagged_tokens"])})
 
     def save(self, ckpt_dir: str) -> None:
-        """Write the checkpoint of the current step (one file on rank 0, or a DCP folder when sharded)."""
+        """Write the checkpoint of the current step (one file in a single process, else a DCP folder)."""
         if self.sharded:
-            save_sharded_checkpoint(ckpt_dir, self.step, self.raw, self.optimizer, self._extra_state())
+            state = self.distributed_state()
+            state.pop("_osd")
+            save_sharded_checkpoint(ckpt_dir, self.step, self.raw, self.optimizer, self._extra_state(), state=state)
             return
-        if self.rank == 0:
-            save_checkpoint(ckpt_dir, self.step, self.state_dict())
-        if dist.is_initialized():
-            dist.barrier()
+        save_checkpoint(ckpt_dir, self.step, self.state_dict())
 
     def restore(self, ckpt_dir: str) -> bool:
-        """Load the newest checkpoint of ``ckpt_dir`` if there is one; returns whether it did."""
+        """Load the newest checkpoint of ``ckpt_dir`` if there is one (under any multi-rank layout from a
+        checkpoint of any other); returns whether it did."""
         if self.sharded:
-            extra = load_sharded_latest(ckpt_dir, self.raw, self.optimizer)
+            state = self.distributed_state()
+            osd = state.pop("_osd")
+            extra = load_sharded_latest(ckpt_dir, self.raw, self.optimizer, state=state)
             if extra is None:
                 return False
-            self.moe.load_state_dict(extra["moe"])
-            set_rng_state(extra["rng"])
+            self._apply_distributed_state({**state, "_osd": osd})
+            if extra.get("world") == self.world:  # RNG states are per rank (unused by the float64 runs)
+                set_rng_state(extra["rng"])
             self.step = int(extra["step"])
             return True
         state = load_latest(ckpt_dir)
