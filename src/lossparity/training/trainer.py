@@ -131,9 +131,10 @@ class TrainConfig:
             if self.seq_len % parts:
                 raise ValueError(f"seq_len={self.seq_len} must be divisible by {parts} for cp={self.cp}")
         if (self.cp > 1 or self.sp) and (self.aux_scope not in ("global_lagged", "none") or self.z_form != "global"):
-            raise ValueError(f"cp={self.cp}, sp={self.sp} support aux_scope global_lagged/none and z_form global (got "
-                             f"aux_scope={self.aux_scope!r}, z_form={self.z_form!r}): the other forms need the counts "
-                             "of whole microbatches or sequences on every shard")
+            who = " with ".join(([f"cp={self.cp}"] if self.cp > 1 else []) + (["sp"] if self.sp else []))
+            raise ValueError(f"{who} supports aux_scope global_lagged/none and z_form global (got aux_scope="
+                             f"{self.aux_scope!r}, z_form={self.z_form!r}): the other forms need the counts of whole "
+                             "microbatches or sequences on every shard")
         if self.sp and (self.seq_len // self.cp) % self.tp:
             raise ValueError(f"seq_len/cp={self.seq_len}/{self.cp} must be divisible by tp={self.tp} for sequence "
                              "parallelism")

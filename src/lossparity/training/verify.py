@@ -256,14 +256,17 @@ def run_verify(
     base.pop("mode")
     tol = TOL["float64" if dtype == "float64" else "float32"]
     results: dict[str, dict[str, Any]] = {}
+    walls: dict[str, float] = {}
 
     def run(layout: Layout) -> dict[str, Any]:
         if layout.name not in results:
             if progress:
                 print(f"  running layout {layout.name} ({len(modes)} modes)...", flush=True)
             world = layout.world
+            t1 = time.perf_counter()
             results[layout.name] = (_run_modes(0, 1, base, list(modes), layout) if world == 1 else
                                     merge_records(spawn(_run_modes, world, base, list(modes), layout, timeout_s=300)))
+            walls[layout.name] = time.perf_counter() - t1
         return results[layout.name]
 
     def reference(layout: Layout, mode: str) -> Layout:
@@ -285,6 +288,7 @@ def run_verify(
             rows.append({"layout": layout.name, "mode": mode, "reference": ref_layout.name, "diffs": diffs,
                          "pass": all(v <= tol for v in diffs.values())})
     return {"rows": rows, "tolerance": tol, "wall_s": time.perf_counter() - t0, "steps": steps,
+            "layout_wall_s": walls,
             "config": {k: v for k, v in base.items() if k not in ("out",)}}
 
 
@@ -300,6 +304,9 @@ def format_table(report: dict[str, Any]) -> str:
     n_pass = sum(r["pass"] for r in report["rows"])
     lines.append(f"\n{n_pass}/{len(report['rows'])} PASS (tolerance {report['tolerance']:g} relative, "
                  f"{report['steps']} steps each, wall {report['wall_s']:.1f} s)")
+    walls = report.get("layout_wall_s") or {}
+    if walls:
+        lines.append("wall per layout (all modes): " + ", ".join(f"{k} {v:.1f} s" for k, v in walls.items()))
     return "\n".join(lines)
 
 
