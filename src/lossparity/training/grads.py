@@ -9,20 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..distributed.collectives import all_reduce_coalesced
+
 __all__ = ["all_reduce_coalesced", "clip_grad_norm", "sum_replicated_grads_over_tp", "total_grad_norm"]
-
-
-def all_reduce_coalesced(tensors: Sequence[Tensor], group: object | None) -> None:
-    """Sum ``tensors`` over ``group`` in place with one all-reduce of their concatenation (skipped when
-    ``group`` is ``None`` or there is nothing to reduce)."""
-    if group is None or not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
 
 
 def total_grad_norm(grads: Sequence[Tensor], pp_group: object | None = None) -> Tensor:
