@@ -104,6 +104,7 @@ class TrainConfig:
     pp_virtual: int = _f(1, "virtual chunks per stage (interleaved 1F1B)", "layout")
     tp: int = _f(1, "tensor-parallel ranks (vocabulary-parallel head)", "layout")
     sp: bool = _f(False, "sequence parallelism with --tp (Megatron SP)", "layout")
+    ep: int = _f(1, "expert-parallel ranks, carved out of the dp x cp ranks", "layout")
     cp_zigzag: bool = _f(True, "zig-zag context-parallel shards (load balance of causal attention)", "layout")
     ga: int = _f(1, "gradient-accumulation microbatches per rank", "layout")
     global_batch: int = _f(8, "rows per optimizer step")
@@ -172,32 +173,32 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite exclude each other")
 
+    def parallel_dims(self) -> Any:
+        """The layout of this config as a (not yet built) ``ParallelDims``."""
+        from ..distributed.parallel_dims import ParallelDims
+
+        return ParallelDims(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, ep=self.ep, sp=self.sp,
+                            pp_virtual=self.pp_virtual, engine=self.engine)
+
     def _check_layout(self) -> None:
-        if self.engine == "fsdp" and (self.cp > 1 or self.pp > 1):
-            raise ValueError("engine='fsdp' is supported for data parallelism without cp/pp")
-        whole = (
-            "aux_scope global_lagged/none and z_form global (got aux_scope={!r}, z_form={!r}): the other forms "
-            "need the counts of whole microbatches or sequences on every shard"
-        )
-        split = self.aux_scope not in ("global_lagged", "none") or self.z_form != "global"
+        self.parallel_dims().validate()  # sizes, ep | dp*cp, sp needs tp, engine combinations
+        if self.ep > 1:
+            raise ValueError(f"--ep={self.ep}: expert parallelism is not available in this build")
         if self.cp > 1:
-            if split:
-                raise ValueError(f"cp={self.cp} supports " + whole.format(self.aux_scope, self.z_form))
             parts = 2 * self.cp if self.cp_zigzag else self.cp
             if self.seq_len % parts:
                 raise ValueError(f"seq_len={self.seq_len} must be divisible by {parts} for cp={self.cp}")
-        if self.sp:
-            if self.tp < 2:
-                raise ValueError("sp (sequence parallelism) needs tp > 1")
-            if self.seq_len % self.tp:
-                raise ValueError(f"seq_len={self.seq_len} must be divisible by tp={self.tp} for sequence parallelism")
-            if split:
-                raise ValueError("sp supports " + whole.format(self.aux_scope, self.z_form))
-        if self.tp > 1 and (self.cp > 1 or self.pp > 1):
-            raise ValueError(f"tp={self.tp} is not combined with cp > 1 or pp > 1 yet")
+        if (self.cp > 1 or self.sp) and (self.aux_scope not in ("global_lagged", "none") or self.z_form != "global"):
+            who = " with ".join(([f"cp={self.cp}"] if self.cp > 1 else []) + (["sp"] if self.sp else []))
+            raise ValueError(f"{who} supports aux_scope global_lagged/none and z_form global (got aux_scope="
+                             f"{self.aux_scope!r}, z_form={self.z_form!r}): the other forms need the counts of whole "
+                             "microbatches or sequences on every shard")
+        if self.sp and (self.seq_len // self.cp) % self.tp:
+            raise ValueError(f"seq_len/cp={self.seq_len}/{self.cp} must be divisible by tp={self.tp} for sequence "
+                             "parallelism")
         if self.pp > 1:
-            if self.cp > 1 or self.dump_samples or self.ckpt_interval:
-                raise ValueError(f"pp={self.pp} is not combined with cp > 1, dump_samples or checkpoints yet")
+            if self.dump_samples:
+                raise ValueError(f"pp={self.pp} is not combined with dump_samples yet")
             if self.ga < self.pp:
                 raise ValueError(
                     f"pp={self.pp} needs ga >= pp microbatches per step (got ga={self.ga}) to fill the pipeline"
@@ -226,8 +227,7 @@ class TrainConfig:
     # ------------------------------------------------------------------ derived values
     def resolved(self) -> TrainConfig:
         """A validated copy with canonical option spellings and the derived values filled in:
-        ``fixed_length = seq_len`` for ``sample_sum_norm``; ``engine = "plain"`` under tensor parallelism
-        (DTensor-sharded parameters: the accountant sums gradients over DP); with a data file, the model's
+        ``fixed_length = seq_len`` for ``sample_sum_norm``; with a data file, the model's
         ``vocab_size`` = the byte tokenizer's 259 rounded up to a multiple of ``tp`` unless ``--set`` gives it."""
         self.validate()
         changes: dict[str, Any] = {
@@ -235,8 +235,6 @@ class TrainConfig:
         }
         if self.mode == "sample_sum_norm" and self.fixed_length is None:
             changes["fixed_length"] = self.seq_len
-        if self.tp > 1:
-            changes["engine"] = "plain"
         if self.data != "synthetic" and "vocab_size" not in self.model_overrides:
             vocab = -(-BYTE_VOCAB // self.tp) * self.tp
             changes["model_overrides"] = {**self.model_overrides, "vocab_size": vocab}
