@@ -255,6 +255,8 @@ class Accountant:
     def register_check(self, name: str, error: type[Exception], message: str, sub: str = "") -> None:
         """Register a device-side value check reported by ``logs()`` (see :meth:`flag`): ``message`` is the
         error text, ``sub`` names the sub-location of the code (e.g. ``"layer"``). Outside a step."""
+        if self._checks.get(name) == (error, message, sub):
+            return  # registered already (e.g. by another pipeline chunk's MoEAccounting)
         self._require_idle(f"register_check({name!r})")
         self._checks[name] = (error, message, sub)
 
@@ -267,6 +269,19 @@ class Accountant:
             raise ValueError(f"step end {name!r} is already registered")
         self._step_ends[name] = False
         self._fingerprint_extra[f"step_end:{name}"] = fingerprint
+
+    @property
+    def registered_step_ends(self) -> tuple[str, ...]:
+        """Names given to :meth:`register_step_end`, in order."""
+        return tuple(self._step_ends)
+
+    def documents_of(self, segment_ids: Tensor) -> tuple[Tensor, int]:
+        """``rows_documents(segment_ids)`` of a microbatch: numbered at ``begin_step`` (mode ``per_document``)
+        when ``segment_ids`` is a tensor given there, else numbered now (one host sync)."""
+        for seg, info in zip(getattr(self, "_segs", ()), getattr(self, "_mb_info", ())):
+            if seg is segment_ids and info["documents"] is not None:
+                return info["documents"]
+        return rows_documents(segment_ids)
 
     def step_end_done(self, name: str) -> None:
         """Report that the registered step end ``name`` ran for this step (after ``finish_step``)."""
