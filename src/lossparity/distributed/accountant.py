@@ -157,6 +157,14 @@ def _check_mask_arg(name: str, mask: object, loss: Tensor) -> Tensor:
     return mask
 
 
+def _same_storage(a: object, b: Tensor) -> bool:
+    """``a`` and ``b`` view the same elements (the same tensor, or an identical view of it): no sync."""
+    if a is b:
+        return True
+    return (isinstance(a, Tensor) and a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride() and a.data_ptr() == b.data_ptr())
+
+
 class Accountant:
     """Exact loss accounting for one training loop (see the module docstring for the protocol).
 
@@ -279,7 +287,7 @@ class Accountant:
         """``rows_documents(segment_ids)`` of a microbatch: numbered at ``begin_step`` (mode ``per_document``)
         when ``segment_ids`` is a tensor given there, else numbered now (one host sync)."""
         for seg, info in zip(getattr(self, "_segs", ()), getattr(self, "_mb_info", ())):
-            if seg is segment_ids and info["documents"] is not None:
+            if info["documents"] is not None and _same_storage(seg, segment_ids):
                 return info["documents"]
         return rows_documents(segment_ids)
 

@@ -58,7 +58,8 @@ class PipelineRunner:
             moe = MoEAccounting(trainer.acc, len(routers), max(raw.config.num_experts, 1), max(raw.config.topk, 1),
                                 scope=cfg.aux_scope, aux_coeff=cfg.aux_coeff, z_coeff=cfg.z_coeff,
                                 z_form=cfg.z_form, log_layers=total_moe, declare=total_moe > 0,
-                                megatron_quirks=cfg.megatron_quirks)
+                                megatron_quirks=cfg.megatron_quirks,
+                                log_layer_ids=[r.layer_id for r in raw.moe_routers()])
             module.aux_fn = self._aux_fn(moe, routers)
             self.stages.append(module)
             self.moes.append((moe, routers))
@@ -92,13 +93,9 @@ class PipelineRunner:
         self.shares_embedding = bool(len(raw.mtp))
         self._batch: list[dict[str, Any]] = []
         self._loss_mb = 0
-        # Expert-load metrics of every MoE layer, declared on every rank (same collective layout); each is
-        # recorded by the first token-group rank of the stage that owns the layer, zeros elsewhere.
+        # Expert-load metrics of every MoE layer are declared by every chunk's MoEAccounting (log_layer_ids:
+        # same collective layout on every rank) and recorded by the chunk that owns the layer.
         self.moe_layer_ids = [r.layer_id for r in raw.moe_routers()]
-        for lid in self.moe_layer_ids:
-            trainer.acc.declare_metric(f"max_vio/layer_{lid}", "sum")
-        if self.moe_layer_ids:
-            trainer.acc.declare_metric("max_vio", "sum")
 
     def _aux_fn(self, moe: MoEAccounting, routers: list) -> Any:
         def fn(records: list[RouterRecord], mb: int) -> Tensor | None:
@@ -155,17 +152,10 @@ class PipelineRunner:
             self.embedding.grad = g
 
     def end_step_moe(self, bias_rate: float, zero_mean: bool) -> None:
-        """Expert-bias update of every chunk of this rank (one collective per chunk, every step); the
-        per-layer load imbalance goes into the step's logging collective."""
-        acc = self.t.acc
-        owner = acc.groups.token_rank() == 0
+        """Expert-bias update of every chunk of this rank (one collective per chunk, every step); each
+        chunk's ``end_step`` records its layers' load imbalance in the step's logging collective."""
         for moe, routers in self.moes:
-            vio = moe.end_step(routers, bias_rate=bias_rate, zero_mean=zero_mean)
-            if owner:
-                for r in routers:
-                    value = vio[f"max_vio/layer_{r.layer_id}"]
-                    acc.record(f"max_vio/layer_{r.layer_id}", value)
-                    acc.record("max_vio", value / len(self.moe_layer_ids))
+            moe.end_step(routers, bias_rate=bias_rate, zero_mean=zero_mean)
 
     def grad_norm_and_clip(self, max_norm: float) -> float:
         """Global L2 norm of the gradients over all pipeline ranks (the shared embedding counted once, on

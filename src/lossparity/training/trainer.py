@@ -374,7 +374,7 @@ class Trainer:
         self.moe = None if self.pipeline is not None else MoEAccounting(
             self.acc, len(self.routers), max(self.model_config.num_experts, 1), max(self.model_config.topk, 1),
             scope=cfg.aux_scope, aux_coeff=cfg.aux_coeff, z_coeff=cfg.z_coeff, z_form=cfg.z_form,
-            megatron_quirks=cfg.megatron_quirks)
+            megatron_quirks=cfg.megatron_quirks, log_layer_ids=[r.layer_id for r in self.routers])
         named = list(raw.named_parameters()) if self.pipeline is None else list(self.pipeline.params.items())
         decay = [p for n, p in named if p.dim() >= 2]
         no_decay = [p for n, p in named if p.dim() < 2]
@@ -446,10 +446,10 @@ class Trainer:
         if cfg.sp:
             self._sum_replicated_grads_over_tp()
         acc.finish_step(model)
-        moe_logs = self.moe.end_step(self.routers, bias_rate=self.bias_rate(self.step),
-                                     zero_mean=cfg.bias_zero_mean)
+        # max_vio reaches the log line through acc.logs(), as under pipelining (one route).
+        self.moe.end_step(self.routers, bias_rate=self.bias_rate(self.step), zero_mean=cfg.bias_zero_mean)
         grad_norm = _clip_grad_norm([p for p in self.raw.parameters() if p.grad is not None], cfg.grad_clip)
-        return self._optimizer_step(grad_norm, moe_logs, t0)
+        return self._optimizer_step(grad_norm, {}, t0)
 
     def _sum_replicated_grads_over_tp(self) -> None:
         """Sequence parallelism: parameters that stay replicated (norms, routers, embedding, MTP projections)
