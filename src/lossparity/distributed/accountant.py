@@ -440,10 +440,12 @@ class Accountant:
         self._masks, self._segs = masks, segs
         self._unit_maps: dict[tuple[int, int], Tensor | None] = {}
         self._n_mbs, self._mb, self._mtp_done = len(masks), 0, True
-        self._log_layout = self._make_log_layout()
+        layout = self._make_log_layout()
+        if getattr(self, "_log_layout", None) is None or layout.names() != self._log_layout.names():
+            self._sum_index: dict[tuple[str, ...], Tensor] = {}
+        self._log_layout = layout
         self._acc = self._log_layout.zeros(self.device)
         self._device_checks = DeviceChecks(list(self._checks))
-        self._device_checks.reset(self.device)
         self._step_ends = dict.fromkeys(self._step_ends, False)
         self._grad_factor: float | None = None
         self.state = StepState.MICROBATCHES
@@ -537,13 +539,13 @@ class Accountant:
         self._device_checks.flag(check, bad, sub + mb * _MB_CODE)
 
     def _flag_mask(self, check: str, w: Tensor, expected: Tensor, code: float) -> None:
-        self._device_checks.flag(check, (w != expected.to(w.device, w.dtype)).any(), code)
+        self._device_checks.flag(check, w != expected.to(w.device, w.dtype), code)
 
-    def _flag_nonfinite(self, check: str, losses: Sequence[Tensor], masks: Sequence[Tensor], code: float) -> None:
+    def _flag_nonfinite(self, check: str, sample_sums: Tensor, code: float) -> None:
+        """NaN/Inf where the mask is 1 shows in the per-sample masked sums ``s_i`` (computed anyway for the
+        logs): ``s - s`` is NaN exactly there. Two kernels on ``[b]``."""
         if self.check_finite:
-            for k, (x, w) in enumerate(zip(losses, masks)):
-                bad = (~torch.isfinite(x.detach()) & (w != 0)).any()
-                self._device_checks.flag(check, bad, code + (k + 1 if check.startswith("mtp") else 0))
+            self._device_checks.flag(check, (sample_sums - sample_sums) != 0, code)
 
     @staticmethod
     def _expected(columns: Tensor | None, rows: Tensor | None) -> Tensor | None:
@@ -589,12 +591,12 @@ class Accountant:
         full_seg = self._expected(columns, self._segs[mb])
         if seg is not None and full_seg is not None:
             self._flag_mask("lm_segments", seg, full_seg, code)
-        self._flag_nonfinite("lm_nonfinite", [loss], [w], code)
         docs = self._mb_info[mb]["documents"] if columns is None else None
         num = numerator(self.mode, loss, w, segment_ids=seg if full_seg is None else full_seg,
                         fixed_length=self.fixed_length, unit_counts=self._unit_counts(mb, 0, columns),
                         documents=docs)
         s, n = sample_stats(loss.detach(), w)
+        self._flag_nonfinite("lm_nonfinite", s, code)
         acc, lay = self._acc, self._log_layout
         acc[lay.sl("S")] += s.sum().to(torch.float64)
         acc[lay.sl("Ntok")] += n.sum().to(torch.float64)
@@ -673,24 +675,24 @@ class Accountant:
         self._check_columns(columns)
         mb = self._mb - 1
         code = float(mb * _MB_CODE)
-        self._flag_nonfinite("mtp_nonfinite", losses, masks, code)
         for k, w in enumerate(masks, start=1):
-            bad = ((w != 0) & (w != 1)).any()
+            bad = (w != 0) & (w != 1)
             if columns is None:
                 bad = bad | (w.sum() != self._mb_info[mb]["depth_tokens"][k - 1])
             self._device_checks.flag("mtp_mask", bad, code + k)
         nums = self._mtp_numerators(mb, losses, masks, seg, columns)
         self._mtp_done = True
-        self._log_mtp(losses, masks, nums)
+        self._log_mtp(losses, masks, nums, code)
         scale = mtp_scale(self.mtp_weight, self.mtp_convention, self.mtp_depths)
         if self.normalization == "deferred":
             return scale * torch.stack(nums).sum()
         return scale * sum(num / den for num, den in zip(nums, self._mtp_denominators()))
 
-    def _log_mtp(self, losses: list[Tensor], masks: list[Tensor], nums: list[Tensor]) -> None:
+    def _log_mtp(self, losses: list[Tensor], masks: list[Tensor], nums: list[Tensor], code: float) -> None:
         acc, lay = self._acc, self._log_layout
         for k, (x, w) in enumerate(zip(losses, masks), start=1):
             s, n = sample_stats(x.detach(), w)
+            self._flag_nonfinite("mtp_nonfinite", s, code + k)
             s_sum, n_sum = s.sum().to(torch.float64), n.sum().to(torch.float64)
             slot = acc[lay.sl(f"mtp_{k}")]
             slot[0] += s_sum
@@ -709,6 +711,18 @@ class Accountant:
         slot = self._acc[self._log_layout.sl(f"metric:{name}")]
         slot[0] += torch.as_tensor(num, dtype=torch.float64).detach().to(self.device)
         slot[1] += torch.as_tensor(den, dtype=torch.float64).detach().to(self.device)
+
+    def record_sums(self, names: Sequence[str], nums: Tensor) -> None:
+        """``record(names[i], nums[i])`` for declared ``"sum"`` metrics, in one kernel (``nums [n]``)."""
+        self._require_step("record_sums")
+        key = tuple(names)
+        if key not in self._sum_index:
+            for name in names:
+                if self._metrics.get(name, ("", False))[0] != "sum":
+                    raise KeyError(f"metric {name!r} was not declared with reduce='sum'")
+            pos = [self._log_layout.sl(f"metric:{n}").start for n in names]
+            self._sum_index[key] = torch.tensor(pos, dtype=torch.long, device=self.device)
+        self._acc.index_add_(0, self._sum_index[key], nums.detach().to(self.device, torch.float64))
 
     def add_objective(self, value: Tensor | float, *, per_rank: bool = False) -> None:
         """Add an already-normalized objective contribution (e.g. an auxiliary loss share) to the logged
@@ -796,7 +810,7 @@ class Accountant:
     def _reduce_logs(self) -> list[float]:
         lay = self._log_layout
         buf = self._acc
-        buf[lay.sl("checks")] = self._device_checks.counts()
+        buf[lay.sl("checks")] = self._device_checks.counts(self.device)
         if not self.groups.log_owner:
             # tensor-parallel replicas hold copies of the owner's numbers, except per-rank states
             keep = buf.clone()

@@ -238,10 +238,8 @@ class MoEAccounting:
             for lid in self._vio_ids:
                 acc.declare_metric(f"max_vio/layer_{lid}", "sum")
             acc.declare_metric("max_vio", "sum")
-        acc.register_check("router_nonfinite", FloatingPointError,
-                           "MoE router scores have NaN/Inf at a non-padding token", "layer")
-        acc.register_check("moe_share_nonfinite", FloatingPointError,
-                           "the MoE auxiliary share (load-balancing + z-loss) is NaN/Inf")
+        acc.register_check("router_nonfinite", FloatingPointError, "MoE router scores have NaN/Inf at a "
+                           "non-padding token (or the layer's auxiliary term is not finite)", "layer")
 
     def _init_state(self) -> None:
         L, E, dev = self.L, self.E, self.device
@@ -249,15 +247,20 @@ class MoEAccounting:
         self.lagged_counts = torch.full((L, E), float(self.k) / E, dtype=torch.float64, device=dev)
         self.lagged_tokens = 1.0
         self._lagged_cache: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+        self._layer_codes: dict[tuple[torch.device, int], Tensor] = {}
         self._topk_counts = torch.zeros(L, E, dtype=torch.float64, device=dev)
         self._running = torch.zeros(self.num_slots, E, dtype=torch.float64, device=dev)
         self._running_n = torch.zeros(self.num_slots, dtype=torch.float64, device=dev)
         self._reset_step()
 
     def _reset_step(self) -> None:
-        # Per-step accumulators on the device (log numerators and denominators, objective), summed in end_step.
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._lb, self._lb_den, self._z, self._z_den, self._objective = zero, zero, zero, zero, zero
+        # Per-step log terms (detached device tensors with their host scales), denominators (numbers or
+        # device tensors) and objective shares: kept as lists, summed once in end_step.
+        self._lb: list[tuple[Tensor, float]] = []
+        self._z: list[tuple[Tensor, float]] = []
+        self._lb_den: list[Tensor | float] = []
+        self._z_den: list[Tensor | float] = []
+        self._objective: list[Tensor] = []
         self._calls = 0
 
     # ---------------------------------------------------------------- per step
@@ -332,38 +335,40 @@ class MoEAccounting:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         ref = records[0].probs
         dtype = torch.float64 if ref.dtype == torch.float64 else torch.float32
-        dev = ref.device
         v = valid.reshape(-1)
-        v = (v if v.dtype == torch.bool else v > 0).to(dev)
+        v = (v if v.dtype == torch.bool else v > 0).to(ref.device)
         vf = v.to(dtype)
         tt = vf.sum()  # stays on the device
-        total = torch.zeros((), dtype=dtype, device=dev)
-        bad = torch.zeros(self.L, dtype=torch.bool, device=dev)
+        total, per_layer = None, None
         if self._aux_on or (self.scope == "global_lagged" and self.L):
-            probs = torch.stack([r.probs for r in records]).to(dtype)  # [L, T, E]
-            topk = torch.stack([r.topk_map for r in records]).to(dtype)
+            # One stack of scores and top-k maps [2L, T, E]: one batched token sum gives both histograms.
+            both = torch.stack([r.probs for r in records] + [r.topk_map for r in records]).to(dtype)
+            sums = _token_sum(both, vf) if self.scope in ("micro_batch", "global_lagged", "global_running") else None
             if self.scope == "global_lagged":
-                self._topk_counts += _token_sum(topk, vf).to(self.device, torch.float64)
+                self._topk_counts += sums[self.L:].detach().to(self.device, torch.float64)
             if self._aux_on:
-                share, psum = self._aux_share(probs, topk, v, vf, b, s, tt, segment_ids)
-                total = total + share
-                bad = bad | ~torch.isfinite(psum).reshape(self.L, -1).all(dim=-1)
+                total, per_layer = self._aux_share(both, sums, v, vf, b, s, tt, segment_ids)
         if self._z_on:
-            share, zsum = self._z_share(records, v, dtype, tt)
-            total = total + share
-            bad = bad | ~torch.isfinite(zsum)
-        if self._aux_on or self._z_on:
-            self._flag(records, bad, total, mb)
-        self._objective = self._objective + total.detach().to(self.device, torch.float64)
+            share, zsum = self._z_share(records, vf, dtype, tt)
+            total = share if total is None else total + share
+            per_layer = zsum if per_layer is None else per_layer + zsum
+        if total is None:
+            return torch.zeros((), dtype=dtype, device=ref.device)
+        self._flag(records, per_layer, mb)
+        self._objective.append(total.detach())
         return total
 
-    def _flag(self, records: Sequence[object], bad: Tensor, total: Tensor, mb: int) -> None:
-        """Device flags for acc.logs(): NaN/Inf per layer (reduced sums over valid tokens) and share."""
+    def _flag(self, records: Sequence[object], per_layer: Tensor, mb: int) -> None:
+        """Device flag for acc.logs(): a NaN/Inf router score at a valid token shows in its layer's term
+        (``x - x`` is NaN exactly there); the share is the weighted sum of the layers' terms."""
         if not self.acc.check_finite:
             return
-        layers = torch.tensor([float(getattr(r, "layer", i)) for i, r in enumerate(records)], device=bad.device)
-        self.acc.flag("router_nonfinite", bad, layers, microbatch=mb)
-        self.acc.flag("moe_share_nonfinite", ~torch.isfinite(total.detach()), microbatch=mb)
+        key = (per_layer.device, len(records))
+        if key not in self._layer_codes:
+            ids = [float(getattr(r, "layer", i)) for i, r in enumerate(records)]
+            self._layer_codes[key] = torch.tensor(ids, dtype=torch.float64, device=per_layer.device)
+        x = per_layer.detach()
+        self.acc.flag("router_nonfinite", (x - x) != 0, self._layer_codes[key], microbatch=mb)
 
     def _pre(self, tt: Tensor) -> Tensor | None:
         """Megatron ``calculate_per_token_loss``: ``n_mb`` (deferred) or ``n_mb / Ntok`` (precount)."""
@@ -376,31 +381,36 @@ class MoEAccounting:
         return F_moe.switch_load_balancing_terms(psum, counts, t_counts, t_probs, topk=self.k, num_experts=self.E,
                                                  coeff=self.aux_coeff)
 
-    def _aux_share(self, probs: Tensor, topk: Tensor, v: Tensor, vf: Tensor, b: int, s: int, tt: Tensor,
-                   seg: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _aux_share(self, both: Tensor, sums: Tensor | None, v: Tensor, vf: Tensor, b: int, s: int,
+                   tt: Tensor, seg: Tensor | None) -> tuple[Tensor, Tensor]:
         """Load-balancing share of the microbatch (all layers): ``x = Σ_l w_l·Σ_{X in scope} A(X)`` with
         ``A`` = :func:`~lossparity.losses.moe.switch_load_balancing_terms`; the scope only chooses the token
-        sets ``X`` and the counts. Returns ``(share, the probability sums)``; logs ``x``."""
+        sets ``X`` and the counts (``both [2L, T, E]``: scores then top-k maps; ``sums``: their ``[2L, E]``
+        token sums over the microbatch). Returns ``(share, the per-layer terms [L])``; logs ``x``."""
+        probs, topk = both[:self.L], both[self.L:]
         w = self._weights(probs.dtype, probs.device)[0]
         log_scale, den = 1.0 / (self.aux_coeff * self.log_layers), self._den_frac
         pre = self._pre(tt)
+        psum = None if sums is None else sums[:self.L]
         if self.scope == "micro_batch":
-            psum = _token_sum(probs, vf)
-            x = (self._switch(psum, _token_sum(topk, vf), tt) * w).sum()  # Σ_l w_l·A(X_mb)
+            terms = self._switch(psum, sums[self.L:].detach(), tt)  # A(X_mb) per layer
+            x = terms @ w  # Σ_l w_l·A(X_mb)
             share = x * (1.0 / self._count("microbatches") if pre is None else pre)
         elif self.scope == "sequence" and self.acc.mode == "per_document" and seg is not None \
                 and not self.megatron_quirks:
-            x, psum, ndoc = self._document_terms(probs, topk, v, seg, w)
+            terms = self._document_terms(probs, topk, v, seg)
+            x = terms @ w
             share = x * (1.0 / max(self._count("documents"), 1.0))
-            den = den * ndoc
+            den = den * self.acc.documents_of(seg)[1]
         elif self.scope == "sequence":
             vs = vf.view(b, s)
-            psum = _token_sum(probs.view(self.L, b, s, self.E), vs)  # [L, b, E]
+            seq_sums = _token_sum(both.view(2 * self.L, b, s, self.E), vs)  # [2L, b, E]
             n = vs.sum(dim=1)  # tokens per sequence
             if self.megatron_quirks:
                 # Megatron folds the batch into the expert dim: every sequence gets the mean valid length.
                 n = (tt / b).expand(b)
-            x = (self._switch(psum, _token_sum(topk.view(self.L, b, s, self.E), vs), n) * w[:, None]).sum()
+            terms = self._switch(seq_sums[:self.L], seq_sums[self.L:].detach(), n).sum(dim=-1)  # Σ_j A(X_j) per layer
+            x = terms @ w
             if self.megatron_quirks:  # Megatron's per-microbatch loss is the mean over its b sequences
                 share = x * (1.0 / (b * self._count("microbatches")) if pre is None else pre / b)
                 log_scale = log_scale / b
@@ -408,14 +418,14 @@ class MoEAccounting:
                 share = x * (1.0 / max(self._count("samples"), 1.0))
                 den = den * b
         elif self.scope == "global_lagged":
-            psum = _token_sum(probs, vf)
             counts = self._lagged_counts(probs.dtype, probs.device)
-            x = (self._switch(psum, counts, self.lagged_tokens, max(self._count(ROUTER_TOKENS), 1.0)) * w).sum()
+            terms = self._switch(psum, counts, self.lagged_tokens, max(self._count(ROUTER_TOKENS), 1.0))
+            x = terms @ w
             share, den = x, 0.0
         else:  # global_running
-            psum = _token_sum(probs, vf)
-            avg, t_run = self._running_counts(_token_sum(topk, vf), tt)
-            x = (self._switch(psum, avg.to(probs.dtype), t_run.to(probs.dtype)) * w).sum()
+            avg, t_run = self._running_counts(sums[self.L:].detach(), tt)
+            terms = self._switch(psum, avg.to(probs.dtype), t_run.to(probs.dtype))
+            x = terms @ w
             kk = self._local_microbatches()
             if pre is not None:
                 share = x * pre
@@ -424,14 +434,13 @@ class MoEAccounting:
             else:
                 share = x * (1.0 / kk)
             log_scale, den = log_scale / kk, 0.0
-        self._lb = self._lb + (x.detach() * log_scale).to(self.device, torch.float64)
-        self._lb_den = self._lb_den + den
-        return share, psum
+        self._lb.append((x.detach(), log_scale))
+        self._lb_den.append(den)
+        return share, terms
 
-    def _document_terms(self, probs: Tensor, topk: Tensor, v: Tensor, seg: Tensor, w: Tensor
-                        ) -> tuple[Tensor, Tensor, int]:
+    def _document_terms(self, probs: Tensor, topk: Tensor, v: Tensor, seg: Tensor) -> Tensor:
         """Packed rows under per_document: every document is a sequence (DeepSeek's loss per document).
-        ``x = Σ_l w_l·Σ_doc A(X_doc)`` by scatter-adds over the documents numbered at begin_step."""
+        ``Σ_doc A(X_doc)`` per layer by scatter-adds over the documents numbered at begin_step."""
         doc, ndoc = self.acc.documents_of(seg)
         idx = doc.reshape(-1).to(probs.device)
         keep = ((idx >= 0) & v).to(probs.dtype)
@@ -441,8 +450,7 @@ class MoEAccounting:
             1, d, topk * keep[None, :, None])
         psum = torch.zeros_like(counts).index_add_(1, d, probs * keep[None, :, None])
         n = torch.zeros(g, dtype=probs.dtype, device=probs.device).index_add_(0, d, keep)
-        x = (self._switch(psum, counts, n) * w[:, None]).sum()  # an empty document gives 0, still counts
-        return x, psum, ndoc
+        return self._switch(psum, counts, n).sum(dim=-1)  # an empty document gives 0, still counts
 
     def _lagged_counts(self, dtype: torch.dtype, device: torch.device) -> Tensor:
         """The previous step's global top-k counts ``c_e^prev`` (cached until the next ``end_step``)."""
@@ -474,35 +482,43 @@ class MoEAccounting:
             self._running_n[n_main] += self.R
         return avg.to(counts_local.device), buf[-1].to(counts_local.device)
 
-    def _z_share(self, records: Sequence[object], v: Tensor, dtype: torch.dtype, tt: Tensor
+    def _z_share(self, records: Sequence[object], vf: Tensor, dtype: torch.dtype, tt: Tensor
                  ) -> tuple[Tensor, Tensor]:
         """Router z-loss share of the microbatch (all layers) and its log accumulation; the per-layer sums
         are :func:`~lossparity.losses.moe.router_z_loss_sums`. Returns ``(share, Σ_x lse² per layer)``."""
-        _, w_grad, w_log = self._weights(dtype, v.device)
-        zsum = F_moe.router_z_loss_sums(torch.stack([r.logits for r in records]).to(dtype), v)  # [L]
-        x = (zsum * w_grad).sum()
-        x_log = (zsum * w_log).sum().detach() if self._z_split else x.detach()
+        _, w_grad, w_log = self._weights(dtype, vf.device)
+        zsum = F_moe.router_z_loss_sums(torch.stack([r.logits for r in records]).to(dtype), weights=vf)  # [L]
+        x = zsum @ w_grad
+        x_log = (zsum @ w_log).detach() if self._z_split else x.detach()
         pre = self._pre(tt)
         if self.z_form == "global":
             share = x * (self.z_coeff / max(self._count(ROUTER_TOKENS), 1.0))
-            log, den = x_log * (1.0 / self.log_layers), tt * self._den_frac
+            self._z.append((x_log, 1.0 / self.log_layers))
+            self._z_den.append(tt * self._den_frac)
         else:
             mean = 1.0 / tt.clamp(min=1)  # Megatron z_loss_func: mean over the microbatch's valid tokens
             share = x * (self.z_coeff * mean * (1.0 / self._count("microbatches") if pre is None else pre))
-            log, den = x_log * (mean / self.log_layers), self._den_frac
-        self._z = self._z + log.to(self.device, torch.float64)
-        self._z_den = self._z_den + den
+            self._z.append((x_log * mean, 1.0 / self.log_layers))
+            self._z_den.append(self._den_frac)
         return share, zsum
 
     # ---------------------------------------------------------------- end of step
+    def _sum(self, items: Sequence[Tensor | float]) -> Tensor:
+        """Sum of numbers and device scalars as one float64 scalar on the accountant's device."""
+        tensors = [x.reshape(()).to(self.device, torch.float64) for x in items if isinstance(x, Tensor)]
+        total = torch.stack(tensors).sum() if tensors else torch.zeros((), dtype=torch.float64, device=self.device)
+        return total + sum(x for x in items if not isinstance(x, Tensor))
+
     def _flush_logs(self) -> None:
         """Hand the step's accumulated log values and objective contribution to the accountant."""
         acc = self.acc
-        for name, value, den in ((self.log_name, self._lb, self._lb_den), (self.z_log_name, self._z, self._z_den)):
-            if name and self._calls:
-                acc.record(name, value, den)
-        if self._calls and (self._aux_on or self._z_on):
-            obj = self._objective
+        for name, items, den in ((self.log_name, self._lb, self._lb_den), (self.z_log_name, self._z, self._z_den)):
+            if name and items:
+                vals = torch.stack([x for x, _ in items]).to(self.device, torch.float64)
+                scales = torch.tensor([c for _, c in items], dtype=torch.float64, device=self.device)
+                acc.record(name, vals @ scales, self._sum(den))
+        if self._objective:
+            obj = torch.stack(self._objective).to(self.device, torch.float64).sum()
             if acc.normalization == "deferred":
                 obj = obj / max(acc.global_count("tokens"), 1.0)
             acc.add_objective(obj, per_rank=acc.groups.sequence_parallel)
@@ -572,10 +588,10 @@ class MoEAccounting:
         (the first rank of the token group records: the value is the same on all of them)."""
         if not self._log_vio or self.acc.groups.token_rank() != 0:
             return
-        for i, r in enumerate(routers):
-            lid = self._vio_ids[i] if self._by_position else getattr(r, "layer_id", i)
-            self.acc.record(f"max_vio/layer_{lid}", vio[i])
-            self.acc.record("max_vio", vio[i] / len(self._vio_ids))
+        ids = self._vio_ids[:len(routers)] if self._by_position else [getattr(r, "layer_id", i)
+                                                                        for i, r in enumerate(routers)]
+        names = [f"max_vio/layer_{lid}" for lid in ids] + ["max_vio"]
+        self.acc.record_sums(names, torch.cat([vio, (vio / len(self._vio_ids)).sum().reshape(1)]))
 
     def _update_lagged(self, routers: Sequence[object], vio_t: Tensor, topk_counts: Tensor | None
                        ) -> dict[str, float]:

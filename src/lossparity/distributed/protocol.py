@@ -114,35 +114,39 @@ def fingerprint_mismatch(reduced: Sequence[float], n_ranks: int) -> list[str]:
 class DeviceChecks:
     """Value checks recorded on the device, reported at the step's logging collective.
 
-    ``flag(name, bad, code)`` keeps, per check, the smallest location code whose ``bad`` is true
-    (``bad`` a bool tensor, ``code`` a float tensor or number of the same shape): two small kernels, no
-    host sync. ``counts()`` is the per-check 0/1 "this rank saw a bad value" vector that goes into the
-    logging collective; ``first()`` (a host sync, only on the error path) reads the locations back."""
+    ``flag(name, bad, code)`` keeps a reference to the bool tensor ``bad`` (any shape) and its location
+    ``code`` (a number, or a tensor of ``bad``'s shape): no kernel, no host sync in the hot path.
+    ``counts()`` (at the logging collective, once per step) is the per-check 0/1 "this rank saw a bad
+    value" vector; ``first()`` (a host sync, only on the error path) finds the first failing location."""
 
     def __init__(self, names: Sequence[str]) -> None:
         self.names = tuple(names)
-        self._index = {n: i for i, n in enumerate(self.names)}
-        self._first: Tensor | None = None
+        self._flags: dict[str, list[tuple[Tensor, Tensor | float]]] = {n: [] for n in self.names}
 
-    def reset(self, device: torch.device) -> None:
+    def reset(self) -> None:
         """Start a step: no check has failed."""
-        self._first = torch.full((len(self.names),), math.inf, dtype=torch.float64, device=device)
+        self._flags = {n: [] for n in self.names}
 
     def flag(self, name: str, bad: Tensor, code: Tensor | float) -> None:
-        """Record the locations ``code`` where ``bad`` holds (no host sync)."""
-        assert self._first is not None
-        first = self._first
-        code_t = torch.as_tensor(code, dtype=torch.float64, device=first.device)
-        hit = torch.where(bad.to(first.device), code_t, torch.full_like(code_t, math.inf)).min()
-        i = self._index[name]
-        first[i:i + 1] = torch.minimum(first[i:i + 1], hit.reshape(1))
+        """Remember that ``bad`` (where true) marks a failed check ``name`` at ``code``."""
+        self._flags[name].append((bad, code))
 
-    def counts(self) -> Tensor:
-        """``[checks]`` float64: 1 where this rank recorded a bad value."""
-        assert self._first is not None
-        return torch.isfinite(self._first).to(torch.float64)
+    def counts(self, device: torch.device) -> Tensor:
+        """``[checks]`` float64 on ``device``: 1 where this rank recorded a bad value (a few kernels per step)."""
+        rows = [torch.cat([b.reshape(-1) for b, _ in items]).any().reshape(1).to(device) if items
+                else torch.zeros(1, dtype=torch.bool, device=device) for items in self._flags.values()]
+        if not rows:
+            return torch.zeros(0, dtype=torch.float64, device=device)
+        return torch.cat(rows).to(torch.float64)
 
     def first(self) -> dict[str, float]:
-        """Smallest failing location code per failed check (host sync)."""
-        assert self._first is not None
-        return {n: v for n, v in zip(self.names, self._first.tolist()) if math.isfinite(v)}
+        """Smallest failing location code per failed check (host sync: the error path only)."""
+        out: dict[str, float] = {}
+        for name, items in self._flags.items():
+            for bad, code in items:
+                b = bad.detach().cpu().reshape(-1)
+                c = torch.as_tensor(code, dtype=torch.float64).detach().cpu().reshape(-1).expand(b.shape[0])
+                hits = c[b]
+                if hits.numel():
+                    out[name] = min(out.get(name, math.inf), float(hits.min()))
+        return out

@@ -253,17 +253,17 @@ def switch_load_balancing_terms(
     (``global_lagged``: ``T_c`` that step's tokens) or running over microbatches. A set with ``T = 0``
     gives exactly 0. Returns ``[...]`` (a scalar for ``[E]`` inputs). No validation, no host sync.
     """
-    scale = num_experts * float(coeff) / topk
     dot = (prob_sums * tokens_per_expert).sum(dim=-1)
-    if not isinstance(count_tokens, Tensor) and (prob_tokens is None or not isinstance(prob_tokens, Tensor)):
+    if not isinstance(count_tokens, Tensor) and not isinstance(prob_tokens, Tensor):
         t_p = count_tokens if prob_tokens is None else prob_tokens
-        return dot * scale / (count_tokens * t_p) if count_tokens * t_p > 0 else dot * 0.0
+        den = topk * count_tokens * t_p
+        return dot * (num_experts * float(coeff) / den) if den > 0 else dot * 0.0
     t_c = torch.as_tensor(count_tokens, dtype=dot.dtype, device=dot.device)
     t_p = t_c if prob_tokens is None else torch.as_tensor(prob_tokens, dtype=dot.dtype, device=dot.device)
-    den = t_c * t_p
-    # where() rather than clamp: an empty token set must give exactly 0 without a 0/0 in the graph.
-    safe = torch.where(den > 0, den, torch.ones_like(den))
-    return torch.where(den > 0, dot * scale / safe, torch.zeros_like(dot))
+    # Megatron's evaluation order. An empty set has dot = 0 exactly, so clamping its zero denominator to
+    # 1e-30 gives 0 without a 0/0 or an overflow (a non-empty set has a denominator >= 1/b², far above it).
+    den = (topk * t_c * t_p).clamp(min=1e-30)
+    return dot * (num_experts * float(coeff) / den)
 
 
 def _flatten_sequences(
@@ -418,14 +418,17 @@ def router_z_loss_sum(logits: Tensor, padding_mask: Tensor | None = None) -> tup
     return total, (~pm).sum(dtype=torch.int64)
 
 
-def router_z_loss_sums(logits: Tensor, valid: Tensor | None = None) -> Tensor:
+def router_z_loss_sums(logits: Tensor, valid: Tensor | None = None, *, weights: Tensor | None = None) -> Tensor:
     """``Σ_x valid[x]·logsumexp(logits[..., x, :])²`` over the token dim (second to last): the one home of
     the z-loss term (semantics §5), for one layer ``[T, E]`` or stacked layers ``[L, T, E]`` (→ ``[L]``).
 
     ``valid [T]`` (bool) selects the tokens; invalid rows never reach the sum (``where``, so a NaN in a
-    padding row does not leak). No validation, no host sync.
+    padding row does not leak). ``weights [T]`` (0/1 floats) instead multiplies (one matrix-vector product,
+    the training path: padding rows must then be finite). No validation, no host sync.
     """
     lse2 = torch.logsumexp(logits, dim=-1).square()
+    if weights is not None:
+        return lse2 @ weights
     if valid is not None:
         lse2 = torch.where(valid, lse2, torch.zeros_like(lse2))
     return lse2.sum(dim=-1)
