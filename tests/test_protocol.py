@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from _dist_workers import mismatched_ranks, nan_on_rank1
-from _moe_workers import E, TOPK, FakeRouter, make_batch, records_for
+from _moe_workers import TOPK, E, FakeRouter, make_batch, records_for
 
 import lossparity as lp
 from lossparity.distributed.launch import spawn

@@ -797,8 +797,8 @@ class Accountant:
             expected = self._mb_info[mb]["tokens"] if mb < len(self._mb_info) else "?"
             raise error(f"{message.format(expected=expected)} ({loc})")
         names = [n for n, v in zip(self._checks, reduced) if v]
-        raise RuntimeError(f"{int(max(reduced))} other rank(s) reported invalid values in this step ({', '.join(names)}; "
-                           f"see their error); rank {self.groups.token_rank()} stops too")
+        raise RuntimeError(f"{int(max(reduced))} other rank(s) reported invalid values in this step "
+                           f"({', '.join(names)}; see their error); rank {self.groups.token_rank()} stops too")
 
     def _check_logs_order(self) -> None:
         if self.state is not StepState.FINISHED or not all(self._step_ends.values()):
