@@ -212,8 +212,9 @@ def test_mismatched_ranks_stop_with_one_message_naming_the_field():
     out = spawn(mismatched_ranks, 2, timeout_s=120)
     for rank in range(2):
         modes, depths, numpy_mask = out[rank]
-        assert "ValueError" in modes and "differs between the 2 data-parallel ranks in mode" in modes
-        assert "mtp_depths" in depths and "counts" in depths
+        mode = "per_token" if rank == 0 else "per_sample"
+        assert f"differs between the 2 data-parallel ranks in mode (rank {rank} has mode='{mode}')" in modes
+        assert f"ranks in mtp_depths (rank {rank} has mtp_depths={rank})" in depths
         if rank == 1:
             assert numpy_mask.startswith("TypeError: masks[1] must be a torch.Tensor, got ndarray")
         else:

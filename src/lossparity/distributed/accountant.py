@@ -322,13 +322,17 @@ class Accountant:
 
     # ------------------------------------------------------------------ step
     def _fingerprint(self, count_names: Sequence[str]) -> list[float]:
-        fields = {"mode": self.mode, "normalization": self.normalization, "grad_reduction": self.grad_reduction,
+        self._fp_fields = self._fingerprint_fields(count_names)
+        return fingerprint_values(self._fp_fields)
+
+    def _fingerprint_fields(self, count_names: Sequence[str]) -> dict[str, object]:
+        """What must be equal on every data-parallel rank (compared by the pre-count all-reduce)."""
+        return {"mode": self.mode, "normalization": self.normalization, "grad_reduction": self.grad_reduction,
                   "fixed_length": self.fixed_length, "mtp_depths": self.mtp_depths,
                   "mtp_convention": self.mtp_convention, "mtp_log_estimator": self.mtp_log_estimator,
                   "mtp_weight": self.mtp_weight, "counts": tuple(count_names),
                   "log_metrics": (tuple(self._metrics.items()), tuple(self._checks)),
                   "moe": tuple(sorted((k, repr(v)) for k, v in self._fingerprint_extra.items()))}
-        return fingerprint_values(fields)
 
     def _count_layout(self, extra: Sequence[str]) -> Layout:
         lay = Layout()
@@ -462,9 +466,10 @@ class Accountant:
         n = self.groups.dp_size if reduced and self.groups.dp_group is not None else 1
         bad = fingerprint_mismatch(values[lay.sl("fingerprint")], n)
         if bad:
+            mine = ", ".join(f"{f}={self._fp_fields.get(f, '...')!r}" for f in bad)
             raise ValueError(f"the accounting configuration differs between the {n} data-parallel ranks in "
-                             f"{', '.join(bad)} (rank {self.groups.token_rank()}): build every rank's Accountant "
-                             "and MoEAccounting with the same arguments and declare the same metrics")
+                             f"{', '.join(bad)} (rank {self.groups.token_rank()} has {mine}): build every rank's "
+                             "Accountant and MoEAccounting with the same arguments and declare the same metrics")
         self._host_counts = {name: values[lay.sl(name)] for name in lay.names() if name not in ("pad",)}
 
     def _make_log_layout(self) -> Layout:
