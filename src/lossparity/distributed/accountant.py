@@ -242,7 +242,7 @@ class Accountant:
 
     def _require_idle(self, what: str) -> None:
         if self.state is not StepState.IDLE:
-            raise ProtocolError(f"{what} must be called outside a step: expected {self._next_call()}")
+            raise ProtocolError(f"{what} must be called outside a step: expected {self.expected_call()}")
 
     def declare_metric(self, name: str, reduce: str = "ratio", *, per_rank: bool = False) -> None:
         """Declare an auxiliary log metric: ``reduce="ratio"`` reports ``Σ num / Σ den`` (``None`` when
@@ -294,9 +294,9 @@ class Accountant:
     def step_end_done(self, name: str) -> None:
         """Report that the registered step end ``name`` ran for this step (after ``finish_step``)."""
         if self.state is not StepState.FINISHED:
-            raise ProtocolError(f"{name} called before finish_step: expected {self._next_call()}")
+            raise ProtocolError(f"{name} called before finish_step: expected {self.expected_call()}")
         if self._step_ends[name]:
-            raise ProtocolError(f"{name} called twice in one step: expected {self._next_call()}")
+            raise ProtocolError(f"{name} called twice in one step: expected {self.expected_call()}")
         self._step_ends[name] = True
 
     @property
@@ -309,8 +309,8 @@ class Accountant:
         """``rank r, microbatch m`` of the current call (for messages)."""
         return f"rank {self.groups.token_rank()}, microbatch {self._mb}"
 
-    def _next_call(self) -> str:
-        """The call the protocol expects next, for ProtocolError messages."""
+    def expected_call(self) -> str:
+        """The call the protocol expects next (as the ProtocolError messages name it), e.g. ``"logs()"``."""
         if self.state is StepState.IDLE:
             return "begin_step(masks)"
         if self.state is StepState.MICROBATCHES:
@@ -430,7 +430,7 @@ class Accountant:
         the differing field.
         """
         if self.state is not StepState.IDLE:
-            raise ProtocolError(f"begin_step called before the previous step ended: expected {self._next_call()}")
+            raise ProtocolError(f"begin_step called before the previous step ended: expected {self.expected_call()}")
         masks = list(masks)
         segs = self._check_begin_args(masks, segment_ids, mtp_weight)
         counts, lay, error = self._local_counts(masks, segs, dict(extra_counts or {}))
@@ -566,9 +566,9 @@ class Accountant:
             got = "only " if self.state is StepState.MICROBATCHES else ""
             raise ProtocolError(
                 f"lm_loss called for microbatch {self._mb} but begin_step received {got}{self._n_mbs} masks "
-                f"(rank {self.groups.token_rank()}): expected {self._next_call()}"
+                f"(rank {self.groups.token_rank()}): expected {self.expected_call()}"
                 if self.state is StepState.MICROBATCHES else
-                f"lm_loss called outside the microbatches of a step: expected {self._next_call()}")
+                f"lm_loss called outside the microbatches of a step: expected {self.expected_call()}")
         if not isinstance(per_token_loss, Tensor):
             raise TypeError(f"per_token_loss must be a torch.Tensor, got {type(per_token_loss).__name__}")
         _check_mask_arg("mask", mask, per_token_loss)
@@ -627,7 +627,7 @@ class Accountant:
             what = "twice for one microbatch" if self._mtp_done and self._mb else "before lm_loss"
             if self.state is not StepState.MICROBATCHES:
                 what = "outside the microbatches of a step"
-            raise ProtocolError(f"mtp_loss called {what} ({self.where}): expected {self._next_call()}")
+            raise ProtocolError(f"mtp_loss called {what} ({self.where}): expected {self.expected_call()}")
         if self.mtp_depths == 0:
             raise ValueError("mtp_loss called but the accountant was built with mtp_depths=0")
         if len(losses) != self.mtp_depths or len(masks) != self.mtp_depths:
@@ -738,7 +738,7 @@ class Accountant:
 
     def _require_step(self, what: str) -> None:
         if self.state is StepState.IDLE:
-            raise ProtocolError(f"{what} called outside a step: expected {self._next_call()}")
+            raise ProtocolError(f"{what} called outside a step: expected {self.expected_call()}")
 
     # ------------------------------------------------------------------ gradients
     def _resolve_reduction(self, model: object) -> str:
@@ -759,11 +759,11 @@ class Accountant:
         """
         if self.state is not StepState.MICROBATCHES:
             what = "twice in one step" if self.state is StepState.FINISHED else "outside a step"
-            raise ProtocolError(f"finish_step called {what}: expected {self._next_call()}")
+            raise ProtocolError(f"finish_step called {what}: expected {self.expected_call()}")
         if self._mb != self._n_mbs and self.groups.loss_stage:
             raise ProtocolError(
                 f"begin_step received {self._n_mbs} masks but lm_loss was called for {self._mb} microbatches "
-                f"(rank {self.groups.token_rank()}): expected {self._next_call()}"
+                f"(rank {self.groups.token_rank()}): expected {self.expected_call()}"
             )
         reduction = self._resolve_reduction(model)
         factor = float(self.groups.grad_size) if reduction == "mean" else 1.0
@@ -809,8 +809,8 @@ class Accountant:
         if self.state is not StepState.FINISHED or not all(self._step_ends.values()):
             if self.state is StepState.MICROBATCHES and self._mb != self._n_mbs and self.groups.loss_stage:
                 raise ProtocolError(f"logs() called after {self._mb} of {self._n_mbs} microbatches "
-                                    f"(rank {self.groups.token_rank()}): expected {self._next_call()}")
-            raise ProtocolError(f"logs() called too early: expected {self._next_call()}")
+                                    f"(rank {self.groups.token_rank()}): expected {self.expected_call()}")
+            raise ProtocolError(f"logs() called too early: expected {self.expected_call()}")
 
     def _reduce_logs(self) -> list[float]:
         lay = self._log_layout

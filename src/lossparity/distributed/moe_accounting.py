@@ -314,7 +314,7 @@ class MoEAccounting:
                                      f"num_experts={self.E})")
         if self.acc.state is not StepState.MICROBATCHES:
             raise ProtocolError(f"MoEAccounting.microbatch_loss called outside the microbatches of a step: "
-                                f"expected {self.acc._next_call()}")
+                                f"expected {self.acc.expected_call()}")
         return (1, valid.numel()) if valid.dim() == 1 else (valid.shape[0], valid.shape[1])
 
     def microbatch_loss(self, records: Sequence[object], valid: Tensor, segment_ids: Tensor | None = None) -> Tensor:
