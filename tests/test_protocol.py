@@ -130,6 +130,11 @@ def test_masks_as_lists_numpy_or_on_another_device_are_named():
 
 
 def test_nan_values_are_rejected():
+    for bad in (float("nan"), 0, 2.5):
+        with pytest.raises(ValueError, match="fixed_length"):
+            lp.Accountant("sample_sum_norm", fixed_length=bad)
+    with pytest.raises(ValueError, match="mtp_depths must be an int"):
+        lp.Accountant(mtp_depths="2")
     with pytest.raises(ValueError, match="mtp_weight"):
         lp.Accountant(mtp_depths=1).begin_step([ONE], mtp_weight=float("nan"))
     for kw in ({"aux_coeff": float("nan")}, {"z_coeff": float("inf")}):

@@ -209,8 +209,10 @@ class Accountant:
         self.mtp_convention = check_option("mtp_convention", mtp_convention, MTP_CONVENTIONS)
         self.mtp_log_estimator = check_option("mtp_log_estimator", mtp_log_estimator, MTP_LOG_ESTIMATORS)
         self.mtp_depths = _check_int("mtp_depths", mtp_depths, 0)
-        if mode == "sample_sum_norm" and (fixed_length is None or fixed_length <= 0):
+        if mode == "sample_sum_norm" and fixed_length is None:
             raise ValueError(f"mode 'sample_sum_norm' needs fixed_length > 0, got fixed_length={fixed_length}")
+        if fixed_length is not None:
+            _check_int("fixed_length (the L of sample_sum_norm, > 0)", fixed_length, 1)
         if self.normalization == "deferred" and mtp_depths and mode == "per_token" and mtp_convention != "main":
             # One division of all gradients by one count cannot give each depth its own count.
             raise ValueError(
