@@ -182,9 +182,9 @@ def vocab_parallel_ce(rank: int, world: int):
 
 
 def mismatched_ranks(rank: int, world: int):
-    """Three bad-configuration scenarios on one process group; every rank returns its error messages:
-    different modes, different MTP depths (count buffers of different lengths without the fixed layout),
-    and a NumPy mask on rank 1 (an exception other than ValueError before the collective)."""
+    """Four bad-input scenarios on one process group; every rank returns its error messages: different
+    modes, different MTP depths (count buffers of different lengths without the fixed layout), a NumPy
+    mask on rank 1 (an exception other than ValueError before the collective), no mask at all on rank 1."""
     import numpy as np
 
     out = []
@@ -192,6 +192,7 @@ def mismatched_ranks(rank: int, world: int):
         (dict(mode="per_token" if rank == 0 else "per_sample"), [torch.ones(2, 4)]),
         (dict(mode="per_token", mtp_depths=rank), [torch.ones(2, 4)]),
         (dict(mode="per_token"), [torch.ones(2, 4), np.ones((2, 4)) if rank == 1 else torch.ones(2, 4)]),
+        (dict(mode="per_token"), [] if rank == 1 else [torch.ones(2, 4)]),
     ]
     for kwargs, masks in scenarios:
         acc = lp.Accountant(**kwargs)

@@ -216,14 +216,16 @@ def test_microbatch_calls_do_not_synchronize(mode):
 def test_mismatched_ranks_stop_with_one_message_naming_the_field():
     out = spawn(mismatched_ranks, 2, timeout_s=120)
     for rank in range(2):
-        modes, depths, numpy_mask = out[rank]
+        modes, depths, numpy_mask, empty = out[rank]
         mode = "per_token" if rank == 0 else "per_sample"
         assert f"differs between the 2 data-parallel ranks in mode (rank {rank} has mode='{mode}')" in modes
         assert f"ranks in mtp_depths (rank {rank} has mtp_depths={rank})" in depths
         if rank == 1:
             assert numpy_mask.startswith("TypeError: masks[1] must be a torch.Tensor, got ndarray")
+            assert "masks is empty" in empty
         else:
             assert "1 other rank(s) reported invalid input" in numpy_mask
+            assert "1 other rank(s) reported invalid input" in empty
     nan = spawn(nan_on_rank1, 2, timeout_s=120)
     assert "FloatingPointError" in nan[1] and "rank 1, microbatch 1" in nan[1]
     assert "1 other rank(s) reported invalid values in this step (lm_nonfinite" in nan[0]

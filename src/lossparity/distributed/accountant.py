@@ -379,25 +379,32 @@ class Accountant:
         if self.mtp_depths:
             counts[lay.sl("mtp_tokens")] += torch.tensor(depth_tokens, dtype=torch.float64, device=counts.device)
 
-    def _local_counts(self, masks: list, segs: list, extra: dict) -> tuple[Tensor, Layout, Exception | None]:
-        """The pre-count buffer of this rank; an exception is returned (and flagged in the buffer) so that
-        every rank still enters the collective and peers report it (semantics §7)."""
+    def _local_counts(self, masks: object, segment_ids: object, mtp_weight: float | None, extra_counts: object
+                      ) -> tuple[Tensor, Layout, Exception | None, list, list]:
+        """The pre-count buffer of this rank (and its masks and segment ids as lists); an exception is
+        returned (and flagged in the buffer) so that every rank still enters the collective and its peers
+        report it (semantics §7)."""
         lay = self._count_layout([])
         counts = lay.zeros(self.device)
         self._mb_info: list[dict] = []
+        mask_list: list = []
+        segs: list = []
         try:
+            mask_list = list(masks)  # type: ignore[call-overload]
+            segs = self._check_begin_args(mask_list, segment_ids, mtp_weight)  # type: ignore[arg-type]
+            extra = dict(extra_counts or {})  # type: ignore[call-overload]
             lay = self._count_layout(list(extra))
             counts = lay.zeros(self.device)
             for name, value in extra.items():
                 counts[lay.sl(f"extra:{name}")] = float(value)
-            for i, (w, seg) in enumerate(zip(masks, segs)):
+            for i, (w, seg) in enumerate(zip(mask_list, segs)):
                 self._count_microbatch(counts, lay, i, w, seg)
         except Exception as e:  # noqa: BLE001 - any failure must reach the peers as a flag, not a hang
             counts[lay.sl("error")] = 1.0
             counts[lay.sl("fingerprint")] = torch.tensor(self._fingerprint(lay.names()), dtype=torch.float64)
-            return counts, lay, e
+            return counts, lay, e, mask_list, segs
         counts[lay.sl("fingerprint")] = torch.tensor(self._fingerprint(lay.names()), dtype=torch.float64)
-        return counts, lay, None
+        return counts, lay, None, mask_list, segs
 
     def _check_begin_args(self, masks: list, segment_ids: Sequence | None, mtp_weight: float | None) -> list:
         if not masks:
@@ -433,15 +440,13 @@ class Accountant:
         """
         if self.state is not StepState.IDLE:
             raise ProtocolError(f"begin_step called before the previous step ended: expected {self.expected_call()}")
-        masks = list(masks)
-        segs = self._check_begin_args(masks, segment_ids, mtp_weight)
-        counts, lay, error = self._local_counts(masks, segs, dict(extra_counts or {}))
+        counts, lay, error, masks, segs = self._local_counts(masks, segment_ids, mtp_weight, extra_counts)
         if self.normalization == "precount":  # deferred has no collective here: errors stay local
             # Whole rows: context-parallel peers count the same rows, so the sum runs over DP only.
             self._all_reduce(counts, self.groups.dp_group)
         self._read_counts(counts, lay, error, reduced=self.normalization == "precount")
         self._counts_layout, self._counts = lay, counts
-        self._extra_names = list(dict(extra_counts or {}))
+        self._extra_names = [n[len("extra:"):] for n in lay.names() if n.startswith("extra:")]
         self.step_index += 1
         self._masks, self._segs = masks, segs
         self._unit_maps: dict[tuple[int, int], Tensor | None] = {}
