@@ -135,7 +135,8 @@ def _overhead_worker(rank: int, world: int, presets: list[str], K: int, b: int, 
 
 
 def bookkeeping_scaling(ks: list[int], b: int, S: int, repeats: int) -> list[dict[str, Any]]:
-    """Accountant cost with synthetic losses (no model, one process): begin_step + K lm_loss + logs."""
+    """Accountant cost with synthetic losses (no model, one process): begin_step + K lm_loss + finish_step
+    + logs."""
     import lossparity as lp
 
     rows = []
@@ -149,6 +150,7 @@ def bookkeeping_scaling(ks: list[int], b: int, S: int, repeats: int) -> list[dic
             acc.begin_step(masks)
             for x, m in zip(losses, masks):
                 acc.lm_loss(x, m)
+            acc.finish_step()  # the protocol: logs() follows finish_step
             acc.logs()
             times.append(time.perf_counter() - t0)
         med = statistics.median(times)

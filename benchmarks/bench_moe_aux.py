@@ -11,9 +11,11 @@ runs every MoE layer of the model (main and MTP) on random hidden states of ``b 
 Every part is timed directly within the same step (no difference of noisy totals). The aux backward runs
 separately (``retain_graph``) and so re-traverses the router's score normalization and matmul backward
 that one joint backward would share: the aux figure is an upper bound of the incremental cost. Reported:
-medians over the repeated steps after warm-up, and the median of the per-step ratios. Target: aux path
-<= 3% of the MoE layers. ``--threads`` fixes torch's intra-op threads (CPU figures of a shared machine
-are steadier with 1).
+medians over the repeated steps after warm-up, the median of the per-step ratios, and the ratio of the
+minima (the figure least disturbed by other processes on a shared machine). Targets (issue 16): aux path
+<= 10% of the MoE layers at ``tiny``, <= 3% at ``small``. ``--threads`` fixes torch's intra-op threads
+(CPU figures of a shared machine are steadier with 1). ``ops/step`` counts the aten operators the aux
+path dispatches per step (forward, backward, end_step): a machine-independent measure of its overhead.
 
     python -m benchmarks.bench_moe_aux [--quick] [--json PATH] [--repeats N] [--threads N] [--device D]
                                        [--presets tiny,small,medium,100m]
@@ -22,11 +24,13 @@ are steadier with 1).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lossparity.distributed.accountant import Accountant
 from lossparity.distributed.moe_accounting import MoEAccounting
@@ -39,7 +43,20 @@ SCOPES = ("micro_batch", "sequence", "global_lagged", "global_running")
 # rows per microbatch b, sequence length S, microbatches K, per preset
 FULL = {"tiny": (8, 64, 2), "small": (8, 128, 2), "medium": (8, 128, 2), "100m": (4, 256, 2)}
 QUICK = {"tiny": (4, 32, 2), "small": (4, 64, 2), "medium": (2, 64, 2), "100m": (1, 64, 2)}
-TARGET_RATIO = 0.03
+TARGETS = {"tiny": 0.10, "small": 0.03}
+TARGET_RATIO = 0.03  # the default target of presets without their own
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the aten operators dispatched inside the context."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _sync(device: torch.device) -> None:
@@ -80,7 +97,9 @@ def bench_case(preset: str, b: int, s: int, k: int, scope: str, repeats: int, wa
     mask = valid.float()
     zeros = torch.zeros(b, s, device=device)
     moe_t, aux_t, fwd_t = [], [], []
-    for step in range(warmup + repeats):
+    ops = _CountOps()
+    for step in range(warmup + repeats + 1):
+        count = step == warmup + repeats  # one last, untimed step counts the aux path's operators
         t_moe = t_aux = t_fwd = 0.0
         acc.begin_step([mask] * k, extra_counts=MoEAccounting.router_tokens([valid] * k))
         for _ in range(k):
@@ -92,10 +111,12 @@ def bench_case(preset: str, b: int, s: int, k: int, scope: str, repeats: int, wa
             acc.lm_loss(zeros, mask)
             _sync(device)
             t2 = time.perf_counter()
-            share = aux.microbatch_loss(list(records), valid)
+            with ops if count else contextlib.nullcontext():
+                share = aux.microbatch_loss(list(records), valid)
             _sync(device)
             t3 = time.perf_counter()
-            share.backward(retain_graph=True)
+            with ops if count else contextlib.nullcontext():
+                share.backward(retain_graph=True)
             _sync(device)
             t4 = time.perf_counter()
             torch.autograd.backward(list(outs), grads)
@@ -107,18 +128,20 @@ def bench_case(preset: str, b: int, s: int, k: int, scope: str, repeats: int, wa
         acc.finish_step(None)
         _sync(device)
         t6 = time.perf_counter()
-        aux.end_step(routers, bias_rate=1e-3)
+        with ops if count else contextlib.nullcontext():
+            aux.end_step(routers, bias_rate=1e-3)
         _sync(device)
         t_end = time.perf_counter() - t6
         acc.logs()
-        if step >= warmup:
+        if warmup <= step < warmup + repeats:
             moe_t.append(t_moe)
             aux_t.append(t_aux + t_end)
             fwd_t.append(t_fwd + t_end)
     return {"preset": preset, "scope": scope, "b": b, "seq_len": s, "microbatches": k, "moe_layers": len(layers),
             "num_experts": cfg.num_experts, "topk": cfg.topk, "moe": summarize(moe_t), "aux": summarize(aux_t),
             "aux_forward_and_end_step": summarize(fwd_t),
-            "ratio": statistics.median(a / m for a, m in zip(aux_t, moe_t))}
+            "ratio": statistics.median(a / m for a, m in zip(aux_t, moe_t)), "ratio_of_minima": min(aux_t) / min(moe_t),
+            "ops_per_step": ops.count, "target_ratio": TARGETS.get(preset, TARGET_RATIO)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -144,12 +167,15 @@ def main(argv: list[str] | None = None) -> dict:
     cases = [bench_case(p, *shapes[p], scope, repeats, warmup, device) for p in presets for scope in SCOPES]
     rows = [[c["preset"], c["scope"], f"{c['b']}x{c['seq_len']}", c["microbatches"], c["moe_layers"],
              f"{c['moe']['median_s'] * 1e3:.2f}", f"{c['aux']['median_s'] * 1e3:.3f}",
-             f"{c['aux_forward_and_end_step']['median_s'] * 1e3:.3f}", f"{100 * c['ratio']:.2f}%"] for c in cases]
+             f"{c['aux_forward_and_end_step']['median_s'] * 1e3:.3f}", f"{100 * c['ratio']:.2f}%",
+             f"{100 * c['ratio_of_minima']:.2f}%", f"{100 * c['target_ratio']:.0f}%", c["ops_per_step"]] for c in cases]
     print(markdown_table(["preset", "scope", "b×S", "K", "MoE layers", "MoE fwd+bwd ms/step",
-                          "aux path ms/step", "of which fwd+end_step", "aux / MoE"], rows))
+                          "aux path ms/step", "of which fwd+end_step", "aux / MoE", "min aux / min MoE", "target",
+                          "ops/step"], rows))
     worst = max(c["ratio"] for c in cases)
-    print(f"\nworst ratio {100 * worst:.2f}% (target <= {100 * TARGET_RATIO:.0f}%)")
-    payload = {"benchmark": "moe_aux", "target_ratio": TARGET_RATIO, "worst_ratio": worst, "repeats": repeats,
+    print(f"\nworst median ratio {100 * worst:.2f}% (targets: {TARGETS}, others {100 * TARGET_RATIO:.0f}%)")
+    payload = {"benchmark": "moe_aux", "targets": TARGETS, "target_ratio": TARGET_RATIO, "worst_ratio": worst,
+               "repeats": repeats,
                "warmup": warmup, "machine": machine_info(device), "cases": cases}
     if args.json:
         write_json(args.json, payload)

@@ -179,3 +179,41 @@ def vocab_parallel_ce(rank: int, world: int):
                                  vocab_parallel_group=dist.group.WORLD, vocab_start=lo, vocab_size=V)
     (loss * upstream).sum().backward()
     return loss.detach(), h.grad, w.grad, (hidden, weight, labels, upstream, lo, rows)
+
+
+def mismatched_ranks(rank: int, world: int):
+    """Four bad-input scenarios on one process group; every rank returns its error messages: different
+    modes, different MTP depths (count buffers of different lengths without the fixed layout), a NumPy
+    mask on rank 1 (an exception other than ValueError before the collective), no mask at all on rank 1."""
+    import numpy as np
+
+    out = []
+    scenarios = [
+        (dict(mode="per_token" if rank == 0 else "per_sample"), [torch.ones(2, 4)]),
+        (dict(mode="per_token", mtp_depths=rank), [torch.ones(2, 4)]),
+        (dict(mode="per_token"), [torch.ones(2, 4), np.ones((2, 4)) if rank == 1 else torch.ones(2, 4)]),
+        (dict(mode="per_token"), [] if rank == 1 else [torch.ones(2, 4)]),
+    ]
+    for kwargs, masks in scenarios:
+        acc = lp.Accountant(**kwargs)
+        try:
+            acc.begin_step(masks)
+            out.append("no error")
+        except (ValueError, TypeError, RuntimeError) as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def nan_on_rank1(rank: int, world: int):
+    """Rank 1's second microbatch has a NaN loss: logs() raises on both ranks (device flag, no hang)."""
+    acc = lp.Accountant("per_token", grad_reduction="sum")
+    acc.begin_step([torch.ones(1, 3), torch.ones(1, 3)])
+    acc.lm_loss(torch.ones(1, 3), torch.ones(1, 3))
+    bad = torch.tensor([[1.0, float("nan") if rank == 1 else 1.0, 1.0]])
+    acc.lm_loss(bad, torch.ones(1, 3))
+    acc.finish_step()
+    try:
+        acc.logs()
+    except (FloatingPointError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"

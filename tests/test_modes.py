@@ -43,6 +43,7 @@ def test_hand_worked_through_accountant_ga2(mode):
     acc = lp.Accountant(mode, fixed_length=3)
     acc.begin_step([MASK[:2], MASK[2:]], [SEG[:2], SEG[2:]])
     total = acc.lm_loss(LOSS[:2], MASK[:2], SEG[:2]) + acc.lm_loss(LOSS[2:], MASK[2:], SEG[2:])
+    acc.finish_step()
     logs = acc.logs()
     assert float(total) == pytest.approx(HAND[mode], abs=1e-15)
     assert logs["objective"] == pytest.approx(HAND[mode], abs=1e-15)
@@ -65,6 +66,7 @@ def test_zero_tokens_gives_zero_objective_and_missing_lm_loss():
     acc.begin_step([zero])
     out = acc.lm_loss(LOSS, zero)
     assert float(out) == 0.0 and not math.isnan(float(out))
+    acc.finish_step()
     logs = acc.logs()
     assert logs["lm_loss"] is None and logs["objective"] == 0.0
 
@@ -171,6 +173,7 @@ def test_property_accountant_matches_naive_for_random_layouts(case):
         acc = lp.Accountant(mode, fixed_length=S)
         acc.begin_step([mask[i:i + b] for i in range(0, rows, b)], [seg[i:i + b] for i in range(0, rows, b)])
         total = sum(float(acc.lm_loss(loss[i:i + b], mask[i:i + b], seg[i:i + b])) for i in range(0, rows, b))
+        acc.finish_step()
         logs = acc.logs()
         assert total == pytest.approx(ref, rel=1e-12, abs=1e-12), mode
         assert logs["objective"] == pytest.approx(ref, rel=1e-12, abs=1e-12), mode

@@ -395,7 +395,7 @@ def _acc(**kw):
     ({"aux_coeff": -0.1}, "aux_coeff"),
     ({"z_coeff": -1e-3}, "z_coeff"),
     ({"z_coeff": float("nan")}, "z_coeff"),
-    ({"scope": "batch"}, "unknown aux scope"),
+    ({"scope": "batch"}, "unknown aux_scope"),
     ({"z_form": "token"}, "unknown z_form"),
     ({"megatron_quirks": True, "z_form": "global"}, "z_form='microbatch'"),
     ({"calculate_per_token_loss": True}, "megatron_quirks"),
@@ -415,6 +415,7 @@ def test_dense_pipeline_chunk_accepts_zero_log_layers():
     acc.begin_step([torch.ones(1, 3)])
     acc.lm_loss(torch.zeros(1, 3), torch.ones(1, 3))
     assert float(moe.microbatch_loss([], torch.ones(1, 3, dtype=torch.bool))) == 0.0
+    acc.finish_step()
     assert moe.end_step([]) == {}
     assert set(acc.logs()) == {"lm_loss", "tokens", "samples", "microbatches", "objective"}
 

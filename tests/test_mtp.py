@@ -52,6 +52,7 @@ def test_three_conventions_differ_hand_worked():
         acc.begin_step([main_mask], mtp_weight=0.3)
         acc.lm_loss(torch.zeros(1, 4, dtype=torch.float64), main_mask)
         share = acc.mtp_loss([l1, l2], [m1, m2])
+        acc.finish_step()
         logs = acc.logs()
         assert float(share) == pytest.approx(0.3 * value, abs=1e-15), conv
         assert logs["objective"] == pytest.approx(0.3 * value, abs=1e-15)
@@ -118,6 +119,7 @@ def test_accountant_mtp_matches_naive_for_every_k(mode, conv):
             acc.lm_loss(torch.zeros(rows, S, dtype=torch.float64), main_mask[sl])
             total = total + acc.mtp_loss([x[sl] for x in losses], [w[sl] for w in masks])
         grads = torch.autograd.grad(total, losses)
+        acc.finish_step()
         logs = acc.logs()
         assert float(total.detach()) == pytest.approx(ref, rel=1e-12), K
         assert logs["objective"] == pytest.approx(ref, rel=1e-12), K
@@ -156,6 +158,7 @@ def test_all_padding_depth_is_zero_not_nan_and_log_missing():
     acc.lm_loss(torch.ones(1, 3), main)
     share = acc.mtp_loss([torch.ones(1, 3)], [roll_mask(main, None, 1)])
     assert float(share) == 0.0
+    acc.finish_step()
     assert acc.logs()["mtp_1_loss"] is None
 
 
@@ -169,6 +172,7 @@ def test_megatron_log_estimator_is_mean_of_microbatch_means():
         acc.lm_loss(torch.zeros(1, 4), main[i:i + 1])
         acc.mtp_loss([l1[i:i + 1]], [masks[0][i:i + 1]])
     # Megatron: mean over microbatches of local means = (1 + 7)/2 = 4; token mean would be 10/4
+    acc.finish_step()
     assert acc.logs()["mtp_1_loss"] == pytest.approx(4.0)
 
 

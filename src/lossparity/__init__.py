@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Accountant": "lossparity.distributed.accountant",
     "ParallelDims": "lossparity.distributed.parallel_dims",
+    "ProtocolError": "lossparity.distributed.protocol",
     "MODES": "lossparity.losses.modes",
     "Normalizers": "lossparity.losses.modes",
     "denominator": "lossparity.losses.modes",

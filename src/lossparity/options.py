@@ -48,7 +48,8 @@ MODES: tuple[Mode, ...] = get_args(Mode)
 Normalization = Literal["precount", "deferred"]
 NORMALIZATIONS: tuple[Normalization, ...] = get_args(Normalization)
 
-GradReduction = Literal["sum", "mean"]
+# auto: detect DDP/FSDP (mean) or all-reduce a plain module's gradients (allreduce) in finish_step.
+GradReduction = Literal["auto", "sum", "mean", "allreduce"]
 GRAD_REDUCTIONS: tuple[GradReduction, ...] = get_args(GradReduction)
 
 MTPConvention = Literal["own", "main", "pooled"]

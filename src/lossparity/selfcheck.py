@@ -66,6 +66,7 @@ def run_selfcheck(tol: float = 1e-12) -> list[tuple[str, float, float, bool]]:
         acc = Accountant(mode, fixed_length=6)
         acc.begin_step([W[i : i + 2] for i in range(0, 8, 2)], [G[i : i + 2] for i in range(0, 8, 2)])
         total = sum(float(acc.lm_loss(L[i : i + 2], W[i : i + 2], G[i : i + 2])) for i in range(0, 8, 2))
+        acc.finish_step()
         logged = acc.logs()["objective"]
         ref = naive_objective(mode, losses, masks, segs, 2, 6)
         ok = abs(total - ref) <= tol * max(1.0, abs(ref)) and abs(logged - ref) <= tol * max(1.0, abs(ref))

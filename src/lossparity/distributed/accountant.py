@@ -21,10 +21,17 @@ FSDP), or all-reduces them itself for a plain module.
 The log channel is independent of the mode: per step ``lm_loss = S / Ntok``, ``objective = J``,
 ``tokens``, ``samples``, MTP per-depth losses and any declared auxiliary metric, all reduced in one
 collective (torchmetrics style: state, update, one synchronised reduction, compute).
-"""
 
+The protocol is a state machine (:class:`~lossparity.distributed.protocol.StepState`): a call that the
+current state does not expect raises :class:`~lossparity.distributed.protocol.ProtocolError` naming the
+expected call. Companions that must act between ``finish_step`` and ``logs`` (``MoEAccounting.end_step``)
+register with :meth:`Accountant.register_step_end`; ``logs()`` refuses to run before them. Nothing in
+``lm_loss``/``mtp_loss`` synchronizes with the host: denominators are host numbers read once at
+``begin_step``, value checks (NaN/Inf, masks) are device flags reported by ``logs()`` (semantics §7).
+"""
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -34,19 +41,51 @@ from torch import Tensor, nn
 from ..losses.logchannel import ratio_or_none
 from ..losses.modes import DENOMINATOR_KEY as _DEN_KEY
 from ..losses.modes import MODES, check_mode, numerator, unit_count_map
-from ..losses.mtp import check_convention, mtp_numerator, roll_mask
-from ..losses.stats import check_inputs, count_documents, sample_stats
+from ..losses.mtp import mtp_denominators, mtp_numerator, mtp_scale, roll_mask
+from ..losses.stats import check_inputs, count_documents, rows_documents, sample_stats
+from ..options import (
+    GRAD_REDUCTIONS,
+    MTP_CONVENTIONS,
+    MTP_LOG_ESTIMATORS,
+    NORMALIZATIONS,
+    GradReduction,
+    Mode,
+    MTPConvention,
+    MTPLogEstimator,
+    Normalization,
+    check_option,
+)
 from .groups import ParallelGroups, resolve_groups
 from .parallel_dims import ParallelDims
+from .protocol import (
+    DeviceChecks,
+    Layout,
+    ProtocolError,
+    StepState,
+    fingerprint_mismatch,
+    fingerprint_slots,
+    fingerprint_values,
+)
 
-__all__ = ["Accountant", "NORMALIZATIONS", "GRAD_REDUCTIONS"]
+__all__ = ["Accountant", "ProtocolError", "StepState", "NORMALIZATIONS", "GRAD_REDUCTIONS"]
 
-NORMALIZATIONS = ("precount", "deferred")
-GRAD_REDUCTIONS = ("auto", "sum", "mean", "allreduce")
+_UNIT_COUNTS = ("tokens", "samples", "documents", "microbatches")
+# Fixed length of the pre-count buffer: ranks must reduce buffers of one length even when their
+# configurations differ, so that the fingerprint can report the difference (a length mismatch aborts).
+_COUNT_CAPACITY = 256
+_MB_CODE = 4096  # device-check location code: microbatch * _MB_CODE + sub-location (MTP depth, MoE layer)
 
-# Layout of the per-step count vector reduced in begin_step / finish_step.
-_C_TOKENS, _C_SAMPLES, _C_DOCS, _C_MBS = range(4)
-_COUNT_KEYS = {"tokens": _C_TOKENS, "samples": _C_SAMPLES, "documents": _C_DOCS, "microbatches": _C_MBS}
+# Built-in value checks: name -> (exception, message); the location is appended.
+_CHECKS: dict[str, tuple[type[Exception], str]] = {
+    "lm_nonfinite": (FloatingPointError, "lm_loss: per_token_loss has NaN/Inf where the mask is 1"),
+    "lm_mask": (ValueError, "lm_loss: mask differs from the one begin_step counted for this microbatch "
+                            "({expected} tokens): pass the same masks (0/1), in the same order"),
+    "lm_segments": (ValueError, "lm_loss: segment_ids differ from the ones given to begin_step for this "
+                                "microbatch"),
+    "mtp_nonfinite": (FloatingPointError, "mtp_loss: losses have NaN/Inf where the mask is 1"),
+    "mtp_mask": (ValueError, "mtp_loss: masks must be 0/1 and hold the tokens begin_step counted for this "
+                             "depth (roll the main mask with roll_mtp)"),
+}
 
 
 def _is_averaging_engine(model: object) -> bool:
@@ -91,6 +130,42 @@ def _unique_grads(model: nn.Module | Iterable[Tensor] | None, fill_missing: bool
     return grads
 
 
+
+def _as_2d(x: Tensor) -> Tensor:
+    return x if x.dim() == 2 else x.unsqueeze(0)
+
+
+def _check_int(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def _check_weight(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _check_mask_arg(name: str, mask: object, loss: Tensor) -> Tensor:
+    """Type and device of a mask given with a loss (no value scan: those are device flags)."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__} (convert lists and NumPy "
+                        "arrays with torch.as_tensor)")
+    if mask.device != loss.device:
+        raise ValueError(f"{name} is on {mask.device} but the losses are on {loss.device}: move it to "
+                         f"{loss.device}")
+    return mask
+
+
+def _same_storage(a: object, b: Tensor) -> bool:
+    """``a`` and ``b`` view the same elements (the same tensor, or an identical view of it): no sync."""
+    if a is b:
+        return True
+    return (isinstance(a, Tensor) and a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride() and a.data_ptr() == b.data_ptr())
+
+
 class Accountant:
     """Exact loss accounting for one training loop (see the module docstring for the protocol).
 
@@ -111,68 +186,58 @@ class Accountant:
         mtp_convention: ``own`` | ``main`` | ``pooled`` (semantics §4).
         mtp_log_estimator: ``"token_mean"`` (``S_k/Ntok_k``, default) or ``"microbatch_mean"``
             (Megatron: mean over microbatches and ranks of local means).
-        check_finite: raise on NaN/Inf losses, naming rank and microbatch (costs one sync per call).
+        check_finite: report NaN/Inf losses at ``logs()``, naming rank and microbatch (device flags: no
+            host synchronization per microbatch).
     """
 
     def __init__(
         self,
-        mode: str = "per_token",
+        mode: Mode = "per_token",
         group: object | None = None,
         *,
         mesh: object | None = None,
         sequence_parallel: bool = False,
         dims: ParallelDims | None = None,
-        normalization: str = "precount",
-        grad_reduction: str = "auto",
+        normalization: Normalization = "precount",
+        grad_reduction: GradReduction = "auto",
         fixed_length: int | None = None,
         mtp_depths: int = 0,
-        mtp_convention: str = "own",
-        mtp_log_estimator: str = "token_mean",
+        mtp_convention: MTPConvention = "own",
+        mtp_log_estimator: MTPLogEstimator = "token_mean",
         check_finite: bool = True,
         device: torch.device | str | None = None,
     ) -> None:
-        self.mode = check_mode(mode)
-        if normalization not in NORMALIZATIONS:
-            raise ValueError(f"unknown normalization {normalization!r}; valid: {', '.join(NORMALIZATIONS)}")
-        if grad_reduction not in GRAD_REDUCTIONS:
-            raise ValueError(f"unknown grad_reduction {grad_reduction!r}; valid: {', '.join(GRAD_REDUCTIONS)}")
-        if mode == "sample_sum_norm" and (fixed_length is None or fixed_length <= 0):
+        self.mode: Mode = check_mode(mode)  # type: ignore[assignment]
+        self.normalization = check_option("normalization", normalization, NORMALIZATIONS)
+        self.grad_reduction = check_option("grad_reduction", grad_reduction, GRAD_REDUCTIONS)
+        self.mtp_convention = check_option("mtp_convention", mtp_convention, MTP_CONVENTIONS)
+        self.mtp_log_estimator = check_option("mtp_log_estimator", mtp_log_estimator, MTP_LOG_ESTIMATORS)
+        self.mtp_depths = _check_int("mtp_depths", mtp_depths, 0)
+        if mode == "sample_sum_norm" and fixed_length is None:
             raise ValueError(f"mode 'sample_sum_norm' needs fixed_length > 0, got fixed_length={fixed_length}")
-        if mtp_depths < 0:
-            raise ValueError(f"mtp_depths must be >= 0, got {mtp_depths}")
-        check_convention(mtp_convention)
-        if mtp_log_estimator not in ("token_mean", "microbatch_mean"):
-            raise ValueError(
-                f"unknown mtp_log_estimator {mtp_log_estimator!r}; valid: token_mean, microbatch_mean"
-            )
-        if normalization == "deferred" and mtp_depths and mode == "per_token" and mtp_convention != "main":
+        if fixed_length is not None:
+            _check_int("fixed_length (the L of sample_sum_norm, > 0)", fixed_length, 1)
+        if self.normalization == "deferred" and mtp_depths and mode == "per_token" and mtp_convention != "main":
             # One division of all gradients by one count cannot give each depth its own count.
             raise ValueError(
                 "normalization='deferred' with mode 'per_token' divides every gradient by the main token "
                 f"count, so it needs mtp_convention='main' (got {mtp_convention!r})"
             )
-        self.normalization = normalization
-        self.grad_reduction = grad_reduction
         self.fixed_length = fixed_length
-        self.mtp_depths = mtp_depths
-        self.mtp_convention = mtp_convention
-        self.mtp_log_estimator = mtp_log_estimator
-        self.check_finite = check_finite
+        self.check_finite = bool(check_finite)
         self.groups: ParallelGroups = resolve_groups(group, mesh, sequence_parallel=sequence_parallel, dims=dims)
         self.device = torch.device(device) if device is not None else self._default_device()
         self.mtp_weight = 1.0
-        self._metrics: list[str] = []  # declared auxiliary metrics (name -> (num, den) slots)
-        self._metric_reduce: dict[str, str] = {}
-        self._per_rank: set[str] = set()
-        self._extra_names: list[str] = []
+        self._metrics: dict[str, tuple[str, bool]] = {}  # declared metric -> (reduce, per_rank)
+        self._checks: dict[str, tuple[type[Exception], str, str]] = {
+            k: (e, m, "MTP depth" if k.startswith("mtp") else "") for k, (e, m) in _CHECKS.items()}
+        self._step_ends: dict[str, bool] = {}  # registered step ends -> done this step
+        self._fingerprint_extra: dict[str, object] = {}
         self.step_index = 0  # number of begin_step calls: lets companions cache per-step reads
-        self._in_step = False
-        self._counts: Tensor | None = None
-        self._local_mb_tokens: list[int] = []
+        self.state = StepState.IDLE
         self._mb = 0
-        self._acc: Tensor | None = None
-        self._objective_direct: Tensor | None = None
-        self._finished = False
+        self._n_mbs = 0
+        self._mtp_done = True
 
     # ------------------------------------------------------------------ setup
     def _default_device(self) -> torch.device:
@@ -181,38 +246,181 @@ class Accountant:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
+    def _require_idle(self, what: str) -> None:
+        if self.state is not StepState.IDLE:
+            raise ProtocolError(f"{what} must be called outside a step: expected {self.expected_call()}")
+
     def declare_metric(self, name: str, reduce: str = "ratio", *, per_rank: bool = False) -> None:
         """Declare an auxiliary log metric: ``reduce="ratio"`` reports ``Σ num / Σ den`` (``None`` when
         ``Σ den = 0``), ``reduce="sum"`` reports ``Σ num``, sums over all ranks and microbatches.
         ``per_rank=True``: every tensor-parallel rank records distinct tokens (sequence parallelism), so
         its values are summed over TP too; by default TP ranks hold copies and only the first counts.
 
-        Must be called identically on every rank (it fixes the layout of the logging collective); a
-        rank that has nothing to record still takes part with zeros (semantics §6).
+        Must be called identically on every rank, outside a step (it fixes the layout of the logging
+        collective, part of the fingerprint checked at ``begin_step``); a rank that has nothing to record
+        still takes part with zeros (semantics §6). Declaring a declared name again keeps it.
         """
-        if self._in_step:
-            raise RuntimeError(f"declare_metric({name!r}) must be called outside a step")
+        self._require_idle(f"declare_metric({name!r})")
         if reduce not in ("ratio", "sum"):
             raise ValueError(f"declare_metric: reduce must be 'ratio' or 'sum', got {reduce!r}")
-        if name not in self._metrics:
-            self._metrics.append(name)
-            self._metric_reduce[name] = reduce
-        if per_rank:
-            self._per_rank.add(name)
+        old = self._metrics.get(name, (reduce, False))
+        self._metrics[name] = (old[0], old[1] or per_rank)
+
+    def register_check(self, name: str, error: type[Exception], message: str, sub: str = "") -> None:
+        """Register a device-side value check reported by ``logs()`` (see :meth:`flag`): ``message`` is the
+        error text, ``sub`` names the sub-location of the code (e.g. ``"layer"``). Outside a step."""
+        if self._checks.get(name) == (error, message, sub):
+            return  # registered already (e.g. by another pipeline chunk's MoEAccounting)
+        self._require_idle(f"register_check({name!r})")
+        self._checks[name] = (error, message, sub)
+
+    def register_step_end(self, name: str, fingerprint: object = None) -> None:
+        """Register a companion call ``name`` (e.g. ``"MoEAccounting.end_step(routers)"``) that must run
+        every step between ``finish_step`` and ``logs()``; it reports with :meth:`step_end_done`.
+        ``fingerprint``: its configuration, compared over the ranks at ``begin_step``."""
+        self._require_idle(f"register_step_end({name!r})")
+        if name in self._step_ends:
+            raise ValueError(f"step end {name!r} is already registered")
+        self._step_ends[name] = False
+        self._fingerprint_extra[f"step_end:{name}"] = fingerprint
+
+    @property
+    def registered_step_ends(self) -> tuple[str, ...]:
+        """Names given to :meth:`register_step_end`, in order."""
+        return tuple(self._step_ends)
+
+    def documents_of(self, segment_ids: Tensor) -> tuple[Tensor, int]:
+        """``rows_documents(segment_ids)`` of a microbatch: numbered at ``begin_step`` (mode ``per_document``)
+        when ``segment_ids`` is a tensor given there, else numbered now (one host sync)."""
+        for seg, info in zip(getattr(self, "_segs", ()), getattr(self, "_mb_info", ())):
+            if info["documents"] is not None and _same_storage(seg, segment_ids):
+                return info["documents"]
+        return rows_documents(segment_ids)
+
+    def step_end_done(self, name: str) -> None:
+        """Report that the registered step end ``name`` ran for this step (after ``finish_step``)."""
+        if self.state is not StepState.FINISHED:
+            raise ProtocolError(f"{name} called before finish_step: expected {self.expected_call()}")
+        if self._step_ends[name]:
+            raise ProtocolError(f"{name} called twice in one step: expected {self.expected_call()}")
+        self._step_ends[name] = True
 
     @property
     def finished(self) -> bool:
         """True between ``finish_step`` and ``logs`` (gradients of the step are final)."""
-        return self._finished
+        return self.state is StepState.FINISHED
 
     @property
     def where(self) -> str:
+        """``rank r, microbatch m`` of the current call (for messages)."""
         return f"rank {self.groups.token_rank()}, microbatch {self._mb}"
 
+    def expected_call(self) -> str:
+        """The call the protocol expects next (as the ProtocolError messages name it), e.g. ``"logs()"``."""
+        if self.state is StepState.IDLE:
+            return "begin_step(masks)"
+        if self.state is StepState.MICROBATCHES:
+            if self._mb < self._n_mbs and self.groups.loss_stage:
+                return f"lm_loss(...) for microbatch {self._mb} of {self._n_mbs}"
+            return "finish_step(model)"
+        pending = [n for n, done in self._step_ends.items() if not done]
+        return pending[0] if pending else "logs()"
+
     # ------------------------------------------------------------------ step
-    def _slots(self) -> int:
-        # S, Ntok, N, Ndoc, mbs, lm numerator | per depth: S_k, Ntok_k, local means, numerator | pooled num
-        return 6 + 4 * self.mtp_depths + 1 + 2 * len(self._metrics)
+    def _fingerprint(self, count_names: Sequence[str]) -> list[float]:
+        self._fp_fields = self._fingerprint_fields(count_names)
+        return fingerprint_values(self._fp_fields)
+
+    def _fingerprint_fields(self, count_names: Sequence[str]) -> dict[str, object]:
+        """What must be equal on every data-parallel rank (compared by the pre-count all-reduce)."""
+        return {"mode": self.mode, "normalization": self.normalization, "grad_reduction": self.grad_reduction,
+                  "fixed_length": self.fixed_length, "mtp_depths": self.mtp_depths,
+                  "mtp_convention": self.mtp_convention, "mtp_log_estimator": self.mtp_log_estimator,
+                  "mtp_weight": self.mtp_weight, "counts": tuple(count_names),
+                  "log_metrics": (tuple(self._metrics.items()), tuple(self._checks)),
+                  "moe": tuple(sorted((k, repr(v)) for k, v in self._fingerprint_extra.items()))}
+
+    def _count_layout(self, extra: Sequence[str]) -> Layout:
+        lay = Layout()
+        lay.add("fingerprint", fingerprint_slots())
+        lay.add("error")
+        for name in _UNIT_COUNTS:
+            lay.add(name)
+        lay.add("mtp_tokens", self.mtp_depths)
+        for name in extra:
+            lay.add(f"extra:{name}")
+        if lay.size > _COUNT_CAPACITY:
+            raise ValueError(f"too many counts ({lay.size} > {_COUNT_CAPACITY}): mtp_depths={self.mtp_depths}, "
+                             f"{len(extra)} extra_counts")
+        lay.add("pad", _COUNT_CAPACITY - lay.size)
+        return lay
+
+    def _count_microbatch(self, counts: Tensor, lay: Layout, i: int, w: object, seg: object) -> None:
+        """Validate microbatch ``i``'s mask (and segment ids) and add its counts (host syncs allowed here)."""
+        where = f"rank {self.groups.token_rank()}, microbatch {i}"
+        for name, x in (("masks", w), ("segment_ids", seg)):
+            if x is not None and not isinstance(x, Tensor):
+                raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(x).__name__} ({where}): convert "
+                                "lists and NumPy arrays with torch.as_tensor")
+        w2 = _as_2d(w)  # type: ignore[arg-type]
+        seg2 = None if seg is None else _as_2d(seg)  # type: ignore[arg-type]
+        check_inputs(w2.to(torch.float32), w2, seg2, where=where, check_finite=False)
+        docs = None
+        if seg2 is not None and self.mode == "per_document":
+            docs = rows_documents(seg2)
+            if bool(((docs[0] < 0) & (w2 > 0)).any()):
+                raise ValueError(f"masks[{i}] has loss-bearing tokens at segment_ids == 0 (padding); they "
+                                 f"belong to no document ({where})")
+        ndoc = docs[1] if docs is not None else (count_documents(seg2) if seg2 is not None else 0)
+        ntok = w2.sum().to(torch.float64)
+        depth_tokens = [float(roll_mask(w2, seg2, k).sum()) for k in range(1, self.mtp_depths + 1)]
+        self._mb_info.append({"tokens": int(ntok.item()), "docs": ndoc, "documents": docs,
+                              "depth_tokens": depth_tokens})
+        counts[lay.sl("tokens")] += ntok
+        counts[lay.sl("samples")] += w2.shape[0]
+        counts[lay.sl("microbatches")] += 1
+        counts[lay.sl("documents")] += ndoc
+        if self.mtp_depths:
+            counts[lay.sl("mtp_tokens")] += torch.tensor(depth_tokens, dtype=torch.float64, device=counts.device)
+
+    def _local_counts(self, masks: object, segment_ids: object, mtp_weight: float | None, extra_counts: object
+                      ) -> tuple[Tensor, Layout, Exception | None, list, list]:
+        """The pre-count buffer of this rank (and its masks and segment ids as lists); an exception is
+        returned (and flagged in the buffer) so that every rank still enters the collective and its peers
+        report it (semantics §7)."""
+        lay = self._count_layout([])
+        counts = lay.zeros(self.device)
+        self._mb_info: list[dict] = []
+        mask_list: list = []
+        segs: list = []
+        try:
+            mask_list = list(masks)  # type: ignore[call-overload]
+            segs = self._check_begin_args(mask_list, segment_ids, mtp_weight)  # type: ignore[arg-type]
+            extra = dict(extra_counts or {})  # type: ignore[call-overload]
+            lay = self._count_layout(list(extra))
+            counts = lay.zeros(self.device)
+            for name, value in extra.items():
+                counts[lay.sl(f"extra:{name}")] = float(value)
+            for i, (w, seg) in enumerate(zip(mask_list, segs)):
+                self._count_microbatch(counts, lay, i, w, seg)
+        except Exception as e:  # noqa: BLE001 - any failure must reach the peers as a flag, not a hang
+            counts[lay.sl("error")] = 1.0
+            counts[lay.sl("fingerprint")] = torch.tensor(self._fingerprint(lay.names()), dtype=torch.float64)
+            return counts, lay, e, mask_list, segs
+        counts[lay.sl("fingerprint")] = torch.tensor(self._fingerprint(lay.names()), dtype=torch.float64)
+        return counts, lay, None, mask_list, segs
+
+    def _check_begin_args(self, masks: list, segment_ids: Sequence | None, mtp_weight: float | None) -> list:
+        if not masks:
+            raise ValueError("begin_step needs the masks of at least one microbatch (masks is empty)")
+        segs = list(segment_ids) if segment_ids is not None else [None] * len(masks)
+        if len(segs) != len(masks):
+            raise ValueError(f"segment_ids has {len(segs)} entries but masks has {len(masks)}")
+        if self.mode == "per_document" and any(s is None for s in segs):
+            raise ValueError("mode 'per_document' needs segment_ids for every microbatch in begin_step")
+        if mtp_weight is not None:
+            self.mtp_weight = _check_weight("mtp_weight", mtp_weight)
+        return segs
 
     def begin_step(
         self,
@@ -230,87 +438,79 @@ class Accountant:
         ``segment_ids`` (packed rows) likewise, needed by ``per_document`` and by MTP rolling within
         documents. ``mtp_weight`` is the MTP ``λ`` of this step. ``extra_counts`` are further local
         counts (e.g. the router's non-padding tokens) summed in the same all-reduce; read them back
-        with :meth:`global_count`. Their names must be the same on every rank.
+        with :meth:`global_count`. Their names must be the same on every rank. The same all-reduce
+        carries a fingerprint of the configuration: ranks built differently stop with an error naming
+        the differing field.
         """
-        if self._in_step and not self._finished:
-            raise RuntimeError("begin_step called twice without finish_step")
-        masks = list(masks)
-        if not masks:
-            raise ValueError("begin_step needs the masks of at least one microbatch (masks is empty)")
-        segs = list(segment_ids) if segment_ids is not None else [None] * len(masks)
-        if len(segs) != len(masks):
-            raise ValueError(f"segment_ids has {len(segs)} entries but masks has {len(masks)}")
-        if self.mode == "per_document" and any(s is None for s in segs):
-            raise ValueError("mode 'per_document' needs segment_ids for every microbatch in begin_step")
-        if mtp_weight is not None:
-            if mtp_weight < 0:
-                raise ValueError(f"mtp_weight must be >= 0, got {mtp_weight}")
-            self.mtp_weight = float(mtp_weight)
-        # The last slot flags bad input: every rank still enters the all-reduce, so a rank with bad
-        # masks raises its own error and the others raise too instead of hanging (semantics §7).
-        extra = dict(extra_counts or {})
-        self._extra_names = list(extra)
-        counts = torch.zeros(5 + self.mtp_depths + len(extra), dtype=torch.float64, device=self.device)
-        for j, value in enumerate(extra.values()):
-            counts[4 + self.mtp_depths + j] = float(value)
-        self._local_mb_tokens = []
-        self._mb_docs: list[int] = []
-        error: Exception | None = None
-        try:
-            for i, (w, seg) in enumerate(zip(masks, segs)):
-                w2 = w if w.dim() == 2 else w.unsqueeze(0)
-                seg2 = seg if seg is None or seg.dim() == 2 else seg.unsqueeze(0)
-                check_inputs(w2.to(torch.float32), w2, seg2,
-                             where=f"rank {self.groups.token_rank()}, microbatch {i}", check_finite=False)
-                ntok = w2.sum()
-                self._local_mb_tokens.append(int(ntok.item()))
-                self._mb_docs.append(count_documents(seg2) if seg2 is not None else 0)
-                counts[_C_TOKENS] += ntok.to(torch.float64)
-                counts[_C_SAMPLES] += w2.shape[0]
-                counts[_C_MBS] += 1
-                counts[_C_DOCS] += self._mb_docs[-1]
-                for k in range(1, self.mtp_depths + 1):
-                    counts[3 + k] += roll_mask(w2, seg2, k).sum().to(torch.float64)
-        except (ValueError, TypeError) as e:
-            error = e
-            counts[-1] = 1.0
+        if self.state is not StepState.IDLE:
+            raise ProtocolError(f"begin_step called before the previous step ended: expected {self.expected_call()}")
+        counts, lay, error, masks, segs = self._local_counts(masks, segment_ids, mtp_weight, extra_counts)
         if self.normalization == "precount":  # deferred has no collective here: errors stay local
             # Whole rows: context-parallel peers count the same rows, so the sum runs over DP only.
             self._all_reduce(counts, self.groups.dp_group)
-        if error is not None:
-            raise error
-        if counts[-1] > 0:
-            raise RuntimeError(
-                f"{int(counts[-1].item())} other rank(s) reported invalid input in begin_step (see their error); "
-                f"rank {self.groups.token_rank()} stops too"
-            )
-        self._counts = counts
+        self._read_counts(counts, lay, error, reduced=self.normalization == "precount")
+        self._counts_layout, self._counts = lay, counts
+        self._extra_names = [n[len("extra:"):] for n in lay.names() if n.startswith("extra:")]
         self.step_index += 1
         self._masks, self._segs = masks, segs
         self._unit_maps: dict[tuple[int, int], Tensor | None] = {}
-        self._n_mbs = len(masks)
-        self._mb = 0
-        self._acc = torch.zeros(self._slots(), dtype=torch.float64, device=self.device)
-        # [replicated over TP, distinct per TP rank] objective contributions added directly
-        self._objective_direct = torch.zeros(2, dtype=torch.float64, device=self.device)
-        self._in_step = True
-        self._finished = False
+        self._n_mbs, self._mb, self._mtp_done = len(masks), 0, True
+        layout = self._make_log_layout()
+        if getattr(self, "_log_layout", None) is None or layout.names() != self._log_layout.names():
+            self._sum_index: dict[tuple[str, ...], Tensor] = {}
+        self._log_layout = layout
+        self._acc = self._log_layout.zeros(self.device)
+        self._device_checks = DeviceChecks(list(self._checks))
+        self._step_ends = dict.fromkeys(self._step_ends, False)
         self._grad_factor: float | None = None
+        self.state = StepState.MICROBATCHES
+
+    def _read_counts(self, counts: Tensor, lay: Layout, error: Exception | None, *, reduced: bool) -> None:
+        """Host copy of the (reduced) counts: the step's one read; raise on any rank's error or mismatch."""
+        values = counts.tolist()
+        if error is not None:
+            raise error
+        flagged = values[lay.sl("error")][0]
+        if flagged > 0:
+            raise RuntimeError(f"{int(flagged)} other rank(s) reported invalid input in begin_step (see their "
+                               f"error); rank {self.groups.token_rank()} stops too")
+        n = self.groups.dp_size if reduced and self.groups.dp_group is not None else 1
+        bad = fingerprint_mismatch(values[lay.sl("fingerprint")], n)
+        if bad:
+            mine = ", ".join(f"{f}={self._fp_fields.get(f, '...')!r}" for f in bad)
+            raise ValueError(f"the accounting configuration differs between the {n} data-parallel ranks in "
+                             f"{', '.join(bad)} (rank {self.groups.token_rank()} has {mine}): build every rank's "
+                             "Accountant and MoEAccounting with the same arguments and declare the same metrics")
+        self._host_counts = {name: values[lay.sl(name)] for name in lay.names() if name not in ("pad",)}
+
+    def _make_log_layout(self) -> Layout:
+        lay = Layout()
+        for name in ("S", "Ntok", "samples", "documents", "microbatches", "lm_num"):
+            lay.add(name)
+        for k in range(1, self.mtp_depths + 1):
+            lay.add(f"mtp_{k}", 4)  # S_k, Ntok_k, Σ local means, numerator
+        lay.add("mtp_pooled_num")
+        for name, (_, per_rank) in self._metrics.items():
+            lay.add(f"metric:{name}", 2, local=per_rank)
+        lay.add("objective")  # added contributions, replicated over TP
+        lay.add("objective_local", local=True)  # added contributions distinct per TP rank
+        lay.add("checks", len(self._checks), local=True)
+        return lay
 
     def global_count(self, name: str) -> float:
         """A count of this step: ``tokens``, ``samples``, ``documents``, ``microbatches``, ``mtp_<k>_tokens``
         or an ``extra_counts`` name, summed over the token group (``precount``; local in ``deferred``
-        until ``finish_step``)."""
+        until ``finish_step``). A host number: no synchronization."""
         self._require_step("global_count")
-        assert self._counts is not None
-        if name in _COUNT_KEYS:
-            return float(self._counts[_COUNT_KEYS[name]].item())
-        if name.startswith("mtp_") and name.endswith("_tokens"):
+        c = self._host_counts
+        if name in _UNIT_COUNTS:
+            return c[name][0]
+        if name.startswith("mtp_") and name.endswith("_tokens") and name[4:-7].isdigit():
             k = int(name[4:-7])
             if 1 <= k <= self.mtp_depths:
-                return float(self._counts[3 + k].item())
-        if name in self._extra_names:
-            return float(self._counts[4 + self.mtp_depths + self._extra_names.index(name)].item())
+                return c["mtp_tokens"][k - 1]
+        if f"extra:{name}" in c:
+            return c[f"extra:{name}"][0]
         raise KeyError(f"unknown count {name!r}; extra counts of this step: {self._extra_names}")
 
     @property
@@ -323,8 +523,7 @@ class Accountant:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
 
     def _denominator(self, key: str) -> float:
-        assert self._counts is not None
-        return float(max(self._counts[_COUNT_KEYS[key]].item(), 1.0))
+        return max(self._host_counts[key][0], 1.0)
 
     def _unit_counts(self, mb: int, depth: int, columns: Tensor | None) -> Tensor | None:
         """Whole-row unit counts of microbatch ``mb`` (depth 0 = main loss) restricted to ``columns``;
@@ -333,8 +532,7 @@ class Accountant:
             return None
         key = (mb, depth)
         if key not in self._unit_maps:
-            w, seg = self._masks[mb], self._segs[mb]
-            w = w if w.dim() == 2 else w.unsqueeze(0)
+            w, seg = _as_2d(self._masks[mb]), self._segs[mb]
             if depth:
                 w = roll_mask(w, seg, depth)
             self._unit_maps[key] = unit_count_map(self.mode, w, seg)
@@ -348,6 +546,49 @@ class Accountant:
                 f"this shard holds) in lm_loss/mtp_loss ({self.where})"
             )
 
+    def flag(self, check: str, bad: Tensor, sub: Tensor | int = 0, *, microbatch: int | None = None) -> None:
+        """Record a failed value check on the device (no host sync); ``logs()`` raises it on every rank,
+        naming this rank, the microbatch (default: the last one ``lm_loss`` saw) and ``sub`` (e.g. the
+        layer: a tensor of the shape of ``bad`` gives one sub-location per element)."""
+        self._require_step(f"flag({check!r})")
+        mb = max(self._mb - 1, 0) if microbatch is None else microbatch
+        self._device_checks.flag(check, bad, sub + mb * _MB_CODE)
+
+    def _flag_mask(self, check: str, w: Tensor, expected: Tensor, code: float) -> None:
+        self._device_checks.flag(check, w != expected.to(w.device, w.dtype), code)
+
+    def _flag_nonfinite(self, check: str, sample_sums: Tensor, code: float) -> None:
+        """NaN/Inf where the mask is 1 shows in the per-sample masked sums ``s_i`` (computed anyway for the
+        logs): ``s - s`` is NaN exactly there. Two kernels on ``[b]``."""
+        if self.check_finite:
+            self._device_checks.flag(check, (sample_sums - sample_sums) != 0, code)
+
+    @staticmethod
+    def _expected(columns: Tensor | None, rows: Tensor | None) -> Tensor | None:
+        """Rows given to begin_step, restricted to this shard's ``columns``."""
+        if rows is None:
+            return None
+        full = _as_2d(rows)
+        return full if columns is None else full[:, columns]
+
+    def _lm_inputs(self, per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor | None
+                   ) -> tuple[Tensor, Tensor, Tensor | None]:
+        if self.state is not StepState.MICROBATCHES or self._mb >= self._n_mbs:
+            got = "only " if self.state is StepState.MICROBATCHES else ""
+            raise ProtocolError(
+                f"lm_loss called for microbatch {self._mb} but begin_step received {got}{self._n_mbs} masks "
+                f"(rank {self.groups.token_rank()}): expected {self.expected_call()}"
+                if self.state is StepState.MICROBATCHES else
+                f"lm_loss called outside the microbatches of a step: expected {self.expected_call()}")
+        if not isinstance(per_token_loss, Tensor):
+            raise TypeError(f"per_token_loss must be a torch.Tensor, got {type(per_token_loss).__name__}")
+        _check_mask_arg("mask", mask, per_token_loss)
+        loss, w = _as_2d(per_token_loss), _as_2d(mask)
+        seg = None if segment_ids is None else _as_2d(segment_ids)
+        check_inputs(loss, w, seg if seg is None or seg.device == loss.device else None, where=self.where,
+                     check_finite=False, check_mask_values=False, check_segment_values=False)
+        return loss, w, seg
+
     def lm_loss(self, per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor | None = None, *,
                 columns: Tensor | None = None) -> Tensor:
         """This microbatch's share of the language-model objective; call once per microbatch, in order.
@@ -355,56 +596,81 @@ class Accountant:
         ``precount``: returns ``numerator(mb) / denominator`` so that the shares of all microbatches and
         ranks sum to ``J`` (semantics §1, §3). ``deferred``: returns the raw ``numerator(mb)``; ``finish_step``
         divides the gradients. ``per_token_loss`` and ``mask`` are ``[b, S]``; with context parallelism they
-        are this rank's shard and ``columns`` (``[S_shard]``) are its positions in the whole rows.
+        are this rank's shard and ``columns`` (``[S_shard]``) are its positions in the whole rows. The mask
+        (and segment ids) must be those given to ``begin_step``, the loss finite where the mask is 1:
+        both are checked on the device and reported by ``logs()``.
         """
-        self._require_step("lm_loss")
-        if self._mb >= self._n_mbs:
-            raise RuntimeError(
-                f"lm_loss called for microbatch {self._mb} but begin_step received only {self._n_mbs} masks "
-                f"(rank {self.groups.token_rank()})"
-            )
-        loss = per_token_loss if per_token_loss.dim() == 2 else per_token_loss.unsqueeze(0)
-        w = mask if mask.dim() == 2 else mask.unsqueeze(0)
-        seg = segment_ids if segment_ids is None or segment_ids.dim() == 2 else segment_ids.unsqueeze(0)
-        check_inputs(loss, w, seg, where=self.where, check_finite=self.check_finite, check_mask_values=False)
+        loss, w, seg = self._lm_inputs(per_token_loss, mask, segment_ids)
         self._check_columns(columns)
-        ntok = int(w.sum().item())
-        full = self._masks[self._mb]
-        if columns is not None:
-            full = (full if full.dim() == 2 else full.unsqueeze(0))[:, columns]
-        expected = int(full.sum())
-        if ntok != expected:
-            raise ValueError(
-                f"mask of microbatch {self._mb} has {ntok} tokens but begin_step counted {expected} for it "
-                f"(rank {self.groups.token_rank()}): pass the same masks, in the same order"
-            )
-        num = numerator(self.mode, loss, w, segment_ids=seg, fixed_length=self.fixed_length,
-                        unit_counts=self._unit_counts(self._mb, 0, columns))
+        mb, code = self._mb, float(self._mb * _MB_CODE)
+        self._flag_mask("lm_mask", w, self._expected(columns, self._masks[mb]), code)
+        full_seg = self._expected(columns, self._segs[mb])
+        if seg is not None and full_seg is not None:
+            self._flag_mask("lm_segments", seg, full_seg, code)
+        docs = self._mb_info[mb]["documents"] if columns is None else None
+        num = numerator(self.mode, loss, w, segment_ids=seg if full_seg is None else full_seg,
+                        fixed_length=self.fixed_length, unit_counts=self._unit_counts(mb, 0, columns),
+                        documents=docs)
         s, n = sample_stats(loss.detach(), w)
-        acc = self._acc
-        assert acc is not None
-        acc[0] += s.sum().to(torch.float64)
-        acc[1] += n.sum().to(torch.float64)
+        self._flag_nonfinite("lm_nonfinite", s, code)
+        acc, lay = self._acc, self._log_layout
+        acc[lay.sl("S")] += s.sum().to(torch.float64)
+        acc[lay.sl("Ntok")] += n.sum().to(torch.float64)
         if self.groups.cp_rank == 0:  # units are counted once, by the first shard of the rows
-            acc[2] += w.shape[0]
-            acc[3] += self._mb_docs[self._mb]
-            acc[4] += 1
-        acc[5] += num.detach().to(torch.float64)
+            acc[lay.sl("samples")] += w.shape[0]
+            acc[lay.sl("documents")] += self._mb_info[mb]["docs"]
+            acc[lay.sl("microbatches")] += 1
+        acc[lay.sl("lm_num")] += num.detach().to(torch.float64)
         self._mb += 1
+        self._mtp_done = False
         if self.normalization == "deferred":
             return num
         return num / self._denominator(_DEN_KEY[self.mode])
 
     def _mtp_denominators(self) -> list[float]:
-        """Per-depth denominators (precount) of the MTP term (semantics §4)."""
-        assert self._counts is not None
-        key = _DEN_KEY[self.mode]
-        if self.mode != "per_token" or self.mtp_convention == "main":
-            return [self._denominator(key)] * self.mtp_depths
-        if self.mtp_convention == "own":
-            return [float(max(self._counts[3 + k].item(), 1.0)) for k in range(1, self.mtp_depths + 1)]
-        pooled = float(max(self._counts[4 : 4 + self.mtp_depths].sum().item(), 1.0))
-        return [pooled]
+        """Per-depth denominators (precount) of the MTP term (semantics §4, :func:`mtp_denominators`)."""
+        return mtp_denominators(self.mode, self.mtp_convention, self._denominator(_DEN_KEY[self.mode]),
+                                self._host_counts["mtp_tokens"])
+
+    def _mtp_inputs(self, losses: Sequence[Tensor], masks: Sequence[Tensor], segment_ids: Tensor | None
+                    ) -> tuple[list[Tensor], list[Tensor], Tensor | None]:
+        if self.state is not StepState.MICROBATCHES or self._mb == 0 or self._mtp_done:
+            what = "twice for one microbatch" if self._mtp_done and self._mb else "before lm_loss"
+            if self.state is not StepState.MICROBATCHES:
+                what = "outside the microbatches of a step"
+            raise ProtocolError(f"mtp_loss called {what} ({self.where}): expected {self.expected_call()}")
+        if self.mtp_depths == 0:
+            raise ValueError("mtp_loss called but the accountant was built with mtp_depths=0")
+        if len(losses) != self.mtp_depths or len(masks) != self.mtp_depths:
+            raise ValueError(
+                f"mtp_loss needs {self.mtp_depths} losses and masks (one per depth), got {len(losses)} and "
+                f"{len(masks)} ({self.where})"
+            )
+        where = f"rank {self.groups.token_rank()}, microbatch {self._mb - 1}"
+        for k, (x, w) in enumerate(zip(losses, masks), start=1):
+            if not isinstance(x, Tensor):
+                raise TypeError(f"losses[{k - 1}] must be a torch.Tensor, got {type(x).__name__} ({where})")
+            _check_mask_arg(f"masks[{k - 1}]", w, x)
+        ls = [_as_2d(x) for x in losses]
+        ws = [_as_2d(x) for x in masks]
+        seg = None if segment_ids is None else _as_2d(segment_ids)
+        for k, (x, w) in enumerate(zip(ls, ws), start=1):
+            check_inputs(x, w, seg, where=f"{where}, MTP depth {k}", check_finite=False, check_mask_values=False,
+                         check_segment_values=False)
+        return ls, ws, seg
+
+    def _mtp_numerators(self, mb: int, losses: list[Tensor], masks: list[Tensor], seg: Tensor | None,
+                        columns: Tensor | None) -> list[Tensor]:
+        if columns is not None and self.mtp_convention == "pooled" and self.mode != "per_token":
+            raise ValueError("mtp_convention='pooled' with a per-unit mode is not supported under context "
+                             "parallelism (its units pool several depths)")
+        if columns is not None and self.mtp_convention != "pooled":
+            return [numerator(self.mode, x, w, segment_ids=seg, fixed_length=self.fixed_length,
+                              unit_counts=self._unit_counts(mb, k, columns))
+                    for k, (x, w) in enumerate(zip(losses, masks), start=1)]
+        docs = self._mb_info[mb]["documents"] if columns is None else None
+        return mtp_numerator(self.mode, losses, masks, convention=self.mtp_convention, segment_ids=seg,
+                             fixed_length=self.fixed_length, documents=docs)
 
     def mtp_loss(
         self,
@@ -417,80 +683,83 @@ class Accountant:
         """This microbatch's share of the MTP objective term ``λ·(1/Dm)·Σ_k J_k`` (or the pooled form).
 
         ``losses[k-1]``/``masks[k-1]`` are depth ``k``'s per-token losses and rolled masks (see
-        :func:`lossparity.losses.mtp.roll_mtp`). Call after ``lm_loss`` of the same microbatch.
-        With context parallelism, ``losses``/``masks`` are this shard's columns (``columns``) of the depth
-        masks rolled on whole rows (rolling crosses shard boundaries exactly).
+        :func:`lossparity.losses.mtp.roll_mtp`). Call once per microbatch, after ``lm_loss`` of the same
+        microbatch. With context parallelism, ``losses``/``masks`` are this shard's columns (``columns``) of
+        the depth masks rolled on whole rows (rolling crosses shard boundaries exactly).
         """
-        self._require_step("mtp_loss")
-        if self.mtp_depths == 0:
-            raise RuntimeError("mtp_loss called but the accountant was built with mtp_depths=0")
-        if len(losses) != self.mtp_depths or len(masks) != self.mtp_depths:
-            raise ValueError(
-                f"mtp_loss needs {self.mtp_depths} losses and masks (one per depth), got {len(losses)} and "
-                f"{len(masks)} ({self.where})"
-            )
-        mb = self._mb - 1  # lm_loss of this microbatch came first
-        where = f"rank {self.groups.token_rank()}, microbatch {mb}"
-        losses = [x if x.dim() == 2 else x.unsqueeze(0) for x in losses]
-        masks = [x if x.dim() == 2 else x.unsqueeze(0) for x in masks]
-        for k, (x, w) in enumerate(zip(losses, masks), start=1):
-            check_inputs(x, w, segment_ids, where=f"{where}, MTP depth {k}", check_finite=self.check_finite)
+        losses, masks, seg = self._mtp_inputs(losses, masks, segment_ids)
         self._check_columns(columns)
-        if columns is not None and self.mtp_convention == "pooled" and self.mode != "per_token":
-            raise ValueError("mtp_convention='pooled' with a per-unit mode is not supported under context "
-                             "parallelism (its units pool several depths)")
-        if columns is not None and self.mtp_convention != "pooled":
-            nums = [numerator(self.mode, x, w, segment_ids=segment_ids, fixed_length=self.fixed_length,
-                              unit_counts=self._unit_counts(mb, k, columns))
-                    for k, (x, w) in enumerate(zip(losses, masks), start=1)]
-        else:
-            nums = mtp_numerator(self.mode, losses, masks, convention=self.mtp_convention,
-                                 segment_ids=segment_ids, fixed_length=self.fixed_length)
-        acc = self._acc
-        assert acc is not None
-        base = 6
-        for k, (x, w) in enumerate(zip(losses, masks)):
-            s, n = sample_stats(x.detach(), w)
-            s_sum, n_sum = s.sum().to(torch.float64), n.sum().to(torch.float64)
-            acc[base + 4 * k] += s_sum
-            acc[base + 4 * k + 1] += n_sum
-            acc[base + 4 * k + 2] += s_sum / n_sum.clamp(min=1)
-            if self.mtp_convention != "pooled":
-                acc[base + 4 * k + 3] += nums[k].detach().to(torch.float64)
-        if self.mtp_convention == "pooled":
-            acc[base + 4 * self.mtp_depths] += nums[0].detach().to(torch.float64)
-        scale = self.mtp_weight / (1 if self.mtp_convention == "pooled" else self.mtp_depths)
+        mb = self._mb - 1
+        code = float(mb * _MB_CODE)
+        for k, w in enumerate(masks, start=1):
+            bad = (w != 0) & (w != 1)
+            if columns is None:
+                bad = bad | (w.sum() != self._mb_info[mb]["depth_tokens"][k - 1])
+            self._device_checks.flag("mtp_mask", bad, code + k)
+        nums = self._mtp_numerators(mb, losses, masks, seg, columns)
+        self._mtp_done = True
+        self._log_mtp(losses, masks, nums, code)
+        scale = mtp_scale(self.mtp_weight, self.mtp_convention, self.mtp_depths)
         if self.normalization == "deferred":
             return scale * torch.stack(nums).sum()
-        dens = self._mtp_denominators()
-        return scale * sum(num / den for num, den in zip(nums, dens))
+        return scale * sum(num / den for num, den in zip(nums, self._mtp_denominators()))
+
+    def _log_mtp(self, losses: list[Tensor], masks: list[Tensor], nums: list[Tensor], code: float) -> None:
+        acc, lay = self._acc, self._log_layout
+        for k, (x, w) in enumerate(zip(losses, masks), start=1):
+            s, n = sample_stats(x.detach(), w)
+            self._flag_nonfinite("mtp_nonfinite", s, code + k)
+            s_sum, n_sum = s.sum().to(torch.float64), n.sum().to(torch.float64)
+            slot = acc[lay.sl(f"mtp_{k}")]
+            slot[0] += s_sum
+            slot[1] += n_sum
+            slot[2] += s_sum / n_sum.clamp(min=1)
+            if self.mtp_convention != "pooled":
+                slot[3] += nums[k - 1].detach().to(torch.float64)
+        if self.mtp_convention == "pooled":
+            acc[lay.sl("mtp_pooled_num")] += nums[0].detach().to(torch.float64)
 
     def record(self, name: str, num: Tensor | float, den: Tensor | float = 1.0) -> None:
         """Add ``num``/``den`` to the declared log metric ``name`` (reported as ``Σ num / Σ den``)."""
         self._require_step("record")
-        try:
-            i = self._metrics.index(name)
-        except ValueError:
-            raise KeyError(f"metric {name!r} was not declared; declared: {self._metrics}") from None
-        base = 6 + 4 * self.mtp_depths + 1 + 2 * i
-        acc = self._acc
-        assert acc is not None
-        acc[base] += torch.as_tensor(num, dtype=torch.float64).detach().to(acc.device)
-        acc[base + 1] += torch.as_tensor(den, dtype=torch.float64).detach().to(acc.device)
+        if name not in self._metrics:
+            raise KeyError(f"metric {name!r} was not declared; declared: {list(self._metrics)}")
+        slot = self._acc[self._log_layout.sl(f"metric:{name}")]
+        slot[0] += torch.as_tensor(num, dtype=torch.float64).detach().to(self.device)
+        slot[1] += torch.as_tensor(den, dtype=torch.float64).detach().to(self.device)
+
+    def record_sums(self, names: Sequence[str], nums: Tensor) -> None:
+        """``record(names[i], nums[i])`` for declared ``"sum"`` metrics, in one kernel (``nums [n]``)."""
+        self._require_step("record_sums")
+        key = tuple(names)
+        if key not in self._sum_index:
+            for name in names:
+                if self._metrics.get(name, ("", False))[0] != "sum":
+                    raise KeyError(f"metric {name!r} was not declared with reduce='sum'")
+            pos = [self._log_layout.sl(f"metric:{n}").start for n in names]
+            self._sum_index[key] = torch.tensor(pos, dtype=torch.long, device=self.device)
+        self._acc.index_add_(0, self._sum_index[key], nums.detach().to(self.device, torch.float64))
 
     def add_objective(self, value: Tensor | float, *, per_rank: bool = False) -> None:
         """Add an already-normalized objective contribution (e.g. an auxiliary loss share) to the logged
         ``objective``; summed over ranks and microbatches (``per_rank``: see :meth:`declare_metric`)."""
         self._require_step("add_objective")
-        assert self._objective_direct is not None
-        slot = 1 if per_rank else 0
-        self._objective_direct[slot] += torch.as_tensor(value, dtype=torch.float64).detach().to(self.device)
+        name = "objective_local" if per_rank else "objective"
+        self._acc[self._log_layout.sl(name)] += torch.as_tensor(value, dtype=torch.float64).detach().to(self.device)
 
     def _require_step(self, what: str) -> None:
-        if not self._in_step:
-            raise RuntimeError(f"{what} called outside a step: call begin_step(masks) first")
+        if self.state is StepState.IDLE:
+            raise ProtocolError(f"{what} called outside a step: expected {self.expected_call()}")
 
     # ------------------------------------------------------------------ gradients
+    def _resolve_reduction(self, model: object) -> str:
+        reduction = self.grad_reduction
+        if reduction == "auto":
+            if model is not None and _is_averaging_engine(model):
+                return "mean"
+            return "allreduce" if model is not None and self.groups.grad_size > 1 else "sum"
+        return reduction
+
     def finish_step(self, model: nn.Module | Iterable[Tensor] | None = None) -> float:
         """Scale (and, for plain modules, reduce) the gradients so that they are those of ``J``.
 
@@ -499,33 +768,25 @@ class Accountant:
         (DDP, FSDP, over DP × CP) get a factor ``D·C``; ``grad_reduction="allreduce"`` (or ``auto`` with a
         plain module and ``D·C > 1``) sums the gradients over DP × CP. Returns the factor applied.
         """
-        self._require_step("finish_step")
-        if self._finished:
-            raise RuntimeError("finish_step called twice in one step")
+        if self.state is not StepState.MICROBATCHES:
+            what = "twice in one step" if self.state is StepState.FINISHED else "outside a step"
+            raise ProtocolError(f"finish_step called {what}: expected {self.expected_call()}")
         if self._mb != self._n_mbs and self.groups.loss_stage:
-            raise RuntimeError(
+            raise ProtocolError(
                 f"begin_step received {self._n_mbs} masks but lm_loss was called for {self._mb} microbatches "
-                f"(rank {self.groups.token_rank()})"
+                f"(rank {self.groups.token_rank()}): expected {self.expected_call()}"
             )
-        reduction = self.grad_reduction
-        if reduction == "auto":
-            if model is not None and _is_averaging_engine(model):
-                reduction = "mean"
-            elif model is not None and self.groups.grad_size > 1:
-                reduction = "allreduce"
-            else:
-                reduction = "sum"
-        factor = 1.0
-        if reduction == "mean":
-            factor *= self.groups.grad_size
+        reduction = self._resolve_reduction(model)
+        factor = float(self.groups.grad_size) if reduction == "mean" else 1.0
         if self.normalization == "deferred":
-            assert self._counts is not None and self._acc is not None
+            self._counts[self._counts_layout.sl("error")] = 0.0
             self._all_reduce(self._counts, self.groups.dp_group)
+            self._read_counts(self._counts, self._counts_layout, None, reduced=True)
             factor /= self._denominator(_DEN_KEY[self.mode])
+        self.state = StepState.FINISHED
+        self._grad_factor = factor
         needs_reduce = reduction == "allreduce" and self.groups.grad_group is not None
         if not needs_reduce and factor == 1.0:
-            self._finished = True
-            self._grad_factor = factor
             return factor  # nothing to touch: skip the walk over the parameters
         grads = _unique_grads(model, fill_missing=reduction == "allreduce")
         if needs_reduce and grads:
@@ -535,85 +796,96 @@ class Accountant:
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
-        if factor != 1.0:
-            torch._foreach_mul_(grads, factor) if grads else None
-        self._finished = True
-        self._grad_factor = factor
+        if factor != 1.0 and grads:
+            torch._foreach_mul_(grads, factor)
         return factor
 
     # ------------------------------------------------------------------ logs
+    def _raise_checks(self, reduced: list[float]) -> None:
+        """Raise the step's failed value checks on every rank: this rank's own, else its peers' count."""
+        if not any(reduced):
+            return
+        mine = self._device_checks.first()
+        for name, code in mine.items():
+            error, message, sub = self._checks[name]
+            mb, rest = divmod(int(code), _MB_CODE)
+            loc = f"rank {self.groups.token_rank()}, microbatch {mb}" + (f", {sub} {rest}" if sub else "")
+            expected = self._mb_info[mb]["tokens"] if mb < len(self._mb_info) else "?"
+            raise error(f"{message.format(expected=expected)} ({loc})")
+        names = [n for n, v in zip(self._checks, reduced) if v]
+        raise RuntimeError(f"{int(max(reduced))} other rank(s) reported invalid values in this step "
+                           f"({', '.join(names)}; see their error); rank {self.groups.token_rank()} stops too")
+
+    def _check_logs_order(self) -> None:
+        if self.state is not StepState.FINISHED or not all(self._step_ends.values()):
+            if self.state is StepState.MICROBATCHES and self._mb != self._n_mbs and self.groups.loss_stage:
+                raise ProtocolError(f"logs() called after {self._mb} of {self._n_mbs} microbatches "
+                                    f"(rank {self.groups.token_rank()}): expected {self.expected_call()}")
+            raise ProtocolError(f"logs() called too early: expected {self.expected_call()}")
+
+    def _reduce_logs(self) -> list[float]:
+        lay = self._log_layout
+        buf = self._acc
+        buf[lay.sl("checks")] = self._device_checks.counts(self.device)
+        if not self.groups.log_owner:
+            # tensor-parallel replicas hold copies of the owner's numbers, except per-rank states
+            keep = buf.clone()
+            buf.zero_()
+            for name in lay.local:
+                buf[lay.sl(name)] = keep[lay.sl(name)]
+        self._all_reduce(buf, self.groups.log_group)
+        return buf.tolist()
+
     def logs(self) -> dict[str, float | None]:
         """All log-channel scalars of the step, reduced over every rank in one collective (semantics §2).
 
         ``lm_loss = S/Ntok`` (``None`` when ``Ntok = 0``), ``objective = J`` (language model plus MTP plus
         added auxiliary contributions), ``tokens``, ``samples``, ``microbatches``, ``documents`` (packed),
-        ``mtp_<k>_loss`` and every declared metric. Ends the step.
+        ``mtp_<k>_loss`` and every declared metric. Ends the step. Raises the step's failed value checks
+        (NaN/Inf losses, masks that differ from ``begin_step``'s) on every rank, naming rank and microbatch.
         """
-        self._require_step("logs")
-        if self._mb != self._n_mbs and self.groups.loss_stage:
-            raise RuntimeError(
-                f"logs() called after {self._mb} of {self._n_mbs} microbatches (rank {self.groups.token_rank()})"
-            )
-        acc, direct = self._acc, self._objective_direct
-        assert acc is not None and direct is not None
-        buf = torch.cat([acc, direct])
-        if not self.groups.log_owner:
-            # tensor-parallel replicas hold copies of the owner's numbers, except per-rank metrics
-            keep = buf.clone()
-            buf.zero_()
-            base = 6 + 4 * self.mtp_depths + 1
-            for i, name in enumerate(self._metrics):
-                if name in self._per_rank:
-                    buf[base + 2 * i: base + 2 * i + 2] = keep[base + 2 * i: base + 2 * i + 2]
-            buf[-1] = keep[-1]
-        self._all_reduce(buf, self.groups.log_group)
-        v = buf.tolist()
-        S, ntok, nsamp, ndoc, nmb, lm_num = v[:6]
-        out: dict[str, float | None] = {
-            "lm_loss": ratio_or_none(S, ntok),
-            "tokens": ntok,
-            "samples": nsamp,
-            "microbatches": nmb,
-        }
+        self._check_logs_order()
+        v = self._reduce_logs()
+        self.state = StepState.IDLE
+        lay = self._log_layout
+        self._raise_checks(v[lay.sl("checks")])
+        get = {name: v[lay.sl(name)] for name in lay.names()}
+        S, ntok, nsamp, ndoc, nmb, lm_num = (get[n][0] for n in ("S", "Ntok", "samples", "documents",
+                                                                   "microbatches", "lm_num"))
+        out: dict[str, float | None] = {"lm_loss": ratio_or_none(S, ntok), "tokens": ntok, "samples": nsamp,
+                                        "microbatches": nmb}
         if ndoc:
             out["documents"] = ndoc
-        dens = {"tokens": max(ntok, 1.0), "samples": max(nsamp, 1.0), "microbatches": max(nmb, 1.0),
-                "documents": max(ndoc, 1.0)}
-        objective = lm_num / dens[_DEN_KEY[self.mode]]
-        base = 6
+        counts = {"tokens": ntok, "samples": nsamp, "microbatches": nmb, "documents": ndoc}
+        main_den = max(counts[_DEN_KEY[self.mode]], 1.0)
+        objective = lm_num / main_den
         if self.mtp_depths:
-            term = 0.0
-            pooled_tokens = 0.0
-            for k in range(self.mtp_depths):
-                s_k, n_k, means_k, num_k = v[base + 4 * k : base + 4 * k + 4]
-                pooled_tokens += n_k
-                if self.mtp_log_estimator == "token_mean":
-                    out[f"mtp_{k + 1}_loss"] = ratio_or_none(s_k, n_k)
-                else:
-                    out[f"mtp_{k + 1}_loss"] = means_k / max(nmb, 1.0)
-                out[f"mtp_{k + 1}_tokens"] = n_k
-                if self.mtp_convention == "own" and self.mode == "per_token":
-                    term += num_k / max(n_k, 1.0)
-                elif self.mtp_convention != "pooled":
-                    term += num_k / dens[_DEN_KEY[self.mode]]
-            if self.mtp_convention == "pooled":
-                pooled_num = v[base + 4 * self.mtp_depths]
-                den = max(pooled_tokens, 1.0) if self.mode == "per_token" else dens[_DEN_KEY[self.mode]]
-                term = pooled_num / den
-            else:
-                term /= self.mtp_depths
-            out["mtp_weight"] = self.mtp_weight
-            objective += self.mtp_weight * term
-        base = 6 + 4 * self.mtp_depths + 1
-        for i, name in enumerate(self._metrics):
-            if self._metric_reduce[name] == "sum":
-                out[name] = v[base + 2 * i]
-            else:
-                out[name] = ratio_or_none(v[base + 2 * i], v[base + 2 * i + 1])
-        objective += v[-2] + v[-1]
+            objective += self._mtp_logs(get, out, main_den, nmb)
+        for name, (reduce, _) in self._metrics.items():
+            num, den = get[f"metric:{name}"]
+            out[name] = num if reduce == "sum" else ratio_or_none(num, den)
+        objective += get["objective"][0] + get["objective_local"][0]
         out["objective"] = objective
-        self._in_step = False
         return out
+
+    def _mtp_logs(self, get: dict[str, list[float]], out: dict[str, float | None], main_den: float,
+                  nmb: float) -> float:
+        """Per-depth MTP logs into ``out``; returns ``λ·term`` of the objective (semantics §4)."""
+        depth = [get[f"mtp_{k}"] for k in range(1, self.mtp_depths + 1)]
+        for k, (s_k, n_k, means_k, _) in enumerate(depth, start=1):
+            token_mean = self.mtp_log_estimator == "token_mean"
+            out[f"mtp_{k}_loss"] = ratio_or_none(s_k, n_k) if token_mean else means_k / max(nmb, 1.0)
+            out[f"mtp_{k}_tokens"] = n_k
+        dens = mtp_denominators(self.mode, self.mtp_convention, main_den, [d[1] for d in depth])
+        if self.mtp_convention == "pooled":
+            term = get["mtp_pooled_num"][0] / dens[0]
+        else:
+            term = 0.0
+            for d, den in zip(depth, dens):
+                term += d[3] / den
+            term /= self.mtp_depths
+        out["mtp_weight"] = self.mtp_weight
+        return self.mtp_weight * term
 
 
 assert set(_DEN_KEY) == set(MODES)

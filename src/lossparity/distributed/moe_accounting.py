@@ -21,10 +21,15 @@ divided by its coefficient and averaged over MoE layers (``load_balancing_loss``
 ``megatron_quirks=True`` (the ``megatron`` preset only) reproduces Megatron-LM's gradients and logged
 numbers instead, including its documented deviations from semantics §5 (see :class:`MoEAccounting`).
 
+Every term is :func:`lossparity.losses.moe.switch_load_balancing_terms` or
+:func:`~lossparity.losses.moe.router_z_loss_sums` evaluated on the scope's token set (one home per formula).
 Per step the logged values and the objective contribution accumulate on the device and reach the
-accountant in :meth:`MoEAccounting.end_step` (which therefore precedes ``acc.logs()``), together with the
-module's one collective (dispatch and top-k counts); ``microbatch_loss`` has one host sync (its token
-count). Padding tokens are masked by products with the 0/1 valid mask: router outputs at padding positions
+accountant in :meth:`MoEAccounting.end_step`, together with the module's one collective (dispatch and
+top-k counts) and the expert-load metrics ``max_vio``. ``end_step`` is part of the accountant's protocol
+(registered with it): it must follow ``acc.finish_step`` and ``acc.logs()`` refuses to run before it.
+``microbatch_loss`` has no host synchronization: token counts stay on the device and NaN/Inf router
+outputs or shares are device flags that ``acc.logs()`` raises, naming rank, microbatch and layer.
+Padding tokens are masked by products with the 0/1 valid mask: router outputs at padding positions
 must be finite, as those of a finite model are. Context parallelism: only the token-additive forms
 (``global_lagged``, global z) split exactly over sequence shards; the others are refused.
 
@@ -43,13 +48,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..losses import moe as F_moe
-from ..losses.stats import rows_documents
+from ..options import AUX_SCOPES, Z_FORMS, AuxScope, ZForm, check_option
 from .accountant import Accountant
+from .protocol import ProtocolError, StepState
 
 __all__ = ["SCOPES", "Z_FORMS", "LOG_NAMES", "ROUTER_TOKENS", "MoEAccounting"]
 
-SCOPES = ("micro_batch", "sequence", "global_lagged", "global_running", "none")
-Z_FORMS = ("global", "microbatch")
+SCOPES: tuple[AuxScope, ...] = AUX_SCOPES
 LOG_NAMES = {
     "micro_batch": "load_balancing_loss",
     "sequence": "seq_load_balancing_loss",
@@ -57,6 +62,7 @@ LOG_NAMES = {
     "global_running": "global_load_balancing_loss",
 }
 ROUTER_TOKENS = "router_tokens"
+_END_STEP = "MoEAccounting.end_step(routers)"
 
 
 def _check_coeff(name: str, value: object) -> float:
@@ -72,11 +78,9 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> i
     return value
 
 
-def _token_sum(x: Tensor, vf: Tensor | None) -> Tensor:
-    """``Σ_t vf[t]·x[..., t, e]`` over the token dim (second to last) of ``x [..., T, E]``: a batched
-    ``vf @ x`` (``vf [T]`` or per-sequence ``[b, S]`` against ``x [L, b, S, E]``), a plain sum without mask."""
-    if vf is None:
-        return x.sum(dim=-2)
+def _token_sum(x: Tensor, vf: Tensor) -> Tensor:
+    """``Σ_t vf[t]·x[..., t, e]`` over the token dim (second to last) of ``x [..., T, E]``: one batched
+    ``vf @ x`` (``vf [T]``, or per-sequence ``[b, S]`` against ``x [L, b, S, E]``)."""
     return torch.matmul(vf.unsqueeze(-2), x).squeeze(-2)
 
 
@@ -85,11 +89,11 @@ class MoEAccounting:
 
     Protocol per step: pass :meth:`router_tokens` of the step's microbatches to
     ``acc.begin_step(..., extra_counts=...)``; per microbatch add :meth:`microbatch_loss` to the loss
-    before ``backward``; after the last backward (and after ``acc.finish_step`` under deferred
-    normalization) call :meth:`end_step` on every rank, every step, before ``optimizer.step()`` and before
-    ``acc.logs()``: it runs the step's one collective of this module (dispatch counts for the expert bias,
-    top-k counts for ``global_lagged``) and hands the step's logged values and objective contribution to
-    the accountant (accumulated on the device until then).
+    before ``backward``; after ``acc.finish_step`` call :meth:`end_step` on every rank, every step, before
+    ``optimizer.step()`` and ``acc.logs()`` (the accountant enforces this order: it raises
+    :class:`~lossparity.distributed.protocol.ProtocolError` otherwise). ``end_step`` runs the step's one
+    collective of this module (dispatch counts for the expert bias, top-k counts for ``global_lagged``)
+    and hands the step's logged values (``max_vio`` included) and objective contribution to the accountant.
 
     Args:
         acc: the step's :class:`~lossparity.distributed.accountant.Accountant`.
@@ -115,6 +119,9 @@ class MoEAccounting:
             chunks (the logging collective spans the pipeline) give the model's layer mean.
         declare: declare the logged metrics even without MoE layers (pipeline chunks without MoE layers
             must take part in the same logging layout); default: when ``num_layers > 0``.
+        log_layer_ids: the ``layer_id`` of every distinct MoE layer of the whole model, naming the logged
+            ``max_vio/layer_<id>`` (default: ``0..num_slots-1``, by router position); a pipeline chunk
+            passes the model's list and records the layers its routers hold.
     """
 
     def __init__(
@@ -124,107 +131,137 @@ class MoEAccounting:
         num_experts: int,
         topk: int,
         *,
-        scope: str = "micro_batch",
+        scope: AuxScope = "micro_batch",
         aux_coeff: float = 1e-2,
         z_coeff: float = 0.0,
-        z_form: str | None = None,
+        z_form: ZForm | None = None,
         megatron_quirks: bool = False,
         calculate_per_token_loss: bool | None = None,
         repeated_mtp_calls: int = 0,
         log_layers: int | None = None,
         declare: bool | None = None,
+        log_layer_ids: Sequence[int] | None = None,
     ) -> None:
         if not isinstance(acc, Accountant):
             raise TypeError(f"acc must be an Accountant, got {type(acc).__name__}")
-        if scope not in SCOPES:
-            raise ValueError(f"unknown aux scope {scope!r}; valid: {', '.join(SCOPES)}")
-        num_layers = _check_int("num_layers", num_layers, 0)
-        num_experts = _check_int("num_experts", num_experts, 1)
-        topk = _check_int(f"topk (num_experts={num_experts})", topk, 1, num_experts)
-        aux_coeff = _check_coeff("aux_coeff", aux_coeff)
-        z_coeff = _check_coeff("z_coeff", z_coeff)
-        repeated_mtp_calls = _check_int(f"repeated_mtp_calls (num_layers={num_layers})", repeated_mtp_calls, 0,
-                                        num_layers)
-        if z_form is None:
-            z_form = "microbatch" if megatron_quirks else "global"
-        if z_form not in Z_FORMS:
-            raise ValueError(f"unknown z_form {z_form!r}; valid: {', '.join(Z_FORMS)}")
-        if megatron_quirks and z_form != "microbatch":
-            raise ValueError("megatron_quirks=True needs z_form='microbatch' (Megatron's z-loss is a microbatch "
-                             f"mean), got z_form={z_form!r}")
-        deferred = acc.normalization == "deferred"
-        if calculate_per_token_loss is None:
-            calculate_per_token_loss = deferred and megatron_quirks
-        if calculate_per_token_loss and not megatron_quirks:
-            raise ValueError("calculate_per_token_loss=True is a Megatron setting: it needs megatron_quirks=True")
-        aux_on = num_layers > 0 and scope != "none" and aux_coeff > 0
-        z_on = num_layers > 0 and z_coeff > 0
-        if deferred and (aux_on or z_on) and not calculate_per_token_loss:
-            raise ValueError(
-                "MoE auxiliary losses under normalization='deferred' divide every gradient by the token count "
-                "known only at the end of the step: use normalization='precount', or megatron_quirks=True with "
-                "calculate_per_token_loss=True (Megatron pre-multiplies each term by its token count)")
-        if deferred and aux_on and scope == "global_lagged":
-            raise ValueError("scope 'global_lagged' needs the global router token count before the first "
-                             "backward: use normalization='precount'")
-        sharded = acc.groups.cp_size > 1 or acc.groups.sequence_parallel
-        if sharded and ((aux_on and scope != "global_lagged") or (z_on and z_form != "global")):
-            # A context- or sequence-parallel rank holds a shard of every sequence: per-microbatch and
-            # per-sequence token sets span the shards, only the token-additive forms split exactly.
-            raise ValueError(f"context parallelism (cp={acc.groups.cp_size}) or sequence parallelism "
-                             f"(sp={acc.groups.sequence_parallel}) supports scope 'global_lagged' or 'none' and "
-                             f"z_form 'global', got scope={scope!r}, z_form={z_form!r}")
-        self.acc, self.L, self.E, self.k = acc, num_layers, num_experts, topk
-        self.scope, self.aux_coeff, self.z_coeff, self.z_form = scope, aux_coeff, z_coeff, z_form
+        self.acc = acc
+        self.scope: AuxScope = check_option("aux_scope", scope, SCOPES)
+        self.L = _check_int("num_layers", num_layers, 0)
+        self.E = _check_int("num_experts", num_experts, 1)
+        self.k = _check_int(f"topk (num_experts={num_experts})", topk, 1, num_experts)
+        self.aux_coeff = _check_coeff("aux_coeff", aux_coeff)
+        self.z_coeff = _check_coeff("z_coeff", z_coeff)
+        repeated = _check_int(f"repeated_mtp_calls (num_layers={num_layers})", repeated_mtp_calls, 0, num_layers)
         self.megatron_quirks = bool(megatron_quirks)
-        self.calculate_per_token_loss = bool(calculate_per_token_loss)
-        self.R = repeated_mtp_calls if repeated_mtp_calls > 1 else 0
+        self.z_form: ZForm = self._check_z_form(z_form)
+        self.calculate_per_token_loss = self._check_per_token_flag(calculate_per_token_loss)
+        self._aux_on = self.L > 0 and self.scope != "none" and self.aux_coeff > 0
+        self._z_on = self.L > 0 and self.z_coeff > 0
+        self._check_normalization()
+        self.R = repeated if repeated > 1 else 0
         # Slots = distinct MoE layers (routers): the R calls of a repeated MTP layer share the last slot.
-        self.num_slots = num_layers - self.R + 1 if self.R else num_layers
+        self.num_slots = self.L - self.R + 1 if self.R else self.L
         if log_layers is not None:  # a chunk of a dense model may pass 0 (it then logs nothing)
             _check_int(f"log_layers (this instance has {self.num_slots} MoE layers)", log_layers, self.num_slots)
         self.log_layers = max(self.num_slots if log_layers is None else log_layers, 1)
         self._den_frac = self.num_slots / self.log_layers
-        self._aux_on, self._z_on = aux_on, z_on
         self.device = acc.device
-        w = torch.ones(num_layers, dtype=torch.float64)
+        self._set_layer_weights()
+        self._declare(self.L > 0 if declare is None else bool(declare), log_layer_ids)
+        self._init_state()
+        n = sum(name.startswith(_END_STEP) for name in acc.registered_step_ends)
+        self._end_name = _END_STEP if n == 0 else f"{_END_STEP} [instance {n}]"
+        acc.register_step_end(self._end_name, fingerprint=(self.scope, self.z_form, self.aux_coeff, self.z_coeff,
+                                                            self.megatron_quirks, self.L, self.E, self.k))
+
+    def _check_z_form(self, z_form: str | None) -> ZForm:
+        if z_form is None:
+            return "microbatch" if self.megatron_quirks else "global"
+        form = check_option("z_form", z_form, Z_FORMS)
+        if self.megatron_quirks and form != "microbatch":
+            raise ValueError("megatron_quirks=True needs z_form='microbatch' (Megatron's z-loss is a microbatch "
+                             f"mean), got z_form={z_form!r}")
+        return form
+
+    def _check_per_token_flag(self, flag: bool | None) -> bool:
+        if flag is None:
+            return self.acc.normalization == "deferred" and self.megatron_quirks
+        if flag and not self.megatron_quirks:
+            raise ValueError("calculate_per_token_loss=True is a Megatron setting: it needs megatron_quirks=True")
+        return bool(flag)
+
+    def _check_normalization(self) -> None:
+        """Rules tying the scopes to the accountant's normalization and to sharded sequences."""
+        acc, aux_on, z_on = self.acc, self._aux_on, self._z_on
+        deferred = acc.normalization == "deferred"
+        if deferred and (aux_on or z_on) and not self.calculate_per_token_loss:
+            raise ValueError(
+                "MoE auxiliary losses under normalization='deferred' divide every gradient by the token count "
+                "known only at the end of the step: use normalization='precount', or megatron_quirks=True with "
+                "calculate_per_token_loss=True (Megatron pre-multiplies each term by its token count)")
+        if deferred and aux_on and self.scope == "global_lagged":
+            raise ValueError("scope 'global_lagged' needs the global router token count before the first "
+                             "backward: use normalization='precount'")
+        sharded = acc.groups.cp_size > 1 or acc.groups.sequence_parallel
+        if sharded and ((aux_on and self.scope != "global_lagged") or (z_on and self.z_form != "global")):
+            # A context- or sequence-parallel rank holds a shard of every sequence: per-microbatch and
+            # per-sequence token sets span the shards, only the token-additive forms split exactly.
+            raise ValueError(f"context parallelism (cp={acc.groups.cp_size}) or sequence parallelism "
+                             f"(sp={acc.groups.sequence_parallel}) supports scope 'global_lagged' or 'none' and "
+                             f"z_form 'global', got scope={self.scope!r}, z_form={self.z_form!r}")
+
+    def _set_layer_weights(self) -> None:
+        w = torch.ones(self.L, dtype=torch.float64)
         if self.R:
-            w[num_layers - self.R:] = 1.0 / self.R
+            w[self.L - self.R:] = 1.0 / self.R
         self._w_aux = w  # a repeated layer's term is the mean over its calls (Megatron: aux / mtp_num_layers)
         # Megatron divides a repeated MTP layer's z-loss by its calls only in the log (TODO in router.py).
-        self._w_zgrad = torch.ones(num_layers, dtype=torch.float64) if self.megatron_quirks else w
+        self._w_zgrad = torch.ones(self.L, dtype=torch.float64) if self.megatron_quirks else w
         self._w_zlog = w
         self._z_split = bool(self.R) and self.megatron_quirks
         self._wcache: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor, Tensor]] = {}
-        self._lagged_cache: dict[tuple[torch.dtype, torch.device], Tensor] = {}
-        declare = num_layers > 0 if declare is None else bool(declare)
-        self.log_name = LOG_NAMES.get(scope) if declare and scope != "none" and aux_coeff > 0 else None
-        self.z_log_name = "z_loss" if declare and z_coeff > 0 else None
+
+    def _declare(self, declare: bool, log_layer_ids: Sequence[int] | None) -> None:
+        """Declare the logged metrics and the value checks in the accountant (same layout on every rank)."""
+        acc, sp = self.acc, self.acc.groups.sequence_parallel
+        self.log_name = LOG_NAMES.get(self.scope) if declare and self.scope != "none" and self.aux_coeff > 0 else None
+        self.z_log_name = "z_loss" if declare and self.z_coeff > 0 else None
         if self.log_name:
             # Under sequence parallelism every TP rank routes distinct tokens: its values count (per_rank).
-            acc.declare_metric(self.log_name, "sum" if scope.startswith("global") else "ratio",
-                               per_rank=acc.groups.sequence_parallel)
+            acc.declare_metric(self.log_name, "sum" if self.scope.startswith("global") else "ratio", per_rank=sp)
         if self.z_log_name:
-            acc.declare_metric(self.z_log_name, "ratio", per_rank=acc.groups.sequence_parallel)
+            acc.declare_metric(self.z_log_name, "ratio", per_rank=sp)
+        self._by_position = log_layer_ids is None
+        self._vio_ids = list(range(self.num_slots)) if log_layer_ids is None else [int(i) for i in log_layer_ids]
+        self._log_vio = declare and bool(self._vio_ids)
+        if self._log_vio:
+            for lid in self._vio_ids:
+                acc.declare_metric(f"max_vio/layer_{lid}", "sum")
+            acc.declare_metric("max_vio", "sum")
+        acc.register_check("router_nonfinite", FloatingPointError, "MoE router scores have NaN/Inf at a "
+                           "non-padding token (or the layer's auxiliary term is not finite)", "layer")
+
+    def _init_state(self) -> None:
+        L, E, dev = self.L, self.E, self.device
         # global_lagged: previous step's global top-k counts and token count (uniform at step 0).
-        self.lagged_counts = torch.full((num_layers, num_experts), float(topk) / num_experts, dtype=torch.float64,
-                                        device=self.device)
+        self.lagged_counts = torch.full((L, E), float(self.k) / E, dtype=torch.float64, device=dev)
         self.lagged_tokens = 1.0
-        self._topk_counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=self.device)
-        self._running = torch.zeros(self.num_slots, num_experts, dtype=torch.float64, device=self.device)
-        self._running_n = torch.zeros(self.num_slots, dtype=torch.float64, device=self.device)
+        self._lagged_cache: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+        self._layer_codes: dict[tuple[torch.device, int], Tensor] = {}
+        self._topk_counts = torch.zeros(L, E, dtype=torch.float64, device=dev)
+        self._running = torch.zeros(self.num_slots, E, dtype=torch.float64, device=dev)
+        self._running_n = torch.zeros(self.num_slots, dtype=torch.float64, device=dev)
         self._reset_step()
 
     def _reset_step(self) -> None:
-        # Per-step log accumulators: detached 0-d tensors with their host-side scale, summed in end_step.
+        # Per-step log terms (detached device tensors with their host scales), denominators (numbers or
+        # device tensors) and objective shares: kept as lists, summed once in end_step.
         self._lb: list[tuple[Tensor, float]] = []
         self._z: list[tuple[Tensor, float]] = []
+        self._lb_den: list[Tensor | float] = []
+        self._z_den: list[Tensor | float] = []
         self._objective: list[Tensor] = []
-        self._lb_den = 0.0
-        self._z_den = 0.0
-        self._segment_ids: Tensor | None = None
-        self._counts_key: int = -1
-        self._counts_cache: dict[str, float] = {}
+        self._calls = 0
 
     # ---------------------------------------------------------------- per step
     @staticmethod
@@ -246,17 +283,12 @@ class MoEAccounting:
         return self._wcache[key]
 
     def _count(self, name: str) -> float:
-        """A step count of the accountant, read once per step (each read is a host sync on a GPU)."""
-        key = self.acc.step_index
-        if key is not self._counts_key:
-            self._counts_key, self._counts_cache = key, {}
-        if name not in self._counts_cache:
-            try:
-                self._counts_cache[name] = self.acc.global_count(name)
-            except KeyError:
-                raise KeyError(f"MoEAccounting needs the count {name!r} of this step: pass "
-                               "extra_counts=MoEAccounting.router_tokens(valids) to acc.begin_step") from None
-        return self._counts_cache[name]
+        """A step count of the accountant (a host number read once at begin_step: no sync)."""
+        try:
+            return self.acc.global_count(name)
+        except KeyError:
+            raise KeyError(f"MoEAccounting needs the count {name!r} of this step: pass "
+                           "extra_counts=MoEAccounting.router_tokens(valids) to acc.begin_step") from None
 
     def _local_microbatches(self) -> float:
         """``K``: microbatches of this rank (every data-parallel rank runs the same number)."""
@@ -280,6 +312,9 @@ class MoEAccounting:
                     raise ValueError(f"router record {i}: {field} has shape {tuple(x.shape)}, expected "
                                      f"[{want[0]}, {self.E}] (valid has shape {tuple(valid.shape)}, "
                                      f"num_experts={self.E})")
+        if self.acc.state is not StepState.MICROBATCHES:
+            raise ProtocolError(f"MoEAccounting.microbatch_loss called outside the microbatches of a step: "
+                                f"expected {self.acc.expected_call()}")
         return (1, valid.numel()) if valid.dim() == 1 else (valid.shape[0], valid.shape[1])
 
     def microbatch_loss(self, records: Sequence[object], valid: Tensor, segment_ids: Tensor | None = None) -> Tensor:
@@ -292,80 +327,90 @@ class MoEAccounting:
         contributes 0 and still counts. The logged values accumulate until :meth:`end_step`. With the
         accountant in mode ``per_document`` and packed rows (``segment_ids``), the ``sequence`` scope's
         sequences are the documents (semantics §5) and its mean runs over the global ``Ndoc``.
+        No host synchronization: NaN/Inf router scores or shares are flagged for ``acc.logs()``.
         """
         b, s = self._check_records(records, valid)
-        self._segment_ids = segment_ids
+        mb, self._calls = self._calls, self._calls + 1
         if not records:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         ref = records[0].probs
         dtype = torch.float64 if ref.dtype == torch.float64 else torch.float32
-        dev = ref.device
-        w_aux, w_zgrad, w_zlog = self._weights(dtype, dev)
         v = valid.reshape(-1)
-        v = (v if v.dtype == torch.bool else v > 0).to(dev)
-        tt = int(v.sum())  # the one host sync per microbatch
-        full = tt == v.numel()
-        pre = None  # Megatron calculate_per_token_loss: n_mb (deferred), n_mb / Ntok (precount)
-        if self.calculate_per_token_loss:
-            pre = float(tt) if self.acc.normalization == "deferred" else tt / max(self._count("tokens"), 1.0)
-        total = None
-        # Masked token sums are products with the 0/1 valid vector (one batched matmul each): padding
-        # scores must be finite, as any output of a finite router is.
-        vf = None if full else v.to(dtype)
+        v = (v if v.dtype == torch.bool else v > 0).to(ref.device)
+        vf = v.to(dtype)
+        tt = vf.sum()  # stays on the device
+        total, per_layer = None, None
         if self._aux_on or (self.scope == "global_lagged" and self.L):
-            probs = torch.stack([r.probs for r in records]).to(dtype)  # [L, T, E]
-            topk = torch.stack([r.topk_map for r in records]).to(dtype)
+            # One stack of scores and top-k maps [2L, T, E]: one batched token sum gives both histograms.
+            both = torch.stack([r.probs for r in records] + [r.topk_map for r in records]).to(dtype)
+            sums = _token_sum(both, vf) if self.scope in ("micro_batch", "global_lagged", "global_running") else None
             if self.scope == "global_lagged":
-                self._topk_counts += _token_sum(topk, vf).to(self.device)
+                self._topk_counts += sums[self.L:].detach().to(self.device, torch.float64)
             if self._aux_on:
-                total = self._aux_share(probs, topk, v, vf, b, s, tt, pre, w_aux)
+                total, per_layer = self._aux_share(both, sums, v, vf, b, s, tt, segment_ids)
         if self._z_on:
-            z = self._z_share(records, vf, dtype, tt, pre, w_zgrad, w_zlog)
-            total = z if total is None else total + z
+            share, zsum = self._z_share(records, vf, dtype, tt)
+            total = share if total is None else total + share
+            per_layer = zsum if per_layer is None else per_layer + zsum
         if total is None:
-            return torch.zeros((), dtype=dtype, device=dev)
+            return torch.zeros((), dtype=dtype, device=ref.device)
+        self._flag(records, per_layer, mb)
         self._objective.append(total.detach())
         return total
 
-    def _aux_share(self, probs: Tensor, topk: Tensor, v: Tensor, vf: Tensor | None, b: int, s: int, tt: int,
-                   pre: float | None, w: Tensor) -> Tensor:
-        """Load-balancing share of the microbatch (all layers): ``x = Σ_l w_l·Σ_e coef[l,e]·Σ_x p[l,x,e]``
-        (one weighted reduction), scaled by host-side constants; ``x`` is also what the log accumulates."""
-        L, E, alpha = self.L, self.E, self.aux_coeff
-        scale = alpha * E / self.k
-        log_scale = 1.0 / (alpha * self.log_layers)
-        den = self._den_frac
+    def _flag(self, records: Sequence[object], per_layer: Tensor, mb: int) -> None:
+        """Device flag for acc.logs(): a NaN/Inf router score at a valid token shows in its layer's term
+        (``x - x`` is NaN exactly there); the share is the weighted sum of the layers' terms."""
+        if not self.acc.check_finite:
+            return
+        key = (per_layer.device, len(records))
+        if key not in self._layer_codes:
+            ids = [float(getattr(r, "layer", i)) for i, r in enumerate(records)]
+            self._layer_codes[key] = torch.tensor(ids, dtype=torch.float64, device=per_layer.device)
+        x = per_layer.detach()
+        self.acc.flag("router_nonfinite", (x - x) != 0, self._layer_codes[key], microbatch=mb)
+
+    def _pre(self, tt: Tensor) -> Tensor | None:
+        """Megatron ``calculate_per_token_loss``: ``n_mb`` (deferred) or ``n_mb / Ntok`` (precount)."""
+        if not self.calculate_per_token_loss:
+            return None
+        return tt if self.acc.normalization == "deferred" else tt / max(self._count("tokens"), 1.0)
+
+    def _switch(self, psum: Tensor, counts: Tensor, t_counts: Tensor | float, t_probs: Tensor | float | None = None
+                ) -> Tensor:
+        return F_moe.switch_load_balancing_terms(psum, counts, t_counts, t_probs, topk=self.k, num_experts=self.E,
+                                                 coeff=self.aux_coeff)
+
+    def _aux_share(self, both: Tensor, sums: Tensor | None, v: Tensor, vf: Tensor, b: int, s: int,
+                   tt: Tensor, seg: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Load-balancing share of the microbatch (all layers): ``x = Σ_l w_l·Σ_{X in scope} A(X)`` with
+        ``A`` = :func:`~lossparity.losses.moe.switch_load_balancing_terms`; the scope only chooses the token
+        sets ``X`` and the counts (``both [2L, T, E]``: scores then top-k maps; ``sums``: their ``[2L, E]``
+        token sums over the microbatch). Returns ``(share, the per-layer terms [L])``; logs ``x``."""
+        probs, topk = both[:self.L], both[self.L:]
+        w = self._weights(probs.dtype, probs.device)[0]
+        log_scale, den = 1.0 / (self.aux_coeff * self.log_layers), self._den_frac
+        pre = self._pre(tt)
+        psum = None if sums is None else sums[:self.L]
         if self.scope == "micro_batch":
-            coef = _token_sum(topk, vf) * w[:, None]
-            x = (_token_sum(probs, vf) * coef).sum() * (scale / max(tt, 1) ** 2)  # Σ_l w_l·A(X_mb)
+            terms = self._switch(psum, sums[self.L:].detach(), tt)  # A(X_mb) per layer
+            x = terms @ w  # Σ_l w_l·A(X_mb)
             share = x * (1.0 / self._count("microbatches") if pre is None else pre)
-        elif self.scope == "sequence" and self.acc.mode == "per_document" and self._segment_ids is not None \
+        elif self.scope == "sequence" and self.acc.mode == "per_document" and seg is not None \
                 and not self.megatron_quirks:
-            # Packed rows under per_document: every document is a sequence (DeepSeek's loss per document).
-            doc, ndoc = rows_documents(self._segment_ids.to(probs.device))
-            idx = doc.reshape(-1)
-            keep = (idx >= 0) & v
-            pos = keep.nonzero().squeeze(1)
-            d = idx.index_select(0, pos)
-            counts = torch.zeros(L, max(ndoc, 1), E, dtype=probs.dtype, device=probs.device).index_add_(
-                1, d, topk.index_select(1, pos))
-            psum = torch.zeros_like(counts).index_add_(1, d, probs.index_select(1, pos))
-            n = torch.zeros(max(ndoc, 1), dtype=probs.dtype, device=probs.device).index_add_(
-                0, d, torch.ones_like(d, dtype=probs.dtype))
-            inv = torch.where(n > 0, 1.0 / (n * n).clamp(min=1.0), 0.0)  # an empty document gives 0, counts
-            x = (psum * counts * (inv[None, :, None] * w[:, None, None])).sum() * scale  # Σ_l w_l·Σ_doc A
+            terms = self._document_terms(probs, topk, v, seg)
+            x = terms @ w
             share = x * (1.0 / max(self._count("documents"), 1.0))
-            den = den * ndoc
+            den = den * self.acc.documents_of(seg)[1]
         elif self.scope == "sequence":
-            vs = None if vf is None else vf.view(b, s)
-            counts = _token_sum(topk.view(L, b, s, E), vs)  # [L, b, E]
-            n = v.view(b, s).sum(dim=1, dtype=probs.dtype)  # tokens per sequence
+            vs = vf.view(b, s)
+            seq_sums = _token_sum(both.view(2 * self.L, b, s, self.E), vs)  # [2L, b, E]
+            n = vs.sum(dim=1)  # tokens per sequence
             if self.megatron_quirks:
                 # Megatron folds the batch into the expert dim: every sequence gets the mean valid length.
-                n = torch.full_like(n, tt / b)
-            inv = torch.where(n > 0, 1.0 / (n * n).clamp(min=1.0), 0.0)  # an empty sequence gives 0, still counts
-            coef = counts * (inv[None, :, None] * w[:, None, None])
-            x = (_token_sum(probs.view(L, b, s, E), vs) * coef).sum() * scale  # Σ_l w_l·Σ_j A(X_j)
+                n = (tt / b).expand(b)
+            terms = self._switch(seq_sums[:self.L], seq_sums[self.L:].detach(), n).sum(dim=-1)  # Σ_j A(X_j) per layer
+            x = terms @ w
             if self.megatron_quirks:  # Megatron's per-microbatch loss is the mean over its b sequences
                 share = x * (1.0 / (b * self._count("microbatches")) if pre is None else pre / b)
                 log_scale = log_scale / b
@@ -373,12 +418,14 @@ class MoEAccounting:
                 share = x * (1.0 / max(self._count("samples"), 1.0))
                 den = den * b
         elif self.scope == "global_lagged":
-            x = (_token_sum(probs, vf) * self._lagged_coef(probs.dtype, probs.device, w)).sum() * scale
-            share = x * (1.0 / max(self._count(ROUTER_TOKENS), 1.0))
-            log_scale, den = log_scale / max(self._count(ROUTER_TOKENS), 1.0), 0.0
+            counts = self._lagged_counts(probs.dtype, probs.device)
+            terms = self._switch(psum, counts, self.lagged_tokens, max(self._count(ROUTER_TOKENS), 1.0))
+            x = terms @ w
+            share, den = x, 0.0
         else:  # global_running
-            avg, t_run = self._running_counts(_token_sum(topk, vf), tt)
-            x = (_token_sum(probs, vf) * (avg.to(probs.dtype) * w[:, None])).sum() * (scale / max(t_run, 1.0) ** 2)
+            avg, t_run = self._running_counts(sums[self.L:].detach(), tt)
+            terms = self._switch(psum, avg.to(probs.dtype), t_run.to(probs.dtype))
+            x = terms @ w
             kk = self._local_microbatches()
             if pre is not None:
                 share = x * pre
@@ -388,24 +435,37 @@ class MoEAccounting:
                 share = x * (1.0 / kk)
             log_scale, den = log_scale / kk, 0.0
         self._lb.append((x.detach(), log_scale))
-        self._lb_den += den
-        return share
+        self._lb_den.append(den)
+        return share, terms
 
-    def _lagged_coef(self, dtype: torch.dtype, device: torch.device, w: Tensor) -> Tensor:
-        """``w_l·f_e`` with ``f_e = c_e/T`` of the previous step (cached until the next ``end_step``)."""
+    def _document_terms(self, probs: Tensor, topk: Tensor, v: Tensor, seg: Tensor) -> Tensor:
+        """Packed rows under per_document: every document is a sequence (DeepSeek's loss per document).
+        ``Σ_doc A(X_doc)`` per layer by scatter-adds over the documents numbered at begin_step."""
+        doc, ndoc = self.acc.documents_of(seg)
+        idx = doc.reshape(-1).to(probs.device)
+        keep = ((idx >= 0) & v).to(probs.dtype)
+        d = idx.clamp(min=0)
+        g = max(ndoc, 1)
+        counts = torch.zeros(self.L, g, self.E, dtype=probs.dtype, device=probs.device).index_add_(
+            1, d, topk * keep[None, :, None])
+        psum = torch.zeros_like(counts).index_add_(1, d, probs * keep[None, :, None])
+        n = torch.zeros(g, dtype=probs.dtype, device=probs.device).index_add_(0, d, keep)
+        return self._switch(psum, counts, n).sum(dim=-1)  # an empty document gives 0, still counts
+
+    def _lagged_counts(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The previous step's global top-k counts ``c_e^prev`` (cached until the next ``end_step``)."""
         key = (dtype, device)
         if key not in self._lagged_cache:
-            frac = (self.lagged_counts / self.lagged_tokens).to(device=device, dtype=dtype)
-            self._lagged_cache[key] = frac * w[:, None]
+            self._lagged_cache[key] = self.lagged_counts.to(device=device, dtype=dtype)
         return self._lagged_cache[key]
 
-    def _running_counts(self, counts_local: Tensor, tt: int) -> tuple[Tensor, float]:
+    def _running_counts(self, counts_local: Tensor, tt: Tensor) -> tuple[Tensor, Tensor]:
         """Megatron global aux loss: this microbatch's top-k counts and tokens summed over the token group
         (one all-reduce), running mean over the step's microbatches per router (a repeated MTP layer's
         calls accumulate into one running mean, like Megatron's ``ga_steps``). Returns ``(avg [L, E], T)``."""
         L, E = self.L, self.E
         buf = torch.cat([counts_local.reshape(-1).to(device=self.device, dtype=torch.float64),
-                         torch.full((1,), float(tt), dtype=torch.float64, device=self.device)])
+                         tt.reshape(1).to(device=self.device, dtype=torch.float64)])
         g = self.acc.groups.token_group
         if g is not None:
             dist.all_reduce(buf, group=g)
@@ -420,29 +480,35 @@ class MoEAccounting:
             avg = torch.cat([avg, cum / steps[:, None]])
             self._running[n_main] = cum[-1]
             self._running_n[n_main] += self.R
-        return avg, float(buf[-1])
+        return avg.to(counts_local.device), buf[-1].to(counts_local.device)
 
-    def _z_share(self, records: Sequence[object], vf: Tensor | None, dtype: torch.dtype, tt: int,
-                 pre: float | None, w_grad: Tensor, w_log: Tensor) -> Tensor:
-        """Router z-loss share of the microbatch (all layers) and its log accumulation."""
-        # Experts-major [L, E, T]: the reduction over E runs along contiguous token rows (faster on CPU).
-        lse = torch.logsumexp(torch.stack([r.logits.t() for r in records]).to(dtype), dim=1)  # [L, T]
-        z2 = lse * lse
-        zsum = z2.sum(dim=1) if vf is None else z2 @ vf  # Σ_x lse² per layer
-        x = (zsum * w_grad).sum()
-        x_log = (zsum * w_log).sum().detach() if self._z_split else x.detach()
+    def _z_share(self, records: Sequence[object], vf: Tensor, dtype: torch.dtype, tt: Tensor
+                 ) -> tuple[Tensor, Tensor]:
+        """Router z-loss share of the microbatch (all layers) and its log accumulation; the per-layer sums
+        are :func:`~lossparity.losses.moe.router_z_loss_sums`. Returns ``(share, Σ_x lse² per layer)``."""
+        _, w_grad, w_log = self._weights(dtype, vf.device)
+        zsum = F_moe.router_z_loss_sums(torch.stack([r.logits for r in records]).to(dtype), weights=vf)  # [L]
+        x = zsum @ w_grad
+        x_log = (zsum @ w_log).detach() if self._z_split else x.detach()
+        pre = self._pre(tt)
         if self.z_form == "global":
             share = x * (self.z_coeff / max(self._count(ROUTER_TOKENS), 1.0))
             self._z.append((x_log, 1.0 / self.log_layers))
-            self._z_den += tt * self._den_frac
+            self._z_den.append(tt * self._den_frac)
         else:
-            mean = 1.0 / max(tt, 1)  # Megatron z_loss_func: mean over the microbatch's valid tokens
+            mean = 1.0 / tt.clamp(min=1)  # Megatron z_loss_func: mean over the microbatch's valid tokens
             share = x * (self.z_coeff * mean * (1.0 / self._count("microbatches") if pre is None else pre))
-            self._z.append((x_log, mean / self.log_layers))
-            self._z_den += self._den_frac
-        return share
+            self._z.append((x_log * mean, 1.0 / self.log_layers))
+            self._z_den.append(self._den_frac)
+        return share, zsum
 
     # ---------------------------------------------------------------- end of step
+    def _sum(self, items: Sequence[Tensor | float]) -> Tensor:
+        """Sum of numbers and device scalars as one float64 scalar on the accountant's device."""
+        tensors = [x.reshape(()).to(self.device, torch.float64) for x in items if isinstance(x, Tensor)]
+        total = torch.stack(tensors).sum() if tensors else torch.zeros((), dtype=torch.float64, device=self.device)
+        return total + sum(x for x in items if not isinstance(x, Tensor))
+
     def _flush_logs(self) -> None:
         """Hand the step's accumulated log values and objective contribution to the accountant."""
         acc = self.acc
@@ -450,52 +516,48 @@ class MoEAccounting:
             if name and items:
                 vals = torch.stack([x for x, _ in items]).to(self.device, torch.float64)
                 scales = torch.tensor([c for _, c in items], dtype=torch.float64, device=self.device)
-                acc.record(name, vals @ scales, den)
+                acc.record(name, vals @ scales, self._sum(den))
         if self._objective:
             obj = torch.stack(self._objective).to(self.device, torch.float64).sum()
             if acc.normalization == "deferred":
                 obj = obj / max(acc.global_count("tokens"), 1.0)
             acc.add_objective(obj, per_rank=acc.groups.sequence_parallel)
 
-    def end_step(self, routers: Sequence[object], *, bias_rate: float = 0.0, zero_mean: bool = False
-                 ) -> dict[str, float]:
-        """End-of-step MoE state update, before ``optimizer.step()`` and ``acc.logs()``; one all-reduce over
-        the token group.
-
-        Records the step's logged values and auxiliary objective in the accountant (under deferred
-        normalization, Megatron ``calculate_per_token_loss``, it must follow ``acc.finish_step``: the
-        objective is ``Σ raw shares / Ntok``). Sums the routers' dispatch counts ``tokens_per_expert``
-        (aux-loss-free balancing) and this step's top-k counts (``global_lagged``) over the ranks holding
-        distinct tokens; updates every router's ``expert_bias`` by ``b_e += rate·sign(mean(c) − c_e)``
-        (optionally zero-mean) when ``bias_rate > 0``; resets the counters. Returns ``max_vio`` (mean over
-        layers of ``(max c − mean c)/mean c`` of the dispatch counts) and per-layer ``max_vio/layer_<id>``.
-        Every rank must call it every step (it is a collective).
-        """
+    def _check_routers(self, routers: Sequence[object]) -> None:
         if len(routers) != self.num_slots:
             raise ValueError(f"expected {self.num_slots} routers (one per distinct MoE layer), got {len(routers)}")
-        bias_rate = _check_coeff("bias_rate", bias_rate)
         for i, r in enumerate(routers):
             for field in ("tokens_per_expert", "expert_bias"):
                 x = getattr(r, field, None)
                 if not isinstance(x, Tensor) or x.shape != (self.E,):
                     shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
                     raise ValueError(f"router {i}: {field} must be a [{self.E}] tensor, got {shape}")
-        acc = self.acc
-        if acc.normalization == "deferred" and self._objective and not acc.finished:
-            raise RuntimeError("under normalization='deferred' call acc.finish_step() before end_step(): the "
-                               "auxiliary objective is divided by the step's global token count")
+            lid = getattr(r, "layer_id", i)
+            if self._log_vio and not self._by_position and lid not in self._vio_ids:
+                raise ValueError(f"router {i} has layer_id {lid}, not among log_layer_ids {self._vio_ids}")
+
+    def end_step(self, routers: Sequence[object], *, bias_rate: float = 0.0, zero_mean: bool = False
+                 ) -> dict[str, float]:
+        """End-of-step MoE state update, after ``acc.finish_step`` and before ``optimizer.step()`` and
+        ``acc.logs()`` (the accountant enforces this order); one all-reduce over the token group.
+
+        Records the step's logged values and auxiliary objective in the accountant (under deferred
+        normalization, Megatron ``calculate_per_token_loss``, the objective is ``Σ raw shares / Ntok``).
+        Sums the routers' dispatch counts ``tokens_per_expert`` (aux-loss-free balancing) and this step's
+        top-k counts (``global_lagged``) over the ranks holding distinct tokens; updates every router's
+        ``expert_bias`` by ``b_e += rate·sign(mean(c) − c_e)`` (optionally zero-mean) when ``bias_rate > 0``;
+        resets the counters. Records ``max_vio`` (mean over the model's layers of ``(max c − mean c)/mean c``
+        of the dispatch counts) and ``max_vio/layer_<id>`` in the accountant's logs, and returns this
+        instance's values. Every rank must call it every step (it is a collective).
+        """
+        self._check_routers(routers)
+        bias_rate = _check_coeff("bias_rate", bias_rate)
+        self.acc.step_end_done(self._end_name)
         self._flush_logs()
         self._reset_step()
         if not self.L:
             return {}
-        local = torch.stack([r.tokens_per_expert.detach() for r in routers]).to(self.device, torch.float64)
-        lagged = self.scope == "global_lagged"
-        buf = torch.cat([local.reshape(-1), self._topk_counts.reshape(-1)]) if lagged else local.reshape(-1)
-        g = acc.groups.token_group
-        if g is not None:
-            dist.all_reduce(buf, group=g)
-        n = self.num_slots * self.E
-        dispatch = buf[:n].view(self.num_slots, self.E)
+        dispatch, topk_counts = self._reduce_counts(routers)
         if bias_rate > 0:  # all layers at once ([layers, E]), then back into every router's buffer
             bias = torch.stack([r.expert_bias.detach() for r in routers])
             new = F_moe.expert_bias_update(dispatch.to(bias.device), bias, bias_rate, zero_mean=zero_mean)
@@ -504,20 +566,44 @@ class MoEAccounting:
                     r.expert_bias.copy_(row)
         for r in routers:
             r.reset_counts()
-        stats = F_moe.max_violation(dispatch)
-        if lagged:
-            topk_counts = buf[n:].view(self.L, self.E)
-            stats = torch.cat([stats, topk_counts[0].sum().reshape(1) / self.k])
+        vio_t = F_moe.max_violation(dispatch)
+        self._record_vio(routers, vio_t)
+        self._running.zero_()
+        self._running_n.zero_()
+        return self._update_lagged(routers, vio_t, topk_counts)
+
+    def _reduce_counts(self, routers: Sequence[object]) -> tuple[Tensor, Tensor | None]:
+        """The step's dispatch counts ``[slots, E]`` (and top-k counts ``[L, E]``) summed over the token group."""
+        local = torch.stack([r.tokens_per_expert.detach() for r in routers]).to(self.device, torch.float64)
+        lagged = self.scope == "global_lagged"
+        buf = torch.cat([local.reshape(-1), self._topk_counts.reshape(-1)]) if lagged else local.reshape(-1)
+        g = self.acc.groups.token_group
+        if g is not None:
+            dist.all_reduce(buf, group=g)
+        n = self.num_slots * self.E
+        return buf[:n].view(self.num_slots, self.E), buf[n:].view(self.L, self.E) if lagged else None
+
+    def _record_vio(self, routers: Sequence[object], vio: Tensor) -> None:
+        """``max_vio`` into the accountant's logging collective: one route, with and without pipelining
+        (the first rank of the token group records: the value is the same on all of them)."""
+        if not self._log_vio or self.acc.groups.token_rank() != 0:
+            return
+        ids = self._vio_ids[:len(routers)] if self._by_position else [getattr(r, "layer_id", i)
+                                                                        for i, r in enumerate(routers)]
+        names = [f"max_vio/layer_{lid}" for lid in ids] + ["max_vio"]
+        self.acc.record_sums(names, torch.cat([vio, (vio / len(self._vio_ids)).sum().reshape(1)]))
+
+    def _update_lagged(self, routers: Sequence[object], vio_t: Tensor, topk_counts: Tensor | None
+                       ) -> dict[str, float]:
+        stats = vio_t if topk_counts is None else torch.cat([vio_t, topk_counts[0].sum().reshape(1) / self.k])
         values = stats.tolist()  # the one host sync of end_step
         vio = values[:self.num_slots]
-        if lagged:
+        if topk_counts is not None:
             if values[-1] > 0:  # a step without any token keeps the previous fractions
                 self.lagged_counts = topk_counts.clone()
                 self.lagged_tokens = values[-1]
                 self._lagged_cache.clear()
             self._topk_counts.zero_()
-        self._running.zero_()
-        self._running_n.zero_()
         out = {"max_vio": sum(vio) / len(vio)}
         out.update({f"max_vio/layer_{getattr(r, 'layer_id', i)}": x for i, (r, x) in enumerate(zip(routers, vio))})
         return out

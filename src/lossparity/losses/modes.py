@@ -152,6 +152,7 @@ def numerator(
     segment_ids: Tensor | None = None,
     fixed_length: int | None = None,
     unit_counts: Tensor | None = None,
+    documents: tuple[Tensor, int] | None = None,
 ) -> Tensor:
     """The numerator of ``mode`` for one microbatch (module table); differentiable w.r.t. the loss.
 
@@ -160,6 +161,8 @@ def numerator(
     done here so that every mode's denominator is a plain global count. ``unit_counts`` (a
     :func:`unit_count_map` of the whole rows, restricted to these positions) replaces the local unit
     counts of the unit modes: needed when the positions are a context-parallel shard of the rows.
+    ``documents`` (``per_document``): ``stats.rows_documents(segment_ids)`` computed and validated by the
+    caller beforehand, so that this call has no host synchronization.
     """
     check_mode(mode)
     if unit_counts is not None and mode in _UNIT_MODES:
@@ -171,7 +174,7 @@ def numerator(
     if mode == "per_document":
         if segment_ids is None:
             raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
-        s, n = document_stats(per_token_loss, mask, segment_ids)
+        s, n = document_stats(per_token_loss, mask, segment_ids, documents=documents)
         return (s / n.clamp(min=1)).sum()
     if mode in ("per_token", "sample_sum"):
         return masked_token_sum(per_token_loss, mask)

@@ -19,9 +19,15 @@ from numbers import Real
 import torch
 from torch import Tensor
 
+from ..options import SCORE_FUNCTIONS as _SCORE_FUNCTIONS
+from ..options import ScoreFunction, check_option
+
 __all__ = [
     "SCORE_FUNCTIONS",
+    "router_scores",
     "router_probs",
+    "switch_load_balancing_terms",
+    "router_z_loss_sums",
     "topk_routing_map",
     "tokens_per_expert",
     "switch_load_balancing_loss",
@@ -33,7 +39,7 @@ __all__ = [
     "max_violation",
 ]
 
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
+SCORE_FUNCTIONS: tuple[ScoreFunction, ...] = _SCORE_FUNCTIONS
 
 # Megatron adds this to the sigmoid row sum; it only matters when every sigmoid underflows (0/0).
 _SIGMOID_EPS = 1e-20
@@ -116,21 +122,33 @@ def _check_scores(name: str, x: object, num_experts: int | None = None) -> Tenso
 # ---------------------------------------------------------------------------------------------------
 
 
+def router_scores(logits: Tensor, score_function: ScoreFunction = "softmax") -> tuple[Tensor, Tensor]:
+    """``(scores, probs)`` of a router: the one home of the score normalization (semantics §5), used by
+    the model's router and by :func:`router_probs`. No validation, no host sync (hot path).
+
+    ``softmax``: ``scores = probs = softmax(logits)``. ``sigmoid`` (DeepSeek-V3): ``scores =
+    sigmoid(logits)`` (what expert selection and gates use) and ``probs[x,e] = scores[x,e] /
+    (Σ_e' scores[x,e'] + 1e-20)`` (what the auxiliary losses use; the tiny constant, as in Megatron, only
+    avoids 0/0 when every sigmoid underflows). Computed in the dtype of ``logits``.
+    """
+    if score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+        return scores, scores
+    scores = torch.sigmoid(logits)
+    return scores, scores / (scores.sum(dim=-1, keepdim=True) + _SIGMOID_EPS)
+
+
 def router_probs(logits: Tensor, score_function: str = "softmax") -> Tensor:
-    """Router scores ``p[x,e]`` used by the auxiliary losses, in float32.
+    """Router scores ``p[x,e]`` used by the auxiliary losses, in float32 (float64 stays float64).
 
     ``softmax``: ``p[x,:] = softmax(logits[x,:])``. ``sigmoid`` (DeepSeek-V3): ``s = sigmoid(logits)``,
-    ``p[x,e] = s[x,e] / (Σ_e' s[x,e'] + 1e-20)`` (the tiny constant, as in Megatron, only avoids 0/0
-    when every sigmoid underflows). ``logits`` is ``[..., E]``; the result has the same shape.
+    ``p[x,e] = s[x,e] / (Σ_e' s[x,e'] + 1e-20)`` (see :func:`router_scores`). ``logits`` is ``[..., E]``;
+    the result has the same shape.
     """
     _check_scores("logits", logits)
-    x = _wide(logits)
-    if score_function == "softmax":
-        return torch.softmax(x, dim=-1)
-    if score_function == "sigmoid":
-        s = torch.sigmoid(x)
-        return s / (s.sum(dim=-1, keepdim=True) + _SIGMOID_EPS)
-    raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
+    return router_scores(_wide(logits), check_option("score_function", score_function, SCORE_FUNCTIONS))[1]
 
 
 def topk_routing_map(probs: Tensor, topk: int) -> Tensor:
@@ -210,12 +228,42 @@ def switch_load_balancing_loss(
     if pm is not None:
         p = torch.where(pm.unsqueeze(-1), torch.zeros_like(p), p)
     c = tokens_per_expert.detach().to(device=p.device, dtype=p.dtype)
-    if isinstance(total_num_tokens, Tensor):
-        t = total_num_tokens.detach().to(device=p.device, dtype=p.dtype)
-        scale = num_experts * float(coeff) / (topk * t * t)
-    else:
-        scale = num_experts * float(coeff) / (topk * total_num_tokens * total_num_tokens)
-    return torch.sum(p.sum(dim=0) * c) * scale
+    t = total_num_tokens.detach().to(p.device, p.dtype) if isinstance(total_num_tokens, Tensor) else total_num_tokens
+    return switch_load_balancing_terms(p.sum(dim=0), c, t, topk=topk, num_experts=num_experts, coeff=coeff)
+
+
+def switch_load_balancing_terms(
+    prob_sums: Tensor,
+    tokens_per_expert: Tensor,
+    count_tokens: Tensor | float,
+    prob_tokens: Tensor | float | None = None,
+    *,
+    topk: int,
+    num_experts: int,
+    coeff: float,
+) -> Tensor:
+    """The Switch load-balancing term of every token set at once: the one home of the formula (semantics §5).
+
+    ``A = coeff · E/k · Σ_e (c_e / T_c) · (P_e / T_p)`` with ``P_e = Σ_{x in X} p[x,e]`` (``prob_sums
+    [..., E]``), ``c_e`` the top-k counts (``tokens_per_expert [..., E]``, detached by the caller) and
+    ``T_c``/``T_p`` the token counts they are normalized by (``count_tokens``, ``prob_tokens``: numbers or
+    tensors broadcasting to ``[...]``; ``prob_tokens`` defaults to ``count_tokens``, giving Switch's
+    ``coeff·E/(k·T²)·Σ_e c_e·P_e``). Megatron's scopes are this term on different token sets: a microbatch,
+    each sequence (``[..., sequences, E]``), the global batch with counts from the previous step
+    (``global_lagged``: ``T_c`` that step's tokens) or running over microbatches. A set with ``T = 0``
+    gives exactly 0. Returns ``[...]`` (a scalar for ``[E]`` inputs). No validation, no host sync.
+    """
+    dot = (prob_sums * tokens_per_expert).sum(dim=-1)
+    if not isinstance(count_tokens, Tensor) and not isinstance(prob_tokens, Tensor):
+        t_p = count_tokens if prob_tokens is None else prob_tokens
+        den = topk * count_tokens * t_p
+        return dot * (num_experts * float(coeff) / den) if den > 0 else dot * 0.0
+    t_c = torch.as_tensor(count_tokens, dtype=dot.dtype, device=dot.device)
+    t_p = t_c if prob_tokens is None else torch.as_tensor(prob_tokens, dtype=dot.dtype, device=dot.device)
+    # Megatron's evaluation order. An empty set has dot = 0 exactly, so clamping its zero denominator to
+    # 1e-30 gives 0 without a 0/0 or an overflow (a non-empty set has a denominator >= 1/b², far above it).
+    den = (topk * t_c * t_p).clamp(min=1e-30)
+    return dot * (num_experts * float(coeff) / den)
 
 
 def _flatten_sequences(
@@ -345,10 +393,7 @@ def sequence_load_balancing_loss(
     psum = torch.zeros(g, num_experts, dtype=p.dtype, device=p.device).index_add(0, gid.clamp(min=0), p)
     cf = c.detach().to(device=p.device, dtype=p.dtype)
     nf = n.detach().to(device=p.device, dtype=p.dtype)
-    # where() rather than clamp: an empty sequence must give exactly 0 without a 0/0 in the graph.
-    safe_n = torch.where(nf > 0, nf, torch.ones_like(nf))
-    per_seq = (psum * cf).sum(dim=-1) * (num_experts * float(coeff) / topk) / (safe_n * safe_n)
-    per_seq = torch.where(nf > 0, per_seq, torch.zeros_like(per_seq))
+    per_seq = switch_load_balancing_terms(psum, cf, nf, topk=topk, num_experts=num_experts, coeff=coeff)
     return per_seq.sum(), torch.tensor(g, dtype=torch.int64, device=p.device)
 
 
@@ -366,11 +411,27 @@ def router_z_loss_sum(logits: Tensor, padding_mask: Tensor | None = None) -> tup
     """
     _check_scores("logits", logits)
     pm = _check_padding_mask(padding_mask, logits.shape[:-1], "logits")
-    lse2 = torch.logsumexp(_wide(logits), dim=-1).square()
+    x = _wide(logits).reshape(-1, logits.shape[-1])
+    total = router_z_loss_sums(x, None if pm is None else ~pm.reshape(-1))
     if pm is None:
-        return lse2.sum(), torch.tensor(lse2.numel(), dtype=torch.int64, device=lse2.device)
-    lse2 = torch.where(pm, torch.zeros_like(lse2), lse2)
-    return lse2.sum(), (~pm).sum(dtype=torch.int64)
+        return total, torch.tensor(x.shape[0], dtype=torch.int64, device=x.device)
+    return total, (~pm).sum(dtype=torch.int64)
+
+
+def router_z_loss_sums(logits: Tensor, valid: Tensor | None = None, *, weights: Tensor | None = None) -> Tensor:
+    """``Σ_x valid[x]·logsumexp(logits[..., x, :])²`` over the token dim (second to last): the one home of
+    the z-loss term (semantics §5), for one layer ``[T, E]`` or stacked layers ``[L, T, E]`` (→ ``[L]``).
+
+    ``valid [T]`` (bool) selects the tokens; invalid rows never reach the sum (``where``, so a NaN in a
+    padding row does not leak). ``weights [T]`` (0/1 floats) instead multiplies (one matrix-vector product,
+    the training path: padding rows must then be finite). No validation, no host sync.
+    """
+    lse2 = torch.logsumexp(logits, dim=-1).square()
+    if weights is not None:
+        return lse2 @ weights
+    if valid is not None:
+        lse2 = torch.where(valid, lse2, torch.zeros_like(lse2))
+    return lse2.sum(dim=-1)
 
 
 def router_z_loss(logits: Tensor, coeff: float, padding_mask: Tensor | None = None) -> Tensor:

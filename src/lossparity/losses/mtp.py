@@ -22,19 +22,41 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..options import MTP_CONVENTIONS, MTPConvention, check_option
 from .modes import check_mode, numerator, objective
 from .stats import check_inputs
 
-__all__ = ["CONVENTIONS", "roll_mtp", "roll_mask", "mtp_numerator", "mtp_objective", "check_convention"]
+__all__ = ["CONVENTIONS", "roll_mtp", "roll_mask", "mtp_numerator", "mtp_objective", "check_convention",
+           "mtp_denominators", "mtp_scale"]
 
-CONVENTIONS: tuple[str, ...] = ("own", "main", "pooled")
+CONVENTIONS: tuple[MTPConvention, ...] = MTP_CONVENTIONS
 
 
-def check_convention(convention: str) -> str:
+def check_convention(convention: str) -> MTPConvention:
     """Return ``convention`` if it is one of :data:`CONVENTIONS`, else raise ``ValueError``."""
-    if convention not in CONVENTIONS:
-        raise ValueError(f"unknown mtp_convention {convention!r}; valid: {', '.join(CONVENTIONS)}")
-    return convention
+    return check_option("mtp_convention", convention, MTP_CONVENTIONS)
+
+
+def mtp_denominators(mode: str, convention: str, main_denominator: float, depth_tokens: Sequence[float]
+                     ) -> list[float]:
+    """The global denominators of the MTP term's numerators (semantics §4), one place for the accountant's
+    gradient shares and its logs.
+
+    ``own``/``main``: one per depth; ``own`` with ``per_token`` divides depth ``k`` by ``max(Ntok_k, 1)``,
+    every other case by the main loss's denominator ``main_denominator`` (already ``max(·, 1)``).
+    ``pooled``: one value, ``max(Σ_k Ntok_k, 1)`` for ``per_token``, else ``main_denominator``.
+    ``depth_tokens[k-1]`` is ``Ntok_k``, the global loss-bearing token count of depth ``k``.
+    """
+    if convention == "pooled":
+        return [max(float(sum(depth_tokens)), 1.0) if mode == "per_token" else main_denominator]
+    if mode == "per_token" and convention == "own":
+        return [max(float(n), 1.0) for n in depth_tokens]
+    return [main_denominator] * len(depth_tokens)
+
+
+def mtp_scale(weight: float, convention: str, depths: int) -> float:
+    """The factor of the summed per-depth terms: ``λ/Dm`` (``own``/``main``), ``λ`` (``pooled``)."""
+    return weight / (1 if convention == "pooled" else depths)
 
 
 def _shift_left(x: Tensor, k: int, fill: int | float) -> Tensor:
@@ -80,13 +102,15 @@ def mtp_numerator(
     convention: str = "own",
     segment_ids: Tensor | None = None,
     fixed_length: int | None = None,
+    documents: tuple[Tensor, int] | None = None,
 ) -> list[Tensor]:
     """Per-microbatch numerators of the MTP term, before ``λ`` and before the global denominators.
 
     ``own``/``main``: one numerator per depth, each the mode's numerator (:func:`numerator`) of that
     depth's per-token losses and rolled mask. ``pooled``: a one-element list holding the numerator of
     the depths pooled: the per-token losses of all depths concatenated along the sequence axis, so that
-    each sample (document, microbatch) pools its sums and counts over the depths.
+    each sample (document, microbatch) pools its sums and counts over the depths. ``documents``: the
+    ``rows_documents(segment_ids)`` of the microbatch, validated by the caller (no host sync).
     """
     check_mode(mode)
     check_convention(convention)
@@ -97,8 +121,11 @@ def mtp_numerator(
         loss = torch.cat([x if x.dim() == 2 else x.unsqueeze(0) for x in losses], dim=-1)
         mask = torch.cat([x if x.dim() == 2 else x.unsqueeze(0) for x in masks], dim=-1)
         seg = None if segment_ids is None else torch.cat([segment_ids] * len(losses), dim=-1)
-        return [numerator(mode, loss, mask, segment_ids=seg, fixed_length=fixed_length)]
-    return [numerator(mode, x, w, segment_ids=segment_ids, fixed_length=fixed_length) for x, w in zip(losses, masks)]
+        # The same (row, segment id) pairs, hence the same document numbering, repeated per depth.
+        docs = None if documents is None else (torch.cat([documents[0]] * len(losses), dim=-1), documents[1])
+        return [numerator(mode, loss, mask, segment_ids=seg, fixed_length=fixed_length, documents=docs)]
+    return [numerator(mode, x, w, segment_ids=segment_ids, fixed_length=fixed_length, documents=documents)
+            for x, w in zip(losses, masks)]
 
 
 def mtp_objective(

@@ -21,6 +21,7 @@ def check_inputs(
     where: str = "",
     check_finite: bool = True,
     check_mask_values: bool = True,
+    check_segment_values: bool = True,
 ) -> None:
     """Validate a (per-token loss, mask, segment ids) triple, raising a clear error (semantics §7).
 
@@ -28,7 +29,8 @@ def check_inputs(
     that ``mask`` only holds 0/1, that ``segment_ids`` (when given) is an integer tensor of the same
     shape, and (when ``check_finite``) that the loss has no NaN/Inf where the mask is 1. ``where`` (e.g.
     ``"rank 1, microbatch 3"``) is appended to every message. ``check_mask_values=False`` skips the 0/1
-    scan (for a mask already validated, e.g. by ``Accountant.begin_step``).
+    scan (for a mask already validated, e.g. by ``Accountant.begin_step``); ``check_segment_values=False``
+    skips the ``segment_ids >= 0`` scan (each scan is a host synchronization on an accelerator).
     """
     loc = f" ({where})" if where else ""
     if not isinstance(per_token_loss, Tensor):
@@ -60,7 +62,7 @@ def check_inputs(
                 f"segment_ids shape {tuple(segment_ids.shape)} does not match per_token_loss shape "
                 f"{tuple(per_token_loss.shape)}{loc}"
             )
-        if segment_ids.numel() and bool((segment_ids < 0).any()):
+        if check_segment_values and segment_ids.numel() and bool((segment_ids < 0).any()):
             raise ValueError(f"segment_ids must be >= 0 (0 = padding), found negative ids{loc}")
     if check_finite and per_token_loss.numel():
         # Only loss-bearing positions matter: garbage under mask 0 is ignored by every formula.
@@ -133,16 +135,19 @@ def count_documents(segment_ids: Tensor) -> int:
     return int(present[:, 1:].sum())
 
 
-def document_stats(per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor) -> tuple[Tensor, Tensor]:
+def document_stats(per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor, *,
+                   documents: tuple[Tensor, int] | None = None) -> tuple[Tensor, Tensor]:
     """Per-document sums and counts for packed rows: ``s_j = Σ_{t in doc j} w·l``, ``n_j = Σ w``.
 
     A document is a distinct non-zero ``(row, segment_id)`` pair (segment id 0 marks padding, the
     MaxText ``*_segmentation`` convention). Returns ``(s [Ndoc], n [Ndoc])`` ordered by row, then id.
     Loss-bearing tokens at segment id 0 are rejected: they would belong to no document.
+    ``documents``: the ``rows_documents(segment_ids)`` of a caller that numbered and validated them
+    already (the accountant, at ``begin_step``): no host synchronization then.
     """
     l2, w2 = _as_2d(per_token_loss), _as_2d(mask).to(per_token_loss.dtype)
-    doc, ndoc = rows_documents(segment_ids)
-    if bool(((doc < 0) & (w2 > 0)).any()):
+    doc, ndoc = rows_documents(segment_ids) if documents is None else documents
+    if documents is None and bool(((doc < 0) & (w2 > 0)).any()):
         raise ValueError("mask has loss-bearing tokens at segment_ids == 0 (padding); they belong to no document")
     if ndoc == 0:
         empty = l2.new_zeros(0)

@@ -3,7 +3,7 @@
 Three routing views of one forward (semantics §5):
 
 - ``probs``: the scores the auxiliary losses use: ``softmax(logits)``, or ``sigmoid(logits)`` divided by
-  its row sum;
+  its row sum (plus 1e-20): :func:`lossparity.losses.moe.router_scores`, the function the losses use;
 - ``topk_map``: plain top-k of ``probs``, ignoring the expert bias (the aux-loss map ``c_e``);
 - ``dispatch_map``: top-k of ``scores + expert_bias`` (``scores`` = softmax, or the raw sigmoid): the
   experts that actually process the token.
@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..losses.moe import router_scores
+from ..options import SCORE_FUNCTIONS, ScoreFunction, check_option
 from .recompute import is_recomputing
 
 __all__ = ["RouterRecord", "Router", "topk_map"]
@@ -57,10 +59,10 @@ class Router(nn.Module):
     balancing, reset by :meth:`reset_counts`).
     """
 
-    def __init__(self, dim: int, num_experts: int, topk: int, score_function: str, layer_id: int) -> None:
+    def __init__(self, dim: int, num_experts: int, topk: int, score_function: ScoreFunction, layer_id: int
+                 ) -> None:
         super().__init__()
-        if score_function not in ("softmax", "sigmoid"):
-            raise ValueError(f"score_function must be 'softmax' or 'sigmoid', got {score_function!r}")
+        score_function = check_option("score_function", score_function, SCORE_FUNCTIONS)
         self.num_experts, self.topk, self.layer_id = num_experts, topk, layer_id
         self.score_function = score_function
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
@@ -95,12 +97,7 @@ class Router(nn.Module):
             # Under tensor parallelism the weight is a replicated DTensor (NoParallel): use the local copy.
             weight = self.weight.to_local() if hasattr(self.weight, "to_local") else self.weight
             logits = F.linear(x.to(dtype), weight.to(dtype))
-            if self.score_function == "softmax":
-                scores = logits.softmax(dim=-1)
-                probs = scores
-            else:
-                scores = logits.sigmoid()
-                probs = scores / scores.sum(dim=-1, keepdim=True)
+            scores, probs = router_scores(logits, self.score_function)  # the aux losses' normalization
             plain = topk_map(probs.detach(), self.topk)
             dispatch = topk_map(scores.detach() + self.expert_bias.to(dtype), self.topk)
             gates = scores * dispatch

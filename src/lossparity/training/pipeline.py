@@ -57,7 +57,8 @@ class PipelineRunner:
         for c in self.chunk_ids:
             module = StageModule(raw, c, num_chunks, ranges[c], recompute=cfg.recompute)
             routers = module.routers()
-            moe = moe_factory(len(routers), log_layers=total_moe, declare=total_moe > 0)
+            moe = moe_factory(len(routers), log_layers=total_moe, declare=total_moe > 0,
+                              log_layer_ids=[r.layer_id for r in raw.moe_routers()])
             module.aux_fn = self._aux_fn(moe, routers)
             self.stages.append(module)
             self.moes.append((moe, routers))
@@ -70,13 +71,6 @@ class PipelineRunner:
         self._batch: list[dict[str, Any]] = []
         self._loss_mb = 0
         self._cols: Tensor | None = None
-        # Expert-load metrics of every MoE layer, declared on every rank (same collective layout); each is
-        # recorded by the first token-group rank of the stage that owns the layer, zeros elsewhere.
-        self.moe_layer_ids = [r.layer_id for r in raw.moe_routers()]
-        for lid in self.moe_layer_ids:
-            acc.declare_metric(f"max_vio/layer_{lid}", "sum")
-        if self.moe_layer_ids:
-            acc.declare_metric("max_vio", "sum")
 
     def _schedule(self, num_chunks: int) -> Any:
         """1F1B (or interleaved 1F1B) over this rank's chunks, with static stage shapes: without them
@@ -173,17 +167,10 @@ class PipelineRunner:
             self.embedding.grad = g
 
     def end_step_moe(self, bias_rate: float, zero_mean: bool) -> None:
-        """Expert-bias update of every chunk of this rank (one collective per chunk, every step); the
-        per-layer load imbalance goes into the step's logging collective."""
-        acc = self.acc
-        owner = acc.groups.token_rank() == 0
+        """Expert-bias update of every chunk of this rank (one collective per chunk, every step); each
+        chunk's ``end_step`` records its layers' load imbalance in the step's logging collective."""
         for moe, routers in self.moes:
-            vio = moe.end_step(routers, bias_rate=bias_rate, zero_mean=zero_mean)
-            if owner:
-                for r in routers:
-                    value = vio[f"max_vio/layer_{r.layer_id}"]
-                    acc.record(f"max_vio/layer_{r.layer_id}", value)
-                    acc.record("max_vio", value / len(self.moe_layer_ids))
+            moe.end_step(routers, bias_rate=bias_rate, zero_mean=zero_mean)
 
     def grad_norm_and_clip(self, max_norm: float) -> float:
         """Global L2 norm of the gradients over all pipeline ranks (the shared embedding counted once, on

@@ -137,7 +137,8 @@ class Trainer:
         self.pipeline = PipelineRunner(cfg, self.raw, self.acc, self.dims, self.device, self._moe_accounting) \
             if cfg.pp > 1 else None
         # Under pipeline parallelism every chunk has its own MoE accounting (see training/pipeline.py).
-        self.moe = self._moe_accounting(len(self.routers)) if self.pipeline is None else None
+        self.moe = self._moe_accounting(len(self.routers), log_layer_ids=[r.layer_id for r in self.routers]) \
+            if self.pipeline is None else None
         self.optimizer = self._build_optimizer()
         self.step = 0
         self.history: list[dict[str, Any]] = []
@@ -255,10 +256,10 @@ class Trainer:
         if cfg.sp:
             sum_replicated_grads_over_tp(list(self.raw.parameters()), self.dims.tp_group)
         acc.finish_step(model)
-        moe_logs = self.moe.end_step(self.routers, bias_rate=self.bias_rate(self.step),
-                                     zero_mean=cfg.bias_zero_mean)
+        # max_vio reaches the log line through acc.logs(), as under pipelining (one route).
+        self.moe.end_step(self.routers, bias_rate=self.bias_rate(self.step), zero_mean=cfg.bias_zero_mean)
         grad_norm = clip_grad_norm(list(self.raw.parameters()), cfg.grad_clip)
-        return self._optimizer_step(grad_norm, moe_logs, t0)
+        return self._optimizer_step(grad_norm, {}, t0)
 
     def _optimizer_step(self, grad_norm: float, extra_logs: dict[str, float], t0: float) -> dict[str, Any]:
         """Step 5 of :meth:`train_step`: learning rate, optimizer step, the logging collective, the log line."""

@@ -1,0 +1,152 @@
+"""Building blocks of the accountant's step protocol (docs/semantics.md §2, §6, §7).
+
+- :class:`ProtocolError` and :class:`StepState`: the one state machine of a step
+  (``IDLE --begin_step--> MICROBATCHES --finish_step--> FINISHED --logs--> IDLE``).
+- :class:`Layout`: named slots of a float64 buffer reduced in one collective (the ``add_state`` idea of
+  torchmetrics: a metric registers its state by name, the buffer is laid out from the registrations).
+- :func:`fingerprint_slots` / :func:`fingerprint_mismatch`: a configuration fingerprint carried by a SUM
+  all-reduce. Every field contributes ``h`` and ``h²`` for two small hashes ``h``; after the reduction over
+  ``n`` ranks, ``n·Σh² = (Σh)²`` holds exactly (integers below 2⁵³) iff every rank has the same ``h``
+  (Cauchy-Schwarz), so every rank reaches the same verdict and can name the differing field.
+- :class:`DeviceChecks`: value checks (NaN/Inf, mask mismatches) recorded on the device without a host
+  synchronization and read once per step, at the logging collective.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import zlib
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["ProtocolError", "StepState", "Layout", "DeviceChecks", "fingerprint_slots", "fingerprint_mismatch",
+           "FINGERPRINT_FIELDS"]
+
+
+class ProtocolError(RuntimeError):
+    """A call out of the step protocol's order (a repeated call, or a call its state does not expect).
+
+    The message names the call that was expected next."""
+
+
+class StepState(enum.Enum):
+    """Where an :class:`~lossparity.distributed.accountant.Accountant` stands in its step."""
+
+    IDLE = "idle"  # expects begin_step
+    MICROBATCHES = "microbatches"  # expects lm_loss (then mtp_loss) per microbatch, then finish_step
+    FINISHED = "finished"  # expects the registered step ends (MoEAccounting.end_step), then logs()
+
+
+class Layout:
+    """Named slots of one flat float64 buffer (reduced in one collective).
+
+    ``add(name, size)`` registers a state; ``zeros()`` builds the buffer; ``sl(name)`` is its slice.
+    ``local`` states are kept on every rank of a tensor-parallel group (not only on the log owner)."""
+
+    def __init__(self) -> None:
+        self._slots: dict[str, tuple[int, int]] = {}
+        self.local: set[str] = set()
+        self.size = 0
+
+    def add(self, name: str, size: int = 1, *, local: bool = False) -> None:
+        """Register state ``name`` of ``size`` slots (names are unique)."""
+        if name in self._slots:
+            raise ValueError(f"state {name!r} is already registered")
+        self._slots[name] = (self.size, size)
+        self.size += size
+        if local:
+            self.local.add(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._slots
+
+    def names(self) -> tuple[str, ...]:
+        """Registered names in buffer order (part of the fingerprint)."""
+        return tuple(self._slots)
+
+    def sl(self, name: str) -> slice:
+        """The slice of state ``name`` in the buffer."""
+        start, size = self._slots[name]
+        return slice(start, start + size)
+
+    def zeros(self, device: torch.device) -> Tensor:
+        """A zero buffer of this layout."""
+        return torch.zeros(self.size, dtype=torch.float64, device=device)
+
+
+# Fixed fingerprint fields (the buffer length may not depend on the configuration: ranks with different
+# buffer lengths crash the collective instead of reporting). Unknown fields hash into "other".
+FINGERPRINT_FIELDS = ("mode", "normalization", "grad_reduction", "fixed_length", "mtp_depths", "mtp_convention",
+                      "mtp_log_estimator", "mtp_weight", "counts", "log_metrics", "moe", "other")
+_COMPONENTS = 2  # independent 14-bit hashes per field: a false match has probability 2^-28
+_BITS = 14
+
+
+def _hashes(value: object) -> list[int]:
+    h = zlib.crc32(repr(value).encode())
+    return [1 + ((h >> (_BITS * i)) & ((1 << _BITS) - 1)) for i in range(_COMPONENTS)]
+
+
+def fingerprint_slots() -> int:
+    """Number of buffer slots of a fingerprint."""
+    return 2 * _COMPONENTS * len(FINGERPRINT_FIELDS)
+
+
+def fingerprint_values(fields: Mapping[str, object]) -> list[float]:
+    """``[h..., h²...]`` of every field of :data:`FINGERPRINT_FIELDS` (missing: ``None``; extra: ``other``)."""
+    known = {k: fields.get(k) for k in FINGERPRINT_FIELDS}
+    known["other"] = sorted((k, repr(v)) for k, v in fields.items() if k not in FINGERPRINT_FIELDS)
+    hs = [float(x) for name in FINGERPRINT_FIELDS for x in _hashes(known[name])]
+    return hs + [h * h for h in hs]
+
+
+def fingerprint_mismatch(reduced: Sequence[float], n_ranks: int) -> list[str]:
+    """Fields whose hashes differ over the ``n_ranks`` ranks of a SUM-reduced fingerprint (same on every rank)."""
+    half = len(reduced) // 2
+    sums, squares = reduced[:half], reduced[half:]
+    bad = [i // _COMPONENTS for i in range(half) if n_ranks * squares[i] != sums[i] * sums[i]]
+    return [FINGERPRINT_FIELDS[i] for i in sorted(set(bad))]
+
+
+class DeviceChecks:
+    """Value checks recorded on the device, reported at the step's logging collective.
+
+    ``flag(name, bad, code)`` keeps a reference to the bool tensor ``bad`` (any shape) and its location
+    ``code`` (a number, or a tensor of ``bad``'s shape): no kernel, no host sync in the hot path.
+    ``counts()`` (at the logging collective, once per step) is the per-check 0/1 "this rank saw a bad
+    value" vector; ``first()`` (a host sync, only on the error path) finds the first failing location."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = tuple(names)
+        self._flags: dict[str, list[tuple[Tensor, Tensor | float]]] = {n: [] for n in self.names}
+
+    def reset(self) -> None:
+        """Start a step: no check has failed."""
+        self._flags = {n: [] for n in self.names}
+
+    def flag(self, name: str, bad: Tensor, code: Tensor | float) -> None:
+        """Remember that ``bad`` (where true) marks a failed check ``name`` at ``code``."""
+        self._flags[name].append((bad, code))
+
+    def counts(self, device: torch.device) -> Tensor:
+        """``[checks]`` float64 on ``device``: 1 where this rank recorded a bad value (a few kernels per step)."""
+        rows = [torch.cat([b.reshape(-1) for b, _ in items]).any().reshape(1).to(device) if items
+                else torch.zeros(1, dtype=torch.bool, device=device) for items in self._flags.values()]
+        if not rows:
+            return torch.zeros(0, dtype=torch.float64, device=device)
+        return torch.cat(rows).to(torch.float64)
+
+    def first(self) -> dict[str, float]:
+        """Smallest failing location code per failed check (host sync: the error path only)."""
+        out: dict[str, float] = {}
+        for name, items in self._flags.items():
+            for bad, code in items:
+                b = bad.detach().cpu().reshape(-1)
+                c = torch.as_tensor(code, dtype=torch.float64).detach().cpu().reshape(-1).expand(b.shape[0])
+                hits = c[b]
+                if hits.numel():
+                    out[name] = min(out.get(name, math.inf), float(hits.min()))
+        return out
