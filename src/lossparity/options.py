@@ -27,6 +27,8 @@ __all__ = [
     "Z_FORMS",
     "ScoreFunction",
     "SCORE_FUNCTIONS",
+    "Engine",
+    "ENGINES",
     "ALIASES",
     "check_option",
 ]
@@ -56,6 +58,11 @@ Z_FORMS: tuple[ZForm, ...] = get_args(ZForm)
 
 ScoreFunction = Literal["softmax", "sigmoid"]
 SCORE_FUNCTIONS: tuple[ScoreFunction, ...] = get_args(ScoreFunction)
+
+# Gradient engine of the trainer: DistributedDataParallel, FSDP2 (fully_shard) or a plain module whose
+# gradients the accountant sums itself.
+Engine = Literal["ddp", "fsdp", "plain"]
+ENGINES: tuple[Engine, ...] = get_args(Engine)
 
 # Spellings accepted for backward compatibility, per option name: old -> canonical.
 ALIASES: dict[str, dict[str, str]] = {

@@ -37,6 +37,7 @@ from ..losses.modes import MODES, check_mode, numerator, unit_count_map
 from ..losses.mtp import check_convention, mtp_numerator, roll_mask
 from ..losses.stats import check_inputs, count_documents, sample_stats
 from .groups import ParallelGroups, resolve_groups
+from .parallel_dims import ParallelDims
 
 __all__ = ["Accountant", "NORMALIZATIONS", "GRAD_REDUCTIONS"]
 
@@ -98,6 +99,8 @@ class Accountant:
         group: data-parallel process group (``None``: the default group if initialized, else single
             process). Mutually exclusive with ``mesh``.
         mesh: ``DeviceMesh`` with named dimensions among ``dp, cp, tp, pp``.
+        dims: a built :class:`~lossparity.distributed.parallel_dims.ParallelDims` (the layout object of the
+            trainer); exclusive with ``group`` and ``mesh``; carries ``sequence_parallel`` itself.
         normalization: ``"precount"`` (default) or ``"deferred"`` (semantics §3).
         grad_reduction: how gradients are reduced over data-parallel ranks: ``"auto"`` (detect DDP/FSDP
             from the module given to ``finish_step``, else all-reduce plain modules), ``"mean"`` (the
@@ -118,6 +121,7 @@ class Accountant:
         *,
         mesh: object | None = None,
         sequence_parallel: bool = False,
+        dims: ParallelDims | None = None,
         normalization: str = "precount",
         grad_reduction: str = "auto",
         fixed_length: int | None = None,
@@ -154,7 +158,7 @@ class Accountant:
         self.mtp_convention = mtp_convention
         self.mtp_log_estimator = mtp_log_estimator
         self.check_finite = check_finite
-        self.groups: ParallelGroups = resolve_groups(group, mesh, sequence_parallel=sequence_parallel)
+        self.groups: ParallelGroups = resolve_groups(group, mesh, sequence_parallel=sequence_parallel, dims=dims)
         self.device = torch.device(device) if device is not None else self._default_device()
         self.mtp_weight = 1.0
         self._metrics: list[str] = []  # declared auxiliary metrics (name -> (num, den) slots)

@@ -12,7 +12,9 @@ accountant and the trackers can ask for *roles* instead of hard-coding groups:
   stages or tensor-parallel replicas it is larger than ``token_group``; ranks that only replicate a
   value (TP peers) contribute zeros, see ``log_owner``.
 
-Built from a ``DeviceMesh`` with named dimensions (``dp``, ``cp``, ``tp``, ``pp``; any subset), from a
+Built from a :class:`~lossparity.distributed.parallel_dims.ParallelDims` (the trainer's single layout
+object, which also carries the expert-parallel groups), from a ``DeviceMesh`` with named dimensions
+(``dp``, ``cp``, ``tp``, ``pp``; any subset), from a
 single process group (taken as the data-parallel group), or from nothing (one process).
 """
 
@@ -21,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
+
+from .parallel_dims import ParallelDims
 
 __all__ = ["ParallelGroups", "resolve_groups"]
 
@@ -44,6 +48,13 @@ class ParallelGroups:
     pp_rank: int = 0
     grad_group: object | None = None
     sequence_parallel: bool = False
+    ep_group: object | None = None
+    edp_group: object | None = None
+    row_group: object | None = None
+    tp_group: object | None = None
+    pp_group: object | None = None
+    cp_group: object | None = None
+    ep_size: int = 1
 
     @property
     def loss_stage(self) -> bool:
@@ -70,25 +81,44 @@ def _size(group: object | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def _from_dims(dims: ParallelDims) -> ParallelGroups:
+    """The roles of a built :class:`ParallelDims` (its groups are created by ``build_mesh``)."""
+    if not dims.built:
+        raise RuntimeError("resolve_groups(dims=...): call dims.build_mesh() on every rank first")
+    return ParallelGroups(
+        token_group=dims.token_group, log_group=dims.log_group, dp_group=dims.dp_group,
+        dp_size=dims.dp, cp_size=dims.cp, tp_size=dims.tp, pp_size=dims.pp, log_owner=dims.log_owner,
+        cp_rank=dims.cp_rank, pp_rank=dims.pp_rank, grad_group=dims.grad_group,
+        sequence_parallel=dims.sp and dims.tp > 1, ep_group=dims.ep_group, edp_group=dims.edp_group,
+        row_group=dims.row_group, tp_group=dims.tp_group, pp_group=dims.pp_group, cp_group=dims.cp_group,
+        ep_size=dims.ep,
+    )
+
+
 def resolve_groups(group: object | None = None, mesh: object | None = None, *,
-                   sequence_parallel: bool = False) -> ParallelGroups:
+                   sequence_parallel: bool = False, dims: ParallelDims | None = None) -> ParallelGroups:
     """Resolve ``group`` (a data-parallel process group) or ``mesh`` (a ``DeviceMesh`` whose dimension
     names are a subset of ``dp, cp, tp, pp``) into a :class:`ParallelGroups`. With
     ``sequence_parallel`` the tensor-parallel ranks hold distinct tokens before the router (Megatron SP),
     so the token group (router counts, MoE sums) includes TP; without it TP ranks hold the same tokens
     and TP is left out. Gradients are always reduced over DP × CP only (``grad_group``).
 
+    ``dims`` (a built :class:`ParallelDims`, exclusive with the others) is the preferred entry point:
+    every role, the expert-parallel ones included, comes from it.
+
     With neither, and ``torch.distributed`` initialized, the default (world) group is taken as the
     data-parallel group; with neither and no process group, a single process is assumed.
     """
-    if group is not None and mesh is not None:
-        raise ValueError("pass either group= or mesh=, not both")
+    if sum(x is not None for x in (group, mesh, dims)) > 1:
+        raise ValueError("pass at most one of group=, mesh= and dims=")
+    if dims is not None:
+        return _from_dims(dims)
     if mesh is None:
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD
         size = _size(group)
         g = group if size > 1 else None
-        return ParallelGroups(g, g, g, size, 1, 1, 1, True, grad_group=g)
+        return ParallelGroups(g, g, g, size, 1, 1, 1, True, grad_group=g, edp_group=g)
     names = tuple(mesh.mesh_dim_names or ())
     unknown = [n for n in names if n not in _DIMS]
     if unknown or not names:
@@ -125,4 +155,9 @@ def resolve_groups(group: object | None = None, mesh: object | None = None, *,
         pp_rank=coord[names.index("pp")] if "pp" in names else 0,
         grad_group=sub(("dp", "cp")),
         sequence_parallel=sequence_parallel and sizes["tp"] > 1,
+        edp_group=sub(("dp", "cp")),
+        row_group=sub(("cp", "tp") if sequence_parallel else ("cp",)),
+        tp_group=sub(("tp",)),
+        pp_group=sub(("pp",)),
+        cp_group=sub(("cp",)),
     )

@@ -1,0 +1,91 @@
+"""ParallelDims: validation messages, and the groups of a built mesh against rank arithmetic.
+
+Expected group memberships are computed here from the layout's rank formula
+``rank = ((p·D + d)·C + c)·T + t`` (pp outermost, tp innermost), independently of the mesh code.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch.distributed as dist
+
+from lossparity.distributed.launch import spawn
+from lossparity.distributed.parallel_dims import ParallelDims
+
+
+@pytest.mark.parametrize("kwargs,world,needle", [
+    ({"dp": 2, "cp": 2}, 8, "--dp × --cp × --tp × --pp = 2×2×1×1 = 4, but the world size is 8"),
+    ({"dp": 3, "ep": 2}, 3, "--ep=2 must divide --dp × --cp"),
+    ({"tp": 1, "sp": True}, 1, "--sp (sequence parallelism) needs --tp > 1"),
+    ({"pp_virtual": 2}, 1, "--pp-virtual=2"),
+    ({"dp": 0}, None, "--dp must be an integer >= 1"),
+    ({"cp": 2, "engine": "fsdp"}, 2, "--engine fsdp"),
+    ({"engine": "zero3"}, 1, "unknown engine 'zero3'"),
+])
+def test_validate_names_the_flags(kwargs, world, needle):
+    dims = ParallelDims(**kwargs)
+    before = repr(dims)
+    with pytest.raises(ValueError) as e:
+        dims.validate(world)
+    assert needle in str(e.value)
+    assert repr(dims) == before  # validate never mutates
+
+
+def test_single_process_has_no_groups():
+    dims = ParallelDims()
+    dims.validate(1)
+    assert dims.build_mesh() is None
+    assert dims.token_group is None and dims.grad_group is None and dims.ep_group is None
+    assert (dims.dp_rank, dims.cp_rank, dims.tp_rank, dims.pp_rank, dims.ep_rank) == (0, 0, 0, 0, 0)
+
+
+def _ranks(group: object | None) -> list[int] | None:
+    return None if group is None else sorted(dist.get_process_group_ranks(group))
+
+
+def _groups(rank: int, world: int, kwargs: dict) -> dict:
+    dims = ParallelDims(**kwargs)
+    dims.build_mesh("cpu")
+    roles = ("token", "row", "grad", "ep", "edp", "dp", "cp", "tp", "pp")
+    out = {r: _ranks(getattr(dims, f"{r}_group")) for r in roles}
+    out["coord"] = (dims.pp_rank, dims.dp_rank, dims.cp_rank, dims.tp_rank, dims.ep_rank)
+    return out
+
+
+def _expected(rank: int, P: int, D: int, C: int, T: int, E: int, sp: bool) -> dict:
+    grid = {((p * D + d) * C + c) * T + t: (p, d, c, t)
+            for p, d, c, t in itertools.product(range(P), range(D), range(C), range(T))}
+    p0, d0, c0, t0 = grid[rank]
+    f0 = d0 * C + c0
+
+    def members(keep) -> list[int] | None:
+        ms = sorted(r for r, q in grid.items() if keep(*q))
+        return ms if len(ms) > 1 else None
+
+    return {
+        "token": members(lambda p, d, c, t: p == p0 and (sp or t == t0)),
+        "row": members(lambda p, d, c, t: p == p0 and d == d0 and (sp or t == t0)),
+        "grad": members(lambda p, d, c, t: p == p0 and t == t0),
+        "ep": members(lambda p, d, c, t: p == p0 and t == t0 and (d * C + c) // E == f0 // E) if E > 1 else None,
+        "edp": members(lambda p, d, c, t: p == p0 and t == t0 and (d * C + c) % E == f0 % E),
+        "dp": members(lambda p, d, c, t: (p, c, t) == (p0, c0, t0)),
+        "cp": members(lambda p, d, c, t: (p, d, t) == (p0, d0, t0)),
+        "tp": members(lambda p, d, c, t: (p, d, c) == (p0, d0, c0)),
+        "pp": members(lambda p, d, c, t: (d, c, t) == (d0, c0, t0)),
+        "coord": (p0, d0, c0, t0, f0 % E),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [
+    {"dp": 2, "cp": 2, "tp": 2, "sp": True, "ep": 2},
+    {"dp": 2, "tp": 2, "pp": 2, "ep": 2},
+])
+def test_groups_match_rank_arithmetic(kwargs):
+    P, D, C, T = (kwargs.get(k, 1) for k in ("pp", "dp", "cp", "tp"))
+    out = spawn(_groups, P * D * C * T, kwargs, timeout_s=120)
+    for rank, got in enumerate(out):
+        want = _expected(rank, P, D, C, T, kwargs.get("ep", 1), kwargs.get("sp", False))
+        assert got == want, (rank, got, want)
