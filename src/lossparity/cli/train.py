@@ -34,7 +34,7 @@ def _train_config(args: argparse.Namespace):
                          "mtp_log_estimator": preset.accountant_kwargs().get("mtp_log_estimator", "token_mean")}
     cfg = TrainConfig(
         model=args.model, model_overrides=overrides, mode=args.mode, normalization=args.normalization,
-        dp=args.dp, cp=args.cp, tp=args.tp, sp=args.sp, pp=args.pp, pp_virtual=args.pp_virtual, ga=args.ga,
+        dp=args.dp, cp=args.cp, tp=args.tp, ep=args.ep, sp=args.sp, pp=args.pp, pp_virtual=args.pp_virtual, ga=args.ga,
         global_batch=args.global_batch, seq_len=args.seq_len, packed=args.packed,
         data=args.data, steps=args.steps, lr=args.lr, seed=args.seed, dtype=args.dtype, recompute=args.recompute,
         engine=args.engine, mtp_convention=args.mtp_convention, mtp_weight=args.mtp_weight,
@@ -112,6 +112,8 @@ def add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--dp", type=int, default=1, help="data-parallel ranks (started here unless under torchrun)")
     t.add_argument("--cp", type=int, default=1, help="context-parallel ranks per data-parallel rank (zig-zag shards)")
     t.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (vocabulary-parallel head)")
+    t.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks, carved out of --dp x --cp (routed experts sharded, all-to-all)")
     t.add_argument("--sp", action="store_true", help="sequence parallelism with --tp (Megatron SP)")
     t.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B; needs --ga >= --pp)")
     t.add_argument("--pp-virtual", type=int, default=1, help="virtual chunks per stage (interleaved 1F1B)")

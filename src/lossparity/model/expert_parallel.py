@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["ExpertParallel", "apply_expert_parallel", "expert_parameters", "reduce_expert_grads"]
+__all__ = ["ExpertParallel", "apply_expert_parallel", "ep_mesh", "expert_parameters", "reduce_expert_grads"]
 
 _WEIGHTS = ("w1", "w3", "w2")
 
@@ -148,6 +148,13 @@ def _partition(name: str, module: nn.Module, mesh: object) -> None:
         if pname in _WEIGHTS:
             sharded = distribute_tensor(p.detach(), mesh, [Shard(0)])
             module.register_parameter(pname, nn.Parameter(sharded, requires_grad=p.requires_grad))
+
+
+def ep_mesh(ep_group: object, device_type: str = "cpu") -> object:
+    """The 1-D ``DeviceMesh`` (dimension ``ep``) of the expert-parallel process group ``ep_group``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(ep_group, device_type, mesh_dim_names=("ep",))
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: object) -> list[nn.Module]:

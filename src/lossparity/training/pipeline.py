@@ -170,12 +170,18 @@ class PipelineRunner:
     def grad_norm_and_clip(self, max_norm: float) -> float:
         """Global L2 norm of the gradients over all pipeline ranks (the shared embedding counted once, on
         the rank of the first chunk), then clipping with that norm."""
-        grads = [p.grad for p in self.params.values() if p.grad is not None]
+        # DTensor gradients (expert shards under expert parallelism): the local shard, summed over its mesh.
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                 for p in self.params.values() if p.grad is not None]
         sq = torch.zeros((), dtype=torch.float64, device=self.t.device)
         for p in self.params.values():
             if p.grad is None or (p is self.embedding and not self.first):
                 continue
-            sq += p.grad.detach().to(torch.float64).pow(2).sum()
+            g = p.grad.detach()
+            part = (g.to_local() if hasattr(g, "to_local") else g).to(torch.float64).pow(2).sum()
+            if hasattr(g, "to_local"):
+                dist.all_reduce(part, group=g.device_mesh.get_group())
+            sq += part
         dist.all_reduce(sq, group=self.pp_group)
         norm = float(sq.sqrt())
         if max_norm > 0 and norm > max_norm and grads:

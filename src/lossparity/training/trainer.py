@@ -69,6 +69,7 @@ class TrainConfig:
     pp: int = 1
     pp_virtual: int = 1
     tp: int = 1
+    ep: int = 1
     sp: bool = False
     cp_zigzag: bool = True
     ga: int = 1
@@ -153,7 +154,9 @@ class TrainConfig:
             if self.pp_virtual > 1 and self.ga % self.pp:
                 raise ValueError(f"interleaved pipelining (pp_virtual={self.pp_virtual}) needs ga divisible by "
                                  f"pp={self.pp}, got ga={self.ga}")
-        for name in ("dp", "cp", "pp", "pp_virtual", "tp", "ga", "global_batch", "seq_len", "steps", "log_interval"):
+        self._validate_ep()
+        for name in ("dp", "cp", "pp", "pp_virtual", "tp", "ep", "ga", "global_batch", "seq_len", "steps",
+                     "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.global_batch % (self.dp * self.ga):
@@ -168,6 +171,21 @@ class TrainConfig:
                              "shard holds only part of a sample's sum)")
         if self.data != "synthetic" and not os.path.exists(self.data):
             raise FileNotFoundError(f"data file not found: {self.data}")
+
+    def _validate_ep(self) -> None:
+        """Expert parallelism: ``ep`` ranks carved out of the ``dp × cp`` ranks (model/expert_parallel.py)."""
+        if self.ep == 1:
+            return
+        if self.ep < 1 or (self.dp * self.cp) % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp*cp={self.dp}*{self.cp}: expert-parallel ranks are carved "
+                             "out of the data- and context-parallel ranks")
+        if self.tp > 1 or self.engine == "fsdp":
+            raise ValueError(f"ep={self.ep} is not combined with tp > 1 or engine='fsdp' yet (got tp={self.tp}, "
+                             f"engine={self.engine!r})")
+        experts = get_config(self.model, **self.model_overrides).num_experts
+        if experts == 0 or experts % self.ep:
+            raise ValueError(f"ep={self.ep} must divide the number of routed experts num_experts={experts} "
+                             f"of model {self.model!r}")
 
     @property
     def microbatch_size(self) -> int:
@@ -332,6 +350,7 @@ class Trainer:
                 raise ValueError("the indexer head is not supported with tensor parallelism yet (it needs every "
                                  "head's attention probabilities)")
             apply_tensor_parallel(raw, self.mesh["tp"], sequence_parallel=cfg.sp)
+        self.dims, self.expert_params = self._expert_parallel(raw)
         self.raw = raw
         fwd = LossForward(raw)
         if self.world > 1 and cfg.engine == "fsdp":
@@ -350,6 +369,9 @@ class Trainer:
                 warnings.simplefilter("ignore", FutureWarning)
                 # Gradients are reduced over DP x CP: context-parallel peers hold the same replica.
                 group = self.mesh["dp", "cp"]._flatten().get_group() if cfg.cp > 1 else None
+                # Expert shards are reduced over the expert-data-parallel group only (finish_step).
+                nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                    fwd, [n for n, p in fwd.named_parameters() if id(p) in {id(q) for q in self.expert_params}])
                 self.model: nn.Module = nn.parallel.DistributedDataParallel(
                     fwd, broadcast_buffers=False, find_unused_parameters=True, process_group=group)
         else:
@@ -359,7 +381,8 @@ class Trainer:
         self.acc = Accountant(cfg.mode, normalization=cfg.normalization, fixed_length=cfg.fixed_length,
                               mtp_depths=depths, mtp_convention=cfg.mtp_convention, device=self.device,
                               mtp_log_estimator=cfg.mtp_log_estimator,
-                              mesh=self.mesh, sequence_parallel=cfg.sp)
+                              **({"dims": self.dims} if self.dims is not None else
+                                 {"mesh": self.mesh, "sequence_parallel": cfg.sp}))
         self.routers = raw.moe_routers()
         if self.model_config.indexer_layer is not None:
             if cfg.pp > 1:
@@ -380,10 +403,26 @@ class Trainer:
         no_decay = [p for n, p in named if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False if cfg.tp > 1 else None)
+            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False if cfg.tp > 1 or cfg.ep > 1 else None)
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.dump = None  # per-sample (n_i, s_i) writer of `lossparity gap`, opened by fit()
+
+    def _expert_parallel(self, raw: GPT) -> tuple[Any, list[nn.Parameter]]:
+        """``cfg.ep > 1``: the layout object with the expert-parallel groups, and the routed experts of
+        ``raw`` sharded over the EP ranks (their parameters returned: reduced over the expert-data-parallel
+        group, never by the engine). ``(None, [])`` otherwise."""
+        cfg = self.cfg
+        if cfg.ep == 1:
+            return None, []
+        from ..distributed.parallel_dims import ParallelDims
+        from ..model.expert_parallel import apply_expert_parallel, ep_mesh, expert_parameters
+
+        dims = ParallelDims(dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, sp=cfg.sp,
+                            pp_virtual=cfg.pp_virtual, engine=cfg.engine)
+        dims.build_mesh(self.device.type)
+        apply_expert_parallel(raw, ep_mesh(dims.ep_group, self.device.type))
+        return dims, expert_parameters(raw)
 
     # ------------------------------------------------------------------ one step
     def mtp_weight(self, step: int) -> float:
@@ -445,7 +484,7 @@ class Trainer:
                 loss.backward()
         if cfg.sp:
             self._sum_replicated_grads_over_tp()
-        acc.finish_step(model)
+        acc.finish_step(model, expert_params=self.expert_params)
         moe_logs = self.moe.end_step(self.routers, bias_rate=self.bias_rate(self.step),
                                      zero_mean=cfg.bias_zero_mean)
         grad_norm = _clip_grad_norm([p for p in self.raw.parameters() if p.grad is not None], cfg.grad_clip)
@@ -485,7 +524,9 @@ class Trainer:
         assert pipe is not None
         pipe.run(mbs, list(segs), list(valids))
         pipe.reduce_grads()
-        acc.finish_step(list(pipe.params.values()))
+        experts = {id(p) for p in self.expert_params}
+        acc.finish_step([p for p in pipe.params.values() if id(p) not in experts],
+                        expert_params=[p for p in pipe.params.values() if id(p) in experts])
         pipe.end_step_moe(self.bias_rate(self.step), cfg.bias_zero_mean)
         return self._optimizer_step(pipe.grad_norm_and_clip(cfg.grad_clip), {}, t0)
 
@@ -511,7 +552,7 @@ class Trainer:
     @property
     def sharded(self) -> bool:
         """Parameters are DTensor shards (FSDP2 or tensor parallel): checkpoints go through DCP."""
-        return self.world > 1 and (self.cfg.engine == "fsdp" or self.cfg.tp > 1)
+        return self.world > 1 and (self.cfg.engine == "fsdp" or self.cfg.tp > 1 or self.cfg.ep > 1)
 
     def _extra_state(self) -> dict[str, Any]:
         return {"step": self.step, "moe": self.moe.state_dict(), "rng": rng_state(),
@@ -669,7 +710,7 @@ def run_training(cfg: TrainConfig) -> list[dict[str, Any]]:
             return Trainer(cfg).fit()
         finally:
             dist.destroy_process_group()
-    world = cfg.dp * cfg.cp * cfg.pp * cfg.tp
+    world = cfg.dp * cfg.cp * cfg.pp * cfg.tp  # expert parallelism adds no ranks
     if world == 1:
         return Trainer(cfg).fit()
     return spawn(_train_entry, world, cfg)[0]

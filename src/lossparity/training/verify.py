@@ -42,6 +42,7 @@ class Layout:
     engine: str = "ddp"
     tp: int = 1
     sp: bool = False
+    ep: int = 1  # expert-parallel ranks, carved out of dp x cp (adds no ranks)
 
 
 DEFAULT_LAYOUTS = (
@@ -100,7 +101,7 @@ def _run_modes(rank: int, world: int, base: dict[str, Any], modes: list[str], la
     for mode in modes:
         cfg = TrainConfig(**{**base, "mode": mode, "dp": layout.dp, "cp": layout.cp, "ga": layout.ga,
                              "pp": layout.pp, "pp_virtual": layout.pp_virtual, "recompute": layout.recompute,
-                             "engine": layout.engine, "tp": layout.tp, "sp": layout.sp,
+                             "engine": layout.engine, "tp": layout.tp, "sp": layout.sp, "ep": layout.ep,
                              "model_overrides": overrides})
         t = Trainer(cfg)
         t.fit()
