@@ -83,3 +83,32 @@ def ep_rank(rank: int, world: int, ep: int, cases: list[tuple[list[float], bool]
                         "local_w1": tuple(layer.experts.w1.to_local().shape),
                         "placements": [str(pl) for pl in layer.experts.w1.placements]})
     return results
+
+
+def trainer_facts(rank: int, world: int, recompute: bool) -> dict:
+    """One step of the reference trainer with ``dp=world, ep=2`` (``world=1``: no EP): how the experts are
+    held and reduced, and the step's dispatch counts (summed over ranks, read just before the reset)
+    and lagged top-k counts."""
+    from lossparity.training.trainer import TrainConfig, Trainer
+
+    ep = 2 if world > 1 else 1
+    t = Trainer(TrainConfig(dp=world, ep=ep, ga=2, steps=1, global_batch=4, seq_len=16, packed=True,
+                            dtype="float64", recompute=recompute, progress=False, tensorboard=False))
+    dispatch = []
+    for r in t.routers:
+        def reset(r=r, orig=r.reset_counts):
+            dispatch.append(r.tokens_per_expert.clone())
+            orig()
+        r.reset_counts = reset
+    t.fit()
+    dispatch = torch.stack(dispatch)
+    if world > 1:
+        dist.all_reduce(dispatch)
+    experts = t.raw.layers[1].ffn.experts
+    sharded = hasattr(experts.w1, "placements")
+    return {"placements": [str(p) for p in experts.w1.placements] if sharded else None,
+            "local_experts": experts.w1.to_local().shape[0] if sharded else experts.w1.shape[0],
+            "router_sharded": hasattr(t.raw.layers[1].ffn.router.weight, "placements"),
+            "ddp_ignored": sorted(getattr(t.model, "parameters_to_ignore", ())),
+            "expert_params": len(t.expert_params), "dispatch": dispatch,
+            "lagged": t.moe.lagged_counts.clone(), "tokens": float(t.moe.lagged_tokens)}

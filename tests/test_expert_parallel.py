@@ -67,3 +67,49 @@ def test_refuses_non_dividing_ep_and_non_experts():
         _check_shardable(layer.experts, SimpleNamespace(ndim=2, size=lambda: 4))
     with pytest.raises(ValueError, match="lacks"):
         _check_shardable(layer.router, SimpleNamespace(ndim=1, size=lambda: 2))
+
+
+def test_trainer_shards_experts_and_counts_each_token_once_under_recompute():
+    from _ep_workers import trainer_facts
+
+    single = trainer_facts(0, 1, False)
+    out = spawn(trainer_facts, 2, True, timeout_s=120)
+    assert single["dispatch"].sum() > 0
+    for r in out:
+        assert r["placements"] == ["S(0)"] and r["local_experts"] == single["local_experts"] // 2
+        assert not r["router_sharded"]  # the router is replicated: EP only moves the expert computation
+        # Every expert shard of every MoE layer (main layers and the MTP block) is left to the accountant.
+        n_moe = len(single["dispatch"])
+        assert r["expert_params"] == 3 * n_moe
+        assert len(r["ddp_ignored"]) == 3 * n_moe and all(".experts.w" in n for n in r["ddp_ignored"])
+        # Recompute re-runs the all-to-all but counts nothing: dispatch and top-k counts equal one
+        # single-process forward of the same global batch.
+        assert torch.equal(r["dispatch"], single["dispatch"])
+        assert torch.equal(r["lagged"], single["lagged"]) and r["tokens"] == single["tokens"]
+
+
+def test_ep_trainer_layouts_match_single_process():
+    from lossparity.training.verify import Layout, format_table, run_verify
+
+    layouts = (Layout("1x1", 1, 1), Layout("D2xE2xK2+recompute", 2, 2, True, ep=2))
+    report = run_verify(layouts, ("per_sample",), steps=2, progress=False)
+    assert all(r["pass"] for r in report["rows"]), format_table(report)
+    # Deferred normalization with the plain engine: the accountant divides the expert shards too, once.
+    # (Indexer off: its share divides by the step's router-token count, which deferred does not pre-count.)
+    layouts = (Layout("D2xE2+plain", 2, 1, ep=2, engine="plain", indexer=False),)
+    overrides = {"normalization": "deferred", "mtp_convention": "main", "aux_scope": "none", "z_coeff": 0.0}
+    report = run_verify(layouts, ("per_token",), steps=2, progress=False, overrides=overrides)
+    assert all(r["pass"] for r in report["rows"]), format_table(report)
+
+
+def test_trainer_refuses_bad_ep_before_any_state():
+    from lossparity.training.trainer import TrainConfig
+
+    with pytest.raises(ValueError, match=r"ep=3 must divide dp\*cp=2\*1"):
+        TrainConfig(dp=2, ep=3).validate()
+    with pytest.raises(ValueError, match="ep=2 must divide the number of routed experts num_experts=3"):
+        TrainConfig(dp=2, ep=2, model_overrides={"num_experts": 3, "topk": 1}).validate()
+    with pytest.raises(ValueError, match="ep=2 is not combined with tp > 1"):
+        TrainConfig(dp=2, tp=2, ep=2).validate()
+    with pytest.raises(ValueError, match="ep must be >= 1"):
+        TrainConfig(ep=0).validate()

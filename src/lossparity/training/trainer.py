@@ -174,9 +174,11 @@ class TrainConfig:
 
     def _validate_ep(self) -> None:
         """Expert parallelism: ``ep`` ranks carved out of the ``dp × cp`` ranks (model/expert_parallel.py)."""
+        if self.ep < 1:
+            raise ValueError(f"ep must be >= 1, got {self.ep}")
         if self.ep == 1:
             return
-        if self.ep < 1 or (self.dp * self.cp) % self.ep:
+        if (self.dp * self.cp) % self.ep:
             raise ValueError(f"ep={self.ep} must divide dp*cp={self.dp}*{self.cp}: expert-parallel ranks are carved "
                              "out of the data- and context-parallel ranks")
         if self.tp > 1 or self.engine == "fsdp":
