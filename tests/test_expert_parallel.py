@@ -105,11 +105,11 @@ def test_ep_trainer_layouts_match_single_process():
 def test_trainer_refuses_bad_ep_before_any_state():
     from lossparity.training.trainer import TrainConfig
 
-    with pytest.raises(ValueError, match=r"ep=3 must divide dp\*cp=2\*1"):
+    with pytest.raises(ValueError, match=r"--ep=3 must divide --dp × --cp = 2×1"):
         TrainConfig(dp=2, ep=3).validate()
-    with pytest.raises(ValueError, match="ep=2 must divide the number of routed experts num_experts=3"):
+    with pytest.raises(ValueError, match="--ep=2 must divide the number of routed experts num_experts=3"):
         TrainConfig(dp=2, ep=2, model_overrides={"num_experts": 3, "topk": 1}).validate()
-    with pytest.raises(ValueError, match="ep=2 is not combined with tp > 1"):
+    with pytest.raises(ValueError, match="--ep=2 is not combined with --tp=2"):
         TrainConfig(dp=2, tp=2, ep=2).validate()
-    with pytest.raises(ValueError, match="ep must be >= 1"):
+    with pytest.raises(ValueError, match="--ep must be an integer >= 1"):
         TrainConfig(ep=0).validate()

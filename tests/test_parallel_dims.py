@@ -89,3 +89,34 @@ def test_groups_match_rank_arithmetic(kwargs):
     for rank, got in enumerate(out):
         want = _expected(rank, P, D, C, T, kwargs.get("ep", 1), kwargs.get("sp", False))
         assert got == want, (rank, got, want)
+
+
+@pytest.mark.parametrize("name, want", [
+    ("D2xC2xT2+SPxK2+recompute", dict(dp=2, cp=2, tp=2, sp=True, ga=2, recompute=True, pp=1)),
+    ("T2xC2", dict(dp=1, cp=2, tp=2, sp=False, ga=1)),
+    ("P2xV2", dict(pp=2, pp_virtual=2, ga=2)),  # an omitted K is P under a pipeline
+    ("D2xK2+fsdp", dict(dp=2, ga=2, engine="fsdp")),
+    ("K=4", dict(dp=1, ga=4)),
+])
+def test_layout_grammar(name, want):
+    from lossparity.training.verify import parse_layout
+
+    lay = parse_layout(name)
+    assert {k: getattr(lay, k) for k in want} == want
+
+
+@pytest.mark.parametrize("name, needle", [
+    ("D2xQ2", "cannot read 'Q2'"),
+    ("D2xD2", "cannot read 'D2'"),
+    ("V2xP2", "cannot read 'V2'"),
+    ("D2xE2xK2", "expert parallelism"),
+    ("C2xK2+fsdp", "--engine fsdp"),
+    ("T1+SP", "--sp (sequence parallelism) needs --tp > 1"),
+    ("D3", "not divisible by dp*ga=3*1"),
+])
+def test_layout_grammar_refuses_with_the_reason(name, needle):
+    from lossparity.training.verify import parse_layout
+
+    with pytest.raises(ValueError) as e:
+        parse_layout(name)
+    assert name in str(e.value) and needle in str(e.value)

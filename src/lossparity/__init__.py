@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Accountant": "lossparity.distributed.accountant",
+    "ParallelDims": "lossparity.distributed.parallel_dims",
     "MODES": "lossparity.losses.modes",
     "Normalizers": "lossparity.losses.modes",
     "denominator": "lossparity.losses.modes",

@@ -76,15 +76,27 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from ..losses.modes import MODES
-    from ..training.verify import DEFAULT_LAYOUTS, QUICK_LAYOUTS, format_table, run_verify, write_json
+    from ..training.verify import (
+        DEFAULT_LAYOUTS,
+        FULL_LAYOUTS,
+        QUICK_LAYOUTS,
+        format_table,
+        parse_layouts,
+        run_verify,
+        write_json,
+    )
 
     modes = tuple(args.modes.split(",")) if args.modes else MODES
     for m in modes:
         if m not in MODES:
             raise UsageError(f"unknown mode {m!r}; valid modes: {', '.join(MODES)}")
-    layouts = QUICK_LAYOUTS if args.quick else DEFAULT_LAYOUTS
-    if args.quick and args.full:
-        raise UsageError("--quick and --full exclude each other")
+    if sum(map(bool, (args.quick, args.full, args.layouts))) > 1:
+        raise UsageError("--quick, --full and --layouts exclude each other")
+    try:
+        layouts = parse_layouts(args.layouts) if args.layouts else \
+            QUICK_LAYOUTS if args.quick else FULL_LAYOUTS if args.full else DEFAULT_LAYOUTS
+    except ValueError as e:
+        raise UsageError(f"--layouts: {e}") from None
     steps = args.steps if args.steps else (2 if args.quick else 5 if args.full else 3)
     overrides = {"aux_scope": args.aux_scope}
     print(f"lossparity verify: tiny MoE+MTP model, {len(layouts)} layouts x {len(modes)} modes, {steps} steps, "

@@ -88,7 +88,7 @@ class ParallelDims:
     def grad_engine(self) -> Engine:
         """The engine that actually reduces gradients: ``plain`` (the accountant sums them) under tensor
         or pipeline parallelism, where parameters are DTensor shards or stage-local; else ``engine``."""
-        return "plain" if (self.tp > 1 or self.pp > 1) and self.engine != "fsdp" else self.engine
+        return "plain" if self.tp > 1 or self.pp > 1 else self.engine
 
     def describe(self) -> str:
         """A short name of the layout, e.g. ``dp=2 cp=2 tp=2+sp pp=1 ep=1``."""
@@ -102,7 +102,7 @@ class ParallelDims:
 
         Checks: every size is an int >= 1; ``dp·cp·tp·pp == world_size`` (when given); ``ep`` divides
         ``dp·cp``; ``sp`` needs ``tp > 1``; ``pp_virtual > 1`` needs ``pp > 1``; the engine is known and
-        ``fsdp`` is not combined with ``cp``, ``pp`` or ``ep``.
+        ``fsdp`` is not combined with ``cp``, ``tp``, ``pp`` or ``ep``.
         """
         for name in ("dp", "cp", "tp", "pp", "ep", "pp_virtual"):
             value = getattr(self, name)
@@ -121,8 +121,8 @@ class ParallelDims:
         if self.pp_virtual > 1 and self.pp < 2:
             raise ValueError(f"--pp-virtual={self.pp_virtual} (interleaved pipeline) needs --pp > 1, "
                              f"got --pp={self.pp}")
-        if self.engine == "fsdp" and (self.cp > 1 or self.pp > 1 or self.ep > 1):
-            raise ValueError(f"--engine fsdp is supported with --dp and --tp only (got --cp={self.cp}, "
+        if self.engine == "fsdp" and (self.cp > 1 or self.tp > 1 or self.pp > 1 or self.ep > 1):
+            raise ValueError(f"--engine fsdp is supported with --dp only (got --cp={self.cp}, --tp={self.tp}, "
                              f"--pp={self.pp}, --ep={self.ep})")
 
     # ------------------------------------------------------------------ mesh

@@ -10,10 +10,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .rope import apply_rope, rope_cos_sin
+from .sequence_parallel import sp_gather, sp_shard
 
 __all__ = ["attention_mask", "Attention", "Indexer"]
 
@@ -86,16 +88,44 @@ class Indexer(nn.Module):
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
         self.wk = nn.Linear(dim, head_dim, bias=False)
         self.ww = nn.Linear(dim, n_heads, bias=False)
+        # Layout of the main attention around it (set by GPT.enable_context_parallel and by tensor
+        # parallelism): keys are gathered over CP; the target heads over TP; under SP this rank scores
+        # only its slice of the queries.
+        self.cp = None
+        self.tp_mesh = None
+        self.sequence_parallel = False
+
+    def target(self, probs: Tensor) -> Tensor:
+        """The KL target for this rank's queries from the main attention probabilities of its heads
+        ``[B, H_local, Sq, Sk]``: every head (all-gathered over TP, in head order: column-wise sharding
+        gives rank ``r`` a contiguous block of heads), queries cut to this rank's SP slice."""
+        if self.tp_mesh is None:
+            return probs
+        group = self.tp_mesh.get_group()
+        parts = [torch.empty_like(probs) for _ in range(self.tp_mesh.size())]
+        dist.all_gather(parts, probs.contiguous(), group=group)
+        full = torch.cat(parts, dim=1)
+        return sp_shard(full, self.tp_mesh, dim=2) if self.sequence_parallel else full
 
     def forward(self, x: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
-        """Indexer logits ``[B, S, S]`` in ``max(dtype, float32)`` for the attention input ``x [B, S, dim]``
-        (detached here), with ``-inf`` where ``mask [B|1, 1, S, S]`` is False."""
+        """Indexer logits ``[B, Sq, Sk]`` in ``max(dtype, float32)`` for the attention input ``x [B, S, dim]``
+        (detached here), with ``-inf`` where ``mask [B|1, 1, S, Sk]`` is False. ``positions [B, S]`` are
+        those of the attention's queries. Under context parallelism the keys of every shard are gathered
+        (``Sk`` in the mask's key order); under sequence parallelism ``x`` is this TP rank's slice of the
+        queries, and the keys are scored from the all-gathered sequence."""
         x = x.detach()
-        B, S, _ = x.shape
+        B, Sq, _ = x.shape
         dtype = torch.promote_types(self.wq.weight.dtype, torch.float32)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, dtype)
-        q = apply_rope(self.wq(x).view(B, S, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.wk(x).view(B, S, 1, self.head_dim), cos, sin)
+        x_keys, cos_q, sin_q = x, cos, sin
+        if self.sequence_parallel:
+            x_keys = sp_gather(x, self.tp_mesh, 1, partial_grad=False)
+            cos_q, sin_q = sp_shard(cos, self.tp_mesh), sp_shard(sin, self.tp_mesh)
+            mask = sp_shard(mask, self.tp_mesh, dim=2)
+        q = apply_rope(self.wq(x).view(B, Sq, self.n_heads, self.head_dim), cos_q, sin_q)
+        k = apply_rope(self.wk(x_keys).view(B, x_keys.shape[1], 1, self.head_dim), cos, sin)
+        if self.cp is not None:
+            k = self.cp.gather(k, dim=1)  # with autograd: each shard's keys get their gradient back
         w = self.ww(x) / math.sqrt(self.n_heads)
         # The scores feed a KL against float32 attention probabilities: keep them out of bf16 autocast.
         with torch.autocast(device_type=x.device.type, enabled=False):

@@ -38,7 +38,7 @@ class Block(nn.Module):
         attn, probs = self.attention(a_in, cos, sin, mask, return_probs=self.indexer is not None)
         indexer = None
         if self.indexer is not None:
-            indexer = (probs, self.indexer(a_in, positions, mask))
+            indexer = (self.indexer.target(probs), self.indexer(a_in, positions, mask))
         h = x + attn
         record = None
         if isinstance(self.ffn, MoE):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .attention import Attention, attention_mask
+from .attention import Attention, Indexer, attention_mask
 from .block import Block
 from .config import ModelConfig
 from .context_parallel import ContextParallel
@@ -21,6 +21,7 @@ from .norm import RMSNorm
 from .recompute import checkpoint
 from .rope import positions_from_segments, rope_cos_sin
 from .router import Router, RouterRecord
+from .sequence_parallel import sp_gather, sp_shard
 
 __all__ = ["ModelOutput", "GPT"]
 
@@ -92,13 +93,10 @@ class GPT(nn.Module):
     def enable_context_parallel(self, cp: ContextParallel | None) -> None:
         """Shard every sequence over ``cp`` (``None`` switches it off). ``forward`` then takes whole rows and
         returns the outputs of this rank's positions ``cp.columns(S)`` only."""
-        if cp is not None and self.config.indexer_layer is not None:
-            raise ValueError("the indexer head is not supported with context parallelism (it needs every key's "
-                             "indexer score on every shard)")
         self.cp = cp
         for m in self.modules():
-            if isinstance(m, Attention):
-                m.cp = cp
+            if isinstance(m, (Attention, Indexer)):
+                m.cp = cp  # keys of every shard are gathered (attention and indexer alike)
 
     def prepare(self, tokens: Tensor, *, segment_ids: Tensor | None = None, positions: Tensor | None = None
                 ) -> ForwardContext:
@@ -123,8 +121,6 @@ class GPT(nn.Module):
             mtp_tokens = [t[:, cols] for t in mtp_tokens]
         valid = None if segment_ids is None else segment_ids != 0
         if self.sp_mesh is not None and valid is not None:
-            from .tensor_parallel import sp_shard
-
             valid = sp_shard(valid, self.sp_mesh)  # routers see this rank's slice of the sequence
         dtype = torch.promote_types(self.tok_embeddings.weight.dtype, torch.float32)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype)
@@ -134,8 +130,6 @@ class GPT(nn.Module):
         """Token embeddings; under sequence parallelism this rank's slice of the sequence."""
         h = self.tok_embeddings(tokens)
         if self.sp_mesh is not None:
-            from .tensor_parallel import sp_shard
-
             h = sp_shard(h, self.sp_mesh)
         return h
 
@@ -143,8 +137,6 @@ class GPT(nn.Module):
         # The loss code applies the (vocabulary-parallel) head to every position on every TP rank.
         if self.sp_mesh is None:
             return h
-        from .tensor_parallel import sp_gather
-
         return sp_gather(h, self.sp_mesh, 1, partial_grad=False)
 
     def run_layers(self, h: Tensor, ctx: ForwardContext, layer_ids: range, *, recompute: bool = False

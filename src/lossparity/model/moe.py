@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from .mlp import SwiGLU
 from .router import Router, RouterRecord
+from .sequence_parallel import sp_gather, sp_reduce_scatter
 
 __all__ = ["GroupedExperts", "MoE"]
 
@@ -81,8 +82,6 @@ class MoE(nn.Module):
             # Sequence parallel: this rank routed its slice of the sequence; the TP-sharded experts need
             # every token, so tokens, gates and routing map are gathered and the partial outputs
             # reduce-scattered back to the slices (Megatron's all-gather token dispatcher).
-            from .tensor_parallel import sp_gather, sp_reduce_scatter
-
             E = gates.shape[-1]
             xg = sp_gather(x, mesh, 1, partial_grad=True).reshape(-1, D)
             gg = sp_gather(gates.view(B, S, E), mesh, 1, partial_grad=True).reshape(-1, E)

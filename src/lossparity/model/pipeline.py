@@ -63,14 +63,16 @@ class AuxInject(torch.autograd.Function):
 class StageModule(nn.Module):
     """One pipeline chunk of a :class:`GPT` (see the module docstring).
 
-    ``aux_fn(records, microbatch)`` returns the auxiliary share of this chunk's router records (or
-    ``None``); it is called once per microbatch forward, never during a recompute re-run (the re-run is
-    inside the blocks' checkpoints). The last chunk outputs ``[1 + Dm, b, S, dim]``: the final-normed
+    ``aux_fn(records, microbatch, indexer)`` returns the auxiliary share of this chunk's router records
+    and of the indexer head's outputs when the chunk holds the indexer layer (or ``None``); it is called
+    once per microbatch forward, never during a recompute re-run (the re-run is inside the blocks'
+    checkpoints). The last chunk outputs ``[1 + Dm, b, S, dim]``: the final-normed
     hidden states of the main model and of every MTP depth.
     """
 
     def __init__(self, gpt: GPT, chunk: int, num_chunks: int, layer_ids: range, *, recompute: bool = False,
-                 aux_fn: Callable[[list[RouterRecord], int], Tensor | None] | None = None) -> None:
+                 aux_fn: Callable[[list[RouterRecord], int, tuple[Tensor, Tensor] | None], Tensor | None]
+                 | None = None) -> None:
         super().__init__()
         self.chunk, self.num_chunks, self.layer_ids = chunk, num_chunks, layer_ids
         self.first, self.last = chunk == 0, chunk == num_chunks - 1
@@ -101,13 +103,15 @@ class StageModule(nn.Module):
         mb = self._next
         ctx = self.contexts[mb]
         self._next += 1
-        h = gpt.tok_embeddings(x) if self.first else x
-        h, records, _ = gpt.run_layers(h, ctx, self.layer_ids, recompute=self.recompute)
+        # First chunk: the context's tokens are the microbatch's, cut to this rank's columns under context
+        # parallelism (``x`` holds whole rows); ``embed`` keeps this TP rank's slice under SP.
+        h = gpt.embed(ctx.tokens) if self.first else x
+        h, records, indexer = gpt.run_layers(h, ctx, self.layer_ids, recompute=self.recompute)
         if self.last:
             hidden, mtp_hidden, mtp_records = gpt.run_head(h, ctx, recompute=self.recompute)
             records = records + mtp_records
             out = torch.stack([hidden, *mtp_hidden])
         else:
             out = h
-        aux = self.aux_fn(records, mb) if self.aux_fn is not None else None
+        aux = self.aux_fn(records, mb, indexer) if self.aux_fn is not None else None
         return AuxInject.apply(out, aux) if aux is not None else out

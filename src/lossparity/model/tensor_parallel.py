@@ -21,36 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .attention import Attention
+from .attention import Attention, Indexer
 from .mlp import SwiGLU
 from .moe import GroupedExperts, MoE
+from .sequence_parallel import sp_gather, sp_reduce_scatter, sp_shard
 
 __all__ = ["apply_tensor_parallel", "sp_gather", "sp_reduce_scatter", "sp_shard"]
-
-
-def sp_shard(x: Tensor, mesh: object, dim: int = 1) -> Tensor:
-    """This TP rank's contiguous slice of ``x`` along ``dim`` (sequence parallelism; the gradient of the
-    other slices is zero here and is summed over TP with the replicated parameters' gradients)."""
-    size = x.shape[dim] // mesh.size()
-    return x.narrow(dim, mesh.get_local_rank() * size, size)
-
-
-def sp_gather(x: Tensor, mesh: object, dim: int = 1, *, partial_grad: bool) -> Tensor:
-    """All-gather the sequence shards along ``dim`` (DTensor ``Shard -> Replicate``). ``partial_grad``:
-    the consumer computes TP-partial results (sharded weights), so the backward reduce-scatters;
-    otherwise the consumer is replicated compute and the backward just takes this rank's slice."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-
-    full = DTensor.from_local(x, mesh, [Shard(dim)]).redistribute(mesh, [Replicate()])
-    return full.to_local(grad_placements=[Partial()] if partial_grad else [Replicate()])
-
-
-def sp_reduce_scatter(x: Tensor, mesh: object, dim: int = 1) -> Tensor:
-    """Sum TP-partial ``x`` over the TP ranks and keep this rank's slice along ``dim`` (``Partial ->
-    Shard``; backward: all-gather)."""
-    from torch.distributed.tensor import DTensor, Partial, Shard
-
-    return DTensor.from_local(x, mesh, [Partial()]).redistribute(mesh, [Shard(dim)]).to_local()
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -132,8 +108,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: object, *, sequence_paralle
                                                  "wv": ColwiseParallel(), "wo": row_out})
             module.n_heads //= tp
             module.n_kv_heads //= tp
-            if module.cp is not None:
-                raise ValueError("tensor and context parallelism together are not supported yet")
         elif isinstance(module, SwiGLU):
             if sequence_parallel:
                 parallelize_module(module, tp_mesh, PrepareModuleInput(
@@ -147,5 +121,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: object, *, sequence_paralle
                 module.tp_region = None  # the MoE layer gathers tokens and reduce-scatters itself
         elif isinstance(module, MoE) and sequence_parallel:
             module.sp_mesh = tp_mesh
+        elif isinstance(module, Indexer):  # replicated; its KL target gathers the heads of every TP rank
+            module.tp_mesh = tp_mesh
+            module.sequence_parallel = sequence_parallel
     if sequence_parallel:
         model.sp_mesh = tp_mesh

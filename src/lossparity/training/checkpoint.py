@@ -89,11 +89,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_sharded_checkpoint(directory: str, step: int, model: Any, optimizer: Any, extra: dict[str, Any]) -> str:
-    """Sharded checkpoint (FSDP2 / tensor-parallel DTensors) with ``torch.distributed.checkpoint``:
-    every rank writes its shards into ``.tmp-step_<n>/``, then its own ``extra_rank<r>.pt`` (RNG states,
-    step, MoE state); after a barrier rank 0 renames the folder to ``step_<n>/`` (atomic) and points
-    ``latest`` at it. A crash before the rename leaves the previous checkpoint as ``latest``."""
+def save_sharded_checkpoint(directory: str, step: int, model: Any, optimizer: Any, extra: dict[str, Any], *,
+                            state: dict[str, Any] | None = None) -> str:
+    """Sharded checkpoint (FSDP2 / tensor-parallel DTensors, pipeline stages) with
+    ``torch.distributed.checkpoint``: every rank writes its shards into ``.tmp-step_<n>/``, then its own
+    ``extra_rank<r>.pt`` (RNG states, step); after a barrier rank 0 renames the folder to ``step_<n>/``
+    (atomic) and points ``latest`` at it. A crash before the rename leaves the previous checkpoint as
+    ``latest``. ``state``: the (FQN-keyed) state to write instead of ``get_state_dict(model, optimizer)``
+    (the trainer passes a layout-independent one, see ``Trainer.distributed_state``)."""
     import shutil
 
     import torch.distributed as dist
@@ -108,8 +111,10 @@ def save_sharded_checkpoint(directory: str, step: int, model: Any, optimizer: An
         os.makedirs(directory, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    if state is None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    dcp.save(state, checkpoint_id=tmp)
     atomic_save(extra, os.path.join(tmp, f"extra_rank{rank}.pt"))
     dist.barrier()
     if rank == 0:
@@ -120,9 +125,12 @@ def save_sharded_checkpoint(directory: str, step: int, model: Any, optimizer: An
     return final
 
 
-def load_sharded_latest(directory: str, model: Any, optimizer: Any) -> dict[str, Any] | None:
+def load_sharded_latest(directory: str, model: Any, optimizer: Any, *,
+                        state: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Restore the newest :func:`save_sharded_checkpoint` into ``model``/``optimizer`` (resharding as
-    ``torch.distributed.checkpoint`` does) and return this rank's ``extra``; ``None`` without one."""
+    ``torch.distributed.checkpoint`` does) and return this rank's ``extra`` (rank 0's when the checkpoint
+    was written by fewer ranks); ``None`` without one. ``state``: load into this state dict in place
+    instead (its keys and shapes say what to read; the caller applies it)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -132,8 +140,14 @@ def load_sharded_latest(directory: str, model: Any, optimizer: Any) -> dict[str,
         return None
     with open(pointer) as f:
         path = os.path.join(directory, f.read().strip())
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return torch.load(os.path.join(path, f"extra_rank{dist.get_rank()}.pt"), map_location="cpu", weights_only=False)
+    if state is not None:
+        dcp.load(state, checkpoint_id=path)
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    extra = os.path.join(path, f"extra_rank{dist.get_rank()}.pt")
+    if not os.path.exists(extra):  # resumed into a layout with more ranks than the one that saved
+        extra = os.path.join(path, "extra_rank0.pt")
+    return torch.load(extra, map_location="cpu", weights_only=False)

@@ -18,33 +18,35 @@ it holds (:mod:`lossparity.model.pipeline`). Per step, on every rank:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..distributed.accountant import Accountant
 from ..distributed.moe_accounting import MoEAccounting
+from ..distributed.parallel_dims import ParallelDims
 from ..losses.mtp import roll_mtp
+from ..model import GPT
 from ..model.pipeline import StageModule, chunks_of_rank, split_layers
 from ..model.router import RouterRecord
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .trainer import Trainer
+from ..model.sequence_parallel import sp_shard
+from .forward import head_loss_fn, indexer_share
+from .grads import clip_grad_norm
 
 __all__ = ["PipelineRunner"]
 
 
 class PipelineRunner:
-    """The pipeline half of a :class:`Trainer` with ``cfg.pp > 1`` (see the module docstring)."""
+    """The pipeline half of a trainer with ``cfg.pp > 1`` (see the module docstring). ``moe_factory(n,
+    **kw)`` builds the MoE accounting of a chunk with ``n`` routers (the trainer's settings)."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
-
-        self.t = trainer
-        cfg, raw = trainer.cfg, trainer.raw
-        self.pp_group = trainer.mesh.get_group("pp")
-        self.pp_rank = trainer.mesh.get_coordinate()[trainer.mesh.mesh_dim_names.index("pp")]
+    def __init__(self, cfg: Any, raw: GPT, acc: Accountant, dims: ParallelDims, device: torch.device,
+                 moe_factory: Callable[..., MoEAccounting]) -> None:
+        self.cfg, self.raw, self.acc, self.dims, self.device = cfg, raw, acc, dims, device
+        self.pp_group, self.pp_rank = dims.pp_group, dims.pp_rank
         num_chunks = cfg.pp * cfg.pp_virtual
         ranges = split_layers(len(raw.layers), num_chunks)
         self.chunk_ids = chunks_of_rank(self.pp_rank, cfg.pp, cfg.pp_virtual)
@@ -55,85 +57,101 @@ class PipelineRunner:
         for c in self.chunk_ids:
             module = StageModule(raw, c, num_chunks, ranges[c], recompute=cfg.recompute)
             routers = module.routers()
-            moe = MoEAccounting(trainer.acc, len(routers), max(raw.config.num_experts, 1), max(raw.config.topk, 1),
-                                scope=cfg.aux_scope, aux_coeff=cfg.aux_coeff, z_coeff=cfg.z_coeff,
-                                z_form=cfg.z_form, log_layers=total_moe, declare=total_moe > 0,
-                                megatron_quirks=cfg.megatron_quirks)
+            moe = moe_factory(len(routers), log_layers=total_moe, declare=total_moe > 0)
             module.aux_fn = self._aux_fn(moe, routers)
             self.stages.append(module)
             self.moes.append((moe, routers))
-        # Static stage metadata: without it, PipelineStage infers shapes by running a forward and a backward
-        # of the first microbatch, which would consume a microbatch context and record auxiliary losses.
-        b, S, dim = cfg.microbatch_size, cfg.seq_len, raw.config.dim
+        self.schedule = self._schedule(num_chunks)
+        # Parameters this rank owns (distinct objects over its chunks): the optimizer's and the checkpoint's.
+        owned = {id(p) for m in self.stages for p in m.parameters()}
+        self.params = {name: p for name, p in raw.named_parameters() if id(p) in owned}
+        self.embedding = raw.tok_embeddings.weight
+        self.shares_embedding = bool(len(raw.mtp))
+        self._batch: list[dict[str, Any]] = []
+        self._loss_mb = 0
+        self._cols: Tensor | None = None
+        # Expert-load metrics of every MoE layer, declared on every rank (same collective layout); each is
+        # recorded by the first token-group rank of the stage that owns the layer, zeros elsewhere.
+        self.moe_layer_ids = [r.layer_id for r in raw.moe_routers()]
+        for lid in self.moe_layer_ids:
+            acc.declare_metric(f"max_vio/layer_{lid}", "sum")
+        if self.moe_layer_ids:
+            acc.declare_metric("max_vio", "sum")
+
+    def _schedule(self, num_chunks: int) -> Any:
+        """1F1B (or interleaved 1F1B) over this rank's chunks, with static stage shapes: without them
+        PipelineStage infers shapes by running a forward and a backward of the first microbatch, which
+        would consume a microbatch context and record auxiliary losses. Shapes are per rank: under CP a
+        stage holds ``S/C`` positions, under SP the hidden state between stages ``S/(C·T)``."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+        cfg, raw = self.cfg, self.raw
+        b, dim = cfg.microbatch_size, raw.config.dim
+        s_local = cfg.seq_len // cfg.cp
+        s_between = s_local // cfg.tp if cfg.sp else s_local
         dtype = raw.tok_embeddings.weight.dtype
         # requires_grad on the example: the received activation buffers copy it, and the backward of a
         # stage only sends a gradient for inputs that require one.
-        hidden = torch.empty(b, S, dim, dtype=dtype, device=trainer.device, requires_grad=True)
-        stacked = torch.empty(1 + len(raw.mtp), b, S, dim, dtype=dtype, device=trainer.device)
-        tokens = torch.empty(b, S, dtype=torch.long, device=trainer.device)
-        pstages = [PipelineStage(m, c, num_chunks, trainer.device, group=self.pp_group,
+        hidden = torch.empty(b, s_between, dim, dtype=dtype, device=self.device, requires_grad=True)
+        stacked = torch.empty(1 + len(raw.mtp), b, s_local, dim, dtype=dtype, device=self.device)
+        tokens = torch.empty(b, cfg.seq_len, dtype=torch.long, device=self.device)
+        pstages = [PipelineStage(m, c, num_chunks, self.device, group=self.pp_group,
                                  input_args=tokens if c == 0 else hidden,
                                  output_args=stacked if c == num_chunks - 1 else hidden,
                                  input_grads=(None,) if c == 0 else hidden,
                                  output_grads=(None,) if c == num_chunks - 1 else hidden)
                    for m, c in zip(self.stages, self.chunk_ids)]
+        # scale_grads=False: the accountant's shares are already exact, the schedule must not divide.
         if cfg.pp_virtual == 1:
-            self.schedule = Schedule1F1B(pstages[0], cfg.ga, loss_fn=self._loss_fn, scale_grads=False)
-        else:
-            self.schedule = ScheduleInterleaved1F1B(pstages, cfg.ga, loss_fn=self._loss_fn, scale_grads=False)
-        # Parameters this rank owns (distinct objects over its chunks): the optimizer's and the checkpoint's.
-        seen: dict[int, tuple[str, torch.nn.Parameter]] = {}
-        owned = {id(p) for m in self.stages for p in m.parameters()}
-        for name, p in raw.named_parameters():
-            if id(p) in owned:
-                seen[id(p)] = (name, p)
-        self.params = dict(seen.values())
-        self.embedding = raw.tok_embeddings.weight
-        self.shares_embedding = bool(len(raw.mtp))
-        self._batch: list[dict[str, Any]] = []
-        self._loss_mb = 0
-        # Expert-load metrics of every MoE layer, declared on every rank (same collective layout); each is
-        # recorded by the first token-group rank of the stage that owns the layer, zeros elsewhere.
-        self.moe_layer_ids = [r.layer_id for r in raw.moe_routers()]
-        for lid in self.moe_layer_ids:
-            trainer.acc.declare_metric(f"max_vio/layer_{lid}", "sum")
-        if self.moe_layer_ids:
-            trainer.acc.declare_metric("max_vio", "sum")
+            return Schedule1F1B(pstages[0], cfg.ga, loss_fn=self._loss_fn, scale_grads=False)
+        return ScheduleInterleaved1F1B(pstages, cfg.ga, loss_fn=self._loss_fn, scale_grads=False)
 
     def _aux_fn(self, moe: MoEAccounting, routers: list) -> Any:
-        def fn(records: list[RouterRecord], mb: int) -> Tensor | None:
-            if not records:
-                return None
+        """The chunk's auxiliary share of one microbatch: MoE terms of its routers plus the indexer loss
+        when the chunk holds the indexer layer (``None`` when neither)."""
+        def fn(records: list[RouterRecord], mb: int, indexer: tuple[Tensor, Tensor] | None) -> Tensor | None:
             data = self._batch[mb]
-            return moe.microbatch_loss(records, data["valid"], data["seg"])
+            share = moe.microbatch_loss(records, data["valid"], data["seg"]) if records else None
+            if indexer is not None:
+                idx = indexer_share(self.acc, self.cfg.indexer_coeff, indexer, data["valid"], per_rank=self.cfg.sp)
+                share = idx if share is None else share + idx
+            return share
 
         return fn
 
     def _loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
         """Last stage: the accountant's shares of one microbatch (main loss and MTP depths)."""
-        t, acc = self.t, self.t.acc
+        acc = self.acc
         data = self._batch[self._loss_mb]
         self._loss_mb += 1
-        from .trainer import head_loss_fn  # trainer imports this module: import at call time
-
-        ce = head_loss_fn(t.raw)
+        ce = head_loss_fn(self.raw)
         per_tok = ce(output[0], data["labels"])
-        loss = acc.lm_loss(per_tok, data["mask"], data["seg"])
-        if t.model_config.mtp_depths:
+        loss = acc.lm_loss(per_tok, data["mask"], data["seg"], columns=self._cols)
+        if len(self.raw.mtp):
             losses = [ce(output[k], lab) for k, lab in enumerate(data["mtp_labels"], 1)]
-            loss = loss + acc.mtp_loss(losses, data["mtp_masks"], data["seg"])
+            loss = loss + acc.mtp_loss(losses, data["mtp_masks"], data["seg"], columns=self._cols)
         return loss
 
     def run(self, mbs: list, segs: list, valids: list) -> None:
-        """Forward and backward of the step's microbatches through the pipeline schedule."""
-        t = self.t
-        depths = t.model_config.mtp_depths
+        """Forward and backward of the step's microbatches through the pipeline schedule. Under context
+        parallelism the losses and routers see this rank's columns (cut here from whole rows), under
+        sequence parallelism the routers this TP rank's slice of them."""
+        raw = self.raw
+        S = mbs[0].tokens.shape[1]
+        cols = None if raw.cp is None else raw.cp.columns(S).to(mbs[0].tokens.device)
+        self._cols = cols
+
+        def cut(x: Tensor) -> Tensor:
+            return x if cols is None else x[:, cols]
+
+        tp_mesh = self.dims.submesh("tp") if self.cfg.sp else None
         self._batch = []
         for mb, seg, valid in zip(mbs, segs, valids):
-            rolled = [roll_mtp(mb.labels, mb.mask, seg, k) for k in range(1, depths + 1)]
-            self._batch.append({"labels": mb.labels, "mask": mb.mask, "seg": seg, "valid": valid,
-                                "mtp_labels": [r[0] for r in rolled], "mtp_masks": [r[1] for r in rolled]})
-        contexts = [t.raw.prepare(mb.tokens, segment_ids=seg, positions=mb.positions) for mb, seg in zip(mbs, segs)]
+            rolled = [roll_mtp(mb.labels, mb.mask, seg, k) for k in range(1, len(raw.mtp) + 1)]
+            valid_c = cut(valid) if tp_mesh is None else sp_shard(cut(valid), tp_mesh)
+            self._batch.append({"labels": cut(mb.labels), "mask": cut(mb.mask), "seg": cut(seg), "valid": valid_c,
+                                "mtp_labels": [cut(r[0]) for r in rolled], "mtp_masks": [cut(r[1]) for r in rolled]})
+        contexts = [raw.prepare(mb.tokens, segment_ids=seg, positions=mb.positions) for mb, seg in zip(mbs, segs)]
         for m in self.stages:
             m.set_microbatches(contexts)
         self._loss_mb = 0
@@ -157,7 +175,7 @@ class PipelineRunner:
     def end_step_moe(self, bias_rate: float, zero_mean: bool) -> None:
         """Expert-bias update of every chunk of this rank (one collective per chunk, every step); the
         per-layer load imbalance goes into the step's logging collective."""
-        acc = self.t.acc
+        acc = self.acc
         owner = acc.groups.token_rank() == 0
         for moe, routers in self.moes:
             vio = moe.end_step(routers, bias_rate=bias_rate, zero_mean=zero_mean)
@@ -169,21 +187,7 @@ class PipelineRunner:
 
     def grad_norm_and_clip(self, max_norm: float) -> float:
         """Global L2 norm of the gradients over all pipeline ranks (the shared embedding counted once, on
-        the rank of the first chunk), then clipping with that norm."""
-        # DTensor gradients (expert shards under expert parallelism): the local shard, summed over its mesh.
-        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                 for p in self.params.values() if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float64, device=self.t.device)
-        for p in self.params.values():
-            if p.grad is None or (p is self.embedding and not self.first):
-                continue
-            g = p.grad.detach()
-            part = (g.to_local() if hasattr(g, "to_local") else g).to(torch.float64).pow(2).sum()
-            if hasattr(g, "to_local"):
-                dist.all_reduce(part, group=g.device_mesh.get_group())
-            sq += part
-        dist.all_reduce(sq, group=self.pp_group)
-        norm = float(sq.sqrt())
-        if max_norm > 0 and norm > max_norm and grads:
-            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
-        return norm
+        the rank of the first chunk), then clipping with that norm (:func:`clip_grad_norm`)."""
+        params = list(self.params.values())
+        counted = [p for p in params if p is not self.embedding or self.first]
+        return clip_grad_norm(params, max_norm, pp_group=self.pp_group, norm_params=counted)

@@ -31,14 +31,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..distributed.accountant import Accountant
-from ..distributed.moe_accounting import ROUTER_TOKENS, SCOPES, MoEAccounting
-from ..losses.cross_entropy import chunked_cross_entropy
-from ..losses.indexer import indexer_kl
+from ..distributed.moe_accounting import SCOPES, MoEAccounting
+from ..distributed.parallel_dims import ParallelDims
 from ..losses.logchannel import IntervalMean
 from ..losses.modes import check_mode
 from ..losses.mtp import check_convention, roll_mtp
 from ..losses.stats import sample_stats
 from ..model import GPT, RouterRecord, get_config
+from ..model.context_parallel import ContextParallel
+from ..model.sequence_parallel import sp_shard
 from .checkpoint import (
     load_latest,
     load_sharded_latest,
@@ -48,8 +49,11 @@ from .checkpoint import (
     set_rng_state,
 )
 from .data import Batch, Corpus, JsonlCorpus, SyntheticCorpus, TextFileCorpus, global_batch, split_batch
+from .forward import LossForward, head_loss_fn, indexer_share
+from .grads import clip_grad_norm, sum_replicated_grads_over_tp
+from .pipeline import PipelineRunner
 
-__all__ = ["TrainConfig", "Trainer", "build_corpus", "run_training"]
+__all__ = ["TrainConfig", "Trainer", "build_corpus", "run_training", "parallel_dims", "LossForward", "head_loss_fn"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bf16": torch.float32}
 
@@ -69,8 +73,8 @@ class TrainConfig:
     pp: int = 1
     pp_virtual: int = 1
     tp: int = 1
-    ep: int = 1
     sp: bool = False
+    ep: int = 1
     cp_zigzag: bool = True
     ga: int = 1
     global_batch: int = 8
@@ -119,44 +123,30 @@ class TrainConfig:
             raise ValueError(f"unknown aux_scope {self.aux_scope!r}; valid: {', '.join(SCOPES)}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; valid: {', '.join(_DTYPES)}")
-        if self.engine not in ("ddp", "fsdp", "plain"):
-            raise ValueError(f"unknown engine {self.engine!r}; valid: ddp, fsdp, plain")
-        if self.engine == "fsdp" and (self.cp > 1 or self.pp > 1):
-            raise ValueError("engine='fsdp' is supported for data parallelism without cp/pp")
+        parallel_dims(self).validate()
+        self._validate_ep()
         if self.cp > 1:
-            if self.aux_scope not in ("global_lagged", "none") or self.z_form != "global":
-                raise ValueError(f"cp={self.cp} supports aux_scope global_lagged/none and z_form global (got "
-                                 f"aux_scope={self.aux_scope!r}, z_form={self.z_form!r}): the other forms need the "
-                                 "counts of whole microbatches or sequences on every shard")
             parts = 2 * self.cp if self.cp_zigzag else self.cp
             if self.seq_len % parts:
                 raise ValueError(f"seq_len={self.seq_len} must be divisible by {parts} for cp={self.cp}")
-        if self.sp:
-            if self.tp < 2:
-                raise ValueError("sp (sequence parallelism) needs tp > 1")
-            if self.seq_len % self.tp:
-                raise ValueError(f"seq_len={self.seq_len} must be divisible by tp={self.tp} for sequence parallelism")
-            if self.aux_scope not in ("global_lagged", "none") or self.z_form != "global":
-                raise ValueError(f"sp supports aux_scope global_lagged/none and z_form global (got aux_scope="
-                                 f"{self.aux_scope!r}, z_form={self.z_form!r}): the other forms need the counts of "
-                                 "whole microbatches or sequences on every shard")
-        if self.tp > 1:
-            if self.cp > 1 or self.pp > 1:
-                raise ValueError(f"tp={self.tp} is not combined with cp > 1 or pp > 1 yet")
-            if self.engine != "plain":
-                self.engine = "plain"  # DTensor-sharded parameters: the accountant sums gradients over DP
+        if (self.cp > 1 or self.sp) and (self.aux_scope not in ("global_lagged", "none") or self.z_form != "global"):
+            who = " with ".join(([f"cp={self.cp}"] if self.cp > 1 else []) + (["sp"] if self.sp else []))
+            raise ValueError(f"{who} supports aux_scope global_lagged/none and z_form global (got aux_scope="
+                             f"{self.aux_scope!r}, z_form={self.z_form!r}): the other forms need the counts of whole "
+                             "microbatches or sequences on every shard")
+        if self.sp and (self.seq_len // self.cp) % self.tp:
+            raise ValueError(f"seq_len/cp={self.seq_len}/{self.cp} must be divisible by tp={self.tp} for sequence "
+                             "parallelism")
         if self.pp > 1:
-            if self.cp > 1 or self.dump_samples or self.ckpt_interval:
-                raise ValueError(f"pp={self.pp} is not combined with cp > 1, dump_samples or checkpoints yet")
+            if self.dump_samples:
+                raise ValueError(f"pp={self.pp} is not combined with dump_samples yet")
             if self.ga < self.pp:
                 raise ValueError(f"pp={self.pp} needs ga >= pp microbatches per step (got ga={self.ga}) to fill the "
                                  "pipeline")
             if self.pp_virtual > 1 and self.ga % self.pp:
                 raise ValueError(f"interleaved pipelining (pp_virtual={self.pp_virtual}) needs ga divisible by "
                                  f"pp={self.pp}, got ga={self.ga}")
-        self._validate_ep()
-        for name in ("dp", "cp", "pp", "pp_virtual", "tp", "ep", "ga", "global_batch", "seq_len", "steps",
-                     "log_interval"):
+        for name in ("ga", "global_batch", "seq_len", "steps", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.global_batch % (self.dp * self.ga):
@@ -173,26 +163,28 @@ class TrainConfig:
             raise FileNotFoundError(f"data file not found: {self.data}")
 
     def _validate_ep(self) -> None:
-        """Expert parallelism: ``ep`` ranks carved out of the ``dp × cp`` ranks (model/expert_parallel.py)."""
-        if self.ep < 1:
-            raise ValueError(f"ep must be >= 1, got {self.ep}")
+        """Expert parallelism (model/expert_parallel.py) beyond what :class:`ParallelDims` checks: the routed
+        experts must split evenly over the ``ep`` ranks, and are not also sharded by tensor parallelism."""
         if self.ep == 1:
             return
-        if (self.dp * self.cp) % self.ep:
-            raise ValueError(f"ep={self.ep} must divide dp*cp={self.dp}*{self.cp}: expert-parallel ranks are carved "
-                             "out of the data- and context-parallel ranks")
-        if self.tp > 1 or self.engine == "fsdp":
-            raise ValueError(f"ep={self.ep} is not combined with tp > 1 or engine='fsdp' yet (got tp={self.tp}, "
-                             f"engine={self.engine!r})")
+        if self.tp > 1:
+            raise ValueError(f"--ep={self.ep} is not combined with --tp={self.tp} yet (the experts would be sharded "
+                             "twice)")
         experts = get_config(self.model, **self.model_overrides).num_experts
         if experts == 0 or experts % self.ep:
-            raise ValueError(f"ep={self.ep} must divide the number of routed experts num_experts={experts} "
+            raise ValueError(f"--ep={self.ep} must divide the number of routed experts num_experts={experts} "
                              f"of model {self.model!r}")
 
     @property
     def microbatch_size(self) -> int:
         """``b = N / (D·K)``."""
         return self.global_batch // (self.dp * self.ga)
+
+
+def parallel_dims(cfg: TrainConfig) -> ParallelDims:
+    """The layout of ``cfg`` as a (not yet built) :class:`ParallelDims`."""
+    return ParallelDims(dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, sp=cfg.sp,
+                        pp_virtual=cfg.pp_virtual, engine=cfg.engine)  # type: ignore[arg-type]
 
 
 def build_corpus(cfg: TrainConfig, vocab_size: int) -> Corpus:
@@ -220,29 +212,6 @@ def _valid_tokens(mb: Batch) -> tuple[Tensor, Tensor]:
     return valid.long(), valid
 
 
-def _clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
-    """Global L2 norm of the gradients (DTensor shards reduced over their mesh: ``full_tensor`` semantics
-    without materializing), then clipping by ``max_norm`` (``<= 0``: no clipping). Returns the norm."""
-    sq = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        g = p.grad
-        if hasattr(g, "to_local"):
-            local = g.to_local().detach().to(torch.float64).pow(2).sum()
-            if any(pl.is_shard() for pl in g.placements):
-                local = local.to(g.to_local().device)
-                dist.all_reduce(local, group=g.device_mesh.get_group())
-            sq += local.cpu()
-        else:
-            sq += g.detach().to(torch.float64).pow(2).sum().cpu()
-    norm = float(sq.sqrt())
-    if max_norm > 0 and norm > max_norm:
-        coef = max_norm / (norm + 1e-6)
-        for p in params:
-            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            g.mul_(coef)
-    return norm
-
-
 def _lr_at(cfg: TrainConfig, step: int) -> float:
     """Linear warm-up over ``warmup`` steps, then cosine from ``lr`` to ``min_lr`` at the last step."""
     if step < cfg.warmup:
@@ -252,95 +221,58 @@ def _lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * t))
 
 
-def _up(x: Tensor) -> Tensor:
-    """Low-precision losses are accumulated in float32; float64 runs (verify) stay float64. Never a view:
-    FSDP2 hooks the module's outputs and warns about (and cannot protect) views."""
-    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x.contiguous().clone() if x._is_view() else x
-
-
-def head_loss_fn(gpt: GPT):
-    """Per-token cross-entropy of ``gpt``'s output head: the chunked cross-entropy, vocabulary-parallel
-    when tensor parallelism shards the head's rows (a ``DTensor``)."""
-    weight = gpt.output.weight
-    if hasattr(weight, "to_local"):
-        mesh = weight.device_mesh
-        local = weight.to_local()
-        start = mesh.get_local_rank() * local.shape[0]
-        return lambda h, lab: chunked_cross_entropy(h, local, lab, vocab_parallel_group=mesh.get_group(),
-                                                    vocab_start=start, vocab_size=weight.shape[0])
-    return lambda h, lab: chunked_cross_entropy(h, weight, lab)
-
-
-class LossForward(nn.Module):
-    """The model plus its output head applied by the chunked cross-entropy, as one module, so that an
-    engine wrapping it (DDP) sees every parameter used inside its ``forward``.
-
-    Returns ``(per_token_loss [b,S], [per_token_loss_k for MTP depths], [(logits, probs, topk_map,
-    dispatch_map) per MoE layer], indexer outputs or None)``; router records are flattened to tuples so
-    DDP can walk them."""
-
-    def __init__(self, gpt: GPT) -> None:
-        super().__init__()
-        self.gpt = gpt
-
-    def _head_loss(self):
-        return head_loss_fn(self.gpt)
-
-    def forward(self, tokens: Tensor, labels: Tensor, mtp_labels: list[Tensor], segment_ids: Tensor,
-                positions: Tensor, recompute: bool = False, autocast_dtype: torch.dtype | None = None
-                ) -> tuple[Tensor, list[Tensor], list[tuple[Tensor, ...]], tuple[Tensor, Tensor] | None]:
-        if self.gpt.cp is not None:  # the model returns this shard's columns: cut the labels alike
-            cols = self.gpt.cp.columns(tokens.shape[1]).to(tokens.device)
-            labels, mtp_labels = labels[:, cols], [lab[:, cols] for lab in mtp_labels]
-        with torch.autocast(tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            out = self.gpt(tokens, segment_ids=segment_ids, positions=positions, recompute=recompute)
-            ce = self._head_loss()
-            main = ce(out.hidden, labels)
-            mtp = [ce(h, lab) for h, lab in zip(out.mtp_hidden, mtp_labels)]
-        routers = [(r.logits, r.probs, r.topk_map, r.dispatch_map) for r in out.routers]
-        return _up(main), [_up(x) for x in mtp], routers, out.indexer
+def _pick_device(cfg: TrainConfig) -> torch.device:
+    """NCCL ranks use their current GPU; a single process uses ``cfg.device``; everything else the CPU."""
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if cfg.device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch.cuda.is_available() is False")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class Trainer:
     """A reference training run on this process (rank ``dist.get_rank()`` when distributed)."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, dims: ParallelDims | None = None) -> None:
+        """Build the run of ``cfg`` on this rank: the layout (``dims``, default from ``cfg``; its mesh is
+        built here on every rank), the model sharded by it, the gradient engine, the accountant, the MoE
+        accounting (one per pipeline chunk under PP), the pipeline schedule and the optimizer."""
         cfg.validate()
         self.cfg = cfg
+        self.dims = parallel_dims(cfg) if dims is None else dims
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        if self.world != cfg.dp * cfg.cp * cfg.pp * cfg.tp:
-            raise ValueError(f"dp*cp*pp*tp={cfg.dp}*{cfg.cp}*{cfg.pp}*{cfg.tp} but the process group has "
-                             f"{self.world} ranks")
-        self.mesh = None
-        self.dp_rank, self.cp_ctx = self.rank, None
-        if self.world > 1:
-            from torch.distributed.device_mesh import init_device_mesh
+        self.device = _pick_device(cfg)
+        self.dims.build_mesh(self.device.type)
+        self.dp_rank = self.dims.dp_rank
+        self.cp_ctx = (ContextParallel(self.dims.cp_group, cfg.cp, self.dims.cp_rank, cfg.cp_zigzag)
+                       if cfg.cp > 1 else None)
+        self.model_config = get_config(cfg.model, **dict(cfg.model_overrides))
+        self.raw = self._build_model()
+        self.model = self._wrap_engine(LossForward(self.raw))
+        self.corpus = build_corpus(cfg, self.model_config.vocab_size)
+        self.acc = Accountant(cfg.mode, normalization=cfg.normalization, fixed_length=cfg.fixed_length,
+                              mtp_depths=self.model_config.mtp_depths, mtp_convention=cfg.mtp_convention,
+                              device=self.device, mtp_log_estimator=cfg.mtp_log_estimator, dims=self.dims)
+        self.routers = self.raw.moe_routers()
+        if self.model_config.indexer_layer is not None:
+            self.acc.declare_metric("indexer_loss", "ratio", per_rank=cfg.sp)
+        self.pipeline = PipelineRunner(cfg, self.raw, self.acc, self.dims, self.device, self._moe_accounting) \
+            if cfg.pp > 1 else None
+        # Under pipeline parallelism every chunk has its own MoE accounting (see training/pipeline.py).
+        self.moe = self._moe_accounting(len(self.routers)) if self.pipeline is None else None
+        self.optimizer = self._build_optimizer()
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        self.dump = None  # per-sample (n_i, s_i) writer of `lossparity gap`, opened by fit()
 
-            device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-            if cfg.pp > 1:
-                self.mesh = init_device_mesh(device_type, (cfg.pp, cfg.dp), mesh_dim_names=("pp", "dp"))
-                self.dp_rank = self.mesh.get_coordinate()[1]
-            elif cfg.tp > 1:
-                self.mesh = init_device_mesh(device_type, (cfg.dp, cfg.tp), mesh_dim_names=("dp", "tp"))
-                self.dp_rank = self.mesh.get_coordinate()[0]
-            else:
-                self.mesh = init_device_mesh(device_type, (cfg.dp, cfg.cp), mesh_dim_names=("dp", "cp"))
-                self.dp_rank = self.mesh.get_coordinate()[0]
-            if cfg.cp > 1:
-                from ..model.context_parallel import ContextParallel
-
-                self.cp_ctx = ContextParallel.from_group(self.mesh.get_group("cp"), cfg.cp_zigzag)
-        if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        elif cfg.device == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError("device='cuda' but torch.cuda.is_available() is False")
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = torch.device("cpu")
-        overrides = dict(cfg.model_overrides)
-        self.model_config = get_config(cfg.model, **overrides)
+    def _build_model(self) -> GPT:
+        """The model in the run's dtype (seeded: identical on every rank), then sharded: context
+        parallelism over ``cp``, tensor (and sequence) parallelism over the ``tp`` sub-mesh, routed experts
+        over the ``ep`` ranks (``self.expert_params``: their shards)."""
+        cfg = self.cfg
         torch.manual_seed(cfg.seed)
         raw = GPT(self.model_config)
         raw.to(device=self.device, dtype=torch.float64 if cfg.dtype == "float64" else torch.float32)
@@ -348,83 +280,57 @@ class Trainer:
         if cfg.tp > 1:
             from ..model.tensor_parallel import apply_tensor_parallel
 
-            if self.model_config.indexer_layer is not None:
-                raise ValueError("the indexer head is not supported with tensor parallelism yet (it needs every "
-                                 "head's attention probabilities)")
-            apply_tensor_parallel(raw, self.mesh["tp"], sequence_parallel=cfg.sp)
-        self.dims, self.expert_params = self._expert_parallel(raw)
-        self.raw = raw
-        fwd = LossForward(raw)
-        if self.world > 1 and cfg.engine == "fsdp":
+            apply_tensor_parallel(raw, self.dims.submesh("tp"), sequence_parallel=cfg.sp)
+        self.expert_params: list[nn.Parameter] = []
+        if cfg.ep > 1:  # routed experts sharded over the EP ranks; their gradients bypass the engine
+            from ..model.expert_parallel import apply_expert_parallel, ep_mesh, expert_parameters
+
+            apply_expert_parallel(raw, ep_mesh(self.dims.ep_group, self.device.type))
+            self.expert_params = expert_parameters(raw)
+        return raw
+
+    def _wrap_engine(self, fwd: LossForward) -> nn.Module:
+        """The gradient engine of ``dims.grad_engine``: FSDP2 (DTensor parameters sharded over DP,
+        gradients reduce-scattered and averaged, the accountant multiplies them by D), DDP over the
+        gradient group ``dp × cp``, or the plain module (the accountant sums gradients itself)."""
+        engine = self.dims.grad_engine
+        if self.world == 1 or engine == "plain":
+            return fwd
+        if engine == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
-            # FSDP2: parameters become DTensors sharded over DP; gradients are reduce-scattered (averaged),
-            # the accountant multiplies them by D. Router buffers stay per-rank (FSDP does not sync them).
-            for block in list(raw.layers) + [m.block for m in raw.mtp]:
-                fully_shard(block)
-            self.model = fully_shard(fwd)
-        elif self.world > 1 and cfg.engine == "ddp" and cfg.pp == 1:
-            # broadcast_buffers=False: the routers' dispatch counters are per-rank until end_step sums them.
-            # find_unused_parameters: an expert may receive no token of this rank's microbatch.
-            with warnings.catch_warnings():
-                # torch >= 2.12 deprecates broadcast_buffers; its replacement still syncs buffers at init.
-                warnings.simplefilter("ignore", FutureWarning)
-                # Gradients are reduced over DP x CP: context-parallel peers hold the same replica.
-                group = self.mesh["dp", "cp"]._flatten().get_group() if cfg.cp > 1 else None
-                # Expert shards are reduced over the expert-data-parallel group only (finish_step).
-                nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-                    fwd, [n for n, p in fwd.named_parameters() if id(p) in {id(q) for q in self.expert_params}])
-                self.model: nn.Module = nn.parallel.DistributedDataParallel(
-                    fwd, broadcast_buffers=False, find_unused_parameters=True, process_group=group)
-        else:
-            self.model = fwd
-        self.corpus = build_corpus(cfg, self.model_config.vocab_size)
-        depths = self.model_config.mtp_depths
-        self.acc = Accountant(cfg.mode, normalization=cfg.normalization, fixed_length=cfg.fixed_length,
-                              mtp_depths=depths, mtp_convention=cfg.mtp_convention, device=self.device,
-                              mtp_log_estimator=cfg.mtp_log_estimator,
-                              **({"dims": self.dims} if self.dims is not None else
-                                 {"mesh": self.mesh, "sequence_parallel": cfg.sp}))
-        self.routers = raw.moe_routers()
-        if self.model_config.indexer_layer is not None:
-            if cfg.pp > 1:
-                raise ValueError("the indexer head is not supported with pipeline parallelism yet")
-            self.acc.declare_metric("indexer_loss", "ratio")
-        self.pipeline = None
-        if cfg.pp > 1:
-            from .pipeline import PipelineRunner
+            for block in list(self.raw.layers) + [m.block for m in self.raw.mtp]:
+                fully_shard(block)  # router buffers stay per-rank (FSDP does not sync them)
+            return fully_shard(fwd)
+        # broadcast_buffers=False: the routers' dispatch counters are per-rank until end_step sums them.
+        # find_unused_parameters: an expert may receive no token of this rank's microbatch.
+        # Expert shards (EP) are summed over the expert-data-parallel group by the accountant, never by DDP.
+        experts = {id(p) for p in self.expert_params}
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            fwd, [n for n, p in fwd.named_parameters() if id(p) in experts])
+        with warnings.catch_warnings():
+            # torch >= 2.12 deprecates broadcast_buffers; its replacement still syncs buffers at init.
+            warnings.simplefilter("ignore", FutureWarning)
+            return nn.parallel.DistributedDataParallel(fwd, broadcast_buffers=False, find_unused_parameters=True,
+                                                       process_group=self.dims.grad_group)
 
-            self.pipeline = PipelineRunner(self)
-        # Under pipeline parallelism every chunk has its own MoE accounting (see training/pipeline.py).
-        self.moe = None if self.pipeline is not None else MoEAccounting(
-            self.acc, len(self.routers), max(self.model_config.num_experts, 1), max(self.model_config.topk, 1),
-            scope=cfg.aux_scope, aux_coeff=cfg.aux_coeff, z_coeff=cfg.z_coeff, z_form=cfg.z_form,
-            megatron_quirks=cfg.megatron_quirks)
-        named = list(raw.named_parameters()) if self.pipeline is None else list(self.pipeline.params.items())
+    def _moe_accounting(self, num_layers: int, **kwargs: Any) -> MoEAccounting:
+        """MoE accounting of ``num_layers`` routers with the run's scope and coefficients."""
+        cfg, mc = self.cfg, self.model_config
+        return MoEAccounting(self.acc, num_layers, max(mc.num_experts, 1), max(mc.topk, 1), scope=cfg.aux_scope,
+                             aux_coeff=cfg.aux_coeff, z_coeff=cfg.z_coeff, z_form=cfg.z_form,
+                             megatron_quirks=cfg.megatron_quirks, **kwargs)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW over the parameters this rank owns (weight decay on matrices only). ``foreach`` is off
+        under TP and EP: DTensor and plain parameters cannot share one foreach kernel."""
+        cfg = self.cfg
+        named = list(self.raw.named_parameters()) if self.pipeline is None else list(self.pipeline.params.items())
         decay = [p for n, p in named if p.dim() >= 2]
         no_decay = [p for n, p in named if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
+        return torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False if cfg.tp > 1 or cfg.ep > 1 else None)
-        self.step = 0
-        self.history: list[dict[str, Any]] = []
-        self.dump = None  # per-sample (n_i, s_i) writer of `lossparity gap`, opened by fit()
-
-    def _expert_parallel(self, raw: GPT) -> tuple[Any, list[nn.Parameter]]:
-        """``cfg.ep > 1``: the layout object with the expert-parallel groups, and the routed experts of
-        ``raw`` sharded over the EP ranks (their parameters returned: reduced over the expert-data-parallel
-        group, never by the engine). ``(None, [])`` otherwise."""
-        cfg = self.cfg
-        if cfg.ep == 1:
-            return None, []
-        from ..distributed.parallel_dims import ParallelDims
-        from ..model.expert_parallel import apply_expert_parallel, ep_mesh, expert_parameters
-
-        dims = ParallelDims(dp=cfg.dp, cp=cfg.cp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, sp=cfg.sp,
-                            pp_virtual=cfg.pp_virtual, engine=cfg.engine)
-        dims.build_mesh(self.device.type)
-        apply_expert_parallel(raw, ep_mesh(dims.ep_group, self.device.type))
-        return dims, expert_parameters(raw)
 
     # ------------------------------------------------------------------ one step
     def mtp_weight(self, step: int) -> float:
@@ -456,7 +362,7 @@ class Trainer:
             last = i == len(mbs) - 1
             sync = model.no_sync() if isinstance(model, nn.parallel.DistributedDataParallel) and not last \
                 else contextlib.nullcontext()
-            if cfg.engine == "fsdp" and self.world > 1:
+            if self.dims.grad_engine == "fsdp" and self.world > 1:
                 model.set_requires_gradient_sync(last)  # reduce-scatter once, after the last microbatch
             rolled = [roll_mtp(mb.labels, mb.mask, seg, k) for k in range(1, depths + 1)]
             with sync:
@@ -468,9 +374,7 @@ class Trainer:
                 else:
                     mask_c, seg_c, valid_c, masks_k = mb.mask, seg, valid, [r[1] for r in rolled]
                 if cfg.sp:  # routers saw this TP rank's slice of the sequence (losses are whole rows)
-                    from ..model.tensor_parallel import sp_shard
-
-                    valid_c = sp_shard(valid_c, self.mesh["tp"])
+                    valid_c = sp_shard(valid_c, self.dims.submesh("tp"))
                 loss = acc.lm_loss(per_tok, mask_c, seg_c, columns=cols)
                 if self.dump is not None:
                     s_i, n_i = sample_stats(per_tok.detach(), mask_c)
@@ -482,29 +386,15 @@ class Trainer:
                     records = [RouterRecord(r.layer_id, *t) for r, t in zip(self.routers, routers)]
                     loss = loss + self.moe.microbatch_loss(records, valid_c, seg_c)
                 if indexer is not None:
-                    loss = loss + self._indexer_share(indexer, valid)
+                    loss = loss + indexer_share(acc, cfg.indexer_coeff, indexer, valid_c, per_rank=cfg.sp)
                 loss.backward()
         if cfg.sp:
-            self._sum_replicated_grads_over_tp()
+            sum_replicated_grads_over_tp(list(self.raw.parameters()), self.dims.tp_group)
         acc.finish_step(model, expert_params=self.expert_params)
         moe_logs = self.moe.end_step(self.routers, bias_rate=self.bias_rate(self.step),
                                      zero_mean=cfg.bias_zero_mean)
-        grad_norm = _clip_grad_norm([p for p in self.raw.parameters() if p.grad is not None], cfg.grad_clip)
+        grad_norm = clip_grad_norm(list(self.raw.parameters()), cfg.grad_clip)
         return self._optimizer_step(grad_norm, moe_logs, t0)
-
-    def _sum_replicated_grads_over_tp(self) -> None:
-        """Sequence parallelism: parameters that stay replicated (norms, routers, embedding, MTP projections)
-        saw only this TP rank's slice of the sequence, so their gradients are summed over TP (one
-        all-reduce); TP-sharded (DTensor) parameters already have their full gradients."""
-        grads = [p.grad for p in self.raw.parameters() if p.grad is not None and not hasattr(p.grad, "to_local")]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.mesh.get_group("tp"))
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
 
     def _optimizer_step(self, grad_norm: float, extra_logs: dict[str, float], t0: float) -> dict[str, Any]:
         """Step 5 of :meth:`train_step`: learning rate, optimizer step, the logging collective, the log line."""
@@ -526,22 +416,13 @@ class Trainer:
         assert pipe is not None
         pipe.run(mbs, list(segs), list(valids))
         pipe.reduce_grads()
+        if cfg.sp:
+            sum_replicated_grads_over_tp(list(pipe.params.values()), self.dims.tp_group)
         experts = {id(p) for p in self.expert_params}
         acc.finish_step([p for p in pipe.params.values() if id(p) not in experts],
                         expert_params=[p for p in pipe.params.values() if id(p) in experts])
         pipe.end_step_moe(self.bias_rate(self.step), cfg.bias_zero_mean)
         return self._optimizer_step(pipe.grad_norm_and_clip(cfg.grad_clip), {}, t0)
-
-    def _indexer_share(self, indexer: tuple[Tensor, Tensor], valid: Tensor) -> Tensor:
-        """DeepSeek-V3.2 indexer loss in its invariant form ``c·Σ_t KL_t / Tq_global`` (semantics §5), ``Tq`` =
-        the step's non-padding query tokens; logged as the global mean of ``KL_t``."""
-        probs, logits = indexer
-        kl = indexer_kl(probs, logits, valid)
-        tq = max(self.acc.global_count(ROUTER_TOKENS), 1.0)
-        share = self.cfg.indexer_coeff * kl / tq
-        self.acc.record("indexer_loss", kl.detach(), float(valid.sum()))
-        self.acc.add_objective(share.detach())
-        return share
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -553,31 +434,83 @@ class Trainer:
 
     @property
     def sharded(self) -> bool:
-        """Parameters are DTensor shards (FSDP2 or tensor parallel): checkpoints go through DCP."""
-        return self.world > 1 and (self.cfg.engine == "fsdp" or self.cfg.tp > 1 or self.cfg.ep > 1)
+        """Multi-rank runs checkpoint through DCP, in the layout-independent form of
+        :meth:`distributed_state` (any layout can resume from any other)."""
+        return self.world > 1
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"step": self.step, "moe": self.moe.state_dict(), "rng": rng_state(),
-                "config": dataclasses.asdict(self.cfg)}
+        return {"step": self.step, "rng": rng_state(), "config": dataclasses.asdict(self.cfg),
+                "mtp_weight": self.acc.mtp_weight, "world": self.world}
+
+    def _moe_instances(self) -> list[tuple[MoEAccounting, list[Any]]]:
+        return [(self.moe, self.routers)] if self.pipeline is None else list(self.pipeline.moes)
+
+    def _owned_names(self) -> set[str] | None:
+        """FQNs of the parameters and buffers this pipeline rank owns (``None`` without PP: all)."""
+        if self.pipeline is None:
+            return None
+        ids = {id(t) for m in self.pipeline.stages for t in [*m.parameters(), *m.buffers()]}
+        named = [*self.raw.named_parameters(), *self.raw.named_buffers()]
+        return {n for n, t in named if id(t) in ids}
+
+    def distributed_state(self) -> dict[str, Any]:
+        """The checkpoint state of this rank, keyed by layout-independent names: the model and AdamW state
+        by parameter FQN (DTensor shards under TP/FSDP, plain tensors otherwise; under PP only what this
+        rank owns, the union over ranks is everything), the MoE ``global_lagged`` counts by MoE layer id.
+        ``torch.distributed.checkpoint`` re-shards each entry to the loading layout."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        owned = self._owned_names()
+        msd = get_model_state_dict(self.raw)
+        osd = get_optimizer_state_dict(self.raw, self.optimizer)
+        if owned is not None:
+            msd = {k: v for k, v in msd.items() if k in owned}
+        moe: dict[str, Tensor] = {}
+        for acc_moe, routers in self._moe_instances():
+            sd = acc_moe.state_dict()
+            if len(routers) != sd["lagged_counts"].shape[0]:
+                raise ValueError("checkpoints of repeated MTP MoE layers are not supported")
+            for r, row in zip(routers, sd["lagged_counts"]):
+                moe[f"lagged_counts.layer_{r.layer_id}"] = row.clone()
+            moe["lagged_tokens"] = torch.tensor(float(sd["lagged_tokens"]), dtype=torch.float64)
+        return {"model": msd, "optim": {"state": osd["state"]}, "moe": moe, "_osd": osd}
+
+    def _apply_distributed_state(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        set_model_state_dict(self.raw, state["model"], options=StateDictOptions(strict=False))
+        set_optimizer_state_dict(self.raw, self.optimizer, state["_osd"])  # its "state" was loaded in place
+        moe = state["moe"]
+        for acc_moe, routers in self._moe_instances():
+            if routers:
+                rows = torch.stack([moe[f"lagged_counts.layer_{r.layer_id}"] for r in routers])
+                acc_moe.load_state_dict({"lagged_counts": rows, "lagged_tokens": float(moe["lagged_tokens"])})
 
     def save(self, ckpt_dir: str) -> None:
-        """Write the checkpoint of the current step (one file on rank 0, or a DCP folder when sharded)."""
+        """Write the checkpoint of the current step (one file in a single process, else a DCP folder)."""
         if self.sharded:
-            save_sharded_checkpoint(ckpt_dir, self.step, self.raw, self.optimizer, self._extra_state())
+            state = self.distributed_state()
+            state.pop("_osd")
+            save_sharded_checkpoint(ckpt_dir, self.step, self.raw, self.optimizer, self._extra_state(), state=state)
             return
-        if self.rank == 0:
-            save_checkpoint(ckpt_dir, self.step, self.state_dict())
-        if dist.is_initialized():
-            dist.barrier()
+        save_checkpoint(ckpt_dir, self.step, self.state_dict())
 
     def restore(self, ckpt_dir: str) -> bool:
-        """Load the newest checkpoint of ``ckpt_dir`` if there is one; returns whether it did."""
+        """Load the newest checkpoint of ``ckpt_dir`` if there is one (under any multi-rank layout from a
+        checkpoint of any other); returns whether it did."""
         if self.sharded:
-            extra = load_sharded_latest(ckpt_dir, self.raw, self.optimizer)
+            state = self.distributed_state()
+            osd = state.pop("_osd")
+            extra = load_sharded_latest(ckpt_dir, self.raw, self.optimizer, state=state)
             if extra is None:
                 return False
-            self.moe.load_state_dict(extra["moe"])
-            set_rng_state(extra["rng"])
+            self._apply_distributed_state({**state, "_osd": osd})
+            if extra.get("world") == self.world:  # RNG states are per rank (unused by the float64 runs)
+                set_rng_state(extra["rng"])
             self.step = int(extra["step"])
             return True
         state = load_latest(ckpt_dir)
@@ -712,7 +645,7 @@ def run_training(cfg: TrainConfig) -> list[dict[str, Any]]:
             return Trainer(cfg).fit()
         finally:
             dist.destroy_process_group()
-    world = cfg.dp * cfg.cp * cfg.pp * cfg.tp  # expert parallelism adds no ranks
+    world = parallel_dims(cfg).world_size
     if world == 1:
         return Trainer(cfg).fit()
     return spawn(_train_entry, world, cfg)[0]

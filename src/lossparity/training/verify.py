@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,49 +21,137 @@ import torch
 from ..losses.modes import MODES
 from .trainer import TrainConfig, Trainer
 
-__all__ = ["Layout", "DEFAULT_LAYOUTS", "QUICK_LAYOUTS", "run_verify", "format_table"]
+__all__ = ["Layout", "DEFAULT_LAYOUTS", "QUICK_LAYOUTS", "FULL_LAYOUTS", "LAYOUT_GRAMMAR", "parse_layout",
+           "parse_layouts", "run_verify", "format_table"]
 
 TOL = {"float64": 1e-10, "float32": 1e-5}
 # Not layout-invariant by definition, or not numbers of the run.
 _SKIP = {"step", "microbatches", "tokens_per_s", "step_time_s"}
 
 
+LAYOUT_GRAMMAR = "[DnX][CnX][Tn[+SP]X][Pn[xVn]X][EnX][Kn][+recompute][+fsdp]"
+
+
 @dataclass(frozen=True)
 class Layout:
-    """A parallel layout of the same global batch: ``D`` data-parallel ranks × ``K`` microbatches."""
+    """A parallel layout of the same global batch: ``D`` data-parallel × ``C`` context-parallel × ``T``
+    tensor-parallel (``sp``: sequence parallel) × ``P`` pipeline (``V`` virtual chunks each) ranks,
+    ``E`` expert-parallel ranks carved out of ``D × C``, ``K`` microbatches per rank."""
 
     name: str
     dp: int
     ga: int
     recompute: bool = False
     cp: int = 1
-    indexer: bool = True  # the indexer head needs every key on every rank: off under context parallelism
+    indexer: bool = True
     pp: int = 1
     pp_virtual: int = 1
     engine: str = "ddp"
     tp: int = 1
     sp: bool = False
-    ep: int = 1  # expert-parallel ranks, carved out of dp x cp (adds no ranks)
+    ep: int = 1
+
+    @property
+    def world(self) -> int:
+        """Number of ranks ``D·C·T·P``."""
+        return self.dp * self.cp * self.tp * self.pp
 
 
-DEFAULT_LAYOUTS = (
-    Layout("1x1", 1, 1),
-    Layout("K=4", 1, 4),
-    Layout("D2xK2", 2, 2),
-    Layout("D4", 4, 1),
-    Layout("D2xK2+recompute", 2, 2, True),
-    Layout("D2xK2+fsdp", 2, 2, engine="fsdp"),
-    Layout("C2xK2", 1, 2, cp=2, indexer=False),
-    Layout("D2xC2+recompute", 2, 1, True, cp=2, indexer=False),
-    Layout("T2xK2", 1, 2, tp=2, indexer=False),
-    Layout("T2+SPxK2", 1, 2, tp=2, sp=True, indexer=False),
-    Layout("P2xK2", 1, 2, pp=2, indexer=False),
-    Layout("P2xV2xK2", 1, 2, pp=2, pp_virtual=2, indexer=False),
-    Layout("D2xP2xK2+recompute", 2, 2, True, pp=2, indexer=False),
-)
-QUICK_LAYOUTS = (Layout("1x1", 1, 1), Layout("K=4", 1, 4), Layout("D2xK2+recompute", 2, 2, True),
-                 Layout("C2xK2", 1, 2, cp=2, indexer=False),
-                 Layout("P2xV2xK2", 1, 2, pp=2, pp_virtual=2, indexer=False))
+# One grammar token per dimension, in the order of the grammar; "x" separates them.
+_TOKEN = re.compile(r"^(?:D(?P<dp>\d+)|C(?P<cp>\d+)|T(?P<tp>\d+)(?P<sp>\+SP)?|P(?P<pp>\d+)|V(?P<v>\d+)|"
+                    r"E(?P<ep>\d+)|K(?P<ga>\d+))$")
+_ORDER = ("dp", "cp", "tp", "pp", "v", "ep", "ga")
+
+
+def parse_layout(name: str) -> Layout:
+    """The :class:`Layout` named by ``name`` in the grammar :data:`LAYOUT_GRAMMAR` (``x`` separates the
+    dimensions; each appears at most once, in the grammar's order or any other; ``Vn`` only right after
+    ``Pn``; omitted sizes are 1, except an omitted ``K`` under ``Pn``, which is ``n`` (a pipeline needs
+    at least ``P`` microbatches)), plus the legacy names ``1x1`` and ``K=n``. Raises ``ValueError``
+    naming the layout and the grammar for anything else, and for layouts the trainer cannot run (see
+    :func:`check_layout`)."""
+    if name == "1x1" or re.fullmatch(r"K=\d+", name):
+        layout = Layout(name, 1, 1 if name == "1x1" else int(name[2:]))
+        check_layout(layout)
+        return layout
+    body, flags = name, set()
+    while True:
+        m = re.search(r"\+(recompute|fsdp)$", body)
+        if not m:
+            break
+        if m.group(1) in flags:
+            raise ValueError(f"layout {name!r}: +{m.group(1)} given twice")
+        flags.add(m.group(1))
+        body = body[:m.start()]
+    sizes: dict[str, int] = {}
+    sp = False
+    prev = None
+    for part in body.split("x") if body else []:
+        m = _TOKEN.match(part)
+        key = next((k for k in _ORDER if m and m.group(k)), None)
+        if key is None or key in sizes or (key == "v" and prev != "pp") or int(m.group(key)) < 1:
+            raise ValueError(f"layout {name!r}: cannot read {part!r}; layouts are named {LAYOUT_GRAMMAR} "
+                             "(each dimension at most once, Vn right after Pn), e.g. D2xC2xT2+SPxK2")
+        sizes[key] = int(m.group(key))
+        sp = sp or bool(m.group("sp"))
+        prev = key
+    if not sizes:
+        raise ValueError(f"layout {name!r}: empty; layouts are named {LAYOUT_GRAMMAR}")
+    # A pipeline needs at least P microbatches in flight: an omitted K is P there, 1 elsewhere.
+    ga = sizes.get("ga", sizes.get("pp", 1))
+    layout = Layout(name, sizes.get("dp", 1), ga, recompute="recompute" in flags,
+                    cp=sizes.get("cp", 1), pp=sizes.get("pp", 1), pp_virtual=sizes.get("v", 1),
+                    engine="fsdp" if "fsdp" in flags else "ddp", tp=sizes.get("tp", 1), sp=sp,
+                    ep=sizes.get("ep", 1))
+    if not _indexer_supported(layout):
+        layout = dataclasses.replace(layout, indexer=False)
+    check_layout(layout)
+    return layout
+
+
+def _indexer_supported(layout: Layout) -> bool:
+    """Layouts whose runs keep the indexer head on (the others are compared with a no-indexer 1x1)."""
+    return True
+
+
+def check_layout(layout: Layout, global_batch: int = 8, seq_len: int = 32) -> None:
+    """Raise ``ValueError`` (naming the layout) when the trainer cannot run ``layout`` on the verify
+    batch: the layout's own consistency (:class:`ParallelDims`) and the trainer's rules for it."""
+    base = TrainConfig(global_batch=global_batch, seq_len=seq_len, steps=1)
+    cfg = dataclasses.replace(base, **_layout_fields(layout))
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise ValueError(f"layout {layout.name!r} cannot run: {e}") from None
+
+
+def parse_layouts(names: str) -> tuple[Layout, ...]:
+    """Comma-separated layout names (:func:`parse_layout`), duplicates removed, order kept."""
+    out = []
+    for n in dict.fromkeys(x.strip() for x in names.split(",") if x.strip()):
+        out.append(parse_layout(n))
+    if not out:
+        raise ValueError("--layouts: give at least one layout name")
+    return tuple(out)
+
+
+def _layout_fields(layout: Layout) -> dict[str, Any]:
+    return {"dp": layout.dp, "cp": layout.cp, "ga": layout.ga, "pp": layout.pp, "pp_virtual": layout.pp_virtual,
+            "recompute": layout.recompute, "engine": layout.engine, "tp": layout.tp, "sp": layout.sp,
+            "ep": layout.ep}
+
+
+def _L(name: str) -> Layout:  # noqa: N802 - short constructor for the tables below
+    return parse_layout(name)
+
+
+DEFAULT_LAYOUTS = tuple(_L(n) for n in (
+    "1x1", "K=4", "D2xK2", "D4", "D2xK2+recompute", "D2xK2+fsdp", "C2xK2", "D2xC2+recompute", "T2xK2",
+    "T2+SPxK2", "P2xK2", "P2xV2xK2", "D2xP2xK2+recompute",
+    "T2xC2", "T2+SPxC2", "C2xP2", "T2xP2", "D2xC2xT2+SP", "D2xE2xK2"))
+QUICK_LAYOUTS = tuple(_L(n) for n in ("1x1", "K=4", "D2xK2+recompute", "C2xK2", "P2xV2xK2", "T2+SPxC2"))
+FULL_LAYOUTS = DEFAULT_LAYOUTS + tuple(_L(n) for n in ("D2xT2xP2xV2", "C2xT2+SPxP2", "D4xE2+recompute",
+                                                        "D2xE2xP2"))
 
 
 def _record(trainer: Trainer) -> dict[str, Any]:
@@ -99,10 +188,7 @@ def _run_modes(rank: int, world: int, base: dict[str, Any], modes: list[str], la
     if not layout.indexer:
         overrides.pop("indexer_layer", None)
     for mode in modes:
-        cfg = TrainConfig(**{**base, "mode": mode, "dp": layout.dp, "cp": layout.cp, "ga": layout.ga,
-                             "pp": layout.pp, "pp_virtual": layout.pp_virtual, "recompute": layout.recompute,
-                             "engine": layout.engine, "tp": layout.tp, "sp": layout.sp, "ep": layout.ep,
-                             "model_overrides": overrides})
+        cfg = TrainConfig(**{**base, "mode": mode, **_layout_fields(layout), "model_overrides": overrides})
         t = Trainer(cfg)
         t.fit()
         out[mode] = _record(t)
@@ -171,14 +257,17 @@ def run_verify(
     base.pop("mode")
     tol = TOL["float64" if dtype == "float64" else "float32"]
     results: dict[str, dict[str, Any]] = {}
+    walls: dict[str, float] = {}
 
     def run(layout: Layout) -> dict[str, Any]:
         if layout.name not in results:
             if progress:
                 print(f"  running layout {layout.name} ({len(modes)} modes)...", flush=True)
-            world = layout.dp * layout.cp * layout.pp * layout.tp
+            world = layout.world
+            t1 = time.perf_counter()
             results[layout.name] = (_run_modes(0, 1, base, list(modes), layout) if world == 1 else
                                     merge_records(spawn(_run_modes, world, base, list(modes), layout, timeout_s=300)))
+            walls[layout.name] = time.perf_counter() - t1
         return results[layout.name]
 
     def reference(layout: Layout, mode: str) -> Layout:
@@ -200,6 +289,7 @@ def run_verify(
             rows.append({"layout": layout.name, "mode": mode, "reference": ref_layout.name, "diffs": diffs,
                          "pass": all(v <= tol for v in diffs.values())})
     return {"rows": rows, "tolerance": tol, "wall_s": time.perf_counter() - t0, "steps": steps,
+            "layout_wall_s": walls,
             "config": {k: v for k, v in base.items() if k not in ("out",)}}
 
 
@@ -215,6 +305,9 @@ def format_table(report: dict[str, Any]) -> str:
     n_pass = sum(r["pass"] for r in report["rows"])
     lines.append(f"\n{n_pass}/{len(report['rows'])} PASS (tolerance {report['tolerance']:g} relative, "
                  f"{report['steps']} steps each, wall {report['wall_s']:.1f} s)")
+    walls = report.get("layout_wall_s") or {}
+    if walls:
+        lines.append("wall per layout (all modes): " + ", ".join(f"{k} {v:.1f} s" for k, v in walls.items()))
     return "\n".join(lines)
 
 

@@ -1,0 +1,81 @@
+"""The loss forward of the reference trainer: the model plus its output head applied by the chunked
+cross-entropy, shared by the plain step (``trainer.py``) and the pipeline step (``pipeline.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from ..distributed.accountant import Accountant
+from ..distributed.moe_accounting import ROUTER_TOKENS
+from ..losses.cross_entropy import chunked_cross_entropy
+from ..losses.indexer import indexer_kl
+from ..model import GPT
+
+__all__ = ["LossForward", "head_loss_fn", "indexer_share", "upcast"]
+
+
+def upcast(x: Tensor) -> Tensor:
+    """Low-precision losses are accumulated in float32; float64 runs (verify) stay float64. Never a view:
+    FSDP2 hooks the module's outputs and warns about (and cannot protect) views."""
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x.contiguous().clone() if x._is_view() else x
+
+
+def head_loss_fn(gpt: GPT) -> Callable[[Tensor, Tensor], Tensor]:
+    """Per-token cross-entropy ``ce(hidden [b,S,dim], labels [b,S]) -> [b,S]`` of ``gpt``'s output head:
+    the chunked cross-entropy, vocabulary-parallel when tensor parallelism shards the head's rows (a
+    ``DTensor``: each rank's partial logsumexps are combined over the head's mesh)."""
+    weight = gpt.output.weight
+    if hasattr(weight, "to_local"):
+        mesh = weight.device_mesh
+        local = weight.to_local()
+        start = mesh.get_local_rank() * local.shape[0]
+        return lambda h, lab: chunked_cross_entropy(h, local, lab, vocab_parallel_group=mesh.get_group(),
+                                                    vocab_start=start, vocab_size=weight.shape[0])
+    return lambda h, lab: chunked_cross_entropy(h, weight, lab)
+
+
+class LossForward(nn.Module):
+    """The model plus its output head applied by the chunked cross-entropy, as one module, so that an
+    engine wrapping it (DDP) sees every parameter used inside its ``forward``.
+
+    Returns ``(per_token_loss [b,S], [per_token_loss_k for MTP depths], [(logits, probs, topk_map,
+    dispatch_map) per MoE layer], indexer outputs or None)``; router records are flattened to tuples so
+    DDP can walk them."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, tokens: Tensor, labels: Tensor, mtp_labels: list[Tensor], segment_ids: Tensor,
+                positions: Tensor, recompute: bool = False, autocast_dtype: torch.dtype | None = None
+                ) -> tuple[Tensor, list[Tensor], list[tuple[Tensor, ...]], tuple[Tensor, Tensor] | None]:
+        """Forward of whole rows ``tokens [b,S]``; under context parallelism the losses are those of this
+        rank's columns (the labels are cut alike)."""
+        if self.gpt.cp is not None:
+            cols = self.gpt.cp.columns(tokens.shape[1]).to(tokens.device)
+            labels, mtp_labels = labels[:, cols], [lab[:, cols] for lab in mtp_labels]
+        with torch.autocast(tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            out = self.gpt(tokens, segment_ids=segment_ids, positions=positions, recompute=recompute)
+            ce = head_loss_fn(self.gpt)
+            main = ce(out.hidden, labels)
+            mtp = [ce(h, lab) for h, lab in zip(out.mtp_hidden, mtp_labels)]
+        routers = [(r.logits, r.probs, r.topk_map, r.dispatch_map) for r in out.routers]
+        return upcast(main), [upcast(x) for x in mtp], routers, out.indexer
+
+
+def indexer_share(acc: Accountant, coeff: float, indexer: tuple[Tensor, Tensor], valid: Tensor, *,
+                  per_rank: bool = False) -> Tensor:
+    """DeepSeek-V3.2 indexer loss share of one microbatch in its invariant form ``c·Σ_t KL_t / Tq_global``
+    (docs/semantics.md §5): ``indexer = (target probs, indexer logits)`` of this rank's queries, ``valid``
+    their non-padding map, ``Tq_global`` the step's non-padding query tokens. Logged as the global mean of
+    ``KL_t``; ``per_rank``: this rank's queries are distinct from its TP peers' (sequence parallelism)."""
+    probs, logits = indexer
+    kl = indexer_kl(probs, logits, valid)
+    tq = max(acc.global_count(ROUTER_TOKENS), 1.0)
+    share = coeff * kl / tq
+    acc.record("indexer_loss", kl.detach(), float(valid.sum()))
+    acc.add_objective(share.detach(), per_rank=per_rank)
+    return share

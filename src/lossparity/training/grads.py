@@ -1,0 +1,66 @@
+"""Gradient helpers of the reference trainer: one coalesced all-reduce and one gradient-norm clipping,
+shared by the plain and the pipeline step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["all_reduce_coalesced", "clip_grad_norm", "sum_replicated_grads_over_tp", "total_grad_norm"]
+
+
+def all_reduce_coalesced(tensors: Sequence[Tensor], group: object | None) -> None:
+    """Sum ``tensors`` over ``group`` in place with one all-reduce of their concatenation (skipped when
+    ``group`` is ``None`` or there is nothing to reduce)."""
+    if group is None or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def total_grad_norm(grads: Sequence[Tensor], pp_group: object | None = None) -> Tensor:
+    """Global L2 norm ``sqrt(Σ_g ||g||²)`` in float64 of ``grads`` (plain tensors and DTensor shards; the
+    DTensor part is reduced over its mesh by ``torch.nn.utils.get_total_norm``), summed over the pipeline
+    ranks ``pp_group`` when given (each rank passes the gradients it owns, a shared parameter once)."""
+    sq = torch.zeros((), dtype=torch.float64)
+    for part in (  # DTensor and plain gradients cannot share one foreach kernel
+        [g for g in grads if hasattr(g, "to_local")],
+        [g for g in grads if not hasattr(g, "to_local")],
+    ):
+        if part:
+            norm = torch.nn.utils.get_total_norm([g.to(torch.float64) for g in part], foreach=False)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            sq = sq + norm.cpu().pow(2)
+    if pp_group is not None:
+        dev = grads[0].device if grads else torch.device("cpu")
+        sq = sq.to(dev)
+        dist.all_reduce(sq, group=pp_group)
+    return sq.sqrt().cpu()
+
+
+def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float, *, pp_group: object | None = None,
+                   norm_params: Sequence[torch.nn.Parameter] | None = None) -> float:
+    """Clip the gradients of ``params`` by the global norm ``n`` of :func:`total_grad_norm` over
+    ``norm_params`` (default ``params``): ``g ← g · min(1, max_norm/(n + 1e-6))`` (``max_norm <= 0``: no
+    clipping, ``torch.nn.utils.clip_grads_with_norm_``). Returns ``n`` (one host sync per step)."""
+    counted = params if norm_params is None else norm_params
+    norm = total_grad_norm([p.grad for p in counted if p.grad is not None], pp_group)
+    with_grad = [p for p in params if p.grad is not None]
+    if max_norm > 0 and with_grad:
+        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, norm, foreach=False)
+    return float(norm)
+
+
+def sum_replicated_grads_over_tp(params: Sequence[torch.nn.Parameter], tp_group: object | None) -> None:
+    """Sequence parallelism: parameters that stay replicated over TP (norms, routers, embedding, MTP
+    projections) saw only this TP rank's slice of the sequence, so their gradients are summed over TP
+    (one all-reduce); TP-sharded (DTensor) parameters already have their full gradients."""
+    grads = [p.grad for p in params if p.grad is not None and not hasattr(p.grad, "to_local")]
+    all_reduce_coalesced(grads, tp_group)
