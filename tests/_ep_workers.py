@@ -112,3 +112,31 @@ def trainer_facts(rank: int, world: int, recompute: bool) -> dict:
             "ddp_ignored": sorted(getattr(t.model, "parameters_to_ignore", ())),
             "expert_params": len(t.expert_params), "dispatch": dispatch,
             "lagged": t.moe.lagged_counts.clone(), "tokens": float(t.moe.lagged_tokens)}
+
+
+def resume_across_ep(rank: int, world: int, out: str) -> dict:
+    """Reference: 3 steps under ``D2xE2``. Then 2 steps under ``D2xE2`` with a checkpoint, a crash, and a
+    resume under plain ``D2`` (no EP: the expert shards are re-assembled by the checkpoint loader).
+    Returns both histories of step 3 and both final parameter sets (full tensors)."""
+    from lossparity.training.trainer import TrainConfig, Trainer
+
+    def cfg(**kw) -> TrainConfig:
+        return TrainConfig(dp=2, steps=3, global_batch=4, seq_len=16, packed=True, dtype="float64", warmup=1,
+                           bias_rate=1e-2, progress=False, tensorboard=False, **kw)
+
+    def full(t: Trainer) -> dict:
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in t.raw.named_parameters()}
+
+    ref = Trainer(cfg(ep=2))
+    ref.fit()
+    first = Trainer(cfg(ep=2, out=out, ckpt_interval=2))
+    try:
+        first.fit(crash_after=2)
+    except KeyboardInterrupt:
+        pass
+    second = Trainer(cfg(out=out, ckpt_interval=2, resume=True))
+    second.fit()
+    bias = [r.expert_bias.clone() for r in second.routers], [r.expert_bias.clone() for r in ref.routers]
+    return {"history": second.history, "ref_history": ref.history[2:], "params": full(second),
+            "ref_params": full(ref), "bias": bias}
