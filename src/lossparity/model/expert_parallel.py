@@ -25,8 +25,9 @@ group that were dispatched to it, i.e. already summed over EP. Ranks with the sa
 dimension (that would add other experts' gradients, or count the same tokens twice).
 
 Host synchronization: the all-to-all split sizes must be known on the host, so each MoE forward reads
-the ``E`` per-expert counts once (``Tensor.tolist``), as torchtitan and Megatron's all-to-all
-dispatcher do; it is the one read of the layer (the expert loop itself needs the counts too).
+the ``2E`` sent/received per-expert counts once (one ``Tensor.tolist``), as torchtitan and Megatron's
+all-to-all dispatcher do; the (token, expert) index lists come from ``nonzero`` like in the
+single-process expert loop. Nothing else leaves the device.
 """
 
 from __future__ import annotations
@@ -94,15 +95,16 @@ class ExpertParallel(ParallelStyle):
         pairs = dispatch_map.t().nonzero()  # (e, t), expert-major: destination-rank-major too
         counts = dispatch_map.sum(dim=0)
         recv_counts = _exchange_counts(counts, group)
-        host = torch.cat([counts, recv_counts]).tolist()  # the one host read of the layer (split sizes)
+        host = torch.cat([counts, recv_counts]).tolist()  # the host read of the layer: the split sizes
         per_expert, recv_host = host[:E], host[E:]
         local = E // ep
         send = [sum(per_expert[j * local:(j + 1) * local]) for j in range(ep)]
         recv = [sum(recv_host[j * local:(j + 1) * local]) for j in range(ep)]
         self._route = _Route(pairs[:, 1], gates, per_expert, send, recv, T)
         rows = _all_to_all(x.index_select(0, pairs[:, 1]), recv, send, group)
+        # Received rows are source-rank-major, then local-expert-major: their local expert index.
         expert_of_row = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(
-            recv_counts.to(device=x.device, dtype=torch.long))
+            recv_counts.to(device=x.device, dtype=torch.long), output_size=sum(recv))
         onehot = nn.functional.one_hot(expert_of_row, local).to(torch.bool)
         return rows, onehot.to(rows.dtype), onehot
 
