@@ -70,6 +70,7 @@ def test_refuses_non_dividing_ep_and_non_experts():
 
 
 def test_trainer_shards_experts_and_counts_each_token_once_under_recompute():
+    # D2xE2xK2+recompute (DDP engine) against the single-process run of the same global batch.
     from _ep_workers import trainer_facts
 
     single = trainer_facts(0, 1, False)
@@ -86,12 +87,20 @@ def test_trainer_shards_experts_and_counts_each_token_once_under_recompute():
         # single-process forward of the same global batch.
         assert torch.equal(r["dispatch"], single["dispatch"])
         assert torch.equal(r["lagged"], single["lagged"]) and r["tokens"] == single["tokens"]
+        # ... and the step itself (DDP for the replicated parameters, EDP sums for the experts) is exact.
+        for k in ("objective", "lm_loss", "grad_norm", "global_load_balancing_loss", "z_loss", "max_vio"):
+            got, want = r["history"][0][k], single["history"][0][k]
+            assert abs(got - want) <= 1e-10 * abs(want), (k, got, want)
+        for n, want in single["params"].items():
+            assert torch.allclose(r["params"][n], want, rtol=1e-10, atol=1e-13), n
 
 
 def test_ep_trainer_layouts_match_single_process():
     from lossparity.training.verify import Layout, format_table, run_verify
 
-    layouts = (Layout("1x1", 1, 1), Layout("D2xE2xK2+recompute", 2, 2, True, ep=2))
+    # TP x EP: experts replicated over TP (expert TP size 1) and sharded over EP; the gradient norm
+    # reduces the TP shards and the EP shards each over their own mesh.
+    layouts = (Layout("1x1", 1, 1), Layout("D2xT2xE2xK2", 2, 2, tp=2, ep=2))
     report = run_verify(layouts, ("per_sample",), steps=2, progress=False)
     assert all(r["pass"] for r in report["rows"]), format_table(report)
     # Deferred normalization with the plain engine: the accountant divides the expert shards too, once.
@@ -109,8 +118,8 @@ def test_trainer_refuses_bad_ep_before_any_state():
         TrainConfig(dp=2, ep=3).validate()
     with pytest.raises(ValueError, match="--ep=2 must divide the number of routed experts num_experts=3"):
         TrainConfig(dp=2, ep=2, model_overrides={"num_experts": 3, "topk": 1}).validate()
-    with pytest.raises(ValueError, match="--ep=2 is not combined with --tp=2"):
-        TrainConfig(dp=2, tp=2, ep=2).validate()
+    with pytest.raises(ValueError, match="--ep=2 is not combined with --sp"):
+        TrainConfig(dp=2, tp=2, sp=True, ep=2).validate()
     with pytest.raises(ValueError, match="--ep must be an integer >= 1"):
         TrainConfig(ep=0).validate()
 

@@ -30,10 +30,13 @@ def total_grad_norm(grads: Sequence[Tensor], pp_group: object | None = None) -> 
     DTensor part is reduced over its mesh by ``torch.nn.utils.get_total_norm``), summed over the pipeline
     ranks ``pp_group`` when given (each rank passes the gradients it owns, a shared parameter once)."""
     sq = torch.zeros((), dtype=torch.float64)
-    for part in (  # DTensor and plain gradients cannot share one foreach kernel
-        [g for g in grads if hasattr(g, "to_local")],
-        [g for g in grads if not hasattr(g, "to_local")],
-    ):
+    # DTensor and plain gradients cannot share one foreach kernel, nor can DTensors of different meshes
+    # (tensor-parallel shards and expert-parallel shards): one norm per mesh, then the plain part.
+    by_mesh: dict[int, list[Tensor]] = {}
+    for g in grads:
+        if hasattr(g, "to_local"):
+            by_mesh.setdefault(id(g.device_mesh), []).append(g)
+    for part in (*by_mesh.values(), [g for g in grads if not hasattr(g, "to_local")]):
         if part:
             norm = torch.nn.utils.get_total_norm([g.to(torch.float64) for g in part], foreach=False)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -167,9 +167,9 @@ class TrainConfig:
         experts must split evenly over the ``ep`` ranks, and are not also sharded by tensor parallelism."""
         if self.ep == 1:
             return
-        if self.tp > 1:
-            raise ValueError(f"--ep={self.ep} is not combined with --tp={self.tp} yet (the experts would be sharded "
-                             "twice)")
+        if self.sp:
+            raise ValueError(f"--ep={self.ep} is not combined with --sp yet (under SP the experts see tokens gathered "
+                             "over TP; EP keeps each rank's own tokens)")
         experts = get_config(self.model, **self.model_overrides).num_experts
         if experts == 0 or experts % self.ep:
             raise ValueError(f"--ep={self.ep} must divide the number of routed experts num_experts={experts} "
@@ -280,7 +280,8 @@ class Trainer:
         if cfg.tp > 1:
             from ..model.tensor_parallel import apply_tensor_parallel
 
-            apply_tensor_parallel(raw, self.dims.submesh("tp"), sequence_parallel=cfg.sp)
+            # Under EP the experts stay whole on every TP rank (expert TP size 1) and EP shards them.
+            apply_tensor_parallel(raw, self.dims.submesh("tp"), sequence_parallel=cfg.sp, shard_experts=cfg.ep == 1)
         self.expert_params: list[nn.Parameter] = []
         if cfg.ep > 1:  # routed experts sharded over the EP ranks; their gradients bypass the engine
             from ..model.expert_parallel import apply_expert_parallel, ep_mesh, expert_parameters

@@ -151,7 +151,7 @@ DEFAULT_LAYOUTS = tuple(_L(n) for n in (
     "T2xC2", "T2+SPxC2", "C2xP2", "T2xP2", "D2xC2xT2+SP", "D2xE2xK2"))
 QUICK_LAYOUTS = tuple(_L(n) for n in ("1x1", "K=4", "D2xK2+recompute", "C2xK2", "P2xV2xK2", "T2+SPxC2"))
 FULL_LAYOUTS = DEFAULT_LAYOUTS + tuple(_L(n) for n in ("D2xT2xP2xV2", "C2xT2+SPxP2", "D4xE2+recompute",
-                                                        "D2xE2xP2"))
+                                                        "D2xE2xP2", "D2xT2xE2"))
 
 
 def _record(trainer: Trainer) -> dict[str, Any]:
