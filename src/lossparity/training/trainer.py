@@ -164,7 +164,7 @@ class TrainConfig:
 
     def _validate_ep(self) -> None:
         """Expert parallelism (model/expert_parallel.py) beyond what :class:`ParallelDims` checks: the routed
-        experts must split evenly over the ``ep`` ranks, and are not also sharded by tensor parallelism."""
+        experts must split evenly over the ``ep`` ranks; EP is not combined with sequence parallelism."""
         if self.ep == 1:
             return
         if self.sp:
