@@ -1,4 +1,4 @@
-"""Composed layouts (gloo, up to 4 ranks): the seed bug classes on meshes of several dimensions, refused
+"""Composed layouts (gloo, up to 8 ranks): the seed bug classes on meshes of several dimensions, refused
 layouts, and checkpoints resumed into a different layout.
 
 References are single-process runs of the same configuration (no parallelism at all), and, for the
@@ -20,7 +20,7 @@ _SKIP = {"tokens_per_s", "step_time_s", "microbatches"}
 
 
 def _cfg(**kw) -> TrainConfig:
-    base = dict(steps=2, global_batch=4, seq_len=16, packed=True, progress=False, tensorboard=False, warmup=1,
+    base = dict(steps=2, global_batch=8, seq_len=16, packed=True, progress=False, tensorboard=False, warmup=1,
                 dtype="float64", bias_rate=1e-2, model_overrides={"indexer_layer": 1})
     base.update(kw)
     return TrainConfig(**base)
@@ -62,7 +62,7 @@ def reference() -> dict:
 def test_router_histograms_over_tp_x_cp_equal_single_process_counts(reference):
     # Seed bug: under TP+SP with CP the histogram must be summed over the tp×cp ranks (each holds distinct
     # tokens), never twice over ranks holding the same tokens.
-    out = spawn(_run, 4, "T2+SPxC2", {}, timeout_s=240)
+    out = spawn(_run, 8, "D2xC2xT2+SP", {}, timeout_s=300)
     valid_tokens = None
     for r in out:
         assert r["lagged"].keys() == reference["lagged"].keys()

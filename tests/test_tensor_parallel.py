@@ -20,7 +20,7 @@ def _sharding(rank: int, world: int) -> dict:
     experts = t.raw.layers[1].ffn.experts
     return {"wq": [str(p) for p in attn.wq.weight.placements], "local_heads": attn.n_heads,
             "w1_local": tuple(experts.w1.to_local().shape), "w1": tuple(experts.w1.shape),
-            "router_is_dtensor": hasattr(t.raw.layers[1].ffn.router.weight, "placements"),
+            "router": [str(p) for p in t.raw.layers[1].ffn.router.weight.placements],
             "head": [str(p) for p in t.raw.output.weight.placements],
             "head_local": t.raw.output.weight.to_local().shape[0]}
 
@@ -29,7 +29,7 @@ def test_tp_really_shards_and_replicates_the_router():
     out = spawn(_sharding, 2, timeout_s=60)[0]
     assert out["wq"] == ["S(0)"] and out["local_heads"] == 2  # column-wise: output features sharded
     assert out["w1_local"][2] * 2 == out["w1"][2]  # experts' hidden dimension split over 2 ranks
-    assert not out["router_is_dtensor"]  # replicated router: counts must not be summed over TP
+    assert out["router"] == ["R"]  # NoParallel: replicated over the TP mesh, counts never summed over TP
     assert out["head"] == ["S(0)"] and out["head_local"] == 128  # vocabulary-parallel output head (V=256)
 
 

@@ -86,9 +86,10 @@ class ParallelDims:
 
     @property
     def grad_engine(self) -> Engine:
-        """The engine that actually reduces gradients: ``plain`` (the accountant sums them) under tensor
-        or pipeline parallelism, where parameters are DTensor shards or stage-local; else ``engine``."""
-        return "plain" if self.tp > 1 or self.pp > 1 else self.engine
+        """The engine that actually reduces gradients: ``plain`` (the accountant sums them) under tensor,
+        pipeline or expert parallelism, where parameters are DTensor shards, stage-local, or reduced over
+        two different groups (experts over ``edp``, the rest over ``dp × cp``); else ``engine``."""
+        return "plain" if self.tp > 1 or self.pp > 1 or self.ep > 1 else self.engine
 
     def describe(self) -> str:
         """A short name of the layout, e.g. ``dp=2 cp=2 tp=2+sp pp=1 ep=1``."""

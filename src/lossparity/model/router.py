@@ -92,7 +92,9 @@ class Router(nn.Module):
         evaluation under ``no_grad`` and recompute never count."""
         dtype = torch.promote_types(self.weight.dtype, torch.float32)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = F.linear(x.to(dtype), self.weight.to(dtype))
+            # Under tensor parallelism the weight is a replicated DTensor (NoParallel): use the local copy.
+            weight = self.weight.to_local() if hasattr(self.weight, "to_local") else self.weight
+            logits = F.linear(x.to(dtype), weight.to(dtype))
             if self.score_function == "softmax":
                 scores = logits.softmax(dim=-1)
                 probs = scores

@@ -8,7 +8,8 @@ Plan (Megatron's, without sequence parallelism):
 - routed experts' dense parts: the hidden dimension of every expert is sharded (``w1``/``w3`` on their
   last dimension, ``w2`` on its middle one, as ``DTensor``s); the expert input enters a region whose
   backward all-reduces, the output leaves it with a forward all-reduce (Megatron's ``f``/``g``);
-- router, norms and embedding replicated: every TP rank routes every token identically, so the token
+- router replicated (:class:`NoParallel`: a DTensor replicated over the TP mesh), norms and embedding
+  replicated: every TP rank routes every token identically, so the token
   histograms (aux-loss counts, expert-bias counts) must NOT be summed over TP — they are summed over the
   ranks holding distinct tokens only (DP × CP), which the accountant's token group already is;
 - the output head is vocabulary-parallel (rows sharded, a ``DTensor``): the chunked cross-entropy
@@ -20,13 +21,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from .attention import Attention, Indexer
 from .mlp import SwiGLU
 from .moe import GroupedExperts, MoE
+from .router import Router
 from .sequence_parallel import sp_gather, sp_reduce_scatter, sp_shard
 
-__all__ = ["apply_tensor_parallel", "sp_gather", "sp_reduce_scatter", "sp_shard"]
+__all__ = ["NoParallel", "apply_tensor_parallel", "sp_gather", "sp_reduce_scatter", "sp_shard"]
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -56,6 +60,23 @@ class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # noqa: D102
         return grad, None
+
+
+class NoParallel(ParallelStyle):
+    """torchtitan's ``NoParallel`` for the router: its parameters become DTensors *replicated* over the TP
+    mesh (every rank routes with the full weight), so all parameters of the model live on the TP mesh;
+    the router computes on the local copy (``Router.forward`` reads ``to_local()``), its gradient comes
+    back as a replicated DTensor (TP-partial under sequence parallelism, summed over TP by the trainer)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        # Parameters only (not ``distribute_module``, which would also turn the routers' count and bias
+        # buffers into DTensors: those stay per-rank tensors, summed over the token group by the trainer).
+        for mod in module.modules():
+            for name, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), device_mesh, [Replicate()])))
+        return module
 
 
 def _shard_experts(experts: GroupedExperts, tp_mesh: object) -> None:
@@ -127,6 +148,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: object, *, sequence_paralle
                 module.tp_region = None  # the MoE layer gathers tokens and reduce-scatters itself
         elif isinstance(module, MoE) and sequence_parallel:
             module.sp_mesh = tp_mesh
+        elif isinstance(module, Router):
+            parallelize_module(module, tp_mesh, NoParallel())
         elif isinstance(module, Indexer):  # replicated; its KL target gathers the heads of every TP rank
             module.tp_mesh = tp_mesh
             module.sequence_parallel = sequence_parallel

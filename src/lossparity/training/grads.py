@@ -9,20 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..distributed.collectives import all_reduce_coalesced
+
 __all__ = ["all_reduce_coalesced", "clip_grad_norm", "sum_replicated_grads_over_tp", "total_grad_norm"]
-
-
-def all_reduce_coalesced(tensors: Sequence[Tensor], group: object | None) -> None:
-    """Sum ``tensors`` over ``group`` in place with one all-reduce of their concatenation (skipped when
-    ``group`` is ``None`` or there is nothing to reduce)."""
-    if group is None or not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
 
 
 def total_grad_norm(grads: Sequence[Tensor], pp_group: object | None = None) -> Tensor:
@@ -30,17 +19,16 @@ def total_grad_norm(grads: Sequence[Tensor], pp_group: object | None = None) -> 
     DTensor part is reduced over its mesh by ``torch.nn.utils.get_total_norm``), summed over the pipeline
     ranks ``pp_group`` when given (each rank passes the gradients it owns, a shared parameter once)."""
     sq = torch.zeros((), dtype=torch.float64)
-    # DTensor and plain gradients cannot share one foreach kernel, nor can DTensors of different meshes
-    # (tensor-parallel shards and expert-parallel shards): one norm per mesh, then the plain part.
-    by_mesh: dict[int, list[Tensor]] = {}
+    # DTensor and plain gradients cannot share one kernel, nor can DTensors of different placements or of
+    # different meshes (tensor-parallel and expert-parallel shards are both Shard(0), on different meshes).
+    parts: dict[object, list[Tensor]] = {}
     for g in grads:
-        if hasattr(g, "to_local"):
-            by_mesh.setdefault(id(g.device_mesh), []).append(g)
-    for part in (*by_mesh.values(), [g for g in grads if not hasattr(g, "to_local")]):
-        if part:
-            norm = torch.nn.utils.get_total_norm([g.to(torch.float64) for g in part], foreach=False)
-            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-            sq = sq + norm.cpu().pow(2)
+        key = (id(g.device_mesh), tuple(g.placements)) if hasattr(g, "placements") else None
+        parts.setdefault(key, []).append(g)
+    for part in parts.values():
+        norm = torch.nn.utils.get_total_norm([g.to(torch.float64) for g in part], foreach=False)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        sq = sq + norm.cpu().pow(2)
     if pp_group is not None:
         dev = grads[0].device if grads else torch.device("cpu")
         sq = sq.to(dev)
@@ -63,7 +51,9 @@ def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float, *, pp_
 
 def sum_replicated_grads_over_tp(params: Sequence[torch.nn.Parameter], tp_group: object | None) -> None:
     """Sequence parallelism: parameters that stay replicated over TP (norms, routers, embedding, MTP
-    projections) saw only this TP rank's slice of the sequence, so their gradients are summed over TP
-    (one all-reduce); TP-sharded (DTensor) parameters already have their full gradients."""
-    grads = [p.grad for p in params if p.grad is not None and not hasattr(p.grad, "to_local")]
+    projections; the router as a replicated DTensor) saw only this TP rank's slice of the sequence, so
+    their gradients are summed over TP (one all-reduce); TP-sharded parameters already have their full
+    gradients."""
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in (p.grad for p in params if p.grad is not None)
+             if not hasattr(g, "placements") or all(pl.is_replicate() for pl in g.placements)]
     all_reduce_coalesced(grads, tp_group)
