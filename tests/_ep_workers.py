@@ -86,7 +86,7 @@ def ep_rank(rank: int, world: int, ep: int, cases: list[tuple[list[float], bool]
 
 
 def trainer_facts(rank: int, world: int, recompute: bool) -> dict:
-    """One step (DDP engine) of the reference trainer with ``dp=world, ep=2`` (``world=1``: no EP): how the
+    """One step of the reference trainer with ``dp=world, ep=2`` (``world=1``: no EP): how the
     experts are held and reduced, the step's dispatch counts (summed over ranks, read just before the
     reset) and lagged top-k counts, the log line and the updated parameters."""
     from lossparity.training.trainer import TrainConfig, Trainer
@@ -109,7 +109,7 @@ def trainer_facts(rank: int, world: int, recompute: bool) -> dict:
     return {"placements": [str(p) for p in experts.w1.placements] if sharded else None,
             "local_experts": experts.w1.to_local().shape[0] if sharded else experts.w1.shape[0],
             "router_sharded": hasattr(t.raw.layers[1].ffn.router.weight, "placements"),
-            "ddp_ignored": sorted(getattr(t.model, "parameters_to_ignore", ())),
+            "engine": type(t.model).__name__,
             "expert_params": len(t.expert_params), "dispatch": dispatch, "history": t.history,
             "params": {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                        for n, p in t.raw.named_parameters()},

@@ -305,10 +305,6 @@ class Trainer:
             return fully_shard(fwd)
         # broadcast_buffers=False: the routers' dispatch counters are per-rank until end_step sums them.
         # find_unused_parameters: an expert may receive no token of this rank's microbatch.
-        # Expert shards (EP) are summed over the expert-data-parallel group by the accountant, never by DDP.
-        experts = {id(p) for p in self.expert_params}
-        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            fwd, [n for n, p in fwd.named_parameters() if id(p) in experts])
         with warnings.catch_warnings():
             # torch >= 2.12 deprecates broadcast_buffers; its replacement still syncs buffers at init.
             warnings.simplefilter("ignore", FutureWarning)
