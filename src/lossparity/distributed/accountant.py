@@ -36,6 +36,7 @@ from ..losses.modes import DENOMINATOR_KEY as _DEN_KEY
 from ..losses.modes import MODES, check_mode, numerator, unit_count_map
 from ..losses.mtp import check_convention, mtp_numerator, roll_mask
 from ..losses.stats import check_inputs, count_documents, sample_stats
+from .collectives import all_reduce_coalesced
 from .groups import ParallelGroups, resolve_groups
 from .parallel_dims import ParallelDims
 
@@ -95,13 +96,7 @@ def _unique_grads(model: nn.Module | Iterable[Tensor] | None, fill_missing: bool
 def _reduce_and_scale(grads: list[Tensor], group: object | None, factor: float) -> None:
     """``g ← factor · Σ_group g`` in place for every ``g`` of ``grads`` (one all-reduce of their
     concatenation; no collective when ``group`` is ``None``)."""
-    if group is not None and grads:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+    all_reduce_coalesced(grads, group)
     if factor != 1.0 and grads:
         torch._foreach_mul_(grads, factor)
 

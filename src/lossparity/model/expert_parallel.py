@@ -39,6 +39,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from ..distributed.collectives import all_reduce_coalesced
+
 __all__ = ["ExpertParallel", "apply_expert_parallel", "ep_mesh", "expert_parameters", "reduce_expert_grads"]
 
 _WEIGHTS = ("w1", "w3", "w2")
@@ -204,10 +206,4 @@ def reduce_expert_grads(params: Iterable[nn.Parameter], edp_group: object | None
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=edp_group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    all_reduce_coalesced([p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params], edp_group)
