@@ -55,6 +55,7 @@ from ..options import (
     Normalization,
     check_option,
 )
+from .collectives import all_reduce_coalesced
 from .groups import ParallelGroups, resolve_groups
 from .parallel_dims import ParallelDims
 from .protocol import (
@@ -107,14 +108,15 @@ def _is_averaging_engine(model: object) -> bool:
         return False
 
 
-def _unique_grads(model: nn.Module | Iterable[Tensor] | None, fill_missing: bool = False) -> list[Tensor]:
-    """Gradients of the distinct parameters; with ``fill_missing``, parameters that require grad but got
-    none (e.g. an expert that received no token on this rank) get zeros, so that every rank reduces a
-    buffer of the same layout."""
+def _unique_grads(model: nn.Module | Iterable[Tensor] | None, fill_missing: bool = False,
+                  skip: set[int] | None = None) -> list[Tensor]:
+    """Gradients of the distinct parameters (except those whose ``id`` is in ``skip``); with
+    ``fill_missing``, parameters that require grad but got none (e.g. an expert that received no token on
+    this rank) get zeros, so that every rank reduces a buffer of the same layout."""
     if model is None:
         return []
     params = model.parameters() if isinstance(model, nn.Module) else model
-    seen: set[int] = set()
+    seen: set[int] = set(skip or ())
     grads = []
     for p in params:
         if id(p) in seen:
@@ -164,6 +166,14 @@ def _same_storage(a: object, b: Tensor) -> bool:
         return True
     return (isinstance(a, Tensor) and a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
             and a.stride() == b.stride() and a.data_ptr() == b.data_ptr())
+
+
+def _reduce_and_scale(grads: list[Tensor], group: object | None, factor: float) -> None:
+    """``g ← factor · Σ_group g`` in place for every ``g`` of ``grads`` (one all-reduce of their
+    concatenation; no collective when ``group`` is ``None``)."""
+    all_reduce_coalesced(grads, group)
+    if factor != 1.0 and grads:
+        torch._foreach_mul_(grads, factor)
 
 
 class Accountant:
@@ -752,21 +762,20 @@ class Accountant:
             raise ProtocolError(f"{what} called outside a step: expected {self.expected_call()}")
 
     # ------------------------------------------------------------------ gradients
-    def _resolve_reduction(self, model: object) -> str:
-        reduction = self.grad_reduction
-        if reduction == "auto":
-            if model is not None and _is_averaging_engine(model):
-                return "mean"
-            return "allreduce" if model is not None and self.groups.grad_size > 1 else "sum"
-        return reduction
-
-    def finish_step(self, model: nn.Module | Iterable[Tensor] | None = None) -> float:
+    def finish_step(self, model: nn.Module | Iterable[Tensor] | None = None, *,
+                    expert_params: Iterable[Tensor] = ()) -> float:
         """Scale (and, for plain modules, reduce) the gradients so that they are those of ``J``.
 
         Checks that every pre-counted microbatch was seen. ``deferred``: all-reduces the step's
         denominator over the data-parallel group and divides all gradients by it. Averaging engines
         (DDP, FSDP, over DP × CP) get a factor ``D·C``; ``grad_reduction="allreduce"`` (or ``auto`` with a
         plain module and ``D·C > 1``) sums the gradients over DP × CP. Returns the factor applied.
+
+        ``expert_params``: expert shards under expert parallelism (``model/expert_parallel.py``). Their
+        local gradients are already summed over the expert-parallel ranks (the all-to-all backward); they
+        are summed over the expert-data-parallel group only, ``g_e ← Σ_{edp} g_e``, get the ``deferred``
+        factor but never the engine's ``D·C`` (the engine must not see them), and are left out of
+        ``model``'s reduction.
         """
         if self.state is not StepState.MICROBATCHES:
             what = "twice in one step" if self.state is StepState.FINISHED else "outside a step"
@@ -777,27 +786,23 @@ class Accountant:
                 f"(rank {self.groups.token_rank()}): expected {self.expected_call()}"
             )
         reduction = self._resolve_reduction(model)
-        factor = float(self.groups.grad_size) if reduction == "mean" else 1.0
+        deferred = 1.0
         if self.normalization == "deferred":
             self._counts[self._counts_layout.sl("error")] = 0.0
             self._all_reduce(self._counts, self.groups.dp_group)
             self._read_counts(self._counts, self._counts_layout, None, reduced=True)
-            factor /= self._denominator(_DEN_KEY[self.mode])
+            deferred = 1.0 / self._denominator(_DEN_KEY[self.mode])
+        factor = (float(self.groups.grad_size) if reduction == "mean" else 1.0) * deferred
         self.state = StepState.FINISHED
         self._grad_factor = factor
-        needs_reduce = reduction == "allreduce" and self.groups.grad_group is not None
-        if not needs_reduce and factor == 1.0:
-            return factor  # nothing to touch: skip the walk over the parameters
-        grads = _unique_grads(model, fill_missing=reduction == "allreduce")
-        if needs_reduce and grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups.grad_group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-        if factor != 1.0 and grads:
-            torch._foreach_mul_(grads, factor)
+        experts = list(expert_params)
+        group = self.groups.grad_group if reduction == "allreduce" else None
+        if group is not None or factor != 1.0:  # else nothing to touch: skip the walk over the parameters
+            skip = {id(p) for p in experts}
+            grads = _unique_grads(model, fill_missing=reduction == "allreduce", skip=skip)
+            _reduce_and_scale(grads, group, factor)
+        if experts:
+            _reduce_and_scale(_unique_grads(experts, fill_missing=True), self.groups.edp_group, deferred)
         return factor
 
     # ------------------------------------------------------------------ logs

@@ -45,7 +45,8 @@ class GroupedExperts(nn.Module):
             x = region[0](x)
         if hasattr(w1, "to_local"):  # TP-sharded hidden dimension: TP-partial outputs
             w1, w3, w2 = w1.to_local(), w3.to_local(), w2.to_local()
-        idxs = [dispatch_map[:, e].nonzero().squeeze(1) for e in range(self.num_experts)]
+        # One column per expert held here: E, or E/ep under expert parallelism (model/expert_parallel.py).
+        idxs = [dispatch_map[:, e].nonzero().squeeze(1) for e in range(dispatch_map.shape[1])]
         ys = []
         for e, idx in enumerate(idxs):
             xe = x.index_select(0, idx)

@@ -89,7 +89,8 @@ def _shard_experts(experts: GroupedExperts, tp_mesh: object) -> None:
     experts.tp_region = (lambda x: _CopyToRegion.apply(x, group), lambda y: _ReduceFromRegion.apply(y, group))
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: object, *, sequence_parallel: bool = False) -> None:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: object, *, sequence_parallel: bool = False,
+                          shard_experts: bool = True) -> None:
     """Shard ``model`` (a :class:`~lossparity.model.GPT`) over the 1-D ``tp_mesh`` in place (module
     docstring). Raises when head counts or hidden sizes do not divide by the TP size.
 
@@ -99,7 +100,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: object, *, sequence_paralle
     routing map for the TP-sharded experts and reduce-scatter the result (Megatron's all-gather token
     dispatcher). Parameters that stay replicated (norms, routers, embedding, MTP projections) then get
     TP-partial gradients, which the caller must sum over TP (the trainer does).
+
+    ``shard_experts=False`` leaves the routed experts replicated over TP (expert tensor-parallel size 1),
+    for expert parallelism to shard them instead (``model/expert_parallel.py``; not with SP).
     """
+    if sequence_parallel and not shard_experts:
+        raise ValueError("shard_experts=False is not combined with sequence parallelism")
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -134,7 +140,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: object, *, sequence_paralle
                 parallelize_module(module, tp_mesh, PrepareModuleInput(
                     input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
             parallelize_module(module, tp_mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": row_out})
-        elif isinstance(module, GroupedExperts):
+        elif isinstance(module, GroupedExperts) and shard_experts:
             if module.w1.shape[2] % tp:
                 raise ValueError(f"tp={tp} must divide the experts' hidden size {module.w1.shape[2]}")
             _shard_experts(module, tp_mesh)

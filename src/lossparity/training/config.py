@@ -182,8 +182,7 @@ class TrainConfig:
 
     def _check_layout(self) -> None:
         self.parallel_dims().validate()  # sizes, ep | dp*cp, sp needs tp, engine combinations
-        if self.ep > 1:
-            raise ValueError(f"--ep={self.ep}: expert parallelism is not available in this build")
+        self._check_expert_parallel()
         if self.cp > 1:
             parts = 2 * self.cp if self.cp_zigzag else self.cp
             if self.seq_len % parts:
@@ -208,6 +207,22 @@ class TrainConfig:
                     f"interleaved pipelining (pp_virtual={self.pp_virtual}) needs ga divisible by "
                     f"pp={self.pp}, got ga={self.ga}"
                 )
+
+    def _check_expert_parallel(self) -> None:
+        """Expert parallelism beyond what ``ParallelDims`` checks: the routed experts split evenly over the
+        ``ep`` ranks; EP is not combined with sequence parallelism (under SP the experts see tokens gathered
+        over TP, EP keeps each rank's own tokens)."""
+        if self.ep == 1:
+            return
+        if self.sp:
+            raise ValueError(f"--ep={self.ep} is not combined with --sp yet (under SP the experts see tokens gathered "
+                             "over TP; EP keeps each rank's own tokens)")
+        from ..model import get_config
+
+        experts = get_config(self.model, **self.model_overrides).num_experts
+        if experts == 0 or experts % self.ep:
+            raise ValueError(f"--ep={self.ep} must divide the number of routed experts num_experts={experts} "
+                             f"of model {self.model!r}")
 
     def _check_features(self) -> None:
         if self.dump_samples and (self.out is None or self.cp > 1):

@@ -19,10 +19,11 @@ def total_grad_norm(grads: Sequence[Tensor], pp_group: object | None = None) -> 
     DTensor part is reduced over its mesh by ``torch.nn.utils.get_total_norm``), summed over the pipeline
     ranks ``pp_group`` when given (each rank passes the gradients it owns, a shared parameter once)."""
     sq = torch.zeros((), dtype=torch.float64)
-    # DTensor and plain gradients cannot share one kernel, nor can DTensors of different placements.
+    # DTensor and plain gradients cannot share one kernel, nor can DTensors of different placements or of
+    # different meshes (tensor-parallel and expert-parallel shards are both Shard(0), on different meshes).
     parts: dict[object, list[Tensor]] = {}
     for g in grads:
-        key = tuple(g.placements) if hasattr(g, "placements") else None
+        key = (id(g.device_mesh), tuple(g.placements)) if hasattr(g, "placements") else None
         parts.setdefault(key, []).append(g)
     for part in parts.values():
         norm = torch.nn.utils.get_total_norm([g.to(torch.float64) for g in part], foreach=False)

@@ -146,7 +146,8 @@ class Trainer:
 
     def _build_model(self) -> GPT:
         """The model in the run's dtype (seeded: identical on every rank), then sharded: context
-        parallelism over ``cp``, tensor (and sequence) parallelism over the ``tp`` sub-mesh."""
+        parallelism over ``cp``, tensor (and sequence) parallelism over the ``tp`` sub-mesh, routed experts
+        over the ``ep`` ranks (``self.expert_params``: their shards)."""
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         raw = GPT(self.model_config)
@@ -155,7 +156,14 @@ class Trainer:
         if cfg.tp > 1:
             from ..model.tensor_parallel import apply_tensor_parallel
 
-            apply_tensor_parallel(raw, self.dims.submesh("tp"), sequence_parallel=cfg.sp)
+            # Under EP the experts stay whole on every TP rank (expert TP size 1) and EP shards them.
+            apply_tensor_parallel(raw, self.dims.submesh("tp"), sequence_parallel=cfg.sp, shard_experts=cfg.ep == 1)
+        self.expert_params: list[nn.Parameter] = []
+        if cfg.ep > 1:  # routed experts sharded over the EP ranks; their gradients bypass the engine
+            from ..model.expert_parallel import apply_expert_parallel, ep_mesh, expert_parameters
+
+            apply_expert_parallel(raw, ep_mesh(self.dims.ep_group, self.device.type))
+            self.expert_params = expert_parameters(raw)
         return raw
 
     def _wrap_engine(self, fwd: LossForward) -> nn.Module:
@@ -188,14 +196,14 @@ class Trainer:
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """AdamW over the parameters this rank owns (weight decay on matrices only). ``foreach`` is off
-        under TP: DTensor and plain parameters cannot share one foreach kernel."""
+        under TP and EP: DTensor and plain parameters cannot share one foreach kernel."""
         cfg = self.cfg
         named = list(self.raw.named_parameters()) if self.pipeline is None else list(self.pipeline.params.items())
         decay = [p for n, p in named if p.dim() >= 2]
         no_decay = [p for n, p in named if p.dim() < 2]
         return torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False if cfg.tp > 1 else None)
+            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False if cfg.tp > 1 or cfg.ep > 1 else None)
 
     # ------------------------------------------------------------------ one step
     def mtp_weight(self, step: int) -> float:
@@ -255,7 +263,7 @@ class Trainer:
                 loss.backward()
         if cfg.sp:
             sum_replicated_grads_over_tp(list(self.raw.parameters()), self.dims.tp_group)
-        acc.finish_step(model)
+        acc.finish_step(model, expert_params=self.expert_params)
         # max_vio reaches the log line through acc.logs(), as under pipelining (one route).
         self.moe.end_step(self.routers, bias_rate=self.bias_rate(self.step), zero_mean=cfg.bias_zero_mean)
         grad_norm = clip_grad_norm(list(self.raw.parameters()), cfg.grad_clip)
@@ -288,7 +296,9 @@ class Trainer:
         pipe.reduce_grads()
         if cfg.sp:
             sum_replicated_grads_over_tp(list(pipe.params.values()), self.dims.tp_group)
-        acc.finish_step(list(pipe.params.values()))
+        experts = {id(p) for p in self.expert_params}
+        acc.finish_step([p for p in pipe.params.values() if id(p) not in experts],
+                        expert_params=[p for p in pipe.params.values() if id(p) in experts])
         pipe.end_step_moe(self.bias_rate(self.step), cfg.bias_zero_mean)
         return self._optimizer_step(pipe.grad_norm_and_clip(cfg.grad_clip), {}, t0)
 

@@ -150,9 +150,10 @@ def _L(name: str) -> Layout:  # noqa: N802 - short constructor for the tables be
 DEFAULT_LAYOUTS = tuple(_L(n) for n in (
     "1x1", "K=4", "D2xK2", "D4", "D2xK2+recompute", "D2xK2+fsdp", "C2xK2", "D2xC2+recompute",
     "T2+SPxK2", "P2xV2xK2", "D2xP2xK2+recompute",
-    "T2xC2", "T2+SPxC2", "C2xP2", "T2xP2", "D2xC2xT2+SP"))
+    "T2xC2", "T2+SPxC2", "C2xP2", "T2xP2", "D2xC2xT2+SP", "D2xE2xK2"))
 QUICK_LAYOUTS = tuple(_L(n) for n in ("1x1", "K=4", "D2xK2+recompute", "C2xK2", "P2xV2xK2", "T2+SPxC2"))
-FULL_LAYOUTS = DEFAULT_LAYOUTS + tuple(_L(n) for n in ("T2xK2", "P2xK2", "D2xT2xP2xV2", "C2xT2+SPxP2"))
+FULL_LAYOUTS = DEFAULT_LAYOUTS + tuple(_L(n) for n in ("T2xK2", "P2xK2", "D2xT2xP2xV2", "C2xT2+SPxP2",
+                                                        "D4xE2+recompute", "D2xE2xP2", "D2xT2xE2"))
 
 
 def _record(trainer: Trainer) -> dict[str, Any]:
