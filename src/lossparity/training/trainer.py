@@ -270,8 +270,11 @@ class Trainer:
         return self._optimizer_step(grad_norm, {}, t0)
 
     def _optimizer_step(self, grad_norm: float, extra_logs: dict[str, float], t0: float) -> dict[str, Any]:
-        """Step 5 of :meth:`train_step`: learning rate, optimizer step, the logging collective, the log line."""
+        """Step 5 of :meth:`train_step`: the logging collective, learning rate, optimizer step, the log line.
+        The logs come first: the value checks the accountant deferred to its one collective (NaN losses,
+        masks that differ from the counted ones) raise on every rank before any parameter changes."""
         cfg = self.cfg
+        logs = self.acc.logs()
         if not math.isfinite(grad_norm):
             raise FloatingPointError(
                 f"step {self.step + 1} (rank {self.rank}): the gradient norm is {grad_norm}; the optimizer step was "
@@ -282,7 +285,6 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        logs = self.acc.logs()
         elapsed = time.perf_counter() - t0
         self.step += 1
         return {"step": self.step, **logs, **extra_logs, "grad_norm": grad_norm, "lr": lr,
