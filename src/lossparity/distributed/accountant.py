@@ -762,6 +762,16 @@ class Accountant:
             raise ProtocolError(f"{what} called outside a step: expected {self.expected_call()}")
 
     # ------------------------------------------------------------------ gradients
+    def _resolve_reduction(self, model: object) -> str:
+        """``grad_reduction``, with ``auto`` resolved from the engine of ``model``: ``mean`` for averaging
+        engines (DDP, FSDP), ``allreduce`` for a plain module over several gradient ranks, else ``sum``."""
+        reduction = self.grad_reduction
+        if reduction == "auto":
+            if model is not None and _is_averaging_engine(model):
+                return "mean"
+            return "allreduce" if model is not None and self.groups.grad_size > 1 else "sum"
+        return reduction
+
     def finish_step(self, model: nn.Module | Iterable[Tensor] | None = None, *,
                     expert_params: Iterable[Tensor] = ()) -> float:
         """Scale (and, for plain modules, reduce) the gradients so that they are those of ``J``.
