@@ -124,7 +124,8 @@ def test_accountant_weights_under_context_parallel_columns_use_whole_row_counts(
     acc = Accountant("per_sample", check_finite=False)
     acc.begin_step([mask], [seg])
     whole = acc.token_weights(mask, seg)
-    acc.groups = dataclasses.replace(acc.groups, cp_size=2)  # pretend to be a context-parallel shard: columns become required
+    # pretend to be a context-parallel shard: columns become required
+    acc.groups = dataclasses.replace(acc.groups, cp_size=2)
     cols = torch.tensor([0, 1, 2, 7, 8, 9])
     with pytest.raises(ValueError, match="columns"):
         acc.token_weights(mask[:, cols], seg[:, cols])

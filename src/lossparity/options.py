@@ -27,6 +27,8 @@ __all__ = [
     "Z_FORMS",
     "ScoreFunction",
     "SCORE_FUNCTIONS",
+    "LossImpl",
+    "LOSS_IMPLS",
     "ALIASES",
     "check_option",
 ]
@@ -56,6 +58,11 @@ Z_FORMS: tuple[ZForm, ...] = get_args(ZForm)
 
 ScoreFunction = Literal["softmax", "sigmoid"]
 SCORE_FUNCTIONS: tuple[ScoreFunction, ...] = get_args(ScoreFunction)
+
+# Output-layer cross-entropy of the reference trainer: fused (gradients formed in the forward from the
+# pre-counted per-token weights) or chunked (per-token losses, logits recomputed in the backward).
+LossImpl = Literal["fused", "chunked"]
+LOSS_IMPLS: tuple[LossImpl, ...] = get_args(LossImpl)
 
 # Spellings accepted for backward compatibility, per option name: old -> canonical.
 ALIASES: dict[str, dict[str, str]] = {

@@ -11,6 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from ..options import LOSS_IMPLS
 from ._common import UsageError
 from .parity import cmd_compare, cmd_modes
 from .train import add_train_args, cmd_train, cmd_verify
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--steps", type=int, default=0, help="steps per run (default 3, --quick 2, --full 5)")
     v.add_argument("--modes", default="", help="comma-separated modes (default: all)")
     v.add_argument("--aux-scope", default="global_lagged", help="MoE aux-loss scope of the runs")
+    v.add_argument("--loss-impl", default="fused", choices=list(LOSS_IMPLS),
+                   help="output-layer cross-entropy of the runs (default fused)")
     v.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
     v.set_defaults(func=cmd_verify)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..options import LOSS_IMPLS
 from ._common import UsageError
 
 __all__ = ["cmd_train", "cmd_verify", "add_train_args"]
@@ -42,7 +43,7 @@ def _train_config(args: argparse.Namespace):
         bias_freeze_step=args.bias_freeze_step, aux_scope=args.aux_scope, aux_coeff=args.aux_coeff,
         z_coeff=args.z_coeff, bias_rate=args.bias_rate, out=args.out, log_interval=args.log_interval,
         ckpt_interval=args.ckpt_interval, resume=args.resume, progress=not args.no_progress,
-        dump_samples=args.dump_samples,
+        dump_samples=args.dump_samples, loss_impl=args.loss_impl,
     )
     for key, value in preset_fields.items():
         # An explicit command-line value wins over the preset for the fields it names.
@@ -86,9 +87,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.quick and args.full:
         raise UsageError("--quick and --full exclude each other")
     steps = args.steps if args.steps else (2 if args.quick else 5 if args.full else 3)
-    overrides = {"aux_scope": args.aux_scope}
+    overrides = {"aux_scope": args.aux_scope, "loss_impl": args.loss_impl}
     print(f"lossparity verify: tiny MoE+MTP model, {len(layouts)} layouts x {len(modes)} modes, {steps} steps, "
-          f"float64, reference = 1x1 run")
+          f"float64, {args.loss_impl} output head, reference = 1x1 run")
     report = run_verify(layouts, modes, steps=steps, overrides=overrides)
     print(format_table(report))
     if args.json:
@@ -141,5 +142,8 @@ def add_train_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--ckpt-interval", type=int, default=0)
     t.add_argument("--resume", action="store_true", help="resume from OUT/checkpoints/latest if present")
     t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--loss-impl", default="fused", choices=list(LOSS_IMPLS),
+                   help="output-layer cross-entropy: fused (gradients formed in the forward from the accountant's "
+                   "per-token weights, default) or chunked (logits recomputed in the backward)")
     t.add_argument("--dump-samples", action="store_true",
                    help="write per-sample (n_i, s_i) of every step to OUT/samples for `lossparity gap`")

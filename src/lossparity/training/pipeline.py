@@ -114,8 +114,18 @@ class PipelineRunner:
         t, acc = self.t, self.t.acc
         data = self._batch[self._loss_mb]
         self._loss_mb += 1
-        from .trainer import head_loss_fn  # trainer imports this module: import at call time
+        from .trainer import head_fused_fn, head_loss_fn  # trainer imports this module: import at call time
 
+        weights = t.head_weights(data["mask"], data["seg"], data["mtp_masks"], None)
+        if weights is not None:  # fused head: the shares carry the gradients, losses feed the logs
+            fce = head_fused_fn(t.raw)
+            share, per_tok = fce(output[0], data["labels"], weights[0])
+            loss = acc.add_lm_share(share, per_tok, data["mask"], data["seg"])
+            if t.model_config.mtp_depths:
+                parts = [fce(output[k], lab, w) for k, (lab, w) in enumerate(zip(data["mtp_labels"], weights[1]), 1)]
+                loss = loss + acc.add_mtp_share(sum(p[0] for p in parts), [p[1] for p in parts],
+                                                data["mtp_masks"], data["seg"])
+            return loss
         ce = head_loss_fn(t.raw)
         per_tok = ce(output[0], data["labels"])
         loss = acc.lm_loss(per_tok, data["mask"], data["seg"])

@@ -33,12 +33,14 @@ from torch import Tensor, nn
 from ..distributed.accountant import Accountant
 from ..distributed.moe_accounting import ROUTER_TOKENS, SCOPES, MoEAccounting
 from ..losses.cross_entropy import chunked_cross_entropy
+from ..losses.fused_cross_entropy import fused_linear_cross_entropy
 from ..losses.indexer import indexer_kl
 from ..losses.logchannel import IntervalMean
 from ..losses.modes import check_mode
 from ..losses.mtp import check_convention, roll_mtp
 from ..losses.stats import sample_stats
 from ..model import GPT, RouterRecord, get_config
+from ..options import LOSS_IMPLS, check_option
 from .checkpoint import (
     load_latest,
     load_sharded_latest,
@@ -109,11 +111,13 @@ class TrainConfig:
     progress: bool = True
     dump_samples: bool = False
     device: str = "cpu"  # "cuda": single-process runs on the current GPU (multi-rank runs use NCCL's device)
+    loss_impl: str = "fused"  # output-layer cross-entropy: fused (grads in the forward) or chunked
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending field for any inconsistent setting."""
         check_mode(self.mode)
         check_convention(self.mtp_convention)
+        self.loss_impl = check_option("loss_impl", self.loss_impl, LOSS_IMPLS)
         if self.aux_scope not in SCOPES:
             raise ValueError(f"unknown aux_scope {self.aux_scope!r}; valid: {', '.join(SCOPES)}")
         if self.dtype not in _DTYPES:
@@ -251,13 +255,29 @@ def head_loss_fn(gpt: GPT):
     return lambda h, lab: chunked_cross_entropy(h, weight, lab)
 
 
+def head_fused_fn(gpt: GPT):
+    """``(h, labels, token_weights) -> (Σ w·l, l.detach())`` of ``gpt``'s output head by the fused linear
+    cross-entropy (gradients formed in the forward), vocabulary-parallel like :func:`head_loss_fn`."""
+    weight = gpt.output.weight
+    if hasattr(weight, "to_local"):
+        mesh = weight.device_mesh
+        local = weight.to_local()
+        start = mesh.get_local_rank() * local.shape[0]
+        return lambda h, lab, w: fused_linear_cross_entropy(h, local, lab, w, vocab_parallel_group=mesh.get_group(),
+                                                            vocab_start=start, vocab_size=weight.shape[0])
+    return lambda h, lab, w: fused_linear_cross_entropy(h, weight, lab, w)
+
+
 class LossForward(nn.Module):
-    """The model plus its output head applied by the chunked cross-entropy, as one module, so that an
+    """The model plus its output head applied by the output-layer cross-entropy, as one module, so that an
     engine wrapping it (DDP) sees every parameter used inside its ``forward``.
 
     Returns ``(per_token_loss [b,S], [per_token_loss_k for MTP depths], [(logits, probs, topk_map,
-    dispatch_map) per MoE layer], indexer outputs or None)``; router records are flattened to tuples so
-    DDP can walk them."""
+    dispatch_map) per MoE layer], indexer outputs or None, shares)``; router records are flattened to
+    tuples so DDP can walk them. ``weights = (main [b,S], [per MTP depth])`` (the accountant's
+    per-token weights) selects the fused head: ``shares = (Σ w·l main, Σ_k Σ w_k·l_k)`` carry the
+    gradients and the per-token losses are detached; without ``weights`` (chunked head) ``shares`` is
+    None."""
 
     def __init__(self, gpt: GPT) -> None:
         super().__init__()
@@ -267,18 +287,28 @@ class LossForward(nn.Module):
         return head_loss_fn(self.gpt)
 
     def forward(self, tokens: Tensor, labels: Tensor, mtp_labels: list[Tensor], segment_ids: Tensor,
-                positions: Tensor, recompute: bool = False, autocast_dtype: torch.dtype | None = None
-                ) -> tuple[Tensor, list[Tensor], list[tuple[Tensor, ...]], tuple[Tensor, Tensor] | None]:
+                positions: Tensor, recompute: bool = False, autocast_dtype: torch.dtype | None = None,
+                weights: tuple[Tensor, list[Tensor]] | None = None
+                ) -> tuple[Tensor, list[Tensor], list[tuple[Tensor, ...]], tuple[Tensor, Tensor] | None,
+                           tuple[Tensor, Tensor] | None]:
         if self.gpt.cp is not None:  # the model returns this shard's columns: cut the labels alike
             cols = self.gpt.cp.columns(tokens.shape[1]).to(tokens.device)
             labels, mtp_labels = labels[:, cols], [lab[:, cols] for lab in mtp_labels]
+        shares = None
         with torch.autocast(tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             out = self.gpt(tokens, segment_ids=segment_ids, positions=positions, recompute=recompute)
-            ce = self._head_loss()
-            main = ce(out.hidden, labels)
-            mtp = [ce(h, lab) for h, lab in zip(out.mtp_hidden, mtp_labels)]
+            if weights is None:
+                ce = self._head_loss()
+                main = ce(out.hidden, labels)
+                mtp = [ce(h, lab) for h, lab in zip(out.mtp_hidden, mtp_labels)]
+            else:
+                fce = head_fused_fn(self.gpt)
+                main_share, main = fce(out.hidden, labels, weights[0])
+                parts = [fce(h, lab, w) for h, lab, w in zip(out.mtp_hidden, mtp_labels, weights[1])]
+                mtp = [p[1] for p in parts]
+                shares = (main_share, sum((p[0] for p in parts), torch.zeros_like(main_share)))
         routers = [(r.logits, r.probs, r.topk_map, r.dispatch_map) for r in out.routers]
-        return _up(main), [_up(x) for x in mtp], routers, out.indexer
+        return _up(main), [_up(x) for x in mtp], routers, out.indexer, shares
 
 
 class Trainer:
@@ -418,25 +448,28 @@ class Trainer:
             if cfg.engine == "fsdp" and self.world > 1:
                 model.set_requires_gradient_sync(last)  # reduce-scatter once, after the last microbatch
             rolled = [roll_mtp(mb.labels, mb.mask, seg, k) for k in range(1, depths + 1)]
+            if cols is not None:  # context parallelism: this rank's columns of the whole rows
+                mask_c, seg_c, valid_c = mb.mask[:, cols], seg[:, cols], valid[:, cols]
+                masks_k = [r[1][:, cols] for r in rolled]
+            else:
+                mask_c, seg_c, valid_c, masks_k = mb.mask, seg, valid, [r[1] for r in rolled]
+            weights = self.head_weights(mask_c, seg_c, masks_k, cols)
             with sync:
-                per_tok, mtp_losses, routers, indexer = model(mb.tokens, mb.labels, [r[0] for r in rolled], seg,
-                                                              mb.positions, cfg.recompute, dtype)
-                if cols is not None:  # context parallelism: this rank's columns of the whole rows
-                    mask_c, seg_c, valid_c = mb.mask[:, cols], seg[:, cols], valid[:, cols]
-                    masks_k = [r[1][:, cols] for r in rolled]
-                else:
-                    mask_c, seg_c, valid_c, masks_k = mb.mask, seg, valid, [r[1] for r in rolled]
+                per_tok, mtp_losses, routers, indexer, shares = model(
+                    mb.tokens, mb.labels, [r[0] for r in rolled], seg, mb.positions, cfg.recompute, dtype, weights)
                 if cfg.sp:  # routers saw this TP rank's slice of the sequence (losses are whole rows)
                     from ..model.tensor_parallel import sp_shard
 
                     valid_c = sp_shard(valid_c, self.mesh["tp"])
-                loss = acc.lm_loss(per_tok, mask_c, seg_c, columns=cols)
+                loss = (acc.lm_loss(per_tok, mask_c, seg_c, columns=cols) if shares is None
+                        else acc.add_lm_share(shares[0], per_tok, mask_c, seg_c, columns=cols))
                 if self.dump is not None:
                     s_i, n_i = sample_stats(per_tok.detach(), mask_c)
                     first = (self.dp_rank * cfg.ga + i) * cfg.microbatch_size
                     self.dump.write(self.step + 1, torch.arange(first, first + len(n_i)), n_i, s_i)
                 if depths:
-                    loss = loss + acc.mtp_loss(mtp_losses, masks_k, seg_c, columns=cols)
+                    loss = loss + (acc.mtp_loss(mtp_losses, masks_k, seg_c, columns=cols) if shares is None
+                                   else acc.add_mtp_share(shares[1], mtp_losses, masks_k, seg_c, columns=cols))
                 if self.routers:
                     records = [RouterRecord(r.layer_id, *t) for r, t in zip(self.routers, routers)]
                     loss = loss + self.moe.microbatch_loss(records, valid_c, seg_c)
@@ -450,6 +483,17 @@ class Trainer:
                                      zero_mean=cfg.bias_zero_mean)
         grad_norm = _clip_grad_norm([p for p in self.raw.parameters() if p.grad is not None], cfg.grad_clip)
         return self._optimizer_step(grad_norm, moe_logs, t0)
+
+    def head_weights(self, mask: Tensor, seg: Tensor, mtp_masks: list[Tensor], cols: Tensor | None
+                      ) -> tuple[Tensor, list[Tensor]] | None:
+        """The accountant's per-token weights of the next microbatch (main, per MTP depth) for the fused
+        head, in the loss dtype; None for the chunked head."""
+        if self.cfg.loss_impl != "fused":
+            return None
+        acc, dtype = self.acc, torch.float64 if self.cfg.dtype == "float64" else torch.float32
+        main = acc.token_weights(mask, seg, columns=cols).to(dtype)
+        mtp = acc.mtp_token_weights(mtp_masks, seg, columns=cols) if mtp_masks else []
+        return main, [w.to(dtype) for w in mtp]
 
     def _sum_replicated_grads_over_tp(self) -> None:
         """Sequence parallelism: parameters that stay replicated (norms, routers, embedding, MTP projections)
