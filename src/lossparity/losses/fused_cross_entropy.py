@@ -60,26 +60,27 @@ __all__ = ["fused_linear_cross_entropy", "fused_tiling"]
 # peak extra memory stays within a constant factor of the floor grad_h + grad_W (see fused_tiling).
 TILE_FRACTION_OF_GRAD_W = 0.5
 MIN_TILE_TOKENS = 64  # below this, the P.T @ h matmul (inner size = tokens) loses most of its BLAS speed
-DEFAULT_CACHE_BYTES = 2**20
+DEFAULT_CACHE_BYTES = 32 * 2**20
+CACHE_SHARE = 4  # a sub-tile fills this fraction (1/4) of the last-level cache
 
 
 @functools.lru_cache(maxsize=1)
 def _cache_bytes() -> int:
-    """Size of the per-core L2 cache (Linux sysfs), else 1 MiB: a vocabulary sub-tile of this size stays
-    in cache between its matmul and the elementwise passes over it."""
+    """Size of the last-level CPU cache (Linux sysfs: the highest cache level of cpu0), else 32 MiB."""
     base = "/sys/devices/system/cpu/cpu0/cache"
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    best = (0, 0)
     try:
         for entry in sorted(os.listdir(base)):
             with open(os.path.join(base, entry, "level")) as f:
                 level = int(f.read())
             with open(os.path.join(base, entry, "size")) as f:
                 text = f.read().strip()
-            if level == 2:
-                units = {"K": 2**10, "M": 2**20, "G": 2**30}
-                return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
-    except (OSError, ValueError):
-        pass
-    return DEFAULT_CACHE_BYTES
+            size = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+            best = max(best, (level, size))
+    except (OSError, ValueError, IndexError):
+        return DEFAULT_CACHE_BYTES
+    return best[1] or DEFAULT_CACHE_BYTES
 
 
 def fused_tiling(
@@ -98,10 +99,12 @@ def fused_tiling(
     ``c·V`` is bounded by ``TILE_FRACTION_OF_GRAD_W · V·H`` (the tile never costs more than half the
     weight gradient that must exist anyway): ``c = H / 2`` rounded down to a power of two, at least
     ``MIN_TILE_TOKENS`` (the ``Pᵀ @ h`` matmul needs a few dozen tokens of inner size), at most ``T``.
-    Vocabulary sub-tile ``v``: on a CPU, ``c·v·itemsize`` fills about the L2 cache (sysfs; 1 MiB if
-    unknown) so that the elementwise passes after each logits matmul hit the cache; ``v`` is a multiple
-    of 128 and at most ``V``. On a GPU the whole vocabulary is one sub-tile. A value given by the caller
-    is kept (capped at ``T`` and ``V``).
+    Vocabulary sub-tile ``v``: on a CPU, ``c·v·itemsize`` fills a quarter of the last-level cache
+    (sysfs; 32 MiB assumed if unknown) so that the elementwise passes after each logits matmul mostly
+    hit the cache, while each op stays large enough to amortize the threads' synchronization (on a busy
+    2-core machine, L2-sized sub-tiles of ~1 MiB made the two-thread run several times slower);
+    ``v`` is a multiple of 128 and at most ``V``. On a GPU the whole vocabulary is one sub-tile. A
+    value given by the caller is kept (capped at ``T`` and ``V``).
     """
     if chunk_size is None:
         limit = max(1, int(TILE_FRACTION_OF_GRAD_W * hidden_size))
@@ -109,7 +112,7 @@ def fused_tiling(
     chunk_size = max(1, min(chunk_size, tokens))
     if vocab_chunk_size is None:
         if device_type == "cpu":
-            rows = _cache_bytes() // max(chunk_size * itemsize, 1)
+            rows = _cache_bytes() // CACHE_SHARE // max(chunk_size * itemsize, 1)
             vocab_chunk_size = max(128, rows // 128 * 128)
         else:
             vocab_chunk_size = vocab
