@@ -9,6 +9,7 @@ torch, and ``import lossparity`` never imports it. Names and semantics follow th
 - :mod:`.mtp`: ``roll_mtp`` and the ``own`` / ``main`` / ``pooled`` MTP objective.
 - :mod:`.moe`: Switch load balancing, router z-loss, expert-bias update.
 - :mod:`.cross_entropy`: ``chunked_cross_entropy`` (``custom_vjp``, never materializes ``[T, V]``).
+- :mod:`.fused_cross_entropy`: ``fused_linear_cross_entropy`` (weighted loss, gradients formed in the forward).
 - :mod:`.accumulate`: ``accumulate_gradients`` over ``lax.scan`` with pre-counted normalizers.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from .accumulate import accumulate_gradients, split_microbatches
 from .cross_entropy import chunked_cross_entropy, naive_cross_entropy
+from .fused_cross_entropy import fused_linear_cross_entropy
 from .gap import GapResult, estimator_gap
 from .logchannel import lm_loss, ratio_or_missing
 from .modes import MODES, Normalizers, count_normalizers, denominator, numerator, objective
@@ -36,6 +38,7 @@ __all__ = [
     "document_stats",
     "estimator_gap",
     "expert_bias_update",
+    "fused_linear_cross_entropy",
     "lm_loss",
     "mtp_objective",
     "naive_cross_entropy",
