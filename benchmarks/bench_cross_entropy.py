@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "compile alone takes ~25 s on 2 cores)")
     parser.add_argument("--shapes", default="", help="T×V×H list, e.g. 2048x32768x512,8192x32768x256")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--methods", default="", help="comma-separated subset of the methods (default: all)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch intra-op threads, also in the memory probes (0: torch's default); on a "
                         "busy shared machine 1 gives steadier figures")
@@ -282,6 +283,9 @@ def main(argv: list[str] | None = None) -> dict:
     shapes = ([tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes
               else QUICK_SHAPES if args.quick else FULL_SHAPES)
     fns = methods(args.compile if args.compile is not None else not args.quick)
+    if args.methods:
+        keep = args.methods.split(",")
+        fns = {name: fn if name in keep else "not run (--methods)" for name, fn in fns.items()}
     figures, rows, targets = [], [], []
     for shape in shapes:
         results = bench_shape(shape, fns, args.repeats, device)
