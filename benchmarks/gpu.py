@@ -1,9 +1,11 @@
 """Prepared GPU benchmark (not run in CI): ``python -m benchmarks.gpu --out DIR`` on a CUDA machine.
 
-1. Chunked cross-entropy versus naive (``hidden @ W.T`` + ``F.cross_entropy``) and, when installed,
-   Liger Kernel's fused linear cross-entropy (``reduction='none'``, per-token losses) on realistic
-   shapes (default ``T=32768, V=151936, H=4096``, bf16): forward+backward time (CUDA events) and peak
-   memory (``torch.cuda.max_memory_allocated``) of each, side by side.
+1. The weighted output-layer loss ``Σ w·CE`` (ragged per-token weights) by naive (``hidden @ W.T`` +
+   ``F.cross_entropy``), lossparity's chunked and fused cross-entropy and, each when its package
+   imports, Liger Kernel's fused linear cross-entropy (``reduction='none'``) and cut-cross-entropy's
+   ``cce`` kernel, on realistic shapes (default ``T=32768, V=151936, H=4096``, bf16):
+   forward+backward time (CUDA events) and peak memory (``torch.cuda.max_memory_allocated``) of
+   each, side by side.
 2. One ``verify`` on the GPU: the tiny MoE+MTP model in float64 under the single-process layouts
    (``1x1``, ``K=4``, ``K=4`` with recompute), every mode.
 
@@ -39,34 +41,50 @@ def _bench(fn, repeats: int) -> dict:
             "peak_extra_gib": (torch.cuda.max_memory_allocated() - base) / 2**30}
 
 
+def _peers(hidden, weight, labels, weights) -> dict:
+    """Liger Kernel's fused linear cross-entropy and cut-cross-entropy's ``cce`` kernel, each only when its
+    package imports; every method returns ``Σ w·l`` (the same objective)."""
+    peers = {}
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss(reduction="none")  # per-token: fixed in Liger >= 0.8.2
+        peers["liger_flce"] = lambda: (liger(weight, hidden, labels).float() * weights).sum()
+    except ImportError:
+        pass
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+
+        peers["cce"] = lambda: (linear_cross_entropy(hidden, weight, labels, reduction="none", impl="cce").float()
+                                * weights).sum()
+    except ImportError:
+        pass
+    return peers
+
+
 def cross_entropy_bench(T: int, V: int, H: int, repeats: int) -> list[dict]:
     from lossparity.losses.cross_entropy import chunked_cross_entropy
+    from lossparity.losses.fused_cross_entropy import fused_linear_cross_entropy
 
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = (torch.randn(T, H, device="cuda", generator=g) * 0.02).to(torch.bfloat16).requires_grad_()
     weight = (torch.randn(V, H, device="cuda", generator=g) * 0.02).to(torch.bfloat16).requires_grad_()
     labels = torch.randint(0, V, (T,), device="cuda", generator=g)
     labels[::7] = -100
-    grad = torch.rand(T, device="cuda", generator=g)
+    weights = torch.rand(T, device="cuda", generator=g) / T  # ragged per-token objective weights
 
     def run(f):
         def step():
             hidden.grad = weight.grad = None
-            loss = f()
-            loss.backward(grad.to(loss.dtype))
+            f().backward()
         return step
 
     methods = {
-        "naive": lambda: F.cross_entropy((hidden @ weight.T).float(), labels, reduction="none"),
-        "chunked": lambda: chunked_cross_entropy(hidden, weight, labels),
+        "naive": lambda: (F.cross_entropy((hidden @ weight.T).float(), labels, reduction="none") * weights).sum(),
+        "chunked": lambda: (chunked_cross_entropy(hidden, weight, labels) * weights).sum(),
+        "fused": lambda: fused_linear_cross_entropy(hidden, weight, labels, weights)[0],
+        **_peers(hidden, weight, labels, weights),
     }
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-        liger = LigerFusedLinearCrossEntropyLoss(reduction="none")
-        methods["liger_flce"] = lambda: liger(weight, hidden, labels)
-    except ImportError:
-        pass
     rows = []
     for name, f in methods.items():
         run(f)()  # warm-up (kernel selection, Triton compile)

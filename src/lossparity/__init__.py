@@ -35,6 +35,8 @@ _EXPORTS = {
     "document_stats": "lossparity.losses.stats",
     "sample_stats": "lossparity.losses.stats",
     "chunked_cross_entropy": "lossparity.losses.cross_entropy",
+    "fused_linear_cross_entropy": "lossparity.losses.fused_cross_entropy",
+    "token_weights": "lossparity.losses.token_weights",
 }
 
 __all__ = sorted(_EXPORTS)

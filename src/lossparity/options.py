@@ -35,6 +35,8 @@ __all__ = [
     "ENGINES",
     "DType",
     "DTYPES",
+    "LossImpl",
+    "LOSS_IMPLS",
     "ALIASES",
     "check_option",
     "MODE_INFO",
@@ -107,6 +109,11 @@ ENGINES: tuple[Engine, ...] = get_args(Engine)
 # Parameter dtype of the reference trainer (bf16: float32 weights, bf16 autocast).
 DType = Literal["float32", "float64", "bf16"]
 DTYPES: tuple[DType, ...] = get_args(DType)
+
+# Output-layer cross-entropy of the reference trainer: fused (gradients formed in the forward from the
+# pre-counted per-token weights) or chunked (per-token losses, logits recomputed in the backward).
+LossImpl = Literal["fused", "chunked"]
+LOSS_IMPLS: tuple[LossImpl, ...] = get_args(LossImpl)
 
 # Spellings accepted for backward compatibility, per option name: old -> canonical.
 ALIASES: dict[str, dict[str, str]] = {

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..options import LOSS_IMPLS
 from ._common import UsageError
 from .parity import add_compare_arguments, add_gap_arguments, add_modes_arguments, cmd_compare, cmd_gap, cmd_modes
 
@@ -68,6 +69,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     v.add_argument("--steps", type=int, default=0, help="steps per run (default 3, --quick 2, --full 5)")
     v.add_argument("--modes", default="", help="comma-separated modes (default: all)")
     v.add_argument("--aux-scope", default="global_lagged", help="MoE aux-loss scope of the runs")
+    v.add_argument("--loss-impl", default="fused", choices=list(LOSS_IMPLS),
+                   help="output-layer cross-entropy of the runs (default fused)")
     v.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
     v.set_defaults(func=_train_glue("cmd_verify"))
 

@@ -284,10 +284,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(f"--layouts: {e}") from None
     steps = args.steps if args.steps else (2 if args.quick else 5 if args.full else 3)
-    overrides = {"aux_scope": args.aux_scope}
+    overrides = {"aux_scope": args.aux_scope, "loss_impl": args.loss_impl}
     print(
         f"lossparity verify: tiny MoE+MTP model, {len(layouts)} layouts x {len(modes)} modes, {steps} steps, "
-        f"float64, reference = 1x1 run"
+        f"float64, {args.loss_impl} output head, reference = 1x1 run"
     )
     report = run_verify(layouts, modes, steps=steps, overrides=overrides)
     print(format_table(report))

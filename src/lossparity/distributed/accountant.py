@@ -43,6 +43,7 @@ from ..losses.modes import DENOMINATOR_KEY as _DEN_KEY
 from ..losses.modes import MODES, check_mode, numerator, unit_count_map
 from ..losses.mtp import mtp_denominators, mtp_numerator, mtp_scale, roll_mask
 from ..losses.stats import check_inputs, count_documents, rows_documents, sample_stats
+from ..losses.token_weights import mtp_token_weights, token_weights
 from ..options import (
     GRAD_REDUCTIONS,
     MTP_CONVENTIONS,
@@ -728,6 +729,49 @@ class Accountant:
                 slot[3] += nums[k - 1].detach().to(torch.float64)
         if self.mtp_convention == "pooled":
             acc[lay.sl("mtp_pooled_num")] += nums[0].detach().to(torch.float64)
+
+    # ------------------------------------------------------------------ fused head (weights known up front)
+    def token_weights(self, mask: Tensor, segment_ids: Tensor | None = None, *,
+                      columns: Tensor | None = None) -> Tensor:
+        """Per-token weights ``w`` of the next microbatch's main loss (the one the next ``lm_loss`` or
+        ``add_lm_share`` accounts): ``Σ w·l`` equals the value ``lm_loss(l, mask, ...)`` returns for any
+        ``l`` (``precount``: the share ``numerator / denominator``; ``deferred``: the raw numerator).
+        Float64, shape of ``mask``; see :mod:`lossparity.losses.token_weights`."""
+        self._require_step("token_weights")
+        self._check_columns(columns)
+        den = 1.0 if self.normalization == "deferred" else self._denominator(_DEN_KEY[self.mode])
+        return token_weights(self.mode, mask, segment_ids=segment_ids, fixed_length=self.fixed_length,
+                             unit_counts=self._unit_counts(self._mb, 0, columns), denominator=den)
+
+    def mtp_token_weights(self, masks: Sequence[Tensor], segment_ids: Tensor | None = None, *,
+                          columns: Tensor | None = None) -> list[Tensor]:
+        """Per-depth weights of the next microbatch's MTP term (call before its ``add_lm_share``):
+        ``Σ_k Σ w_k·l_k`` equals the value ``mtp_loss(losses, masks, ...)`` returns (λ, ``1/Dm`` and the
+        convention's denominators included)."""
+        self._require_step("mtp_token_weights")
+        if self.mtp_depths == 0 or len(masks) != self.mtp_depths:
+            raise ValueError(f"mtp_token_weights needs {self.mtp_depths} masks (one per MTP depth), got "
+                             f"{len(masks)} ({self.where})")
+        self._check_columns(columns)
+        pooled = self.mtp_convention == "pooled"
+        dens = [1.0] * self.mtp_depths if self.normalization == "deferred" else self._mtp_denominators()
+        counts = None if pooled else [self._unit_counts(self._mb, k, columns) for k in range(1, self.mtp_depths + 1)]
+        return mtp_token_weights(self.mode, masks, convention=self.mtp_convention, segment_ids=segment_ids,
+                                 fixed_length=self.fixed_length, unit_counts=counts, denominators=dens,
+                                 scale=self.mtp_weight / (1 if pooled else self.mtp_depths))
+
+    def add_lm_share(self, share: Tensor, per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor | None = None,
+                     *, columns: Tensor | None = None) -> Tensor:
+        """Account a main-loss share computed outside (``Σ token_weights·l``, e.g. by the fused head) and
+        return it for backward: the detached per-token losses feed the logs exactly as ``lm_loss`` would."""
+        self.lm_loss(per_token_loss.detach(), mask, segment_ids, columns=columns)
+        return share
+
+    def add_mtp_share(self, share: Tensor, losses: Sequence[Tensor], masks: Sequence[Tensor],
+                      segment_ids: Tensor | None = None, *, columns: Tensor | None = None) -> Tensor:
+        """As :meth:`add_lm_share` for the MTP term (``Σ_k Σ mtp_token_weights_k·l_k``); after ``add_lm_share``."""
+        self.mtp_loss([x.detach() for x in losses], masks, segment_ids, columns=columns)
+        return share
 
     def record(self, name: str, num: Tensor | float, den: Tensor | float = 1.0) -> None:
         """Add ``num``/``den`` to the declared log metric ``name`` (reported as ``Σ num / Σ den``)."""

@@ -26,6 +26,7 @@ from ..options import (
     AUX_SCOPES,
     DTYPES,
     ENGINES,
+    LOSS_IMPLS,
     MODES,
     MTP_CONVENTIONS,
     MTP_LOG_ESTIMATORS,
@@ -34,6 +35,7 @@ from ..options import (
     AuxScope,
     DType,
     Engine,
+    LossImpl,
     Mode,
     MTPConvention,
     MTPLogEstimator,
@@ -56,6 +58,7 @@ OPTION_CHOICES: dict[str, tuple[str, ...]] = {
     "z_form": Z_FORMS,
     "dtype": DTYPES,
     "engine": ENGINES,
+    "loss_impl": LOSS_IMPLS,
 }
 
 # The byte-level tokenizer's vocabulary: 256 bytes + 3 special ids (training/data.py ByteTokenizer).
@@ -149,6 +152,12 @@ class TrainConfig:
     progress: bool = _f(True, "print a progress line", "run")
     dump_samples: bool = _f(
         False, "write per-sample (n_i, s_i) of every step to OUT/samples for `lossparity gap`", "run"
+    )
+    loss_impl: LossImpl = _f(
+        "fused",
+        "output-layer cross-entropy: fused (gradients formed in the forward from the accountant's per-token "
+        "weights) or chunked (logits recomputed in the backward)",
+        "layout",
     )
     device: str = _f(
         "cpu", "cpu, or cuda for single-process runs on the current GPU (multi-rank runs use NCCL's device)", "layout"

@@ -1,5 +1,6 @@
-"""The loss forward of the reference trainer: the model plus its output head applied by the chunked
-cross-entropy, shared by the plain step (``trainer.py``) and the pipeline step (``pipeline.py``)."""
+"""The loss forward of the reference trainer: the model plus its output head applied by the fused linear
+cross-entropy (gradients formed in the forward from the accountant's per-token weights) or the chunked one,
+shared by the plain step (``trainer.py``) and the pipeline step (``pipeline.py``)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from torch import Tensor, nn
 from ..distributed.accountant import Accountant
 from ..distributed.moe_accounting import ROUTER_TOKENS
 from ..losses.cross_entropy import chunked_cross_entropy
+from ..losses.fused_cross_entropy import fused_linear_cross_entropy
 from ..losses.indexer import indexer_kl
 from ..model import GPT
 
-__all__ = ["LossForward", "head_loss_fn", "indexer_share", "upcast"]
+__all__ = ["LossForward", "head_loss_fn", "head_fused_fn", "head_weights", "indexer_share", "upcast"]
 
 
 def upcast(x: Tensor) -> Tensor:
@@ -37,33 +39,71 @@ def head_loss_fn(gpt: GPT) -> Callable[[Tensor, Tensor], Tensor]:
     return lambda h, lab: chunked_cross_entropy(h, weight, lab)
 
 
+def head_fused_fn(gpt: GPT) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """``(h, labels, token_weights) -> (Σ w·l, l.detach())`` of ``gpt``'s output head by the fused linear
+    cross-entropy (gradients formed in the forward), vocabulary-parallel like :func:`head_loss_fn`."""
+    weight = gpt.output.weight
+    if hasattr(weight, "to_local"):
+        mesh = weight.device_mesh
+        local = weight.to_local()
+        start = mesh.get_local_rank() * local.shape[0]
+        return lambda h, lab, w: fused_linear_cross_entropy(h, local, lab, w, vocab_parallel_group=mesh.get_group(),
+                                                            vocab_start=start, vocab_size=weight.shape[0])
+    return lambda h, lab, w: fused_linear_cross_entropy(h, weight, lab, w)
+
+
+def head_weights(acc: Accountant, loss_impl: str, dtype: torch.dtype, mask: Tensor, seg: Tensor,
+                 mtp_masks: list[Tensor], cols: Tensor | None) -> tuple[Tensor, list[Tensor]] | None:
+    """The accountant's per-token weights of its next microbatch (main, per MTP depth) in the loss
+    ``dtype``, for the fused head (``Σ w·l`` is exactly the microbatch's share of ``J``); ``None`` for the
+    chunked head."""
+    if loss_impl != "fused":
+        return None
+    main = acc.token_weights(mask, seg, columns=cols).to(dtype)
+    mtp = acc.mtp_token_weights(mtp_masks, seg, columns=cols) if mtp_masks else []
+    return main, [w.to(dtype) for w in mtp]
+
+
 class LossForward(nn.Module):
-    """The model plus its output head applied by the chunked cross-entropy, as one module, so that an
-    engine wrapping it (DDP) sees every parameter used inside its ``forward``.
+    """The model plus its output head, as one module, so that an engine wrapping it (DDP) sees every
+    parameter used inside its ``forward``.
 
     Returns ``(per_token_loss [b,S], [per_token_loss_k for MTP depths], [(logits, probs, topk_map,
-    dispatch_map) per MoE layer], indexer outputs or None)``; router records are flattened to tuples so
-    DDP can walk them."""
+    dispatch_map) per MoE layer], indexer outputs or None, shares)``; router records are flattened to
+    tuples so DDP can walk them. ``weights = (main [b,S], [per MTP depth])`` (the accountant's per-token
+    weights, :func:`head_weights`) selects the fused head: ``shares = (Σ w·l main, Σ_k Σ w_k·l_k)`` carry
+    the gradients and the per-token losses are detached; without ``weights`` (chunked head) ``shares`` is
+    ``None``."""
 
     def __init__(self, gpt: GPT) -> None:
         super().__init__()
         self.gpt = gpt
 
     def forward(self, tokens: Tensor, labels: Tensor, mtp_labels: list[Tensor], segment_ids: Tensor,
-                positions: Tensor, recompute: bool = False, autocast_dtype: torch.dtype | None = None
-                ) -> tuple[Tensor, list[Tensor], list[tuple[Tensor, ...]], tuple[Tensor, Tensor] | None]:
+                positions: Tensor, recompute: bool = False, autocast_dtype: torch.dtype | None = None,
+                weights: tuple[Tensor, list[Tensor]] | None = None
+                ) -> tuple[Tensor, list[Tensor], list[tuple[Tensor, ...]], tuple[Tensor, Tensor] | None,
+                           tuple[Tensor, Tensor] | None]:
         """Forward of whole rows ``tokens [b,S]``; under context parallelism the losses are those of this
         rank's columns (the labels are cut alike)."""
         if self.gpt.cp is not None:
             cols = self.gpt.cp.columns(tokens.shape[1]).to(tokens.device)
             labels, mtp_labels = labels[:, cols], [lab[:, cols] for lab in mtp_labels]
+        shares = None
         with torch.autocast(tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             out = self.gpt(tokens, segment_ids=segment_ids, positions=positions, recompute=recompute)
-            ce = head_loss_fn(self.gpt)
-            main = ce(out.hidden, labels)
-            mtp = [ce(h, lab) for h, lab in zip(out.mtp_hidden, mtp_labels)]
+            if weights is None:
+                ce = head_loss_fn(self.gpt)
+                main = ce(out.hidden, labels)
+                mtp = [ce(h, lab) for h, lab in zip(out.mtp_hidden, mtp_labels)]
+            else:
+                fce = head_fused_fn(self.gpt)
+                main_share, main = fce(out.hidden, labels, weights[0])
+                parts = [fce(h, lab, w) for h, lab, w in zip(out.mtp_hidden, mtp_labels, weights[1])]
+                mtp = [p[1] for p in parts]
+                shares = (main_share, sum((p[0] for p in parts), torch.zeros_like(main_share)))
         routers = [(r.logits, r.probs, r.topk_map, r.dispatch_map) for r in out.routers]
-        return upcast(main), [upcast(x) for x in mtp], routers, out.indexer
+        return upcast(main), [upcast(x) for x in mtp], routers, out.indexer, shares
 
 
 def indexer_share(acc: Accountant, coeff: float, indexer: tuple[Tensor, Tensor], valid: Tensor, *,

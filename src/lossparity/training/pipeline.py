@@ -33,7 +33,7 @@ from ..model import GPT
 from ..model.pipeline import StageModule, chunks_of_rank, split_layers
 from ..model.router import RouterRecord
 from ..model.sequence_parallel import sp_shard
-from .forward import head_loss_fn, indexer_share
+from .forward import head_fused_fn, head_loss_fn, head_weights, indexer_share
 from .grads import clip_grad_norm
 
 __all__ = ["PipelineRunner"]
@@ -118,6 +118,18 @@ class PipelineRunner:
         acc = self.acc
         data = self._batch[self._loss_mb]
         self._loss_mb += 1
+        dtype = torch.float64 if self.cfg.dtype == "float64" else torch.float32
+        weights = head_weights(acc, self.cfg.loss_impl, dtype, data["mask"], data["seg"], data["mtp_masks"],
+                               self._cols)
+        if weights is not None:  # fused head: the shares carry the gradients, losses feed the logs
+            fce = head_fused_fn(self.raw)
+            share, per_tok = fce(output[0], data["labels"], weights[0])
+            loss = acc.add_lm_share(share, per_tok, data["mask"], data["seg"], columns=self._cols)
+            if len(self.raw.mtp):
+                parts = [fce(output[k], lab, w) for k, (lab, w) in enumerate(zip(data["mtp_labels"], weights[1]), 1)]
+                loss = loss + acc.add_mtp_share(sum(p[0] for p in parts), [p[1] for p in parts],
+                                                data["mtp_masks"], data["seg"], columns=self._cols)
+            return loss
         ce = head_loss_fn(self.raw)
         per_tok = ce(output[0], data["labels"])
         loss = acc.lm_loss(per_tok, data["mask"], data["seg"], columns=self._cols)

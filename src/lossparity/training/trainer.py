@@ -47,7 +47,7 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .data import Batch, Corpus, JsonlCorpus, SyntheticCorpus, TextFileCorpus, global_batch, split_batch
-from .forward import LossForward, head_loss_fn, indexer_share
+from .forward import LossForward, head_loss_fn, head_weights, indexer_share
 from .grads import clip_grad_norm, sum_replicated_grads_over_tp
 from .pipeline import PipelineRunner
 from .rundir import prepare_run_dir
@@ -225,42 +225,18 @@ class Trainer:
         mbs = split_batch(batch, cfg.dp, self.dp_rank, cfg.ga, cfg.microbatch_size)
         cols = None if self.cp_ctx is None else self.cp_ctx.columns(cfg.seq_len).to(self.device)
         segs, valids = zip(*(_valid_tokens(mb) for mb in mbs))
-        depths = self.model_config.mtp_depths
         acc.begin_step([mb.mask for mb in mbs], list(segs), mtp_weight=self.mtp_weight(self.step),
                        extra_counts=MoEAccounting.router_tokens(valids))
         if self.pipeline is not None:
             return self._finish_pipeline_step(mbs, segs, valids, t0)
-        dtype = torch.bfloat16 if cfg.dtype == "bf16" else None
         for i, (mb, seg, valid) in enumerate(zip(mbs, segs, valids)):
             last = i == len(mbs) - 1
             sync = model.no_sync() if isinstance(model, nn.parallel.DistributedDataParallel) and not last \
                 else contextlib.nullcontext()
             if self.dims.grad_engine == "fsdp" and self.world > 1:
                 model.set_requires_gradient_sync(last)  # reduce-scatter once, after the last microbatch
-            rolled = [roll_mtp(mb.labels, mb.mask, seg, k) for k in range(1, depths + 1)]
             with sync:
-                per_tok, mtp_losses, routers, indexer = model(mb.tokens, mb.labels, [r[0] for r in rolled], seg,
-                                                              mb.positions, cfg.recompute, dtype)
-                if cols is not None:  # context parallelism: this rank's columns of the whole rows
-                    mask_c, seg_c, valid_c = mb.mask[:, cols], seg[:, cols], valid[:, cols]
-                    masks_k = [r[1][:, cols] for r in rolled]
-                else:
-                    mask_c, seg_c, valid_c, masks_k = mb.mask, seg, valid, [r[1] for r in rolled]
-                if cfg.sp:  # routers saw this TP rank's slice of the sequence (losses are whole rows)
-                    valid_c = sp_shard(valid_c, self.dims.submesh("tp"))
-                loss = acc.lm_loss(per_tok, mask_c, seg_c, columns=cols)
-                if self.dump is not None:
-                    s_i, n_i = sample_stats(per_tok.detach(), mask_c)
-                    first = (self.dp_rank * cfg.ga + i) * cfg.microbatch_size
-                    self.dump.write(self.step + 1, torch.arange(first, first + len(n_i)), n_i, s_i)
-                if depths:
-                    loss = loss + acc.mtp_loss(mtp_losses, masks_k, seg_c, columns=cols)
-                if self.routers:
-                    records = [RouterRecord(r.layer_id, *t) for r, t in zip(self.routers, routers)]
-                    loss = loss + self.moe.microbatch_loss(records, valid_c, seg_c)
-                if indexer is not None:
-                    loss = loss + indexer_share(acc, cfg.indexer_coeff, indexer, valid_c, per_rank=cfg.sp)
-                loss.backward()
+                self._microbatch(i, mb, seg, valid, cols).backward()
         if cfg.sp:
             sum_replicated_grads_over_tp(list(self.raw.parameters()), self.dims.tp_group)
         acc.finish_step(model, expert_params=self.expert_params)
@@ -268,6 +244,40 @@ class Trainer:
         self.moe.end_step(self.routers, bias_rate=self.bias_rate(self.step), zero_mean=cfg.bias_zero_mean)
         grad_norm = clip_grad_norm(list(self.raw.parameters()), cfg.grad_clip)
         return self._optimizer_step(grad_norm, {}, t0)
+
+    def _microbatch(self, i: int, mb: Batch, seg: Tensor, valid: Tensor, cols: Tensor | None) -> Tensor:
+        """Forward of microbatch ``i`` and its exact share of ``J`` (main loss, MTP depths, MoE terms, indexer),
+        accounted by the accountant. With the fused head, the per-token weights are taken from the
+        accountant before the forward and the share carries the gradients formed in the forward."""
+        cfg, acc = self.cfg, self.acc
+        rolled = [roll_mtp(mb.labels, mb.mask, seg, k) for k in range(1, self.model_config.mtp_depths + 1)]
+        if cols is not None:  # context parallelism: this rank's columns of the whole rows
+            mask_c, seg_c, valid_c = mb.mask[:, cols], seg[:, cols], valid[:, cols]
+            masks_k = [r[1][:, cols] for r in rolled]
+        else:
+            mask_c, seg_c, valid_c, masks_k = mb.mask, seg, valid, [r[1] for r in rolled]
+        loss_dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
+        weights = head_weights(acc, cfg.loss_impl, loss_dtype, mask_c, seg_c, masks_k, cols)
+        per_tok, mtp_losses, routers, indexer, shares = self.model(
+            mb.tokens, mb.labels, [r[0] for r in rolled], seg, mb.positions, cfg.recompute,
+            torch.bfloat16 if cfg.dtype == "bf16" else None, weights)
+        if cfg.sp:  # routers saw this TP rank's slice of the sequence (losses are whole rows)
+            valid_c = sp_shard(valid_c, self.dims.submesh("tp"))
+        loss = (acc.lm_loss(per_tok, mask_c, seg_c, columns=cols) if shares is None
+                else acc.add_lm_share(shares[0], per_tok, mask_c, seg_c, columns=cols))
+        if self.dump is not None:
+            s_i, n_i = sample_stats(per_tok.detach(), mask_c)
+            first = (self.dp_rank * cfg.ga + i) * cfg.microbatch_size
+            self.dump.write(self.step + 1, torch.arange(first, first + len(n_i)), n_i, s_i)
+        if rolled:
+            loss = loss + (acc.mtp_loss(mtp_losses, masks_k, seg_c, columns=cols) if shares is None
+                           else acc.add_mtp_share(shares[1], mtp_losses, masks_k, seg_c, columns=cols))
+        if self.routers:
+            records = [RouterRecord(r.layer_id, *t) for r, t in zip(self.routers, routers)]
+            loss = loss + self.moe.microbatch_loss(records, valid_c, seg_c)
+        if indexer is not None:
+            loss = loss + indexer_share(acc, cfg.indexer_coeff, indexer, valid_c, per_rank=cfg.sp)
+        return loss
 
     def _optimizer_step(self, grad_norm: float, extra_logs: dict[str, float], t0: float) -> dict[str, Any]:
         """Step 5 of :meth:`train_step`: the logging collective, learning rate, optimizer step, the log line.

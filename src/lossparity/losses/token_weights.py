@@ -1,0 +1,114 @@
+"""Per-token objective weights of a microbatch (docs/semantics.md §1, §3, §4).
+
+Every mode's microbatch share is linear in the per-token losses, ``numerator(mb) / denominator =
+Σ_t w[t]·l[t]``, and with pre-counted normalizers the weights are known before the forward:
+
+| mode             | w[t] at a loss-bearing position (0 where the mask is 0) |
+|------------------|----------------------------------------------------------|
+| per_token        | 1 / max(Ntok, 1)                                         |
+| per_sample       | 1 / (N · max(n_i, 1))        (i: the row of t)           |
+| per_microbatch   | 1 / (D·K · max(Σ_i n_i, 1))                              |
+| per_document     | 1 / (Ndoc · max(n_j, 1))     (j: the document of t)      |
+| sample_sum       | 1 / N                                                    |
+| sample_sum_norm  | 1 / (N · L)                                              |
+
+(the table's global denominator is the ``denominator`` argument; pass 1 for the raw numerator, as the
+``deferred`` normalization back-propagates). This lets a fused output layer form the exact gradient of
+the objective during its forward (:func:`lossparity.losses.fused_cross_entropy.fused_linear_cross_entropy`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .modes import check_mode, unit_count_map
+from .mtp import check_convention
+
+__all__ = ["token_weights", "mtp_token_weights"]
+
+_UNIT_MODES = ("per_sample", "per_document", "per_microbatch")
+
+
+def token_weights(
+    mode: str,
+    mask: Tensor,
+    *,
+    segment_ids: Tensor | None = None,
+    fixed_length: int | None = None,
+    unit_counts: Tensor | None = None,
+    denominator: float = 1.0,
+) -> Tensor:
+    """Float64 weights ``w`` of shape ``mask.shape`` with ``Σ w·l = numerator(mode, l, mask, ...) /
+    denominator`` for every per-token loss ``l`` (module table): ``w = mask / (max(n_unit, 1) ·
+    denominator)`` for the unit modes (``n_unit`` the token count of the sample, document or microbatch
+    holding the position, from ``unit_counts`` when given, e.g. whole-row counts under context
+    parallelism, else from these rows), ``mask / (L · denominator)`` for ``sample_sum_norm`` and
+    ``mask / denominator`` otherwise. ``mask`` is ``[b, S]`` or ``[S]`` of 0/1."""
+    check_mode(mode)
+    if not isinstance(mask, Tensor) or mask.dim() not in (1, 2):
+        raise ValueError(f"mask must be a [b, S] or [S] tensor, got {getattr(mask, 'shape', type(mask).__name__)}")
+    if not denominator > 0:
+        raise ValueError(f"denominator must be > 0, got {denominator}")
+    w = mask.to(torch.float64)
+    if mode == "sample_sum_norm":
+        if fixed_length is None or fixed_length <= 0:
+            raise ValueError(f"mode 'sample_sum_norm' needs fixed_length > 0 (the L of Dr. GRPO), got {fixed_length}")
+        return w / (fixed_length * denominator)
+    if mode not in _UNIT_MODES:
+        return w / denominator
+    if unit_counts is None:
+        _check_documents(mode, w, segment_ids)
+        seg2 = None if segment_ids is None else segment_ids.reshape(-1, w.shape[-1])
+        unit_counts = unit_count_map(mode, w.reshape(-1, w.shape[-1]), seg2).view_as(w)
+    elif unit_counts.shape != mask.shape:
+        raise ValueError(f"unit_counts shape {tuple(unit_counts.shape)} does not match mask {tuple(mask.shape)}")
+    return torch.where(w > 0, w / (unit_counts.to(torch.float64).clamp(min=1) * denominator), torch.zeros_like(w))
+
+
+def _check_documents(mode: str, w: Tensor, segment_ids: Tensor | None) -> None:
+    if mode != "per_document":
+        return
+    if segment_ids is None:
+        raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
+    if segment_ids.shape != w.shape:
+        raise ValueError(f"segment_ids shape {tuple(segment_ids.shape)} does not match mask {tuple(w.shape)}")
+    if bool(((segment_ids == 0) & (w > 0)).any()):
+        raise ValueError("mask has loss-bearing tokens at segment_ids == 0 (padding); they belong to no document")
+
+
+def mtp_token_weights(
+    mode: str,
+    masks: Sequence[Tensor],
+    *,
+    convention: str = "own",
+    segment_ids: Tensor | None = None,
+    fixed_length: int | None = None,
+    unit_counts: Sequence[Tensor | None] | None = None,
+    denominators: Sequence[float],
+    scale: float = 1.0,
+) -> list[Tensor]:
+    """Per-depth weights of the MTP term's microbatch share ``scale · Σ_k numerator_k / den_k``
+    (:func:`lossparity.losses.mtp.mtp_numerator`): ``own``/``main``: depth ``k`` gets
+    ``scale · token_weights(mode, masks[k], denominator=denominators[k])``; ``pooled``: one denominator,
+    and the weights of the depths' masks concatenated along the sequence (each sample, document or
+    microbatch pools its counts over the depths), split back per depth. ``unit_counts[k]``: see
+    :func:`token_weights` (``own``/``main`` only)."""
+    check_convention(convention)
+    if not masks:
+        raise ValueError("mtp_token_weights needs the mask of at least one MTP depth")
+    if convention == "pooled":
+        masks2 = [m if m.dim() == 2 else m.unsqueeze(0) for m in masks]
+        seg = None if segment_ids is None else torch.cat([segment_ids if segment_ids.dim() == 2
+                                                          else segment_ids.unsqueeze(0)] * len(masks), dim=-1)
+        pooled = token_weights(mode, torch.cat(masks2, dim=-1), segment_ids=seg, fixed_length=fixed_length,
+                               denominator=denominators[0])
+        return [scale * part.view_as(m) for part, m in zip(pooled.split([m.shape[-1] for m in masks2], dim=-1),
+                                                            masks)]
+    if len(denominators) != len(masks):
+        raise ValueError(f"need one denominator per MTP depth: {len(denominators)} for {len(masks)} depths")
+    counts = list(unit_counts) if unit_counts is not None else [None] * len(masks)
+    return [scale * token_weights(mode, m, segment_ids=segment_ids, fixed_length=fixed_length, unit_counts=u,
+                                  denominator=d) for m, u, d in zip(masks, counts, denominators)]
