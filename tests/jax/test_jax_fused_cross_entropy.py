@@ -75,7 +75,7 @@ def test_batched_shape_and_per_token_loss_is_not_differentiated():
 
 def test_bad_token_weights_named():
     h, w, y, wt = _inputs(2, np.float64)
-    with pytest.raises(ValueError, match="token_weights shape"):
+    with pytest.raises(ValueError, match=r"token_weights.*shape \(37,\).*\(5,\)"):
         fused_linear_cross_entropy(jnp.asarray(h), jnp.asarray(w), jnp.asarray(y), jnp.asarray(wt[:5]))
-    with pytest.raises(TypeError, match="token_weights must be a floating"):
+    with pytest.raises((TypeError, ValueError), match="token_weights must be a floating"):
         fused_linear_cross_entropy(jnp.asarray(h), jnp.asarray(w), jnp.asarray(y), jnp.asarray(y))
