@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ from .sequence_parallel import sp_gather, sp_reduce_scatter
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["GroupedExperts", "MoE"]
 
@@ -52,7 +53,7 @@ class GroupedExperts(nn.Module):
         if region is not None:
             x = region[0](x)
         if hasattr(w1, "to_local"):  # TP-sharded hidden dimension: TP-partial outputs
-            w1, w3, w2 = w1.to_local(), w3.to_local(), w2.to_local()
+            w1, w3, w2 = (cast("DTensor", w).to_local() for w in (w1, w3, w2))
         # One column per expert held here: E, or E/ep under expert parallelism (model/expert_parallel.py).
         idxs = [dispatch_map[:, e].nonzero().squeeze(1) for e in range(dispatch_map.shape[1])]
         ys = []
