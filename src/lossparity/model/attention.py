@@ -125,9 +125,11 @@ class Indexer(nn.Module):
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, dtype)
         x_keys, cos_q, sin_q = x, cos, sin
         if self.sequence_parallel:
-            x_keys = sp_gather(x, self.tp_mesh, 1, partial_grad=False)
-            cos_q, sin_q = sp_shard(cos, self.tp_mesh), sp_shard(sin, self.tp_mesh)
-            mask = sp_shard(mask, self.tp_mesh, dim=2)
+            mesh = self.tp_mesh
+            assert mesh is not None  # tensor parallelism sets sequence_parallel together with tp_mesh
+            x_keys = sp_gather(x, mesh, 1, partial_grad=False)
+            cos_q, sin_q = sp_shard(cos, mesh), sp_shard(sin, mesh)
+            mask = sp_shard(mask, mesh, dim=2)
         q = apply_rope(self.wq(x).view(B, Sq, self.n_heads, self.head_dim), cos_q, sin_q)
         k = apply_rope(self.wk(x_keys).view(B, x_keys.shape[1], 1, self.head_dim), cos, sin)
         if self.cp is not None:

@@ -49,7 +49,9 @@ class GroupedExperts(nn.Module):
         ``gates [T, E]``, ``dispatch_map`` bool ``[T, E]``; ``out`` has ``x``'s dtype."""
         out = torch.zeros_like(x)
         region = self.tp_region
-        w1, w3, w2 = self.w1, self.w3, self.w2
+        w1: Tensor = self.w1
+        w3: Tensor = self.w3
+        w2: Tensor = self.w2
         if region is not None:
             x = region[0](x)
         if hasattr(w1, "to_local"):  # TP-sharded hidden dimension: TP-partial outputs

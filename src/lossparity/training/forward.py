@@ -27,8 +27,10 @@ def head_loss_fn(gpt: GPT) -> Callable[[Tensor, Tensor], Tensor]:
     """Per-token cross-entropy ``ce(hidden [b,S,dim], labels [b,S]) -> [b,S]`` of ``gpt``'s output head:
     the chunked cross-entropy, vocabulary-parallel when tensor parallelism shards the head's rows (a
     ``DTensor``: each rank's partial logsumexps are combined over the head's mesh)."""
+    from torch.distributed.tensor import DTensor
+
     weight = gpt.output.weight
-    if hasattr(weight, "to_local"):
+    if isinstance(weight, DTensor):
         mesh = weight.device_mesh
         local = weight.to_local()
         start = mesh.get_local_rank() * local.shape[0]
@@ -62,7 +64,7 @@ class LossForward(nn.Module):
             ce = head_loss_fn(self.gpt)
             main = ce(out.hidden, labels)
             mtp = [ce(h, lab) for h, lab in zip(out.mtp_hidden, mtp_labels)]
-        routers = [(r.logits, r.probs, r.topk_map, r.dispatch_map) for r in out.routers]
+        routers: list[tuple[Tensor, ...]] = [(r.logits, r.probs, r.topk_map, r.dispatch_map) for r in out.routers]
         return upcast(main), [upcast(x) for x in mtp], routers, out.indexer
 
 
