@@ -42,7 +42,7 @@ __all__ = [
     "objective",
 ]
 
-MODES: tuple[str, ...] = (
+MODES: tuple[Mode, ...] = (
     "per_token",
     "per_sample",
     "per_microbatch",
