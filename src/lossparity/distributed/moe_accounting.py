@@ -40,9 +40,9 @@ a checkpoint re-run never returns, and the routers' dispatch counters skip re-ru
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from numbers import Real
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,13 @@ LOG_NAMES = {
     "global_running": "global_load_balancing_loss",
 }
 ROUTER_TOKENS = "router_tokens"
+
+
+class MoEAccountingState(TypedDict):
+    """What :meth:`MoEAccounting.state_dict` returns: ``global_lagged``'s previous-step counts."""
+
+    lagged_counts: Tensor  # [L, E] float64 on the CPU
+    lagged_tokens: float
 _END_STEP = "MoEAccounting.end_step(routers)"
 
 
@@ -282,8 +289,8 @@ class MoEAccounting:
     def _weights(self, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         key = (dtype, device)
         if key not in self._wcache:
-            self._wcache[key] = tuple(w.to(device=device, dtype=dtype)  # type: ignore[assignment]
-                                      for w in (self._w_aux, self._w_zgrad, self._w_zlog))
+            a, zg, zl = (w.to(device=device, dtype=dtype) for w in (self._w_aux, self._w_zgrad, self._w_zlog))
+            self._wcache[key] = (a, zg, zl)
         return self._wcache[key]
 
     def _count(self, name: str) -> float:
@@ -616,16 +623,19 @@ class MoEAccounting:
         out.update({f"max_vio/layer_{getattr(r, 'layer_id', i)}": x for i, (r, x) in enumerate(zip(routers, vio))})
         return out
 
-    def state_dict(self) -> dict[str, object]:
+    def state_dict(self) -> MoEAccountingState:
         """State to checkpoint: the previous step's global counts of ``global_lagged`` (CPU float64)."""
-        return {"lagged_counts": self.lagged_counts.detach().cpu().clone(), "lagged_tokens": self.lagged_tokens}
+        return MoEAccountingState(lagged_counts=self.lagged_counts.detach().cpu().clone(),
+                                  lagged_tokens=self.lagged_tokens)
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Restore :meth:`state_dict` (``lagged_counts [L, E]``, ``lagged_tokens > 0``)."""
         counts = state["lagged_counts"]
         if not isinstance(counts, Tensor) or counts.shape != (self.L, self.E):
             shape = tuple(counts.shape) if isinstance(counts, Tensor) else type(counts).__name__
             raise ValueError(f"state['lagged_counts'] must be a [{self.L}, {self.E}] tensor, got {shape}")
+        # an unchecked checkpoint value: float() itself raises on what is not a number (typeshed's float()
+        # accepts only SupportsFloat/str/buffers, not ``object``)
         tokens = float(state["lagged_tokens"])  # type: ignore[arg-type]
         if not tokens > 0:
             raise ValueError(f"state['lagged_tokens'] must be > 0, got {tokens}")
