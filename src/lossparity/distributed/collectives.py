@@ -11,7 +11,7 @@ from torch import Tensor
 __all__ = ["all_reduce_coalesced"]
 
 
-def all_reduce_coalesced(tensors: Sequence[Tensor], group: object | None) -> None:
+def all_reduce_coalesced(tensors: Sequence[Tensor], group: dist.ProcessGroup | None) -> None:
     """Sum ``tensors`` over ``group`` in place with one all-reduce of their concatenation (skipped when
     ``group`` is ``None`` or there is nothing to reduce)."""
     if group is None or not tensors:

@@ -20,9 +20,12 @@ single process group (taken as the data-parallel group), or from nothing (one pr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from .parallel_dims import ParallelDims
 
@@ -36,9 +39,9 @@ class ParallelGroups:
     """Resolved groups and sizes of one rank (see module docstring). ``None`` groups mean a single
     process, where every collective is skipped."""
 
-    token_group: object | None
-    log_group: object | None
-    dp_group: object | None
+    token_group: ProcessGroup | None
+    log_group: ProcessGroup | None
+    dp_group: ProcessGroup | None
     dp_size: int
     cp_size: int
     tp_size: int
@@ -46,14 +49,14 @@ class ParallelGroups:
     log_owner: bool
     cp_rank: int = 0
     pp_rank: int = 0
-    grad_group: object | None = None
+    grad_group: ProcessGroup | None = None
     sequence_parallel: bool = False
-    ep_group: object | None = None
-    edp_group: object | None = None
-    row_group: object | None = None
-    tp_group: object | None = None
-    pp_group: object | None = None
-    cp_group: object | None = None
+    ep_group: ProcessGroup | None = None
+    edp_group: ProcessGroup | None = None
+    row_group: ProcessGroup | None = None
+    tp_group: ProcessGroup | None = None
+    pp_group: ProcessGroup | None = None
+    cp_group: ProcessGroup | None = None
     ep_size: int = 1
 
     @property
@@ -77,7 +80,7 @@ class ParallelGroups:
         return 0 if self.token_group is None else dist.get_rank(self.token_group)
 
 
-def _size(group: object | None) -> int:
+def _size(group: ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
@@ -95,7 +98,7 @@ def _from_dims(dims: ParallelDims) -> ParallelGroups:
     )
 
 
-def resolve_groups(group: object | None = None, mesh: object | None = None, *,
+def resolve_groups(group: ProcessGroup | None = None, mesh: DeviceMesh | None = None, *,
                    sequence_parallel: bool = False, dims: ParallelDims | None = None) -> ParallelGroups:
     """Resolve ``group`` (a data-parallel process group) or ``mesh`` (a ``DeviceMesh`` whose dimension
     names are a subset of ``dp, cp, tp, pp``) into a :class:`ParallelGroups`. With
@@ -130,7 +133,7 @@ def resolve_groups(group: object | None = None, mesh: object | None = None, *,
             f"but the world size is {dist.get_world_size()}"
         )
 
-    def sub(dims: tuple[str, ...]) -> object | None:
+    def sub(dims: tuple[str, ...]) -> ProcessGroup | None:
         dims = tuple(d for d in names if d in dims and sizes[d] > 1)  # mesh order: slicing requires it
         if not dims:
             return None
@@ -138,7 +141,7 @@ def resolve_groups(group: object | None = None, mesh: object | None = None, *,
             return mesh.get_group(dims[0])
         return mesh[dims]._flatten().get_group()
 
-    coord = mesh.get_coordinate() or []
+    coord: Sequence[int] = mesh.get_coordinate() or []
     tp_rank = coord[names.index("tp")] if "tp" in names else 0
     token = sub(("dp", "cp", "tp") if sequence_parallel else ("dp", "cp"))
     log = sub(("dp", "cp", "tp", "pp"))

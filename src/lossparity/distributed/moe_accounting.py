@@ -40,8 +40,9 @@ a checkpoint re-run never returns, and the routers' dispatch counters skip re-ru
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from numbers import Real
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,9 @@ from ..losses import moe as F_moe
 from ..options import AUX_SCOPES, Z_FORMS, AuxScope, ZForm, check_option
 from .accountant import Accountant
 from .protocol import ProtocolError, StepState
+
+if TYPE_CHECKING:  # the model package imports the losses; these are only types here
+    from ..model.router import Router, RouterRecord
 
 __all__ = ["SCOPES", "Z_FORMS", "LOG_NAMES", "ROUTER_TOKENS", "MoEAccounting"]
 
@@ -62,6 +66,13 @@ LOG_NAMES = {
     "global_running": "global_load_balancing_loss",
 }
 ROUTER_TOKENS = "router_tokens"
+
+
+class MoEAccountingState(TypedDict):
+    """What :meth:`MoEAccounting.state_dict` returns: ``global_lagged``'s previous-step counts."""
+
+    lagged_counts: Tensor  # [L, E] float64 on the CPU
+    lagged_tokens: float
 _END_STEP = "MoEAccounting.end_step(routers)"
 
 
@@ -278,8 +289,8 @@ class MoEAccounting:
     def _weights(self, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         key = (dtype, device)
         if key not in self._wcache:
-            self._wcache[key] = tuple(w.to(device=device, dtype=dtype)  # type: ignore[assignment]
-                                      for w in (self._w_aux, self._w_zgrad, self._w_zlog))
+            a, zg, zl = (w.to(device=device, dtype=dtype) for w in (self._w_aux, self._w_zgrad, self._w_zlog))
+            self._wcache[key] = (a, zg, zl)
         return self._wcache[key]
 
     def _count(self, name: str) -> float:
@@ -295,7 +306,7 @@ class MoEAccounting:
         n = self._count("microbatches")
         return n if self.acc.normalization == "deferred" else n / self.acc.groups.dp_size
 
-    def _check_records(self, records: Sequence[object], valid: Tensor) -> tuple[int, int]:
+    def _check_records(self, records: Sequence[RouterRecord], valid: Tensor) -> tuple[int, int]:
         if not isinstance(valid, Tensor):
             raise TypeError(f"valid must be a torch.Tensor [b, S], got {type(valid).__name__}")
         if valid.dim() not in (1, 2):
@@ -317,7 +328,8 @@ class MoEAccounting:
                                 f"expected {self.acc.expected_call()}")
         return (1, valid.numel()) if valid.dim() == 1 else (valid.shape[0], valid.shape[1])
 
-    def microbatch_loss(self, records: Sequence[object], valid: Tensor, segment_ids: Tensor | None = None) -> Tensor:
+    def microbatch_loss(self, records: Sequence[RouterRecord], valid: Tensor, segment_ids: Tensor | None = None
+                        ) -> Tensor:
         """The auxiliary objective share of one microbatch, summed over its MoE layers (semantics §5).
 
         ``records`` are the ``L`` router records of this forward (``logits``, ``probs``, ``topk_map``, each
@@ -344,7 +356,7 @@ class MoEAccounting:
             # One stack of scores and top-k maps [2L, T, E]: one batched token sum gives both histograms.
             both = torch.stack([r.probs for r in records] + [r.topk_map for r in records]).to(dtype)
             sums = _token_sum(both, vf) if self.scope in ("micro_batch", "global_lagged", "global_running") else None
-            if self.scope == "global_lagged":
+            if sums is not None and self.scope == "global_lagged":
                 self._topk_counts += sums[self.L:].detach().to(self.device, torch.float64)
             if self._aux_on:
                 total, per_layer = self._aux_share(both, sums, v, vf, b, s, tt, segment_ids)
@@ -352,13 +364,13 @@ class MoEAccounting:
             share, zsum = self._z_share(records, vf, dtype, tt)
             total = share if total is None else total + share
             per_layer = zsum if per_layer is None else per_layer + zsum
-        if total is None:
+        if total is None or per_layer is None:  # both set together (aux or z term on)
             return torch.zeros((), dtype=dtype, device=ref.device)
         self._flag(records, per_layer, mb)
         self._objective.append(total.detach())
         return total
 
-    def _flag(self, records: Sequence[object], per_layer: Tensor, mb: int) -> None:
+    def _flag(self, records: Sequence[RouterRecord], per_layer: Tensor, mb: int) -> None:
         """Device flag for acc.logs(): a NaN/Inf router score at a valid token shows in its layer's term
         (``x - x`` is NaN exactly there); the share is the weighted sum of the layers' terms."""
         if not self.acc.check_finite:
@@ -393,6 +405,7 @@ class MoEAccounting:
         pre = self._pre(tt)
         psum = None if sums is None else sums[:self.L]
         if self.scope == "micro_batch":
+            assert sums is not None and psum is not None  # token sums are taken for this scope
             terms = self._switch(psum, sums[self.L:].detach(), tt)  # A(X_mb) per layer
             x = terms @ w  # Σ_l w_l·A(X_mb)
             share = x * (1.0 / self._count("microbatches") if pre is None else pre)
@@ -418,11 +431,13 @@ class MoEAccounting:
                 share = x * (1.0 / max(self._count("samples"), 1.0))
                 den = den * b
         elif self.scope == "global_lagged":
+            assert psum is not None  # token sums are taken for this scope
             counts = self._lagged_counts(probs.dtype, probs.device)
             terms = self._switch(psum, counts, self.lagged_tokens, max(self._count(ROUTER_TOKENS), 1.0))
             x = terms @ w
             share, den = x, 0.0
         else:  # global_running
+            assert sums is not None and psum is not None  # token sums are taken for this scope
             avg, t_run = self._running_counts(sums[self.L:].detach(), tt)
             terms = self._switch(psum, avg.to(probs.dtype), t_run.to(probs.dtype))
             x = terms @ w
@@ -482,7 +497,7 @@ class MoEAccounting:
             self._running_n[n_main] += self.R
         return avg.to(counts_local.device), buf[-1].to(counts_local.device)
 
-    def _z_share(self, records: Sequence[object], vf: Tensor, dtype: torch.dtype, tt: Tensor
+    def _z_share(self, records: Sequence[RouterRecord], vf: Tensor, dtype: torch.dtype, tt: Tensor
                  ) -> tuple[Tensor, Tensor]:
         """Router z-loss share of the microbatch (all layers) and its log accumulation; the per-layer sums
         are :func:`~lossparity.losses.moe.router_z_loss_sums`. Returns ``(share, Σ_x lse² per layer)``."""
@@ -523,7 +538,7 @@ class MoEAccounting:
                 obj = obj / max(acc.global_count("tokens"), 1.0)
             acc.add_objective(obj, per_rank=acc.groups.sequence_parallel)
 
-    def _check_routers(self, routers: Sequence[object]) -> None:
+    def _check_routers(self, routers: Sequence[Router]) -> None:
         if len(routers) != self.num_slots:
             raise ValueError(f"expected {self.num_slots} routers (one per distinct MoE layer), got {len(routers)}")
         for i, r in enumerate(routers):
@@ -536,7 +551,7 @@ class MoEAccounting:
             if self._log_vio and not self._by_position and lid not in self._vio_ids:
                 raise ValueError(f"router {i} has layer_id {lid}, not among log_layer_ids {self._vio_ids}")
 
-    def end_step(self, routers: Sequence[object], *, bias_rate: float = 0.0, zero_mean: bool = False
+    def end_step(self, routers: Sequence[Router], *, bias_rate: float = 0.0, zero_mean: bool = False
                  ) -> dict[str, float]:
         """End-of-step MoE state update, after ``acc.finish_step`` and before ``optimizer.step()`` and
         ``acc.logs()`` (the accountant enforces this order); one all-reduce over the token group.
@@ -572,7 +587,7 @@ class MoEAccounting:
         self._running_n.zero_()
         return self._update_lagged(routers, vio_t, topk_counts)
 
-    def _reduce_counts(self, routers: Sequence[object]) -> tuple[Tensor, Tensor | None]:
+    def _reduce_counts(self, routers: Sequence[Router]) -> tuple[Tensor, Tensor | None]:
         """The step's dispatch counts ``[slots, E]`` (and top-k counts ``[L, E]``) summed over the token group."""
         local = torch.stack([r.tokens_per_expert.detach() for r in routers]).to(self.device, torch.float64)
         lagged = self.scope == "global_lagged"
@@ -583,7 +598,7 @@ class MoEAccounting:
         n = self.num_slots * self.E
         return buf[:n].view(self.num_slots, self.E), buf[n:].view(self.L, self.E) if lagged else None
 
-    def _record_vio(self, routers: Sequence[object], vio: Tensor) -> None:
+    def _record_vio(self, routers: Sequence[Router], vio: Tensor) -> None:
         """``max_vio`` into the accountant's logging collective: one route, with and without pipelining
         (the first rank of the token group records: the value is the same on all of them)."""
         if not self._log_vio or self.acc.groups.token_rank() != 0:
@@ -593,7 +608,7 @@ class MoEAccounting:
         names = [f"max_vio/layer_{lid}" for lid in ids] + ["max_vio"]
         self.acc.record_sums(names, torch.cat([vio, (vio / len(self._vio_ids)).sum().reshape(1)]))
 
-    def _update_lagged(self, routers: Sequence[object], vio_t: Tensor, topk_counts: Tensor | None
+    def _update_lagged(self, routers: Sequence[Router], vio_t: Tensor, topk_counts: Tensor | None
                        ) -> dict[str, float]:
         stats = vio_t if topk_counts is None else torch.cat([vio_t, topk_counts[0].sum().reshape(1) / self.k])
         values = stats.tolist()  # the one host sync of end_step
@@ -608,16 +623,19 @@ class MoEAccounting:
         out.update({f"max_vio/layer_{getattr(r, 'layer_id', i)}": x for i, (r, x) in enumerate(zip(routers, vio))})
         return out
 
-    def state_dict(self) -> dict[str, object]:
+    def state_dict(self) -> MoEAccountingState:
         """State to checkpoint: the previous step's global counts of ``global_lagged`` (CPU float64)."""
-        return {"lagged_counts": self.lagged_counts.detach().cpu().clone(), "lagged_tokens": self.lagged_tokens}
+        return MoEAccountingState(lagged_counts=self.lagged_counts.detach().cpu().clone(),
+                                  lagged_tokens=self.lagged_tokens)
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Restore :meth:`state_dict` (``lagged_counts [L, E]``, ``lagged_tokens > 0``)."""
         counts = state["lagged_counts"]
         if not isinstance(counts, Tensor) or counts.shape != (self.L, self.E):
             shape = tuple(counts.shape) if isinstance(counts, Tensor) else type(counts).__name__
             raise ValueError(f"state['lagged_counts'] must be a [{self.L}, {self.E}] tensor, got {shape}")
+        # an unchecked checkpoint value: float() itself raises on what is not a number (typeshed's float()
+        # accepts only SupportsFloat/str/buffers, not ``object``)
         tokens = float(state["lagged_tokens"])  # type: ignore[arg-type]
         if not tokens > 0:
             raise ValueError(f"state['lagged_tokens'] must be > 0, got {tokens}")

@@ -93,6 +93,8 @@ class LossParityMixin:
     step, on every rank: a rank's error is flagged inside the pre-count all-reduce so no rank hangs.
     """
 
+    model: Any  # set by transformers.Trainer, the class this is mixed into
+
     # Trainer.training_step must not divide our loss by the accumulation steps: it is already J's share.
     loss_is_scaled_for_ga = True
 
@@ -258,7 +260,7 @@ class LossParityMixin:
         if "loss" in logs and self._lp_step_logs:
             steps, self._lp_step_logs = self._lp_step_logs, []
             for key in ("lm_loss", "objective", "aux_loss"):
-                values = [s[key] for s in steps if s.get(key) is not None]
+                values = [v for s in steps if (v := s.get(key)) is not None]
                 if values:
                     logs[key] = sum(values) / len(values)
         super().log(logs, *args, **kwargs)  # type: ignore[misc]

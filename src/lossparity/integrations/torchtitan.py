@@ -79,9 +79,10 @@ class LossParityLoss:
         for i, lab in enumerate(labels):
             seg = None
             if self.mode == "per_document":
-                if pos[i] is None:
+                p = pos[i]
+                if p is None:
                     raise ValueError(f"positions: mode 'per_document' needs per-document positions (microbatch {i})")
-                seg = segments_from_positions(pos[i])
+                seg = segments_from_positions(p)
             total += unit_count(self.mode, (lab != IGNORE_INDEX), seg).to(total.device)
         pg = _group_of(group)
         if pg is not None:
@@ -101,7 +102,7 @@ class LossParityLoss:
         positions = kwargs.get("positions")
         if self.mode == "per_document" and positions is None:
             raise ValueError("positions: mode 'per_document' needs torchtitan's per-document positions")
-        seg = segments_from_positions(positions) if self.mode == "per_document" else None
+        seg = segments_from_positions(positions) if self.mode == "per_document" and positions is not None else None
         num, _ = mode_numerator(self.mode, per_token, mask, seg, self.fixed_length)
         if self.mode == "per_token" and global_valid_tokens is not None:
             return num / global_valid_tokens, {}

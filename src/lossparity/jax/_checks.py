@@ -134,11 +134,12 @@ def value_check(
     order = index_order or tuple(range(ndim))
     where_text = loc(where).replace("{", "{{").replace("}", "}}")
     text = message + at + (index_text or _index_text(ndim)) + where_text
-    if all(v is not None for v in values):
-        bad = np.asarray(bad_fn(np, *values))
+    present = [v for v in values if v is not None]
+    if len(present) == len(values):  # every input concrete: check eagerly
+        bad = np.asarray(bad_fn(np, *present))
         if bad.any():
             idx = tuple(int(i) for i in np.argwhere(bad)[0])
-            shown_value = () if shown is None else (values[shown][idx],)
+            shown_value = () if shown is None else (present[shown][idx],)
             raise exc(text.format(*shown_value, *(idx[i] for i in order)))
         return None
     bad = bad_fn(jnp, *(jnp.asarray(a) for a in arrays))
@@ -147,9 +148,9 @@ def value_check(
     if not checking():
         return jnp.any(bad)
     flat = jnp.argmax(bad.ravel())
-    idx = jnp.unravel_index(flat, bad.shape)
+    traced_idx = jnp.unravel_index(flat, bad.shape)
     shown_value = () if shown is None else (jnp.asarray(arrays[shown]).ravel()[flat],)
-    checkify.check(~jnp.any(bad), text, *shown_value, *(idx[i] for i in order))
+    checkify.check(~jnp.any(bad), text, *shown_value, *(traced_idx[i] for i in order))
     return None
 
 

@@ -24,6 +24,7 @@ from .stats import _static_checks, document_count, resolve_num_segments
 __all__ = ["NORMALIZATIONS", "split_microbatches", "accumulate_gradients"]
 
 _MB_INDEX = "[{}, {}] (microbatch {})"  # row and position inside microbatch k: the order of [K, b, S]
+_MB_ORDER = (1, 2, 0)  # the index fields of _MB_INDEX, from a [K, b, S] position
 
 
 def split_microbatches(tree: Any, num_microbatches: int) -> Any:
@@ -82,10 +83,10 @@ def _check_segment_ids(mode: str, segment_ids, mask) -> None:
 
 def _step_checks(mask, doc_ids, num_segments) -> list[jax.Array | None]:
     """Value checks of the whole step's ``[K, b, S]`` mask and document ids, naming the microbatch."""
-    kw = dict(index_text=_MB_INDEX, index_order=(1, 2, 0))
     flags = [
         value_check(
-            ValueError, "mask values must be 0 or 1, found {}", lambda xp, w: (w != 0) & (w != 1), (mask,), **kw
+            ValueError, "mask values must be 0 or 1, found {}", lambda xp, w: (w != 0) & (w != 1), (mask,),
+            index_text=_MB_INDEX, index_order=_MB_ORDER,
         )
     ]
     if doc_ids is not None:
@@ -96,7 +97,8 @@ def _step_checks(mask, doc_ids, num_segments) -> list[jax.Array | None]:
                 f"segment_ids must lie in [0, num_segments={m}] (0 = padding), found {{}}",
                 lambda xp, s: (s < 0) | (s > m),
                 (doc_ids,),
-                **kw,
+                index_text=_MB_INDEX,
+                index_order=_MB_ORDER,
             )
         )
         flags.append(
@@ -106,7 +108,8 @@ def _step_checks(mask, doc_ids, num_segments) -> list[jax.Array | None]:
                 lambda xp, s, w: (s == 0) & (w != 0),
                 (doc_ids, mask),
                 shown=None,
-                **kw,
+                index_text=_MB_INDEX,
+                index_order=_MB_ORDER,
             )
         )
     return flags

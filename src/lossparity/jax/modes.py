@@ -176,7 +176,8 @@ def unit_sum(
     if mode == "per_sample":
         return (s / jnp.maximum(n, 1)).sum()
     if mode == "per_microbatch":
-        return _per_microbatch_sum(s, n, microbatch_size)
+        # the callers pass a validated size: this only narrows the type (and names a missing size)
+        return _per_microbatch_sum(s, n, require_microbatch_size(microbatch_size, int(s.shape[0]), "unit_sum"))
     return poison(s.sum(), bad) / _check_fixed_length(fixed_length)
 
 
@@ -256,5 +257,6 @@ def objective(
         mode, loss, bearing, seg2, bad, num_segments=num_segments, fixed_length=fixed_length, microbatch_size=size
     )
     if mode == "per_document":
+        assert seg2 is not None  # prepare returns the segment ids it was given (checked above)
         return num / jnp.maximum(document_count(seg2, num_segments=num_segments), 1)
     return num / (rows // size if mode == "per_microbatch" else max(rows, 1))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from numbers import Real
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -157,9 +158,12 @@ def switch_load_balancing_loss(
     if pm is not None:
         p = jnp.where(pm[:, None], jnp.zeros_like(p), p)
     c = jax.lax.stop_gradient(tokens_per_expert).astype(jnp.float32)
+    scale: float | jax.Array
     if isinstance(total_num_tokens, Real):
-        # a Python count: the scale is formed in double precision, as the PyTorch version does
-        scale = num_experts * float(coeff) / (topk * total_num_tokens * total_num_tokens)
+        # a Python count: the scale is formed in double precision, as the PyTorch version does.
+        # ``numbers.Real`` declares no arithmetic in typeshed; at runtime an int, float or NumPy scalar.
+        n_tok = cast(float, total_num_tokens)
+        scale = num_experts * float(coeff) / (topk * n_tok * n_tok)
     else:
         t = jax.lax.stop_gradient(jnp.asarray(total_num_tokens)).astype(jnp.float32)
         scale = num_experts * float(coeff) / (topk * t * t)

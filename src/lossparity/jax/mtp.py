@@ -18,6 +18,7 @@ within each row and each document of a packed row, the vacated tail masked. Coun
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -138,14 +139,13 @@ def mtp_numerator(
     mode = check_mode(mode)
     convention = check_convention(convention)
     xs, ws = _depths(losses, masks)
-    kw = dict(
-        segment_ids=segment_ids, num_segments=num_segments, fixed_length=fixed_length, microbatch_size=microbatch_size
-    )
+    def num(x: jax.Array, w: jax.Array, seg: jax.Array | None) -> jax.Array:
+        return numerator(mode, x, w, segment_ids=seg, num_segments=num_segments, fixed_length=fixed_length,
+                         microbatch_size=microbatch_size)
+
     if convention == "pooled":
-        x, w, seg = _pool(xs, ws, segment_ids)
-        kw["segment_ids"] = seg
-        return [numerator(mode, x, w, **kw)]
-    return [numerator(mode, x, w, **kw) for x, w in zip(xs, ws)]
+        return [num(*_pool(xs, ws, segment_ids))]
+    return [num(x, w, segment_ids) for x, w in zip(xs, ws)]
 
 
 def mtp_denominators(
@@ -165,7 +165,8 @@ def mtp_denominators(
     if not depth_norms:
         raise ValueError("depth_norms must hold one Normalizers per MTP depth, got none")
     if convention == "pooled":
-        pooled = depth_norms[0]._replace(tokens=sum(nm.tokens for nm in depth_norms))
+        tokens = cast(jax.Array, sum(nm.tokens for nm in depth_norms))  # an array: depth_norms is non-empty
+        pooled = depth_norms[0]._replace(tokens=tokens)
         return [denominator(mode, pooled)]
     if convention == "main" and mode == "per_token":
         return [denominator(mode, main_norms) for _ in depth_norms]
@@ -196,19 +197,19 @@ def mtp_objective(
         check_inputs(x, w, seg, num_segments=num_segments, where=f"MTP depth {k}")
     if mode == "per_microbatch":
         require_microbatch_size(microbatch_size, int(xs[0].shape[0]), "mtp_objective")
-    kw = dict(
-        segment_ids=segment_ids, num_segments=num_segments, microbatch_size=microbatch_size, fixed_length=fixed_length
-    )
+    def obj(x: jax.Array, w: jax.Array, seg: jax.Array | None) -> jax.Array:
+        return objective(mode, x, w, segment_ids=seg, num_segments=num_segments, microbatch_size=microbatch_size,
+                         fixed_length=fixed_length)
+
     if convention == "pooled":
-        x, w, seg = _pool(xs, ws, segment_ids)
-        kw["segment_ids"] = seg
-        return weight * objective(mode, x, w, **kw)
+        return weight * obj(*_pool(xs, ws, segment_ids))
     if convention == "main" and mode == "per_token":
         n_main = jnp.maximum(jnp.sum(_as_2d(main_mask) != 0), 1)
         terms = [sample_stats(x, w)[0].sum() / n_main for x, w in zip(xs, ws)]
     else:
-        terms = [objective(mode, x, w, **kw) for x, w in zip(xs, ws)]
-    return weight * (sum(terms) / len(terms))
+        terms = [obj(x, w, segment_ids) for x, w in zip(xs, ws)]
+    # an array: _depths requires at least one depth
+    return weight * (cast(jax.Array, sum(terms)) / len(terms))
 
 
 def mtp_log_losses(

@@ -208,6 +208,7 @@ def document_stats(
     """
     m = resolve_num_segments(segment_ids, num_segments)
     loss, bearing, seg, bad = prepare(per_token_loss, mask, segment_ids, num_segments=m)
+    assert seg is not None  # prepare returns the segment ids it was given
     s, n, present = document_sums(loss, bearing, seg, m)
     return poison(s, bad), poison(n, bad), present
 

@@ -217,23 +217,23 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             for v0, v1 in _tiles(vocab, vchunk):
                 z = torch.mm(h, w[v0:v1].t(), out=_tile_view(buf, t1 - t0, v1 - v0))
                 p = z.sub_(lse[t0:t1].unsqueeze(1)).exp_()
-                if need_h:
+                if pw is not None:  # need_h
                     pw.addmm_(p, w[v0:v1])
-                if need_w:
+                if grad_w is not None and h_scaled is not None:  # need_w
                     grad_w[v0:v1].addmm_(p.t(), h_scaled)
             owned = (y >= 0) & (y < vocab)
             y_own = y.clamp(0, vocab - 1)
             g_own = g_c * owned.unsqueeze(1).to(cdt)
-            if need_h:
+            if pw is not None and grad_h is not None:  # need_h
                 dh = pw.mul_(scale[t0:t1].unsqueeze(1)).sub_(w.index_select(0, y_own) * g_own)
                 if idx is None:
                     grad_h[t0:t1] = dh
                 else:
                     grad_h.index_copy_(0, idx[t0:t1], dh.to(grad_h.dtype))
-            if need_w:
+            if grad_w is not None:  # need_w
                 # index_put_ rather than index_add_: the latter is ~10x slower on CPU (torch 2.x)
                 grad_w.index_put_((y_own,), h * -g_own, accumulate=True)
-        if need_w:
+        if grad_w is not None:  # need_w
             grad_w = grad_w.to(weight.dtype)
         if need_h and ctx.group is not None:
             # hidden is replicated over the vocabulary-parallel ranks, each saw only its vocabulary slice

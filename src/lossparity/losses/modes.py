@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..options import MODE_INFO as _MODE_INFO
+from ..options import Mode
 from .stats import document_stats, masked_token_sum, sample_stats
 
 __all__ = [
@@ -41,7 +42,7 @@ __all__ = [
     "objective",
 ]
 
-MODES: tuple[str, ...] = (
+MODES: tuple[Mode, ...] = (
     "per_token",
     "per_sample",
     "per_microbatch",
@@ -51,7 +52,7 @@ MODES: tuple[str, ...] = (
 )
 
 # mode -> (formula, frameworks whose objective it matches): one torch-free home in options.py.
-MODE_INFO: Mapping[str, tuple[str, str]] = _MODE_INFO
+MODE_INFO: Mapping[Mode, tuple[str, str]] = _MODE_INFO
 
 # Which global count (a field of Normalizers) divides each mode's numerators.
 DENOMINATOR_KEY: Mapping[str, str] = {

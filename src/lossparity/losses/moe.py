@@ -258,12 +258,12 @@ def switch_load_balancing_terms(
         t_p = count_tokens if prob_tokens is None else prob_tokens
         den = topk * count_tokens * t_p
         return dot * (num_experts * float(coeff) / den) if den > 0 else dot * 0.0
-    t_c = torch.as_tensor(count_tokens, dtype=dot.dtype, device=dot.device)
-    t_p = t_c if prob_tokens is None else torch.as_tensor(prob_tokens, dtype=dot.dtype, device=dot.device)
+    t_c_dev = torch.as_tensor(count_tokens, dtype=dot.dtype, device=dot.device)
+    t_p_dev = t_c_dev if prob_tokens is None else torch.as_tensor(prob_tokens, dtype=dot.dtype, device=dot.device)
     # Megatron's evaluation order. An empty set has dot = 0 exactly, so clamping its zero denominator to
     # 1e-30 gives 0 without a 0/0 or an overflow (a non-empty set has a denominator >= 1/b², far above it).
-    den = (topk * t_c * t_p).clamp(min=1e-30)
-    return dot * (num_experts * float(coeff) / den)
+    den_dev = (topk * t_c_dev * t_p_dev).clamp(min=1e-30)
+    return dot * (num_experts * float(coeff) / den_dev)
 
 
 def _flatten_sequences(

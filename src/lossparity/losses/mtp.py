@@ -18,6 +18,7 @@ statistics with one of three count conventions:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -149,19 +150,20 @@ def mtp_objective(
     check_convention(convention)
     for k, (x, w) in enumerate(zip(losses, masks), start=1):
         check_inputs(x, w, segment_ids, where=f"MTP depth {k}")
-    kw = dict(segment_ids=segment_ids, microbatch_size=microbatch_size, fixed_length=fixed_length)
     if convention == "pooled":
         seg = None if segment_ids is None else torch.cat([segment_ids] * len(losses), dim=-1)
         if mode == "per_token":
-            s = sum((x * w).sum() for x, w in zip(losses, masks))
+            # a Tensor for one or more depths (for none, sum would be the int 0: not a valid MTP input)
+            s = cast(Tensor, sum((x * w).sum() for x, w in zip(losses, masks)))
             n = sum(w.sum() for w in masks)
             return weight * s / max(float(n), 1.0)
-        kw["segment_ids"] = seg
-        return weight * objective(mode, torch.cat(list(losses), dim=-1), torch.cat(list(masks), dim=-1), **kw)
+        return weight * objective(mode, torch.cat(list(losses), dim=-1), torch.cat(list(masks), dim=-1),
+                                  segment_ids=seg, microbatch_size=microbatch_size, fixed_length=fixed_length)
     terms = []
     for x, w in zip(losses, masks):
         if convention == "main" and mode == "per_token":
             terms.append(torch.where(w > 0, x, torch.zeros_like(x)).sum() / max(float(main_mask.sum()), 1.0))
         else:
-            terms.append(objective(mode, x, w, **kw))
+            terms.append(objective(mode, x, w, segment_ids=segment_ids, microbatch_size=microbatch_size,
+                                   fixed_length=fixed_length))
     return weight * torch.stack(terms).mean()

@@ -8,6 +8,7 @@ softmax row is empty (padding, id 0, attends within its own padding run).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,11 @@ from torch import Tensor, nn
 
 from .rope import apply_rope, rope_cos_sin
 from .sequence_parallel import sp_gather, sp_shard
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from .context_parallel import ContextParallel
 
 __all__ = ["attention_mask", "Attention", "Indexer"]
 
@@ -46,7 +52,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
-        self.cp = None  # a ContextParallel: keys/values are all-gathered over its group (set by GPT)
+        self.cp: ContextParallel | None = None  # keys/values are all-gathered over its group (set by GPT)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, *, return_probs: bool = False
                 ) -> tuple[Tensor, Tensor | None]:
@@ -91,8 +97,8 @@ class Indexer(nn.Module):
         # Layout of the main attention around it (set by GPT.enable_context_parallel and by tensor
         # parallelism): keys are gathered over CP; the target heads over TP; under SP this rank scores
         # only its slice of the queries.
-        self.cp = None
-        self.tp_mesh = None
+        self.cp: ContextParallel | None = None
+        self.tp_mesh: DeviceMesh | None = None
         self.sequence_parallel = False
 
     def target(self, probs: Tensor) -> Tensor:
@@ -119,9 +125,11 @@ class Indexer(nn.Module):
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, dtype)
         x_keys, cos_q, sin_q = x, cos, sin
         if self.sequence_parallel:
-            x_keys = sp_gather(x, self.tp_mesh, 1, partial_grad=False)
-            cos_q, sin_q = sp_shard(cos, self.tp_mesh), sp_shard(sin, self.tp_mesh)
-            mask = sp_shard(mask, self.tp_mesh, dim=2)
+            mesh = self.tp_mesh
+            assert mesh is not None  # tensor parallelism sets sequence_parallel together with tp_mesh
+            x_keys = sp_gather(x, mesh, 1, partial_grad=False)
+            cos_q, sin_q = sp_shard(cos, mesh), sp_shard(sin, mesh)
+            mask = sp_shard(mask, mesh, dim=2)
         q = apply_rope(self.wq(x).view(B, Sq, self.n_heads, self.head_dim), cos_q, sin_q)
         k = apply_rope(self.wk(x_keys).view(B, x_keys.shape[1], 1, self.head_dim), cos, sin)
         if self.cp is not None:

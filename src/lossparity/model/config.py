@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
+
+from ..options import ScoreFunction
 
 __all__ = ["ModelConfig", "PRESETS", "SCORE_FUNCTIONS", "get_config"]
 
@@ -39,7 +42,7 @@ class ModelConfig:
     num_experts: int = 4
     topk: int = 2
     moe_ffn_hidden: int
-    score_function: str = "softmax"
+    score_function: ScoreFunction = "softmax"
     shared_expert: bool = False
     mtp_depths: int = 1
     indexer_layer: int | None = None
@@ -117,7 +120,7 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def get_config(name: str, **overrides: object) -> ModelConfig:
+def get_config(name: str, **overrides: Any) -> ModelConfig:  # field types vary; __post_init__ validates
     """A fresh copy of preset ``name`` with ``overrides`` applied (re-validated). Raises ``ValueError``
     listing the valid names on an unknown preset or an unknown field."""
     if name not in PRESETS:

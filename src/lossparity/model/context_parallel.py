@@ -29,7 +29,7 @@ class _GatherShards(torch.autograd.Function):
     group (a reduce-scatter, written as all-reduce + slice so that it also runs on gloo)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group: object, dim: int) -> Tensor:  # noqa: D102
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:  # noqa: D102
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x, group=group)
@@ -62,7 +62,7 @@ class ContextParallel:
     """A CP group and its sharding; ``columns(S)`` are this rank's positions, ``all_columns(S)`` the
     positions of all ranks in rank order (the order of all-gathered keys)."""
 
-    group: object
+    group: dist.ProcessGroup
     size: int
     rank: int
     zigzag: bool = True
@@ -78,5 +78,5 @@ class ContextParallel:
         return _GatherShards.apply(x, self.group, dim)
 
     @classmethod
-    def from_group(cls, group: object, zigzag: bool = True) -> ContextParallel:
+    def from_group(cls, group: dist.ProcessGroup, zigzag: bool = True) -> ContextParallel:
         return cls(group, dist.get_world_size(group), dist.get_rank(group), zigzag)

@@ -33,13 +33,16 @@ single-process expert loop. Nothing else leaves the device.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..distributed.collectives import all_reduce_coalesced
+from .moe import GroupedExperts
 
 __all__ = ["ExpertParallel", "apply_expert_parallel", "ep_mesh", "expert_parameters", "reduce_expert_grads"]
 
@@ -55,7 +58,7 @@ class _Route:
         self.send, self.recv, self.num_tokens = send, recv, num_tokens
 
 
-def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: object) -> Tensor:
+def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> Tensor:
     """All-to-all of the rows of ``x`` (``in_splits[j]`` rows go to rank ``j``) with autograd; returns the
     ``sum(out_splits)`` received rows, rank-major."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
@@ -64,7 +67,7 @@ def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: o
     return wait_tensor(out)
 
 
-def _exchange_counts(counts: Tensor, group: object) -> Tensor:
+def _exchange_counts(counts: Tensor, group: dist.ProcessGroup) -> Tensor:
     """``recv[j, l]`` = number of rows EP rank ``j`` sends to this rank's local expert ``l``
     (``counts [E]`` = this rank's per-expert counts, expert-major over the ranks)."""
     from torch.distributed._functional_collectives import all_to_all_single, wait_tensor
@@ -80,14 +83,17 @@ class ExpertParallel(ParallelStyle):
     def __init__(self) -> None:
         self._route: _Route | None = None
 
-    def _apply(self, module: nn.Module, device_mesh: object) -> nn.Module:
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         from torch.distributed.tensor import distribute_module
 
         _check_shardable(module, device_mesh)
-        return distribute_module(module, device_mesh, partition_fn=_partition, input_fn=self._dispatch,
-                                 output_fn=self._combine)
+        # torch's stub types input_fn/output_fn as returning None, but distribute_module uses what they
+        # return as the module's new inputs/outputs (as its docstring says): the stub is wrong.
+        return distribute_module(module, device_mesh, partition_fn=_partition,
+                                 input_fn=self._dispatch,  # type: ignore[arg-type]
+                                 output_fn=self._combine)  # type: ignore[arg-type]
 
-    def _dispatch(self, module: nn.Module, inputs: tuple, mesh: object) -> tuple[Tensor, Tensor, Tensor]:
+    def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple[Tensor, Tensor, Tensor]:
         """Forward pre-hook: send every (token, expert) pair to the expert's rank; return the received
         rows with a one-hot local routing map and unit gates."""
         x, gates, dispatch_map = inputs
@@ -110,7 +116,7 @@ class ExpertParallel(ParallelStyle):
         onehot = nn.functional.one_hot(expert_of_row, local).to(torch.bool)
         return rows, onehot.to(rows.dtype), onehot
 
-    def _combine(self, module: nn.Module, outputs: Tensor, mesh: object) -> Tensor:
+    def _combine(self, module: nn.Module, outputs: Tensor, mesh: DeviceMesh) -> Tensor:
         """Forward hook: bring the expert outputs back and form ``Σ_e gates[t, e] · y[t, e]`` in
         increasing ``e`` (the single-process order)."""
         route = self._route
@@ -128,7 +134,7 @@ class ExpertParallel(ParallelStyle):
         return out
 
 
-def _check_shardable(module: nn.Module, mesh: object) -> None:
+def _check_shardable(module: nn.Module, mesh: DeviceMesh) -> None:
     """Raise ``ValueError`` when ``module`` is not a stack of experts divisible over ``mesh``."""
     if getattr(mesh, "ndim", 1) != 1:
         raise ValueError(f"ExpertParallel needs a 1-D expert-parallel mesh, got {mesh.ndim} dimensions")
@@ -139,12 +145,12 @@ def _check_shardable(module: nn.Module, mesh: object) -> None:
     if any(hasattr(getattr(module, n), "to_local") for n in _WEIGHTS):
         raise ValueError("ExpertParallel: the experts are already sharded (tensor parallelism is not combined "
                          "with expert parallelism)")
-    num = module.w1.shape[0]
+    num = cast(nn.Parameter, module.w1).shape[0]  # checked above: a Parameter
     if num % mesh.size():
         raise ValueError(f"ep={mesh.size()} must divide the number of routed experts num_experts={num}")
 
 
-def _partition(name: str, module: nn.Module, mesh: object) -> None:
+def _partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
     """Shard the expert weights of ``module`` (not of its children) on their expert dimension."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -154,21 +160,17 @@ def _partition(name: str, module: nn.Module, mesh: object) -> None:
             module.register_parameter(pname, nn.Parameter(sharded, requires_grad=p.requires_grad))
 
 
-def ep_mesh(ep_group: object, device_type: str = "cpu") -> object:
+def ep_mesh(ep_group: dist.ProcessGroup, device_type: str = "cpu") -> DeviceMesh:
     """The 1-D ``DeviceMesh`` (dimension ``ep``) of the expert-parallel process group ``ep_group``."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     return DeviceMesh.from_group(ep_group, device_type, mesh_dim_names=("ep",))
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: object) -> list[nn.Module]:
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> list[GroupedExperts]:
     """Apply :class:`ExpertParallel` to every ``GroupedExperts`` of ``model`` over the 1-D ``ep_mesh`` (a
     ``DeviceMesh`` of ranks holding distinct tokens). Every rank must hold identical expert weights
     before the call (same seed); afterwards rank ``r`` of ``ep_mesh`` keeps experts ``r·E/ep ..``.
     Returns the sharded modules. ``ep_mesh.size() == 1``: nothing changes."""
     from torch.distributed.tensor.parallel import parallelize_module
-
-    from .moe import GroupedExperts
 
     if ep_mesh.size() == 1:
         return []
@@ -181,8 +183,6 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: object) -> list[nn.Module]:
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters sharded by :class:`ExpertParallel` (``DTensor`` with a ``Shard(0)`` placement on an
     expert mesh), in ``model.parameters()`` order."""
-    from .moe import GroupedExperts
-
     out: list[nn.Parameter] = []
     for m in model.modules():
         if isinstance(m, GroupedExperts):
@@ -195,7 +195,7 @@ def _ep_sharded(p: Tensor) -> bool:
     return placements is not None and len(placements) == 1 and placements[0].is_shard(0)
 
 
-def reduce_expert_grads(params: Iterable[nn.Parameter], edp_group: object | None) -> None:
+def reduce_expert_grads(params: Iterable[nn.Parameter], edp_group: dist.ProcessGroup | None) -> None:
     """Sum the gradients of the expert shards ``params`` over the expert-data-parallel group ``edp_group``
     (ranks with the same EP coordinate: copies of the same experts, different tokens), in place, with one
     all-reduce: ``g ← Σ_{r ∈ edp} g_r``. A shard without a gradient (no token reached its experts on
@@ -206,4 +206,7 @@ def reduce_expert_grads(params: Iterable[nn.Parameter], edp_group: object | None
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    all_reduce_coalesced([p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params], edp_group)
+    from torch.distributed.tensor import DTensor
+
+    grads = [cast(Tensor, p.grad) for p in params]  # every one set just above
+    all_reduce_coalesced([g.to_local() if isinstance(g, DTensor) else g for g in grads], edp_group)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
@@ -22,6 +23,9 @@ from .recompute import checkpoint
 from .rope import positions_from_segments, rope_cos_sin
 from .router import Router, RouterRecord
 from .sequence_parallel import sp_gather, sp_shard
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ModelOutput", "GPT"]
 
@@ -68,7 +72,8 @@ class GPT(nn.Module):
         self.mtp = nn.ModuleList(MTPModule(config, k) for k in range(1, config.mtp_depths + 1))
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.cp: ContextParallel | None = None
-        self.sp_mesh = None  # tensor-parallel mesh when sequence parallelism is on (model/tensor_parallel.py)
+        # tensor-parallel mesh when sequence parallelism is on (model/tensor_parallel.py)
+        self.sp_mesh: DeviceMesh | None = None
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.init_weights()
@@ -110,7 +115,7 @@ class GPT(nn.Module):
             positions = (positions_from_segments(segment_ids) if segment_ids is not None
                          else torch.arange(S, device=tokens.device).expand(B, S))
         mask = attention_mask(segment_ids, S, tokens.device)
-        mtp_tokens = [shift_tokens(tokens, m.depth, segment_ids) for m in self.mtp]
+        mtp_tokens = [shift_tokens(tokens, cast(MTPModule, m).depth, segment_ids) for m in self.mtp]
         cp = self.cp
         if cp is not None:
             # Whole rows in, this shard's columns out: queries are ours, keys come in all_columns order.
@@ -160,7 +165,7 @@ class GPT(nn.Module):
         hidden = self._full_sequence(self.norm(h))
         mtp_hidden, routers = [], []
         for module in self.mtp:
-            emb = self.embed(ctx.mtp_tokens[module.depth - 1])
+            emb = self.embed(ctx.mtp_tokens[cast(MTPModule, module).depth - 1])
             h, normed, record = module(h, emb, ctx.cos, ctx.sin, ctx.mask, ctx.positions, ctx.valid,
                                        recompute=recompute)
             mtp_hidden.append(self._full_sequence(normed))
@@ -171,7 +176,7 @@ class GPT(nn.Module):
     def moe_routers(self) -> list[Router]:
         """Every router module, main layers in order then MTP depths in order (the order of
         ``ModelOutput.routers``)."""
-        blocks = list(self.layers) + [m.block for m in self.mtp]
+        blocks = [cast(Block, b) for b in self.layers] + [cast(MTPModule, m).block for m in self.mtp]
         return [b.ffn.router for b in blocks if isinstance(b.ffn, MoE)]
 
     def num_params(self) -> int:

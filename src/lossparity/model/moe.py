@@ -10,14 +10,21 @@ once), so even atomic-add kernels never race, and experts are added in a fixed o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..options import ScoreFunction
 from .mlp import SwiGLU
 from .router import Router, RouterRecord
 from .sequence_parallel import sp_gather, sp_reduce_scatter
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["GroupedExperts", "MoE"]
 
@@ -29,6 +36,8 @@ class GroupedExperts(nn.Module):
     def __init__(self, dim: int, hidden: int, num_experts: int) -> None:
         super().__init__()
         self.num_experts = num_experts
+        # set by tensor parallelism (model/tensor_parallel.py): the copy-to / reduce-from region functions
+        self.tp_region: tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]] | None = None
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
@@ -39,12 +48,14 @@ class GroupedExperts(nn.Module):
         """``out[t] = Σ_{e: dispatch_map[t, e]} gates[t, e] · expert_e(x[t])`` for ``x [T, dim]``,
         ``gates [T, E]``, ``dispatch_map`` bool ``[T, E]``; ``out`` has ``x``'s dtype."""
         out = torch.zeros_like(x)
-        region = getattr(self, "tp_region", None)  # set by tensor parallelism (model/tensor_parallel.py)
-        w1, w3, w2 = self.w1, self.w3, self.w2
+        region = self.tp_region
+        w1: Tensor = self.w1
+        w3: Tensor = self.w3
+        w2: Tensor = self.w2
         if region is not None:
             x = region[0](x)
         if hasattr(w1, "to_local"):  # TP-sharded hidden dimension: TP-partial outputs
-            w1, w3, w2 = w1.to_local(), w3.to_local(), w2.to_local()
+            w1, w3, w2 = (cast("DTensor", w).to_local() for w in (w1, w3, w2))
         # One column per expert held here: E, or E/ep under expert parallelism (model/expert_parallel.py).
         idxs = [dispatch_map[:, e].nonzero().squeeze(1) for e in range(dispatch_map.shape[1])]
         ys = []
@@ -64,12 +75,13 @@ class GroupedExperts(nn.Module):
 class MoE(nn.Module):
     """``y = Σ_e gate_e · expert_e(x) + shared(x)`` with the experts chosen by a :class:`Router`."""
 
-    def __init__(self, dim: int, hidden: int, num_experts: int, topk: int, score_function: str,
+    def __init__(self, dim: int, hidden: int, num_experts: int, topk: int, score_function: ScoreFunction,
                  shared_expert: bool, layer_id: int) -> None:
         super().__init__()
         self.router = Router(dim, num_experts, topk, score_function, layer_id)
         self.experts = GroupedExperts(dim, hidden, num_experts)
         self.shared = SwiGLU(dim, hidden) if shared_expert else None
+        self.sp_mesh: DeviceMesh | None = None  # the TP mesh under sequence parallelism (model/tensor_parallel.py)
 
     def forward(self, x: Tensor, valid: Tensor | None = None) -> tuple[Tensor, RouterRecord]:
         """Apply the layer to ``x [B, S, dim]``; ``valid [B, S]`` bool marks the non-padding tokens for
@@ -77,7 +89,7 @@ class MoE(nn.Module):
         B, S, D = x.shape
         flat = x.reshape(B * S, D)
         gates, record = self.router(flat, None if valid is None else valid.reshape(-1))
-        mesh = getattr(self, "sp_mesh", None)
+        mesh = self.sp_mesh
         if mesh is not None:
             # Sequence parallel: this rank routed its slice of the sequence; the TP-sharded experts need
             # every token, so tokens, gates and routing map are gathered and the partial outputs

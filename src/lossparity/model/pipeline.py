@@ -18,12 +18,16 @@ share receives gradient 1 (the role of Megatron's ``MoEAuxLossAutoScaler``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from torch import Tensor, nn
 
+from .block import Block
 from .gpt import GPT, ForwardContext
-from .router import RouterRecord
+from .moe import MoE
+from .mtp import MTPModule
+from .router import Router, RouterRecord
 
 __all__ = ["AuxInject", "StageModule", "split_layers", "chunks_of_rank"]
 
@@ -86,10 +90,11 @@ class StageModule(nn.Module):
         self.contexts: list[ForwardContext] = []
         self._next = 0
 
-    def routers(self) -> list[nn.Module]:
+    def routers(self) -> list[Router]:
         """Routers of this chunk (its main layers, then the MTP depths for the last chunk)."""
-        blocks = list(self.layers) + ([m.block for m in self.mtp] if self.last else [])
-        return [b.ffn.router for b in blocks if hasattr(b.ffn, "router")]
+        blocks = [cast(Block, b) for b in self.layers]
+        blocks += [cast(MTPModule, m).block for m in self.mtp] if self.last else []
+        return [b.ffn.router for b in blocks if isinstance(b.ffn, MoE)]
 
     def set_microbatches(self, contexts: Sequence[ForwardContext]) -> None:
         """The per-microbatch block inputs of the coming step, in microbatch order."""

@@ -59,6 +59,10 @@ class Router(nn.Module):
     balancing, reset by :meth:`reset_counts`).
     """
 
+    # registered buffers (declared for the type checker; ``register_buffer`` creates them)
+    expert_bias: Tensor
+    tokens_per_expert: Tensor
+
     def __init__(self, dim: int, num_experts: int, topk: int, score_function: ScoreFunction, layer_id: int
                  ) -> None:
         super().__init__()

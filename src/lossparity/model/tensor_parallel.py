@@ -18,6 +18,8 @@ Plan (Megatron's, without sequence parallelism):
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -30,6 +32,9 @@ from .moe import GroupedExperts, MoE
 from .router import Router
 from .sequence_parallel import sp_gather, sp_reduce_scatter, sp_shard
 
+if TYPE_CHECKING:  # gpt.py imports the model modules; this module only needs the type
+    from .gpt import GPT
+
 __all__ = ["NoParallel", "apply_tensor_parallel", "sp_gather", "sp_reduce_scatter", "sp_shard"]
 
 
@@ -37,7 +42,7 @@ class _CopyToRegion(torch.autograd.Function):
     """Identity forward; all-reduce of the gradient in backward (the input feeds sharded compute)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group: object) -> Tensor:  # noqa: D102
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # noqa: D102
         ctx.group = group
         return x.view_as(x)
 
@@ -52,7 +57,7 @@ class _ReduceFromRegion(torch.autograd.Function):
     """All-reduce forward (sum of the partial outputs); identity backward."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group: object) -> Tensor:  # noqa: D102
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # noqa: D102
         x = x.contiguous()
         dist.all_reduce(x, group=group)
         return x
@@ -79,17 +84,94 @@ class NoParallel(ParallelStyle):
         return module
 
 
-def _shard_experts(experts: GroupedExperts, tp_mesh: object) -> None:
+def _shard_experts(experts: GroupedExperts, tp_mesh: DeviceMesh) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     for name, dim in (("w1", 2), ("w3", 2), ("w2", 1)):
         p = getattr(experts, name)
         setattr(experts, name, nn.Parameter(distribute_tensor(p.detach(), tp_mesh, [Shard(dim)])))
     group = tp_mesh.get_group()
+    # a plain attribute (not a submodule): ``nn.Module.__setattr__`` stores it in ``__dict__``
     experts.tp_region = (lambda x: _CopyToRegion.apply(x, group), lambda y: _ReduceFromRegion.apply(y, group))
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: object, *, sequence_parallel: bool = False,
+def _shard_head(model: GPT, tp_mesh: DeviceMesh) -> None:
+    """Vocabulary-parallel output head: rows sharded over TP (a ``DTensor``)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    tp = tp_mesh.size()
+    head = model.output
+    if head.weight.shape[0] % tp:
+        raise ValueError(f"tp={tp} must divide the vocabulary size {head.weight.shape[0]} (vocab-parallel head)")
+    if head.weight is model.tok_embeddings.weight:
+        raise ValueError("tied embeddings are not supported with tensor parallelism (vocab-parallel head)")
+    head.weight = nn.Parameter(distribute_tensor(head.weight.detach(), tp_mesh, [Shard(0)]))
+
+
+def _gather_sp_input(module: nn.Module, tp_mesh: DeviceMesh, n_inputs: int) -> None:
+    """Under SP the first input arrives sequence-sharded; all-gather it before the TP region."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
+
+    rest = (None,) * (n_inputs - 1)
+    parallelize_module(module, tp_mesh, PrepareModuleInput(
+        input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest), use_local_output=True))
+
+
+def _parallelize_attention(module: Attention, tp_mesh: DeviceMesh, sequence_parallel: bool,
+                           row_out: ParallelStyle) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    tp = tp_mesh.size()
+    if module.n_heads % tp or module.n_kv_heads % tp:
+        raise ValueError(f"tp={tp} must divide n_heads={module.n_heads} and n_kv_heads={module.n_kv_heads}")
+    if sequence_parallel:
+        _gather_sp_input(module, tp_mesh, 4)
+    parallelize_module(module, tp_mesh, {"wq": ColwiseParallel(), "wk": ColwiseParallel(),
+                                         "wv": ColwiseParallel(), "wo": row_out})
+    module.n_heads //= tp
+    module.n_kv_heads //= tp
+
+
+def _parallelize_swiglu(module: SwiGLU, tp_mesh: DeviceMesh, sequence_parallel: bool,
+                        row_out: ParallelStyle) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    if sequence_parallel:
+        _gather_sp_input(module, tp_mesh, 1)
+    parallelize_module(module, tp_mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": row_out})
+
+
+def _parallelize_grouped_experts(module: GroupedExperts, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    tp = tp_mesh.size()
+    if module.w1.shape[2] % tp:
+        raise ValueError(f"tp={tp} must divide the experts' hidden size {module.w1.shape[2]}")
+    _shard_experts(module, tp_mesh)
+    if sequence_parallel:
+        module.tp_region = None  # the MoE layer gathers tokens and reduce-scatters itself
+
+
+def _parallelize_submodule(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, shard_experts: bool,
+                           row_out: ParallelStyle) -> None:
+    """Apply the plan of the module docstring to one submodule (a no-op for modules it does not name)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if isinstance(module, Attention):
+        _parallelize_attention(module, tp_mesh, sequence_parallel, row_out)
+    elif isinstance(module, SwiGLU):
+        _parallelize_swiglu(module, tp_mesh, sequence_parallel, row_out)
+    elif isinstance(module, GroupedExperts) and shard_experts:
+        _parallelize_grouped_experts(module, tp_mesh, sequence_parallel)
+    elif isinstance(module, MoE) and sequence_parallel:
+        module.sp_mesh = tp_mesh
+    elif isinstance(module, Router):
+        parallelize_module(module, tp_mesh, NoParallel())
+    elif isinstance(module, Indexer):  # replicated; its KL target gathers the heads of every TP rank
+        module.tp_mesh = tp_mesh
+        module.sequence_parallel = sequence_parallel
+
+
+def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
                           shard_experts: bool = True) -> None:
     """Shard ``model`` (a :class:`~lossparity.model.GPT`) over the 1-D ``tp_mesh`` in place (module
     docstring). Raises when head counts or hidden sizes do not divide by the TP size.
@@ -106,52 +188,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: object, *, sequence_paralle
     """
     if sequence_parallel and not shard_experts:
         raise ValueError("shard_experts=False is not combined with sequence parallelism")
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel
 
     row_out = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
-
-    tp = tp_mesh.size()
-    head = model.output
-    if head.weight.shape[0] % tp:
-        raise ValueError(f"tp={tp} must divide the vocabulary size {head.weight.shape[0]} (vocab-parallel head)")
-    if head.weight is model.tok_embeddings.weight:
-        raise ValueError("tied embeddings are not supported with tensor parallelism (vocab-parallel head)")
-    head.weight = nn.Parameter(distribute_tensor(head.weight.detach(), tp_mesh, [Shard(0)]))
+    _shard_head(model, tp_mesh)
     for module in model.modules():
-        if isinstance(module, Attention):
-            if module.n_heads % tp or module.n_kv_heads % tp:
-                raise ValueError(f"tp={tp} must divide n_heads={module.n_heads} and n_kv_heads={module.n_kv_heads}")
-            if sequence_parallel:
-                parallelize_module(module, tp_mesh, PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None),
-                    use_local_output=True))
-            parallelize_module(module, tp_mesh, {"wq": ColwiseParallel(), "wk": ColwiseParallel(),
-                                                 "wv": ColwiseParallel(), "wo": row_out})
-            module.n_heads //= tp
-            module.n_kv_heads //= tp
-        elif isinstance(module, SwiGLU):
-            if sequence_parallel:
-                parallelize_module(module, tp_mesh, PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
-            parallelize_module(module, tp_mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": row_out})
-        elif isinstance(module, GroupedExperts) and shard_experts:
-            if module.w1.shape[2] % tp:
-                raise ValueError(f"tp={tp} must divide the experts' hidden size {module.w1.shape[2]}")
-            _shard_experts(module, tp_mesh)
-            if sequence_parallel:
-                module.tp_region = None  # the MoE layer gathers tokens and reduce-scatters itself
-        elif isinstance(module, MoE) and sequence_parallel:
-            module.sp_mesh = tp_mesh
-        elif isinstance(module, Router):
-            parallelize_module(module, tp_mesh, NoParallel())
-        elif isinstance(module, Indexer):  # replicated; its KL target gathers the heads of every TP rank
-            module.tp_mesh = tp_mesh
-            module.sequence_parallel = sequence_parallel
+        _parallelize_submodule(module, tp_mesh, sequence_parallel, shard_experts, row_out)
     if sequence_parallel:
         model.sp_mesh = tp_mesh

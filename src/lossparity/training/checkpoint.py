@@ -136,7 +136,11 @@ def load_sharded_latest(directory: str, model: Any, optimizer: Any, *,
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    found = load_newest_intact(directory, lambda p: (sharded_checkpoint_intact(p), p)[1])
+    def intact(p: Any) -> Any:  # raises when ``p`` is not a complete sharded checkpoint
+        sharded_checkpoint_intact(p)
+        return p
+
+    found = load_newest_intact(directory, intact)
     if found is None:
         return None
     path = found[1]

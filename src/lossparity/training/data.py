@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from functools import lru_cache
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -127,14 +127,14 @@ class Batch:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         """The same batch with every tensor moved to ``device`` (dtypes unchanged)."""
 
-        def mv(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.to(device, non_blocking=non_blocking)
+        def mv(t: Tensor) -> Tensor:
+            return t.to(device, non_blocking=non_blocking)
 
         return Batch(
             tokens=mv(self.tokens),
             labels=mv(self.labels),
             mask=mv(self.mask),
-            segment_ids=mv(self.segment_ids),
+            segment_ids=None if self.segment_ids is None else mv(self.segment_ids),
             positions=mv(self.positions),
         )
 
@@ -240,7 +240,8 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` with special tokens skipped."""
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+        # one sequence of ids decodes to one string (the stub's ``list[str]`` is for batched input)
+        return cast(str, self._tok.decode(list(ids), skip_special_tokens=True))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -259,9 +260,8 @@ def _as_indices(indices: Sequence[int] | np.ndarray, num_documents: int | None) 
     idx = np.asarray(indices, dtype=np.int64).reshape(-1)
     bad = idx < 0 if num_documents is None else (idx < 0) | (idx >= num_documents)
     if bad.any():
-        bad = idx[bad]
         limit = "" if num_documents is None else f", {num_documents})"
-        raise IndexError(f"document indices must be in [0{limit or ', inf)'}, got {bad[:3].tolist()}")
+        raise IndexError(f"document indices must be in [0{limit or ', inf)'}, got {idx[bad][:3].tolist()}")
     return idx
 
 
@@ -313,6 +313,8 @@ class Corpus(ABC):
 
 class TokenListCorpus(Corpus):
     """In-memory corpus of already tokenized documents (each a sequence of ids in ``[0, vocab_size)``)."""
+
+    num_documents: int  # always known for an in-memory corpus
 
     def __init__(self, documents: Sequence[Sequence[int]], vocab_size: int, *, shuffle: bool = True) -> None:
         if vocab_size < 1:

@@ -29,8 +29,10 @@ def head_loss_fn(gpt: GPT) -> Callable[[Tensor, Tensor], Tensor]:
     """Per-token cross-entropy ``ce(hidden [b,S,dim], labels [b,S]) -> [b,S]`` of ``gpt``'s output head:
     the chunked cross-entropy, vocabulary-parallel when tensor parallelism shards the head's rows (a
     ``DTensor``: each rank's partial logsumexps are combined over the head's mesh)."""
+    from torch.distributed.tensor import DTensor
+
     weight = gpt.output.weight
-    if hasattr(weight, "to_local"):
+    if isinstance(weight, DTensor):
         mesh = weight.device_mesh
         local = weight.to_local()
         start = mesh.get_local_rank() * local.shape[0]
@@ -102,7 +104,7 @@ class LossForward(nn.Module):
                 parts = [fce(h, lab, w) for h, lab, w in zip(out.mtp_hidden, mtp_labels, weights[1])]
                 mtp = [p[1] for p in parts]
                 shares = (main_share, sum((p[0] for p in parts), torch.zeros_like(main_share)))
-        routers = [(r.logits, r.probs, r.topk_map, r.dispatch_map) for r in out.routers]
+        routers: list[tuple[Tensor, ...]] = [(r.logits, r.probs, r.topk_map, r.dispatch_map) for r in out.routers]
         return upcast(main), [upcast(x) for x in mtp], routers, out.indexer, shares
 
 

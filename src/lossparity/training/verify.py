@@ -13,12 +13,14 @@ import dataclasses
 import json
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..losses.modes import MODES
+from ..options import DType
 from .trainer import TrainConfig, Trainer
 
 __all__ = ["Layout", "DEFAULT_LAYOUTS", "QUICK_LAYOUTS", "FULL_LAYOUTS", "LAYOUT_GRAMMAR", "parse_layout",
@@ -89,7 +91,7 @@ def parse_layout(name: str) -> Layout:
     for part in body.split("x") if body else []:
         m = _TOKEN.match(part)
         key = next((k for k in _ORDER if m and m.group(k)), None)
-        if key is None or key in sizes or (key == "v" and prev != "pp") or int(m.group(key)) < 1:
+        if m is None or key is None or key in sizes or (key == "v" and prev != "pp") or int(m.group(key)) < 1:
             raise ValueError(f"layout {name!r}: cannot read {part!r}; layouts are named {LAYOUT_GRAMMAR} "
                              "(each dimension at most once, Vn right after Pn), e.g. D2xC2xT2+SPxK2")
         sizes[key] = int(m.group(key))
@@ -160,9 +162,9 @@ def _record(trainer: Trainer) -> dict[str, Any]:
     """History, parameters and expert biases of a run; under pipeline parallelism only what this rank
     owns (``merge_records`` unites the ranks)."""
     pipe = trainer.pipeline
-    params = trainer.raw.named_parameters() if pipe is None else pipe.params.items()
+    named: Iterable[tuple[str, torch.Tensor]] = trainer.raw.named_parameters() if pipe is None else pipe.params.items()
     # FSDP2 parameters are DTensors: compare their full values.
-    params = [(n, p.full_tensor() if hasattr(p, "full_tensor") else p) for n, p in params]
+    params = [(n, p.full_tensor() if hasattr(p, "full_tensor") else p) for n, p in named]
     owned = {id(r) for m in pipe.stages for r in m.routers()} if pipe is not None else None
     return {
         "history": trainer.history,
@@ -243,7 +245,7 @@ def run_verify(
     modes: tuple[str, ...] = MODES,
     *,
     steps: int = 3,
-    dtype: str = "float64",
+    dtype: DType = "float64",
     overrides: dict[str, Any] | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
