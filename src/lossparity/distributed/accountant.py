@@ -33,10 +33,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..losses.logchannel import ratio_or_none
 from ..losses.modes import DENOMINATOR_KEY as _DEN_KEY
@@ -169,7 +172,7 @@ def _same_storage(a: object, b: Tensor) -> bool:
             and a.stride() == b.stride() and a.data_ptr() == b.data_ptr())
 
 
-def _reduce_and_scale(grads: list[Tensor], group: object | None, factor: float) -> None:
+def _reduce_and_scale(grads: list[Tensor], group: ProcessGroup | None, factor: float) -> None:
     """``g ← factor · Σ_group g`` in place for every ``g`` of ``grads`` (one all-reduce of their
     concatenation; no collective when ``group`` is ``None``)."""
     all_reduce_coalesced(grads, group)
@@ -204,9 +207,9 @@ class Accountant:
     def __init__(
         self,
         mode: Mode = "per_token",
-        group: object | None = None,
+        group: ProcessGroup | None = None,
         *,
-        mesh: object | None = None,
+        mesh: DeviceMesh | None = None,
         sequence_parallel: bool = False,
         dims: ParallelDims | None = None,
         normalization: Normalization = "precount",
@@ -246,6 +249,7 @@ class Accountant:
         self._fingerprint_extra: dict[str, object] = {}
         self.step_index = 0  # number of begin_step calls: lets companions cache per-step reads
         self.state = StepState.IDLE
+        self._log_layout = Layout()  # the reduced buffer's named states, laid out at begin_step
         self._mb = 0
         self._n_mbs = 0
         self._mtp_done = True
@@ -467,10 +471,10 @@ class Accountant:
         self._unit_maps: dict[tuple[int, int], Tensor | None] = {}
         self._n_mbs, self._mb, self._mtp_done = len(masks), 0, True
         layout = self._make_log_layout()
-        if getattr(self, "_log_layout", None) is None or layout.names() != self._log_layout.names():
+        if not self._log_layout.names() or layout.names() != self._log_layout.names():
             self._sum_index: dict[tuple[str, ...], Tensor] = {}
         self._log_layout = layout
-        self._acc = self._log_layout.zeros(self.device)
+        self._acc = layout.zeros(self.device)
         self._device_checks = DeviceChecks(list(self._checks))
         self._step_ends = dict.fromkeys(self._step_ends, False)
         self._grad_factor: float | None = None
@@ -529,7 +533,7 @@ class Accountant:
         """``D·K`` of this step (pre-counted)."""
         return int(self.global_count("microbatches"))
 
-    def _all_reduce(self, t: Tensor, group: object | None) -> None:
+    def _all_reduce(self, t: Tensor, group: ProcessGroup | None) -> None:
         if group is not None:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
 
@@ -614,7 +618,9 @@ class Accountant:
         loss, w, seg = self._lm_inputs(per_token_loss, mask, segment_ids)
         self._check_columns(columns)
         mb, code = self._mb, float(self._mb * _MB_CODE)
-        self._flag_mask("lm_mask", w, self._expected(columns, self._masks[mb]), code)
+        expected = self._expected(columns, self._masks[mb])
+        assert expected is not None  # begin_step's masks are tensors
+        self._flag_mask("lm_mask", w, expected, code)
         full_seg = self._expected(columns, self._segs[mb])
         if seg is not None and full_seg is not None:
             self._flag_mask("lm_segments", seg, full_seg, code)
@@ -713,7 +719,8 @@ class Accountant:
         scale = mtp_scale(self.mtp_weight, self.mtp_convention, self.mtp_depths)
         if self.normalization == "deferred":
             return scale * torch.stack(nums).sum()
-        return scale * sum(num / den for num, den in zip(nums, self._mtp_denominators()))
+        # nums holds one tensor per depth (mtp_depths >= 1 here), so the sum is a tensor
+        return cast(Tensor, scale * sum(num / den for num, den in zip(nums, self._mtp_denominators())))
 
     def _log_mtp(self, losses: list[Tensor], masks: list[Tensor], nums: list[Tensor], code: float) -> None:
         acc, lay = self._acc, self._log_layout

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+from torch.distributed import ProcessGroup
 
 from .cross_entropy import _check_inputs, _compute_dtype
 
@@ -123,7 +124,7 @@ def _tiles(n: int, size: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, n)) for start in range(0, n, size)]
 
 
-def _combine_over_group(m: Tensor, s: Tensor, tgt: Tensor, group: object) -> tuple[Tensor, Tensor]:
+def _combine_over_group(m: Tensor, s: Tensor, tgt: Tensor, group: ProcessGroup) -> tuple[Tensor, Tensor]:
     """Global ``(lse, target logit)`` of a token tile from every rank's local running max ``m``, sum of
     ``exp(z - m)`` ``s`` and target logit (0 where the rank does not own the label): one all-gather."""
     local = torch.stack([m, s, tgt])
@@ -187,7 +188,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, tok_w: Tensor, idx: Tensor | None,
-                tiling: tuple[int, int], z_coeff: float, need: tuple[bool, bool], group: object | None,
+                tiling: tuple[int, int], z_coeff: float, need: tuple[bool, bool], group: ProcessGroup | None,
                 vstart: int) -> tuple[Tensor, Tensor]:
         cdt = _compute_dtype(hidden, weight)
         w = weight.to(cdt)
@@ -209,16 +210,17 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             scale = wt * (1.0 + 2.0 * z_coeff * lse) if z_coeff else wt
             owned = (y >= 0) & (y < vocab)
             y_own, w_own = y.clamp(0, vocab - 1), wt.where(owned, 0.0).unsqueeze(1)
-            if need_w:
+            if grad_w is not None:  # need_w
                 _grad_w_tile(grad_w, h, scale, lse, work)
                 # index_put_ rather than index_add_: the latter is ~10x slower on CPU (torch 2.x)
                 grad_w.index_put_((y_own,), h * -w_own, accumulate=True)
-            if need_h:
+            if dh is not None:  # need_h (then the tile keeps its accumulator)
+                assert work.acc is not None
                 corr = (m - lse).exp_().mul_(scale).unsqueeze(1)
                 dh[t0:t1] = work.acc[: t1 - t0].mul_(corr).sub_(w.index_select(0, y_own) * w_own)
-        if need_h and group is not None:
+        if dh is not None and group is not None:
             dist.all_reduce(dh, group=group)  # each rank saw only its vocabulary rows
-        ctx.grads = (_scatter_rows(dh, idx, hidden), grad_w.to(weight.dtype) if need_w else None)
+        ctx.grads = (_scatter_rows(dh, idx, hidden), grad_w.to(weight.dtype) if grad_w is not None else None)
         ctx.mark_non_differentiable(loss)
         return (tok_w * loss).sum(), loss
 

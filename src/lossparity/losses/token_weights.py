@@ -62,7 +62,9 @@ def token_weights(
     if unit_counts is None:
         _check_documents(mode, w, segment_ids)
         seg2 = None if segment_ids is None else segment_ids.reshape(-1, w.shape[-1])
-        unit_counts = unit_count_map(mode, w.reshape(-1, w.shape[-1]), seg2).view_as(w)
+        counts = unit_count_map(mode, w.reshape(-1, w.shape[-1]), seg2)
+        assert counts is not None  # every unit mode has a count map
+        unit_counts = counts.view_as(w)
     elif unit_counts.shape != mask.shape:
         raise ValueError(f"unit_counts shape {tuple(unit_counts.shape)} does not match mask {tuple(mask.shape)}")
     return torch.where(w > 0, w / (unit_counts.to(torch.float64).clamp(min=1) * denominator), torch.zeros_like(w))

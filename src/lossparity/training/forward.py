@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from ..distributed.accountant import Accountant
 from ..distributed.moe_accounting import ROUTER_TOKENS
@@ -29,7 +30,6 @@ def head_loss_fn(gpt: GPT) -> Callable[[Tensor, Tensor], Tensor]:
     """Per-token cross-entropy ``ce(hidden [b,S,dim], labels [b,S]) -> [b,S]`` of ``gpt``'s output head:
     the chunked cross-entropy, vocabulary-parallel when tensor parallelism shards the head's rows (a
     ``DTensor``: each rank's partial logsumexps are combined over the head's mesh)."""
-    from torch.distributed.tensor import DTensor
 
     weight = gpt.output.weight
     if isinstance(weight, DTensor):
@@ -45,7 +45,7 @@ def head_fused_fn(gpt: GPT) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, 
     """``(h, labels, token_weights) -> (Σ w·l, l.detach())`` of ``gpt``'s output head by the fused linear
     cross-entropy (gradients formed in the forward), vocabulary-parallel like :func:`head_loss_fn`."""
     weight = gpt.output.weight
-    if hasattr(weight, "to_local"):
+    if isinstance(weight, DTensor):
         mesh = weight.device_mesh
         local = weight.to_local()
         start = mesh.get_local_rank() * local.shape[0]

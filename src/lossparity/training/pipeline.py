@@ -19,7 +19,7 @@ it holds (:mod:`lossparity.model.pipeline`). Per step, on every rank:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -98,7 +98,8 @@ class PipelineRunner:
         # scale_grads=False: the accountant's shares are already exact, the schedule must not divide.
         if cfg.pp_virtual == 1:
             return Schedule1F1B(pstages[0], cfg.ga, loss_fn=self._loss_fn, scale_grads=False)
-        return ScheduleInterleaved1F1B(pstages, cfg.ga, loss_fn=self._loss_fn, scale_grads=False)
+        # torch annotates the stages as list[_PipelineStageBase]; a list of its subclass is what it expects
+        return ScheduleInterleaved1F1B(cast(Any, pstages), cfg.ga, loss_fn=self._loss_fn, scale_grads=False)
 
     def _aux_fn(self, moe: MoEAccounting, routers: list) -> Any:
         """The chunk's auxiliary share of one microbatch: MoE terms of its routers plus the indexer loss
@@ -127,7 +128,8 @@ class PipelineRunner:
             loss = acc.add_lm_share(share, per_tok, data["mask"], data["seg"], columns=self._cols)
             if len(self.raw.mtp):
                 parts = [fce(output[k], lab, w) for k, (lab, w) in enumerate(zip(data["mtp_labels"], weights[1]), 1)]
-                loss = loss + acc.add_mtp_share(sum(p[0] for p in parts), [p[1] for p in parts],
+                mtp_share = sum((p[0] for p in parts), torch.zeros_like(share))  # as LossForward sums them
+                loss = loss + acc.add_mtp_share(mtp_share, [p[1] for p in parts],
                                                 data["mtp_masks"], data["seg"], columns=self._cols)
             return loss
         ce = head_loss_fn(self.raw)

@@ -22,7 +22,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,9 @@ from .grads import clip_grad_norm, sum_replicated_grads_over_tp
 from .pipeline import PipelineRunner
 from .rundir import prepare_run_dir
 from .runlog import MetricsLog
+
+if TYPE_CHECKING:
+    from ..parity.sample_dump import SampleDumpWriter
 
 __all__ = ["TrainConfig", "Trainer", "build_corpus", "run_training", "parallel_dims", "LossForward", "head_loss_fn"]
 
@@ -142,7 +145,7 @@ class Trainer:
         self.optimizer = self._build_optimizer()
         self.step = 0
         self.history: list[dict[str, Any]] = []
-        self.dump = None  # per-sample (n_i, s_i) writer of `lossparity gap`, opened by fit()
+        self.dump: SampleDumpWriter | None = None  # per-sample (n_i, s_i) writer of `lossparity gap`, opened by fit()
 
     def _build_model(self) -> GPT:
         """The model in the run's dtype (seeded: identical on every rank), then sharded: context
@@ -176,9 +179,9 @@ class Trainer:
         if engine == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
-            for block in list(self.raw.layers) + [m.block for m in self.raw.mtp]:
-                fully_shard(block)  # router buffers stay per-rank (FSDP does not sync them)
-            return fully_shard(fwd)
+            for block in [*self.raw.layers, *(m.block for m in self.raw.mtp)]:
+                fully_shard(cast(nn.Module, block))  # router buffers stay per-rank (FSDP does not sync them)
+            return cast(nn.Module, fully_shard(fwd))  # an FSDPModule is the module, sharded in place
         # broadcast_buffers=False: the routers' dispatch counters are per-rank until end_step sums them.
         # find_unused_parameters: an expert may receive no token of this rank's microbatch.
         with warnings.catch_warnings():
@@ -234,13 +237,15 @@ class Trainer:
             sync = model.no_sync() if isinstance(model, nn.parallel.DistributedDataParallel) and not last \
                 else contextlib.nullcontext()
             if self.dims.grad_engine == "fsdp" and self.world > 1:
-                model.set_requires_gradient_sync(last)  # reduce-scatter once, after the last microbatch
+                # an FSDPModule method: reduce-scatter once, after the last microbatch
+                cast(Any, model).set_requires_gradient_sync(last)
             with sync:
                 self._microbatch(i, mb, seg, valid, cols).backward()
         if cfg.sp:
             sum_replicated_grads_over_tp(list(self.raw.parameters()), self.dims.tp_group)
         acc.finish_step(model, expert_params=self.expert_params)
         # max_vio reaches the log line through acc.logs(), as under pipelining (one route).
+        assert self.moe is not None  # without pipelining there is one MoE accounting
         self.moe.end_step(self.routers, bias_rate=self.bias_rate(self.step), zero_mean=cfg.bias_zero_mean)
         grad_norm = clip_grad_norm(list(self.raw.parameters()), cfg.grad_clip)
         return self._optimizer_step(grad_norm, {}, t0)
@@ -272,7 +277,7 @@ class Trainer:
         if rolled:
             loss = loss + (acc.mtp_loss(mtp_losses, masks_k, seg_c, columns=cols) if shares is None
                            else acc.add_mtp_share(shares[1], mtp_losses, masks_k, seg_c, columns=cols))
-        if self.routers:
+        if self.routers and self.moe is not None:
             records = [RouterRecord(r.layer_id, *t) for r, t in zip(self.routers, routers)]
             loss = loss + self.moe.microbatch_loss(records, valid_c, seg_c)
         if indexer is not None:
@@ -317,7 +322,9 @@ class Trainer:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Everything an exact resume needs: model (with expert biases), optimizer, MoE accounting state,
-        step (the data position: batches are a function of the step), RNG states and the config."""
+        step (the data position: batches are a function of the step), RNG states and the config. Single-
+        process runs only (multi-rank runs checkpoint :meth:`distributed_state`)."""
+        assert self.moe is not None
         return {"step": self.step, "model": self.raw.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "moe": self.moe.state_dict(), "rng": rng_state(), "config": dataclasses.asdict(self.cfg),
                 "mtp_weight": self.acc.mtp_weight}
@@ -333,7 +340,10 @@ class Trainer:
                 "mtp_weight": self.acc.mtp_weight, "world": self.world}
 
     def _moe_instances(self) -> list[tuple[MoEAccounting, list[Any]]]:
-        return [(self.moe, self.routers)] if self.pipeline is None else list(self.pipeline.moes)
+        if self.pipeline is not None:
+            return list(self.pipeline.moes)
+        assert self.moe is not None
+        return [(self.moe, self.routers)]
 
     def _owned_names(self) -> set[str] | None:
         """FQNs of the parameters and buffers this pipeline rank owns (``None`` without PP: all)."""
@@ -403,14 +413,15 @@ class Trainer:
                 set_rng_state(extra["rng"])
             self.step = int(extra["step"])
             return True
-        state = load_latest(ckpt_dir)
-        if state is None:
+        single = load_latest(ckpt_dir)
+        if single is None:
             return False
-        self.load_state_dict(state)
+        self.load_state_dict(single)
         return True
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
+        assert self.moe is not None
         self.raw.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.moe.load_state_dict(state["moe"])
