@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# lossparity's two commands: `./dev.sh main` (the main job) and `./dev.sh test` (the whole test suite).
+# lossparity's two commands: `./dev.sh main` (the main job) and `./dev.sh test` (static checks, then the whole test
+# suite; `./dev.sh lint` runs the static checks alone).
 # Each does its own set-up: creates or reuses ./.venv, installs the project, and installs the CPU build
 # torch==2.13.0 only when no torch is importable (a bare `torch` requirement would pull a CUDA build).
 set -euo pipefail
@@ -29,6 +30,12 @@ ensure_env() {  # $1 = extras profile: main | test
   touch "$stamp"
 }
 
+lint() {  # static checks of the test command: lint (with complexity limits), formatting, types
+  "$VENV/bin/ruff" check .
+  "$VENV/bin/ruff" format --check .
+  "$VENV/bin/mypy"
+}
+
 cmd="${1:-main}"
 shift || true
 case "$cmd" in
@@ -36,12 +43,17 @@ case "$cmd" in
     ensure_env main
     "$VENV/bin/lossparity" verify "$@"
     ;;
+  lint)
+    ensure_env test
+    lint
+    ;;
   test)
     ensure_env test
+    lint
     "$VENV/bin/python" -m pytest -q "$@"
     ;;
   *)
-    echo "usage: ./dev.sh main|test [args...]" >&2
+    echo "usage: ./dev.sh main|test|lint [args...]" >&2
     exit 2
     ;;
 esac

@@ -57,7 +57,7 @@ def _flat_allreduce(params) -> None:
     dist.all_reduce(flat)
     off = 0
     for g in grads:
-        g.copy_(flat[off:off + g.numel()].view_as(g))
+        g.copy_(flat[off : off + g.numel()].view_as(g))
         off += g.numel()
 
 
@@ -73,8 +73,9 @@ def step_accountant(model, mbs, acc) -> None:
 def step_by_hand(model, mbs, mode: str) -> None:
     """The same objective and logs without the accountant: one count all-reduce, shares, gradient
     all-reduce, one logging all-reduce."""
-    counts = torch.tensor([sum(float(m.sum()) for _, _, m in mbs), float(sum(m.shape[0] for _, _, m in mbs))],
-                          dtype=torch.float64)
+    counts = torch.tensor(
+        [sum(float(m.sum()) for _, _, m in mbs), float(sum(m.shape[0] for _, _, m in mbs))], dtype=torch.float64
+    )
     dist.all_reduce(counts)
     ntok, nsamp = float(counts[0]), float(counts[1])
     logs = torch.zeros(3, dtype=torch.float64)
@@ -90,8 +91,7 @@ def step_by_hand(model, mbs, mode: str) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def _overhead_worker(rank: int, world: int, presets: list[str], K: int, b: int, S: int, repeats: int
-                     ) -> dict[str, Any]:
+def _overhead_worker(rank: int, world: int, presets: list[str], K: int, b: int, S: int, repeats: int) -> dict[str, Any]:
     import lossparity as lp
 
     torch.set_num_threads(1)
@@ -113,8 +113,12 @@ def _overhead_worker(rank: int, world: int, presets: list[str], K: int, b: int, 
                 t0 = time.perf_counter()
                 step_by_hand(model, mbs, mode)
                 t_hand.append(time.perf_counter() - t0)
-            out[f"{preset}/{mode}"] = {"accountant_s": statistics.median(t_acc), "hand_s": statistics.median(t_hand),
-                                       "accountant_min_s": min(t_acc), "hand_min_s": min(t_hand)}
+            out[f"{preset}/{mode}"] = {
+                "accountant_s": statistics.median(t_acc),
+                "hand_s": statistics.median(t_hand),
+                "accountant_min_s": min(t_acc),
+                "hand_min_s": min(t_hand),
+            }
         # collectives issued by the accountant (the gradient all-reduce excluded)
         calls: list[int] = []
         orig = dist.all_reduce
@@ -173,8 +177,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for preset in presets:
         for mode in ("per_token", "per_sample"):
             r = res[f"{preset}/{mode}"]
-            rows.append([preset, mode, f"{r['hand_s'] * 1e3:.2f}", f"{r['accountant_s'] * 1e3:.2f}",
-                         f"{100 * (r['accountant_s'] / r['hand_s'] - 1):+.1f}%"])
+            rows.append(
+                [
+                    preset,
+                    mode,
+                    f"{r['hand_s'] * 1e3:.2f}",
+                    f"{r['accountant_s'] * 1e3:.2f}",
+                    f"{100 * (r['accountant_s'] / r['hand_s'] - 1):+.1f}%",
+                ]
+            )
     print(f"\n### Accountant overhead (D=2 gloo ranks, K={K}, b={b}, S={S}, medians of {repeats})\n")
     print(markdown_table(["preset", "mode", "by hand ms", "accountant ms", "overhead"], rows))
     ratio_rows = []
@@ -188,10 +199,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(markdown_table(["preset", "all-reduces", "bytes"], coll))
     scaling = bookkeeping_scaling([1, 4, 16] if args.quick else [1, 4, 16, 64], b, S, repeats)
     print("\n### Bookkeeping alone (synthetic losses, one process) versus K\n")
-    print(markdown_table(["K", "median ms", "per microbatch µs"],
-                         [[r["K"], f"{r['median_s'] * 1e3:.2f}", f"{r['per_microbatch_us']:.0f}"] for r in scaling]))
-    payload = {"machine": machine_info(torch.device("cpu")), "overhead": res, "scaling": scaling,
-               "settings": {"K": K, "b": b, "S": S, "repeats": repeats, "presets": presets}}
+    print(
+        markdown_table(
+            ["K", "median ms", "per microbatch µs"],
+            [[r["K"], f"{r['median_s'] * 1e3:.2f}", f"{r['per_microbatch_us']:.0f}"] for r in scaling],
+        )
+    )
+    payload = {
+        "machine": machine_info(torch.device("cpu")),
+        "overhead": res,
+        "scaling": scaling,
+        "settings": {"K": K, "b": b, "S": S, "repeats": repeats, "presets": presets},
+    }
     if args.json:
         write_json(args.json, payload)
     return payload

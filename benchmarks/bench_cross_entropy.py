@@ -80,7 +80,8 @@ def methods(compile_naive: bool) -> dict[str, Method | str]:
     """Every method by name; a string instead of a function says why the method is skipped."""
     out: dict[str, Method | str] = {
         "naive": _weighted(naive_cross_entropy),
-        "compiled naive": _weighted(torch.compile(_plain_naive, dynamic=True)) if compile_naive
+        "compiled naive": _weighted(torch.compile(_plain_naive, dynamic=True))
+        if compile_naive
         else "skipped: --no-compile",
         "chunked": _weighted(chunked_cross_entropy),
         "fused": fused_linear_cross_entropy,
@@ -137,8 +138,18 @@ def probe_memory(name: str, shape: tuple[int, int, int], device: torch.device) -
 
 
 def _probe_subprocess(name: str, shape: tuple[int, int, int], device: torch.device) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.bench_cross_entropy", "--probe", name, *map(str, shape),
-           "--device", str(device), "--threads", str(torch.get_num_threads())]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_cross_entropy",
+        "--probe",
+        name,
+        *map(str, shape),
+        "--device",
+        str(device),
+        "--threads",
+        str(torch.get_num_threads()),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if proc.returncode:
         return {"probe_error": proc.stderr.strip().splitlines()[-1][:120] if proc.stderr.strip() else "failed"}
@@ -163,8 +174,9 @@ def check_float64(fn: Method, shape: tuple[int, int, int], device: torch.device)
     return {"rel_err_J": errs[0], "rel_err_grad_h": errs[1], "rel_err_grad_W": errs[2]}
 
 
-def bench_shape(shape: tuple[int, int, int], fns: dict[str, Method | str], repeats: int,
-                device: torch.device) -> dict[str, dict]:
+def bench_shape(
+    shape: tuple[int, int, int], fns: dict[str, Method | str], repeats: int, device: torch.device
+) -> dict[str, dict]:
     """Time every method ``repeats`` times (interleaved, after one untimed call), probe its first-call
     memory in a subprocess and check it against float64; a ``note`` says why a method was skipped."""
     results: dict[str, dict] = {}
@@ -217,8 +229,19 @@ def report_rows(shape: tuple[int, int, int], results: dict[str, dict]) -> list[l
         mib = None if r.get("peak_extra_bytes") is None else r["peak_extra_bytes"] / MiB
         err = max(r["rel_err_J"], r["rel_err_grad_h"], r["rel_err_grad_W"])
         note = "tile {}×{}".format(*fused_tiling(*shape)) if name == "fused" else r.get("probe_error", "")
-        rows.append([label, name, f"{r['median_s']:.3f}", f"{r['min_s']:.3f}", "–" if mib is None else f"{mib:.0f}",
-                     _ratio(r["median_s"], naive.get("median_s")), _ratio(mib, naive_mib), f"{err:.1e}", note])
+        rows.append(
+            [
+                label,
+                name,
+                f"{r['median_s']:.3f}",
+                f"{r['min_s']:.3f}",
+                "–" if mib is None else f"{mib:.0f}",
+                _ratio(r["median_s"], naive.get("median_s")),
+                _ratio(mib, naive_mib),
+                f"{err:.1e}",
+                note,
+            ]
+        )
     return rows
 
 
@@ -250,10 +273,15 @@ def _target_line(t: dict) -> str:
     def fmt(key: str, spec: str) -> str:
         return "–" if t.get(key) is None else format(t[key], spec)
 
-    mem = (f"memory {fmt('memory_vs_naive', '.1%')} of naive (<= 5%)" if "memory_vs_naive" in t
-           else f"memory {fmt('memory_vs_floor', '.2f')}x the floor (<= 1.5x)")
-    return (f"{'×'.join(map(str, t['shape']))}: fused time {fmt('time_vs_naive', '.2f')}x naive (<= 0.9x), "
-            f"{fmt('time_vs_best_peer', '.2f')}x the best peer (<= 1x), {mem}")
+    mem = (
+        f"memory {fmt('memory_vs_naive', '.1%')} of naive (<= 5%)"
+        if "memory_vs_naive" in t
+        else f"memory {fmt('memory_vs_floor', '.2f')}x the floor (<= 1.5x)"
+    )
+    return (
+        f"{'×'.join(map(str, t['shape']))}: fused time {fmt('time_vs_naive', '.2f')}x naive (<= 0.9x), "
+        f"{fmt('time_vs_best_peer', '.2f')}x the best peer (<= 1x), {mem}"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -262,15 +290,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="small shapes, well under a minute")
     parser.add_argument("--json", help="write the figures to this JSON file")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per method and shape")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="include the torch.compile'd methods (default: yes, except with --quick: a cold "
-                        "compile alone takes ~25 s on 2 cores)")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="include the torch.compile'd methods (default: yes, except with --quick: a cold "
+        "compile alone takes ~25 s on 2 cores)",
+    )
     parser.add_argument("--shapes", default="", help="T×V×H list, e.g. 2048x32768x512,8192x32768x256")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--methods", default="", help="comma-separated subset of the methods (default: all)")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch intra-op threads, also in the memory probes (0: torch's default); on a "
-                        "busy shared machine 1 gives steadier figures")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads, also in the memory probes (0: torch's default); on a "
+        "busy shared machine 1 gives steadier figures",
+    )
     parser.add_argument("--probe", nargs=4, metavar=("METHOD", "T", "V", "H"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -280,8 +316,13 @@ def main(argv: list[str] | None = None) -> dict:
         shape = tuple(int(x) for x in args.probe[1:])
         print(json.dumps({"peak_extra_bytes": probe_memory(args.probe[0], shape, device)}))
         return {}
-    shapes = ([tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes
-              else QUICK_SHAPES if args.quick else FULL_SHAPES)
+    shapes = (
+        [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+        if args.shapes
+        else QUICK_SHAPES
+        if args.quick
+        else FULL_SHAPES
+    )
     fns = methods(args.compile if args.compile is not None else not args.quick)
     if args.methods:
         keep = args.methods.split(",")
@@ -293,17 +334,39 @@ def main(argv: list[str] | None = None) -> dict:
         rows += report_rows(shape, results)
         targets.append(check_targets(shape, results))
         print(f"done {'×'.join(map(str, shape))}: " + json.dumps(figures[-1]["methods"]), flush=True)
-    print(markdown_table(["T×V×H", "method", "median s", "min s", "first-call peak extra MiB", "time / naive",
-                          "memory / naive", "max rel err vs float64", "note"], rows))
+    print(
+        markdown_table(
+            [
+                "T×V×H",
+                "method",
+                "median s",
+                "min s",
+                "first-call peak extra MiB",
+                "time / naive",
+                "memory / naive",
+                "max rel err vs float64",
+                "note",
+            ],
+            rows,
+        )
+    )
     print()
     for t in targets:
         if "time_vs_naive" in t:
             print(_target_line(t))
     method_note = memory_method(device)
-    print(f"peak memory: {method_note}, first call of a fresh process; {args.repeats} repeats; "
-          f"{torch.get_num_threads()} threads")
-    payload = {"benchmark": "cross_entropy", "machine": machine_info(device), "memory_method": method_note,
-               "repeats": args.repeats, "targets": targets, "figures": figures}
+    print(
+        f"peak memory: {method_note}, first call of a fresh process; {args.repeats} repeats; "
+        f"{torch.get_num_threads()} threads"
+    )
+    payload = {
+        "benchmark": "cross_entropy",
+        "machine": machine_info(device),
+        "memory_method": method_note,
+        "repeats": args.repeats,
+        "targets": targets,
+        "figures": figures,
+    }
     if args.json:
         write_json(args.json, payload)
     return payload

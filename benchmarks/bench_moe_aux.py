@@ -75,8 +75,9 @@ def _valid(b: int, s: int, device: torch.device) -> Tensor:
     return torch.arange(s, device=device)[None, :] < lengths[:, None]
 
 
-def bench_case(preset: str, b: int, s: int, k: int, scope: str, repeats: int, warmup: int,
-               device: torch.device) -> dict:
+def bench_case(
+    preset: str, b: int, s: int, k: int, scope: str, repeats: int, warmup: int, device: torch.device
+) -> dict:
     """Per-step times (seconds) of the MoE layers and of the aux path for one preset and scope.
 
     Per microbatch: the MoE layers' forward, ``microbatch_loss``, the backward of the aux share alone
@@ -137,11 +138,23 @@ def bench_case(preset: str, b: int, s: int, k: int, scope: str, repeats: int, wa
             moe_t.append(t_moe)
             aux_t.append(t_aux + t_end)
             fwd_t.append(t_fwd + t_end)
-    return {"preset": preset, "scope": scope, "b": b, "seq_len": s, "microbatches": k, "moe_layers": len(layers),
-            "num_experts": cfg.num_experts, "topk": cfg.topk, "moe": summarize(moe_t), "aux": summarize(aux_t),
-            "aux_forward_and_end_step": summarize(fwd_t),
-            "ratio": statistics.median(a / m for a, m in zip(aux_t, moe_t)), "ratio_of_minima": min(aux_t) / min(moe_t),
-            "ops_per_step": ops.count, "target_ratio": TARGETS.get(preset, TARGET_RATIO)}
+    return {
+        "preset": preset,
+        "scope": scope,
+        "b": b,
+        "seq_len": s,
+        "microbatches": k,
+        "moe_layers": len(layers),
+        "num_experts": cfg.num_experts,
+        "topk": cfg.topk,
+        "moe": summarize(moe_t),
+        "aux": summarize(aux_t),
+        "aux_forward_and_end_step": summarize(fwd_t),
+        "ratio": statistics.median(a / m for a, m in zip(aux_t, moe_t)),
+        "ratio_of_minima": min(aux_t) / min(moe_t),
+        "ops_per_step": ops.count,
+        "target_ratio": TARGETS.get(preset, TARGET_RATIO),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -165,18 +178,54 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         parser.error(f"--presets: unknown preset(s) {unknown}; valid: {', '.join(shapes)}")
     cases = [bench_case(p, *shapes[p], scope, repeats, warmup, device) for p in presets for scope in SCOPES]
-    rows = [[c["preset"], c["scope"], f"{c['b']}x{c['seq_len']}", c["microbatches"], c["moe_layers"],
-             f"{c['moe']['median_s'] * 1e3:.2f}", f"{c['aux']['median_s'] * 1e3:.3f}",
-             f"{c['aux_forward_and_end_step']['median_s'] * 1e3:.3f}", f"{100 * c['ratio']:.2f}%",
-             f"{100 * c['ratio_of_minima']:.2f}%", f"{100 * c['target_ratio']:.0f}%", c["ops_per_step"]] for c in cases]
-    print(markdown_table(["preset", "scope", "b×S", "K", "MoE layers", "MoE fwd+bwd ms/step",
-                          "aux path ms/step", "of which fwd+end_step", "aux / MoE", "min aux / min MoE", "target",
-                          "ops/step"], rows))
+    rows = [
+        [
+            c["preset"],
+            c["scope"],
+            f"{c['b']}x{c['seq_len']}",
+            c["microbatches"],
+            c["moe_layers"],
+            f"{c['moe']['median_s'] * 1e3:.2f}",
+            f"{c['aux']['median_s'] * 1e3:.3f}",
+            f"{c['aux_forward_and_end_step']['median_s'] * 1e3:.3f}",
+            f"{100 * c['ratio']:.2f}%",
+            f"{100 * c['ratio_of_minima']:.2f}%",
+            f"{100 * c['target_ratio']:.0f}%",
+            c["ops_per_step"],
+        ]
+        for c in cases
+    ]
+    print(
+        markdown_table(
+            [
+                "preset",
+                "scope",
+                "b×S",
+                "K",
+                "MoE layers",
+                "MoE fwd+bwd ms/step",
+                "aux path ms/step",
+                "of which fwd+end_step",
+                "aux / MoE",
+                "min aux / min MoE",
+                "target",
+                "ops/step",
+            ],
+            rows,
+        )
+    )
     worst = max(c["ratio"] for c in cases)
     print(f"\nworst median ratio {100 * worst:.2f}% (targets: {TARGETS}, others {100 * TARGET_RATIO:.0f}%)")
-    payload = {"benchmark": "moe_aux", "targets": TARGETS, "target_ratio": TARGET_RATIO, "worst_ratio": worst,
-               "repeats": repeats,
-               "warmup": warmup, "machine": machine_info(device), "cases": cases}
+    payload = {
+        "benchmark": "moe_aux",
+        "targets": TARGETS,
+        "target_ratio": TARGET_RATIO,
+        "worst_ratio": worst,
+        "repeats": repeats,
+        "warmup": warmup,
+        "machine": machine_info(device),
+        "cases": cases,
+    }
     if args.json:
         write_json(args.json, payload)
     return payload

@@ -37,8 +37,11 @@ def _bench(fn, repeats: int) -> dict:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return {"median_s": statistics.median(times), "min_s": min(times),
-            "peak_extra_gib": (torch.cuda.max_memory_allocated() - base) / 2**30}
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "peak_extra_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
+    }
 
 
 def _peers(hidden, weight, labels, weights) -> dict:
@@ -55,8 +58,9 @@ def _peers(hidden, weight, labels, weights) -> dict:
     try:
         from cut_cross_entropy import linear_cross_entropy
 
-        peers["cce"] = lambda: (linear_cross_entropy(hidden, weight, labels, reduction="none", impl="cce").float()
-                                * weights).sum()
+        peers["cce"] = lambda: (
+            linear_cross_entropy(hidden, weight, labels, reduction="none", impl="cce").float() * weights
+        ).sum()
     except ImportError:
         pass
     return peers
@@ -77,6 +81,7 @@ def cross_entropy_bench(T: int, V: int, H: int, repeats: int) -> list[dict]:
         def step():
             hidden.grad = weight.grad = None
             f().backward()
+
         return step
 
     methods = {
@@ -122,11 +127,18 @@ def main(argv: list[str] | None = None) -> dict:
     print("| method | T×V×H | median s | min s | peak extra GiB | time / naive | memory / naive |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['T']}×{r['V']}×{r['H']} | {r['median_s']:.3f} | {r['min_s']:.3f} | "
-              f"{r['peak_extra_gib']:.2f} | {r['time_vs_naive']:.2f} | {r['memory_vs_naive']:.2f} |")
+        print(
+            f"| {r['method']} | {r['T']}×{r['V']}×{r['H']} | {r['median_s']:.3f} | {r['min_s']:.3f} | "
+            f"{r['peak_extra_gib']:.2f} | {r['time_vs_naive']:.2f} | {r['memory_vs_naive']:.2f} |"
+        )
     report = gpu_verify(args.verify_steps)
-    payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cross_entropy": rows,
-               "verify": report, "wall_s": time.perf_counter() - t0}
+    payload = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cross_entropy": rows,
+        "verify": report,
+        "wall_s": time.perf_counter() - t0,
+    }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
         json.dump(payload, f, indent=1, default=str)

@@ -18,8 +18,11 @@ import lossparity.jax as lpj
 
 def temp_bytes(t: int, v: int, h: int, chunk: int, vchunk: int) -> dict[str, int]:
     """``{method: compiled temp bytes}`` of ``grad`` w.r.t. hidden and weight of the summed losses."""
-    shapes = (jax.ShapeDtypeStruct((t, h), jnp.float32), jax.ShapeDtypeStruct((v, h), jnp.float32),
-              jax.ShapeDtypeStruct((t,), jnp.int32))
+    shapes = (
+        jax.ShapeDtypeStruct((t, h), jnp.float32),
+        jax.ShapeDtypeStruct((v, h), jnp.float32),
+        jax.ShapeDtypeStruct((t,), jnp.int32),
+    )
     tiles = dict(chunk_size=chunk, vocab_chunk_size=vchunk)
     losses = {
         "naive": lambda a, b, y: lpj.naive_cross_entropy(a, b, y).sum(),

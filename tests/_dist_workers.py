@@ -174,9 +174,18 @@ def vocab_parallel_ce(rank: int, world: int):
     rows = V // world
     lo = rank * rows
     h = hidden.clone().requires_grad_()
-    w = weight[lo:lo + rows].clone().requires_grad_()
-    loss = chunked_cross_entropy(h, w, labels, chunk_size=8, vocab_chunk_size=7, z_loss_coeff=1e-2,
-                                 vocab_parallel_group=dist.group.WORLD, vocab_start=lo, vocab_size=V)
+    w = weight[lo : lo + rows].clone().requires_grad_()
+    loss = chunked_cross_entropy(
+        h,
+        w,
+        labels,
+        chunk_size=8,
+        vocab_chunk_size=7,
+        z_loss_coeff=1e-2,
+        vocab_parallel_group=dist.group.WORLD,
+        vocab_start=lo,
+        vocab_size=V,
+    )
     (loss * upstream).sum().backward()
     return loss.detach(), h.grad, w.grad, (hidden, weight, labels, upstream, lo, rows)
 

@@ -50,8 +50,11 @@ def reference(bias: list[float], recompute: bool = False) -> dict:
     layer = make_layer(bias)
     x, valid, w = global_inputs()
     y = run_layer(layer, x, valid, w, recompute)
-    return {"y": y, "grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
-            "counts": layer.router.tokens_per_expert.clone()}
+    return {
+        "y": y,
+        "grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
+        "counts": layer.router.tokens_per_expert.clone(),
+    }
 
 
 def ep_rank(rank: int, world: int, ep: int, cases: list[tuple[list[float], bool]]) -> list[dict]:
@@ -77,11 +80,17 @@ def ep_rank(rank: int, world: int, ep: int, cases: list[tuple[list[float], bool]
                 dist.all_reduce(p.grad)
         counts = layer.router.tokens_per_expert.clone()
         dist.all_reduce(counts)
-        grads = {n: (p.grad.full_tensor() if id(p) in shard else p.grad).clone()
-                 for n, p in layer.named_parameters()}
-        results.append({"y": y, "rows": (rows.start, rows.stop), "grads": grads, "counts": counts,
-                        "local_w1": tuple(layer.experts.w1.to_local().shape),
-                        "placements": [str(pl) for pl in layer.experts.w1.placements]})
+        grads = {n: (p.grad.full_tensor() if id(p) in shard else p.grad).clone() for n, p in layer.named_parameters()}
+        results.append(
+            {
+                "y": y,
+                "rows": (rows.start, rows.stop),
+                "grads": grads,
+                "counts": counts,
+                "local_w1": tuple(layer.experts.w1.to_local().shape),
+                "placements": [str(pl) for pl in layer.experts.w1.placements],
+            }
+        )
     return results
 
 
@@ -92,13 +101,28 @@ def trainer_facts(rank: int, world: int, recompute: bool) -> dict:
     from lossparity.training.trainer import TrainConfig, Trainer
 
     ep = 2 if world > 1 else 1
-    t = Trainer(TrainConfig(dp=world, ep=ep, ga=2, steps=1, global_batch=4, seq_len=16, packed=True,
-                            dtype="float64", recompute=recompute, progress=False, tensorboard=False))
+    t = Trainer(
+        TrainConfig(
+            dp=world,
+            ep=ep,
+            ga=2,
+            steps=1,
+            global_batch=4,
+            seq_len=16,
+            packed=True,
+            dtype="float64",
+            recompute=recompute,
+            progress=False,
+            tensorboard=False,
+        )
+    )
     dispatch = []
     for r in t.routers:
+
         def reset(r=r, orig=r.reset_counts):
             dispatch.append(r.tokens_per_expert.clone())
             orig()
+
         r.reset_counts = reset
     t.fit()
     dispatch = torch.stack(dispatch)
@@ -106,14 +130,21 @@ def trainer_facts(rank: int, world: int, recompute: bool) -> dict:
         dist.all_reduce(dispatch)
     experts = t.raw.layers[1].ffn.experts
     sharded = hasattr(experts.w1, "placements")
-    return {"placements": [str(p) for p in experts.w1.placements] if sharded else None,
-            "local_experts": experts.w1.to_local().shape[0] if sharded else experts.w1.shape[0],
-            "router_sharded": hasattr(t.raw.layers[1].ffn.router.weight, "placements"),
-            "engine": type(t.model).__name__,
-            "expert_params": len(t.expert_params), "dispatch": dispatch, "history": t.history,
-            "params": {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                       for n, p in t.raw.named_parameters()},
-            "lagged": t.moe.lagged_counts.clone(), "tokens": float(t.moe.lagged_tokens)}
+    return {
+        "placements": [str(p) for p in experts.w1.placements] if sharded else None,
+        "local_experts": experts.w1.to_local().shape[0] if sharded else experts.w1.shape[0],
+        "router_sharded": hasattr(t.raw.layers[1].ffn.router.weight, "placements"),
+        "engine": type(t.model).__name__,
+        "expert_params": len(t.expert_params),
+        "dispatch": dispatch,
+        "history": t.history,
+        "params": {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in t.raw.named_parameters()
+        },
+        "lagged": t.moe.lagged_counts.clone(),
+        "tokens": float(t.moe.lagged_tokens),
+    }
 
 
 def resume_across_ep(rank: int, world: int, out: str) -> dict:
@@ -123,12 +154,25 @@ def resume_across_ep(rank: int, world: int, out: str) -> dict:
     from lossparity.training.trainer import TrainConfig, Trainer
 
     def cfg(**kw) -> TrainConfig:
-        return TrainConfig(dp=2, steps=3, global_batch=4, seq_len=16, packed=True, dtype="float64", warmup=1,
-                           bias_rate=1e-2, progress=False, tensorboard=False, **kw)
+        return TrainConfig(
+            dp=2,
+            steps=3,
+            global_batch=4,
+            seq_len=16,
+            packed=True,
+            dtype="float64",
+            warmup=1,
+            bias_rate=1e-2,
+            progress=False,
+            tensorboard=False,
+            **kw,
+        )
 
     def full(t: Trainer) -> dict:
-        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                for n, p in t.raw.named_parameters()}
+        return {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in t.raw.named_parameters()
+        }
 
     ref = Trainer(cfg(ep=2))
     ref.fit()
@@ -140,5 +184,10 @@ def resume_across_ep(rank: int, world: int, out: str) -> dict:
     second = Trainer(cfg(out=out, ckpt_interval=2, resume=True))
     second.fit()
     bias = [r.expert_bias.clone() for r in second.routers], [r.expert_bias.clone() for r in ref.routers]
-    return {"history": second.history, "ref_history": ref.history[2:], "params": full(second),
-            "ref_params": full(ref), "bias": bias}
+    return {
+        "history": second.history,
+        "ref_history": ref.history[2:],
+        "params": full(second),
+        "ref_params": full(ref),
+        "bias": bias,
+    }

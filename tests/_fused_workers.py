@@ -22,9 +22,18 @@ def vocab_parallel_fused(rank: int, world: int, z_loss: float):
     lo = rank * base
     rows = base if rank < world - 1 else V - lo
     h = hidden.clone().requires_grad_()
-    w = weight[lo:lo + rows].clone().requires_grad_()
-    total, loss = fused_linear_cross_entropy(h, w, labels, weights, chunk_size=8, vocab_chunk_size=7,
-                                             z_loss_coeff=z_loss, vocab_parallel_group=dist.group.WORLD,
-                                             vocab_start=lo, vocab_size=V)
+    w = weight[lo : lo + rows].clone().requires_grad_()
+    total, loss = fused_linear_cross_entropy(
+        h,
+        w,
+        labels,
+        weights,
+        chunk_size=8,
+        vocab_chunk_size=7,
+        z_loss_coeff=z_loss,
+        vocab_parallel_group=dist.group.WORLD,
+        vocab_start=lo,
+        vocab_size=V,
+    )
     (3.0 * total).backward()
     return total.detach(), loss, h.grad, w.grad, (hidden, weight, labels, weights), (lo, rows)

@@ -22,8 +22,9 @@ class TinyLM(nn.Module):
     def forward(self, tokens, labels):
         h = torch.tanh(self.emb[tokens] @ self.w1)
         logits = h @ self.out.T
-        return F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none",
-                               ignore_index=-100).view(labels.shape)
+        return F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none", ignore_index=-100).view(
+            labels.shape
+        )
 
 
 def global_batch(n_rows: int, seed: int = 0):
@@ -48,8 +49,9 @@ def reference(mode: str, b: int, n_rows: int):
 
     tokens, labels, mask, seg = global_batch(n_rows)
     model = TinyLM()
-    J = lp.objective(mode, model(tokens, labels), mask, segment_ids=seg, microbatch_size=b,
-                     fixed_length=tokens.shape[1])
+    J = lp.objective(
+        mode, model(tokens, labels), mask, segment_ids=seg, microbatch_size=b, fixed_length=tokens.shape[1]
+    )
     J.backward()
     lm = float((model(tokens, labels).detach() * mask).sum() / mask.sum())
     return float(J.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}, lm

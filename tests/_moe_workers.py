@@ -19,8 +19,9 @@ E, TOPK, S_LEN, L = 4, 2, 5, 3
 BIAS_RATE = 0.1
 
 
-def make_batch(n_rows: int, steps: int = 2, seed: int = 0, hollow: bool = False, zero_mb: int | None = None,
-               b: int | None = None):
+def make_batch(
+    n_rows: int, steps: int = 2, seed: int = 0, hollow: bool = False, zero_mb: int | None = None, b: int | None = None
+):
     """``(logits per step [L, N, S, E] float64, valid [N, S] bool, lm_mask [N, S] float64, bias [L, E])``.
 
     Rows have uneven lengths and row 1 is all padding; the LM mask drops the last valid position of each
@@ -31,9 +32,9 @@ def make_batch(n_rows: int, steps: int = 2, seed: int = 0, hollow: bool = False,
     lengths = torch.randint(1, S_LEN + 1, (n_rows,), generator=g)
     lengths[1] = 0
     if hollow:
-        lengths[n_rows // 2:] = 0
+        lengths[n_rows // 2 :] = 0
     if zero_mb is not None:
-        lengths[zero_mb * b:(zero_mb + 1) * b] = 0
+        lengths[zero_mb * b : (zero_mb + 1) * b] = 0
     pos = torch.arange(S_LEN)[None, :]
     valid = pos < lengths[:, None]
     lm_mask = (pos < (lengths[:, None] - 1)).to(torch.float64)
@@ -59,8 +60,14 @@ def records_for(leaf: torch.Tensor, rows: slice, bias: torch.Tensor, score: str 
     for layer in range(leaf.shape[0]):
         lg = leaf[layer, rows].reshape(-1, E)
         p = router_probs(lg, score)
-        recs.append(SimpleNamespace(logits=lg, probs=p, topk_map=topk_routing_map(p, TOPK),
-                                    dispatch_map=topk_routing_map(p.detach() + bias[layer], TOPK)))
+        recs.append(
+            SimpleNamespace(
+                logits=lg,
+                probs=p,
+                topk_map=topk_routing_map(p, TOPK),
+                dispatch_map=topk_routing_map(p.detach() + bias[layer], TOPK),
+            )
+        )
     return recs
 
 
@@ -104,13 +111,21 @@ def run_rank(batch, mbs: list[slice], cfg: dict, steps: int = 1) -> list[dict]:
         vio = moe.end_step(routers, bias_rate=BIAS_RATE)
         logs = acc.logs()
         grad = leaf.grad.clone() if leaf.grad is not None else torch.zeros_like(leaf)
-        out.append({"grad": grad, "logs": logs, "returned": returned, "vio": vio,
-                    "bias": torch.stack([r.expert_bias.clone() for r in routers])})
+        out.append(
+            {
+                "grad": grad,
+                "logs": logs,
+                "returned": returned,
+                "vio": vio,
+                "bias": torch.stack([r.expert_bias.clone() for r in routers]),
+            }
+        )
     return out
 
 
-def layout_worker(rank: int, world: int, n_rows: int, jobs: list[tuple[str, bool, list[int], dict[str, dict]]],
-                  steps: int = 2) -> dict:
+def layout_worker(
+    rank: int, world: int, n_rows: int, jobs: list[tuple[str, bool, list[int], dict[str, dict]]], steps: int = 2
+) -> dict:
     """For each job ``(tag, hollow, ks, configs)``, each K in ``ks`` and each named config: this rank's
     ``run_rank`` results under the key ``(tag, name, K)`` (one spawn serves several batches)."""
     res = {}

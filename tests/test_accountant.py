@@ -61,7 +61,7 @@ def test_float32_ga_invariance_within_spec_tolerance():
         b = N_ROWS // K
         model = TinyLM(torch.float32)
         acc = lp.Accountant("per_sample")
-        acc.begin_step([mask[k * b:(k + 1) * b] for k in range(K)])
+        acc.begin_step([mask[k * b : (k + 1) * b] for k in range(K)])
         for k in range(K):
             m = slice(k * b, (k + 1) * b)
             acc.lm_loss(model(tokens[m], labels[m]), mask[m]).backward()

@@ -17,8 +17,14 @@ pytestmark = pytest.mark.slow
 def test_quick_suite_prints_tables_and_writes_json(tmp_path):
     # the checkout's own sources, also where an installed lossparity points elsewhere (a worktree)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--json", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--json", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("cross_entropy", "accountant", "moe_aux"):
         data = json.loads((tmp_path / f"{name}.json").read_text())

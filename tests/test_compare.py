@@ -37,8 +37,13 @@ def loss_curve(step: int) -> float:
     return 2.0 + 9.0 * math.exp(-step / 40.0) + 0.01 * math.sin(step)
 
 
-def make_run(metrics: dict[str, dict[int, float]], *, name: str = "run", step_base: int = 1,
-             samples: dict[int, float] | None = None) -> Run:
+def make_run(
+    metrics: dict[str, dict[int, float]],
+    *,
+    name: str = "run",
+    step_base: int = 1,
+    samples: dict[int, float] | None = None,
+) -> Run:
     return Run(source=name, format="jsonl", metrics=metrics, consumed_samples=samples or {}, step_base=step_base)
 
 
@@ -110,8 +115,18 @@ def test_zero_reference_value():
 
 def test_megatron_rule_counts():
     # min(max(n // 100, 1), 50) for n > 1, computed by hand
-    for n, allowed in [(0, 0), (1, 0), (2, 1), (99, 1), (100, 1), (199, 1), (250, 2), (4999, 49), (5000, 50),
-                       (10**6, 50)]:
+    for n, allowed in [
+        (0, 0),
+        (1, 0),
+        (2, 1),
+        (99, 1),
+        (100, 1),
+        (199, 1),
+        (250, 2),
+        (4999, 49),
+        (5000, 50),
+        (10**6, 50),
+    ]:
         assert megatron_allowed_failures(n) == allowed, n
 
 
@@ -146,7 +161,7 @@ def test_moving_average_matches_naive_formula():
     for w in (1, 2, 5, 13):
         got = moving_average(y, w)
         for i in range(y.size):
-            window = y[max(0, i - w + 1): i + 1]
+            window = y[max(0, i - w + 1) : i + 1]
             expected = sum(window) / len(window)  # NaN propagates
             if math.isnan(expected):
                 assert math.isnan(got[i]), (w, i)
@@ -178,8 +193,9 @@ def test_samples_alignment_with_different_batch_sizes():
     assert lm.steps.tolist() == list(range(2, 21, 2))  # reference steps
     assert lm.only_ref == 10
     cand_values[7] *= 1.01  # candidate step 7 = 112 samples = reference step 14
-    lm = compare_runs(ref, make_run({"lm_loss": cand_values}, samples=cand.consumed_samples),
-                      align="samples").metrics["lm_loss"]
+    lm = compare_runs(ref, make_run({"lm_loss": cand_values}, samples=cand.consumed_samples), align="samples").metrics[
+        "lm_loss"
+    ]
     assert lm.first_fail_step == 14 and lm.x[~lm.ok].tolist() == [112.0]
     # by step the same runs do not agree at all
     assert not compare_runs(ref, cand).passed
@@ -205,8 +221,15 @@ def test_step_base_alignment_maxtext_vs_megatron():
 
 
 def test_default_metric_selection():
-    ref = make_run({"lm_loss": {1: 1.0}, "iteration-time": {1: 0.5}, "objective": {1: 1.0}, "mtp_2_loss": {1: 1.0},
-                    "mtp_1_loss": {1: 1.0}})
+    ref = make_run(
+        {
+            "lm_loss": {1: 1.0},
+            "iteration-time": {1: 0.5},
+            "objective": {1: 1.0},
+            "mtp_2_loss": {1: 1.0},
+            "mtp_1_loss": {1: 1.0},
+        }
+    )
     cand = make_run({"lm_loss": {1: 1.0}, "iteration-time": {1: 0.9}, "mtp_2_loss": {1: 1.0}, "mtp_1_loss": {1: 1.0}})
     res = compare_runs(ref, cand)
     assert list(res.metrics) == ["lm_loss", "mtp_1_loss", "mtp_2_loss"]
@@ -234,9 +257,14 @@ def test_parse_tolerances():
         "grad_norm": Tolerance(abs=0.01),
         "tokens": Tolerance(rel=1e-6, abs=2.0),
     }
-    for bad, needle in [("lm_loss", "metric=tolerance"), ("lm_loss=x", "'x' is not a number"),
-                        ("lm_loss=pct:1", "expected"), ("lm_loss=-1", ">= 0"), ("a=1,a=2", "given twice"),
-                        ("lm_loss=rel:1+rel:2", "expected")]:
+    for bad, needle in [
+        ("lm_loss", "metric=tolerance"),
+        ("lm_loss=x", "'x' is not a number"),
+        ("lm_loss=pct:1", "expected"),
+        ("lm_loss=-1", ">= 0"),
+        ("a=1,a=2", "given twice"),
+        ("lm_loss=rel:1+rel:2", "expected"),
+    ]:
         with pytest.raises(ValueError, match=needle):
             parse_tolerances(bad)
 
@@ -339,8 +367,9 @@ def test_cli_exit_codes_and_json(tmp_path, capsys):
 
 def test_cli_across_formats_megatron_vs_lossparity(capsys):
     # the fixtures share steps 1 and 2 with equal values; the learning rate differs at step 4
-    code = cli([str(LOGS / "megatron_restart.log"), str(LOGS / "lossparity.jsonl"), "--json",
-                "--missing-steps", "ignore"])
+    code = cli(
+        [str(LOGS / "megatron_restart.log"), str(LOGS / "lossparity.jsonl"), "--json", "--missing-steps", "ignore"]
+    )
     out = json.loads(capsys.readouterr().out)
     assert code == 1
     assert set(out["metrics"]) == {"lm_loss", "mtp_1_loss", "load_balancing_loss", "grad_norm", "lr"}
@@ -389,10 +418,12 @@ def test_report_without_matplotlib(tmp_path, monkeypatch):
 
 def megatron_line(step: int, total: int, loss: float, grad_norm: float) -> str:
     """One Megatron-LM metric line as training.py prints it (7 significant digits, closing '|')."""
-    return (f" [2026-03-01 10:00:{step:02d}] iteration {step:8d}/{total:8d} | consumed samples: {8 * step:12d} | "
-            f"elapsed time per iteration (ms): 1500.0 | learning rate: 1.000000E-04 | global batch size:     8 | "
-            f"lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: {grad_norm:.3f} | number of skipped iterations:   0 | "
-            "number of nan iterations:   0 |")
+    return (
+        f" [2026-03-01 10:00:{step:02d}] iteration {step:8d}/{total:8d} | consumed samples: {8 * step:12d} | "
+        f"elapsed time per iteration (ms): 1500.0 | learning rate: 1.000000E-04 | global batch size:     8 | "
+        f"lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: {grad_norm:.3f} | number of skipped iterations:   0 | "
+        "number of nan iterations:   0 |"
+    )
 
 
 def live_megatron_log(path: Path, run: Run, stop: int, total: int, drift_from: int | None = None) -> Path:
@@ -502,8 +533,17 @@ def test_usability_messages(tmp_path, capsys, monkeypatch):
         (tmp_path / d / "trainer_state.json").write_text((LOGS / "trainer_state.json").read_text())
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     report = tmp_path / "report"
-    assert cli([str(tmp_path / "runA" / "trainer_state.json"), str(tmp_path / "runB" / "trainer_state.json"),
-                "--report", str(report)]) == 0
+    assert (
+        cli(
+            [
+                str(tmp_path / "runA" / "trainer_state.json"),
+                str(tmp_path / "runB" / "trainer_state.json"),
+                "--report",
+                str(report),
+            ]
+        )
+        == 0
+    )
     summary = (report / "summary.md").read_text()
     assert "`runA/trainer_state.json`" in summary and "`runB/trainer_state.json`" in summary
     assert "plots skipped: matplotlib is not installed" in capsys.readouterr().err
@@ -512,16 +552,19 @@ def test_usability_messages(tmp_path, capsys, monkeypatch):
 def _lossparity(args: list[str], block: str = "", stdout: int | None = subprocess.PIPE) -> subprocess.CompletedProcess:
     """Run the ``lossparity`` entry point in a fresh interpreter; ``block`` names modules made unimportable."""
     src = Path(__file__).resolve().parents[1] / "src"
-    probe = ("import sys\n"
-             f"for name in {block.split()!r}: sys.modules[name] = None\n"
-             "from lossparity.cli import main\n"
-             "code = main(sys.argv[1:])\n"
-             "loaded = sorted({m.split('.')[0] for m, v in sys.modules.items() if v is not None})\n"
-             "print('LOADED', ' '.join(loaded), file=sys.stderr)\n"
-             "sys.exit(code)\n")
+    probe = (
+        "import sys\n"
+        f"for name in {block.split()!r}: sys.modules[name] = None\n"
+        "from lossparity.cli import main\n"
+        "code = main(sys.argv[1:])\n"
+        "loaded = sorted({m.split('.')[0] for m, v in sys.modules.items() if v is not None})\n"
+        "print('LOADED', ' '.join(loaded), file=sys.stderr)\n"
+        "sys.exit(code)\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(src)}
-    return subprocess.run([sys.executable, "-c", probe, *args], stdout=stdout, stderr=subprocess.PIPE, text=True,
-                          env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", probe, *args], stdout=stdout, stderr=subprocess.PIPE, text=True, env=env, timeout=120
+    )
 
 
 def test_log_tools_run_with_torch_blocked(tmp_path):
@@ -542,9 +585,20 @@ def test_log_tools_run_with_torch_blocked(tmp_path):
 
 def test_broken_pipe_ends_quietly(tmp_path):
     ref = write_jsonl(tmp_path / "ref.jsonl", base_metrics())
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; from lossparity.cli import main; sys.exit(main())",
-                             "compare", str(ref), str(ref), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from lossparity.cli import main; sys.exit(main())",
+            "compare",
+            str(ref),
+            str(ref),
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")},
+    )
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # the reader is gone before the first write (what `| head` does once it has its lines)
     err = proc.stderr.read().decode()
@@ -560,22 +614,35 @@ needs_real = pytest.mark.skipif(not REAL.is_dir(), reason="../shared/reallogs is
 
 # readable real log -> the metric the drift goes into (grad_norm where the printed loss is 0.000)
 REAL_DRIFT = {
-    "golden_bert_resume_dev_h100.json": "lm_loss", "golden_bert_resume_dev_h100_2nd.json": "lm_loss",
-    "golden_gpt_defer_wgrad_dev_a100.json": "lm_loss", "golden_gpt_defer_wgrad_lts_a100.json": "lm_loss",
+    "golden_bert_resume_dev_h100.json": "lm_loss",
+    "golden_bert_resume_dev_h100_2nd.json": "lm_loss",
+    "golden_gpt_defer_wgrad_dev_a100.json": "lm_loss",
+    "golden_gpt_defer_wgrad_lts_a100.json": "lm_loss",
     "golden_gpt_distill_total_loss_dev_h100.json": "objective",
-    "golden_gpt_tp1_pp2_fp16_legacy_dev_a100.json": "lm_loss", "golden_mixtral_8x7b_dev_h100.json": "lm_loss",
-    "golden_mixtral_8x7b_lts_a100.json": "lm_loss", "golden_moe_mtp_fp8_dev_h100.json": "lm_loss",
-    "golden_nemotron_mtp2_dev_gb200.json": "lm_loss", "golden_t5_listform_lts_a100.json": "lm_loss",
-    "hf_trainer_state_cpt_seq2seq.json": "objective", "hf_trainer_state_tinyllama_sft.json": "objective",
-    "llamafactory_trainer_log_mistral_translator.jsonl": "objective", "maxtext_deepseek2_16b_docs.log": "objective",
-    "maxtext_maxtest_getting_started.log": "objective", "megatron_gpt2_345m_4pp.log": "lm_loss",
-    "megatron_gpt2_345m_4tp.log": "lm_loss", "megatron_lm_fl_qwen3_default0_prefix.log": "lm_loss",
-    "megatron_mixtral_issue756_excerpt.log": "lm_loss", "megatron_moe_ep1_clean_2024.log": "lm_loss",
-    "megatron_moe_ep2_terminal_wrapped.log": "lm_loss", "mindformers_llama3_1_8b_skip_docs.log": "grad_norm",
-    "torchtitan_llama3_debug_h200_10steps.log": "objective", "torchtitan_losscompare_llama3_cuda.txt": "objective",
+    "golden_gpt_tp1_pp2_fp16_legacy_dev_a100.json": "lm_loss",
+    "golden_mixtral_8x7b_dev_h100.json": "lm_loss",
+    "golden_mixtral_8x7b_lts_a100.json": "lm_loss",
+    "golden_moe_mtp_fp8_dev_h100.json": "lm_loss",
+    "golden_nemotron_mtp2_dev_gb200.json": "lm_loss",
+    "golden_t5_listform_lts_a100.json": "lm_loss",
+    "hf_trainer_state_cpt_seq2seq.json": "objective",
+    "hf_trainer_state_tinyllama_sft.json": "objective",
+    "llamafactory_trainer_log_mistral_translator.jsonl": "objective",
+    "maxtext_deepseek2_16b_docs.log": "objective",
+    "maxtext_maxtest_getting_started.log": "objective",
+    "megatron_gpt2_345m_4pp.log": "lm_loss",
+    "megatron_gpt2_345m_4tp.log": "lm_loss",
+    "megatron_lm_fl_qwen3_default0_prefix.log": "lm_loss",
+    "megatron_mixtral_issue756_excerpt.log": "lm_loss",
+    "megatron_moe_ep1_clean_2024.log": "lm_loss",
+    "megatron_moe_ep2_terminal_wrapped.log": "lm_loss",
+    "mindformers_llama3_1_8b_skip_docs.log": "grad_norm",
+    "torchtitan_llama3_debug_h200_10steps.log": "objective",
+    "torchtitan_losscompare_llama3_cuda.txt": "objective",
     "torchtitan_losscompare_llama3_rocm_mi350x.txt": "objective",
     "torchtitan_pr2389_multirank_excerpt.log": "objective",
-    "torchtitan_pr3393_excerpt.log": "objective", "wandb_export_brisk_pond_train_loss.csv": "objective",
+    "torchtitan_pr3393_excerpt.log": "objective",
+    "wandb_export_brisk_pond_train_loss.csv": "objective",
 }
 
 
@@ -586,8 +653,12 @@ def test_real_log_drift_is_caught_at_the_right_step(name):
     metric = REAL_DRIFT[name]
     steps = sorted(run.metrics[metric])
     k = steps[len(steps) // 2]
-    drifted = Run(source="drifted", format=run.format, step_base=run.step_base,
-                  metrics={metric: {s: v * (1.03 if s >= k else 1.0) for s, v in run.metrics[metric].items()}})
+    drifted = Run(
+        source="drifted",
+        format=run.format,
+        step_base=run.step_base,
+        metrics={metric: {s: v * (1.03 if s >= k else 1.0) for s, v in run.metrics[metric].items()}},
+    )
     assert compare_runs(run, run, metrics=[metric]).passed
     res = compare_runs(run, drifted, metrics=[metric])
     assert not res.passed and res.metrics[metric].first_fail_step == k
@@ -602,8 +673,10 @@ def test_real_megatron_log_drift_written_into_the_file(tmp_path):
         return f"lm loss: {float(m.group(1)) * 1.03:.6E}"
 
     lines = src.read_text().splitlines(keepends=True)
-    out = [re.sub(r"lm loss: (\S+)", bump, line) if re.search(r"iteration +(1[1-9]\d\d|2000)/", line) else line
-           for line in lines]
+    out = [
+        re.sub(r"lm loss: (\S+)", bump, line) if re.search(r"iteration +(1[1-9]\d\d|2000)/", line) else line
+        for line in lines
+    ]
     drifted = tmp_path / "drifted.log"
     drifted.write_text("".join(out))
     res = compare_runs(read_log(src), read_log(drifted), metrics=["lm_loss"])
@@ -612,10 +685,15 @@ def test_real_megatron_log_drift_written_into_the_file(tmp_path):
 
 # format -> a loss number (the middle match in the file): its first decimal digit is replaced by the letter O
 GARBLE = {
-    "megatron": r"lm loss: +\d+\.(\d)", "megatron_golden": r"(?<![\w.\"])\d+\.(\d)",
+    "megatron": r"lm loss: +\d+\.(\d)",
+    "megatron_golden": r"(?<![\w.\"])\d+\.(\d)",
     "hf_trainer_state": r"\"loss\": \d+\.(\d)",
-    "llamafactory": r"\"loss\": \d+\.(\d)", "maxtext": r"\bloss: \d+\.(\d)", "torchtitan": r"\bloss: +\d+\.(\d)",
-    "torchtitan_losses": r"(?m)^\d+ \d+\.(\d)", "mindformers": r"\bloss: \d+\.(\d)", "csv": r"(?m)^\d+,\d+\.(\d)",
+    "llamafactory": r"\"loss\": \d+\.(\d)",
+    "maxtext": r"\bloss: \d+\.(\d)",
+    "torchtitan": r"\bloss: +\d+\.(\d)",
+    "torchtitan_losses": r"(?m)^\d+ \d+\.(\d)",
+    "mindformers": r"\bloss: \d+\.(\d)",
+    "csv": r"(?m)^\d+,\d+\.(\d)",
 }
 
 
@@ -628,7 +706,7 @@ def test_real_log_with_a_garbled_number_exits_2(tmp_path, name, capsys):
     assert found
     pos = found[len(found) // 2].end() - 1  # a line in the middle: the format is still detected
     bad = tmp_path / name
-    bad.write_text(text[:pos] + "O" + text[pos + 1:])
+    bad.write_text(text[:pos] + "O" + text[pos + 1 :])
     assert cli([str(REAL / name), str(bad)]) == 2
     err = capsys.readouterr().err
     assert name in err and ("log error" in err)

@@ -46,12 +46,16 @@ def values_and_grads(fn, hidden, weight, labels, grad, **kwargs):
 
 def assert_matches_reference(hidden, weight, labels, grad, tol, z_loss=0.0, ignore_index=IGNORE, **kwargs):
     loss, gh, gw = values_and_grads(
-        chunked_cross_entropy, hidden, weight, labels, grad, z_loss_coeff=z_loss, ignore_index=ignore_index,
+        chunked_cross_entropy,
+        hidden,
+        weight,
+        labels,
+        grad,
+        z_loss_coeff=z_loss,
+        ignore_index=ignore_index,
         **kwargs,
     )
-    ref, rh, rw = values_and_grads(
-        reference, hidden, weight, labels, grad, z_loss=z_loss, ignore_index=ignore_index
-    )
+    ref, rh, rw = values_and_grads(reference, hidden, weight, labels, grad, z_loss=z_loss, ignore_index=ignore_index)
     torch.testing.assert_close(loss.double(), ref, rtol=tol, atol=tol)
     torch.testing.assert_close(gh.double(), rh, rtol=tol, atol=tol)
     torch.testing.assert_close(gw.double(), rw, rtol=tol, atol=tol)
@@ -59,8 +63,15 @@ def assert_matches_reference(hidden, weight, labels, grad, tol, z_loss=0.0, igno
 
 # (T, V, chunk_size, vocab_chunk_size): chunks that divide neither T nor V, single-token/row tiles,
 # a single tile, and the default tiling.
-TILINGS = [(37, 53, 7, None), (37, 53, 7, 10), (37, 53, 1, 1), (37, 53, 64, 64), (37, 53, None, None),
-           (37, 53, None, 9), (40, 50, 8, 25)]
+TILINGS = [
+    (37, 53, 7, None),
+    (37, 53, 7, 10),
+    (37, 53, 1, 1),
+    (37, 53, 64, 64),
+    (37, 53, None, None),
+    (37, 53, None, 9),
+    (40, 50, 8, 25),
+]
 
 
 @pytest.mark.parametrize("tokens,vocab,chunk,vchunk", TILINGS)
@@ -259,10 +270,11 @@ def test_vocab_parallel_matches_full_vocabulary_on_gloo_ranks():
     logits = h @ w.T
     lse = torch.logsumexp(logits, dim=-1)
     valid = labels != -100
-    ref = torch.where(valid, lse - logits.gather(1, labels.clamp(min=0)[:, None])[:, 0] + 1e-2 * lse**2,
-                      torch.zeros_like(lse))
+    ref = torch.where(
+        valid, lse - logits.gather(1, labels.clamp(min=0)[:, None])[:, 0] + 1e-2 * lse**2, torch.zeros_like(lse)
+    )
     (ref * upstream).sum().backward()
     for loss, gh, gw, (_, _, _, _, lo, rows) in out:
         torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=1e-12)  # identical on every rank
         torch.testing.assert_close(gh, h.grad, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(gw, w.grad[lo:lo + rows], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gw, w.grad[lo : lo + rows], rtol=1e-12, atol=1e-12)

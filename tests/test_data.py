@@ -115,9 +115,7 @@ def test_global_batch_does_not_depend_on_history():
 @pytest.mark.parametrize("packed", [False, True])
 def test_batch_consistency_synthetic(packed):
     for step in (0, 1, 17):
-        batch = global_batch(
-            SyntheticCorpus(seed=3), step, global_batch_size=12, seq_len=48, packed=packed, seed=0
-        )
+        batch = global_batch(SyntheticCorpus(seed=3), step, global_batch_size=12, seq_len=48, packed=packed, seed=0)
         _check_consistency(batch, packed)
         assert batch.mask.sum() > 0
 
@@ -214,9 +212,7 @@ def test_shuffled_stream_is_a_permutation_per_epoch():
 # ------------------------------------------------------------------------------------------------ split
 
 
-@pytest.mark.parametrize(
-    "D,K,b", [(1, 1, 8), (2, 2, 2), (4, 1, 2), (2, 4, 1), (8, 1, 1), (1, 8, 1), (1, 2, 4)]
-)
+@pytest.mark.parametrize("D,K,b", [(1, 1, 8), (2, 2, 2), (4, 1, 2), (2, 4, 1), (8, 1, 1), (1, 8, 1), (1, 2, 4)])
 def test_split_covers_each_row_once(D, K, b):
     batch = global_batch(SyntheticCorpus(seed=9), 1, global_batch_size=8, seq_len=24, packed=True, seed=0)
     # tag rows so that each microbatch row can be traced back to its global row index

@@ -38,8 +38,9 @@ def make(tokens, vocab, hsize, seed=0, ignore_every=0):
     if ignore_every:
         labels[::ignore_every] = IGNORE
     # ragged per-token weights: signs, zeros, sizes over two orders of magnitude
-    weights = torch.randn(tokens, generator=gen, dtype=torch.float64) * torch.logspace(-1, 1, tokens,
-                                                                                       dtype=torch.float64)
+    weights = torch.randn(tokens, generator=gen, dtype=torch.float64) * torch.logspace(
+        -1, 1, tokens, dtype=torch.float64
+    )
     weights[1::5] = 0.0
     return hidden, weight, labels, weights
 
@@ -61,8 +62,9 @@ TILINGS = [(37, 53, 7, 10), (37, 53, 1, 1), (37, 53, 64, 64), (37, 53, None, Non
 @pytest.mark.parametrize("ignore_every", [0, 3])
 def test_float64_values_and_grads_match_naive_formula(tokens, vocab, chunk, vchunk, z_loss, ignore_every):
     hidden, weight, labels, weights = make(tokens, vocab, 16, ignore_every=ignore_every)
-    got = run(hidden, weight, labels, weights, upstream=2.5, z_loss_coeff=z_loss, chunk_size=chunk,
-              vocab_chunk_size=vchunk)
+    got = run(
+        hidden, weight, labels, weights, upstream=2.5, z_loss_coeff=z_loss, chunk_size=chunk, vocab_chunk_size=vchunk
+    )
     ref = reference(hidden, weight, labels, weights, z_loss, upstream=2.5)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
@@ -252,4 +254,4 @@ def test_vocab_parallel_matches_full_vocabulary_on_gloo_ranks(z_loss):
         torch.testing.assert_close(total, ref[0], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(loss, ref[1], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(gh, ref[2], rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(gw, ref[3][lo:lo + rows], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gw, ref[3][lo : lo + rows], rtol=1e-12, atol=1e-12)

@@ -54,8 +54,7 @@ def _hand_dump(tmp_path: Path) -> Path:
     # rank 0 holds rows 0-1, rank 1 rows 2-3; records deliberately out of order
     _write_records(d / "samples_rank0.bin", [(1, 1, *HAND[1]), (1, 0, *HAND[0])])
     _write_records(d / "samples_rank1.bin", [(1, 3, *HAND[3]), (1, 2, *HAND[2])])
-    write_sample_meta(d, global_batch=4, microbatch_size=2, seq_len=8, mode="per_token", fixed_length=4,
-                      world_size=2)
+    write_sample_meta(d, global_batch=4, microbatch_size=2, seq_len=8, mode="per_token", fixed_length=4, world_size=2)
     return d
 
 
@@ -151,8 +150,7 @@ def test_gap_fails_naming_the_missing_steps(tmp_path: Path, capsys: pytest.Captu
     write_sample_meta(d, global_batch=1, step_base=1)
     # steps 1, 2, 5 dumped; the run's metrics.jsonl goes on to step 7: steps 3-4 and 6-7 are missing
     _write_records(d / "samples_rank0.bin", [(st, 0, 2, 1.0) for st in (1, 2, 5)])
-    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": st, "objective": 0.5}) + "\n"
-                                               for st in range(1, 8)))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": st, "objective": 0.5}) + "\n" for st in range(1, 8)))
     assert run_gap(_parse([str(run), "--bootstrap", "0"])) == 1
     captured = capsys.readouterr()
     assert "MISSING STEPS: the dump lacks step(s) 3-4, 6-7" in captured.out
@@ -178,8 +176,14 @@ def test_duplicate_and_missing_rows_are_errors(tmp_path: Path) -> None:
 
 def test_npz_input(tmp_path: Path) -> None:
     path = tmp_path / "mine.npz"
-    np.savez(path, step=np.array([2, 2, 1]), row=np.array([1, 0, 0]), n=np.array([3, 0, 5]),
-             s=np.array([1.5, 0.0, 2.0]), microbatch_size=np.array(1))
+    np.savez(
+        path,
+        step=np.array([2, 2, 1]),
+        row=np.array([1, 0, 0]),
+        n=np.array([3, 0, 5]),
+        s=np.array([1.5, 0.0, 2.0]),
+        microbatch_size=np.array(1),
+    )
     dump = read_sample_dump(path)
     assert sorted(dump) == [1, 2]
     assert dump[2][0].tolist() == [0, 1] and dump[2][1].tolist() == [0.0, 3.0]
@@ -228,7 +232,7 @@ def test_decomposition_equals_direct_difference() -> None:
         assert abs(st.cov_term - direct) <= 1e-12
         cov = np.mean((n - n.mean()) * (l - l.mean()))
         assert abs(st.cov_term - cov / n.mean()) <= 1e-12
-        mb = np.mean([s[i:i + 4].sum() / max(n[i:i + 4].sum(), 1) for i in range(0, 16, 4)])
+        mb = np.mean([s[i : i + 4].sum() / max(n[i : i + 4].sum(), 1) for i in range(0, 16, 4)])
         assert abs(st.per_microbatch - mb) <= 1e-12
         assert abs(st.sample_sum_norm - s.sum() / (16 * 64)) <= 1e-12
     assert rep.overall()["max_decomposition_error"] <= 1e-12
@@ -301,7 +305,8 @@ def test_compare_drift_verdicts(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "not explained" in report["compare_drift"]["verdict"]
     assert len(report["compare_drift"]["steps"]) == 8
     assert report["compare_drift"]["observed_mean"] == pytest.approx(
-        np.mean([st["gap"] for st in report["steps"]]) + 0.5, abs=1e-12)
+        np.mean([st["gap"] for st in report["steps"]]) + 0.5, abs=1e-12
+    )
 
 
 def test_cli_table_json_plot_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,16 +20,34 @@ _SKIP = {"tokens_per_s", "step_time_s", "microbatches"}
 
 
 def _cfg(**kw) -> TrainConfig:
-    base = dict(steps=2, global_batch=8, seq_len=16, packed=True, progress=False, tensorboard=False, warmup=1,
-                dtype="float64", bias_rate=1e-2, model_overrides={"indexer_layer": 1})
+    base = dict(
+        steps=2,
+        global_batch=8,
+        seq_len=16,
+        packed=True,
+        progress=False,
+        tensorboard=False,
+        warmup=1,
+        dtype="float64",
+        bias_rate=1e-2,
+        model_overrides={"indexer_layer": 1},
+    )
     base.update(kw)
     return TrainConfig(**base)
 
 
 def _layout_kw(name: str) -> dict:
     lay = parse_layout(name)
-    return dict(dp=lay.dp, cp=lay.cp, tp=lay.tp, sp=lay.sp, pp=lay.pp, pp_virtual=lay.pp_virtual, ga=lay.ga,
-                recompute=lay.recompute)
+    return dict(
+        dp=lay.dp,
+        cp=lay.cp,
+        tp=lay.tp,
+        sp=lay.sp,
+        pp=lay.pp,
+        pp_virtual=lay.pp_virtual,
+        ga=lay.ga,
+        recompute=lay.recompute,
+    )
 
 
 def _state(t: Trainer) -> dict:
@@ -42,8 +60,12 @@ def _state(t: Trainer) -> dict:
             bias[r.layer_id] = r.expert_bias.detach().clone()
     emb = t.raw.tok_embeddings.weight
     holds = t.pipeline is None or t.pipeline.first or t.pipeline.last
-    return {"lagged": lagged, "bias": bias, "embedding": emb.detach().clone() if holds else None,
-            "history": [{k: v for k, v in x.items() if k not in _SKIP} for x in t.history]}
+    return {
+        "lagged": lagged,
+        "bias": bias,
+        "embedding": emb.detach().clone() if holds else None,
+        "history": [{k: v for k, v in x.items() if k not in _SKIP} for x in t.history],
+    }
 
 
 def _run(rank: int, world: int, name: str, kw: dict) -> dict:
@@ -104,12 +126,15 @@ def _refused(rank: int, world: int, kw: dict) -> str:
     return "accepted"
 
 
-@pytest.mark.parametrize("kw, needle", [
-    ({"dp": 2, "cp": 2}, "--dp × --cp × --tp × --pp = 2×2×1×1 = 4, but the world size is 2"),
-    ({"cp": 2, "aux_scope": "sequence"}, "cp=2 supports aux_scope global_lagged/none"),
-    ({"tp": 2, "sp": True, "seq_len": 17}, "must be divisible by tp=2"),
-    ({"tp": 2, "ep": 2}, "--ep=2"),
-])
+@pytest.mark.parametrize(
+    "kw, needle",
+    [
+        ({"dp": 2, "cp": 2}, "--dp × --cp × --tp × --pp = 2×2×1×1 = 4, but the world size is 2"),
+        ({"cp": 2, "aux_scope": "sequence"}, "cp=2 supports aux_scope global_lagged/none"),
+        ({"tp": 2, "sp": True, "seq_len": 17}, "must be divisible by tp=2"),
+        ({"tp": 2, "ep": 2}, "--ep=2"),
+    ],
+)
 def test_refused_layouts_fail_at_start_on_every_rank(kw, needle):
     # Every rank raises the same message before any collective (a rank that went on would hang its
     # peers until the bounded spawn timeout).
@@ -127,12 +152,17 @@ def _resume(rank: int, world: int, out: str) -> dict:
         pass
     second = Trainer(_cfg(steps=4, out=out, ckpt_interval=2, resume=True, **_layout_kw("T2xC2")))
     second.fit()
-    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in second.raw.named_parameters()}
+    full = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in second.raw.named_parameters()
+    }
     owned = ref.pipeline.params
-    return {"resumed_at": len(ref.history) - len(second.history), "history": _state(second)["history"],
-            "ref_history": _state(ref)["history"][2:],
-            "params": [(n, full[n], p.detach().clone()) for n, p in owned.items()]}
+    return {
+        "resumed_at": len(ref.history) - len(second.history),
+        "history": _state(second)["history"],
+        "ref_history": _state(ref)["history"][2:],
+        "params": [(n, full[n], p.detach().clone()) for n, p in owned.items()],
+    }
 
 
 def test_resume_into_a_different_layout_continues_identically(tmp_path):

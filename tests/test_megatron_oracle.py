@@ -34,9 +34,7 @@ class _Group1:
 def single_rank(monkeypatch):
     monkeypatch.setattr(moe_utils, "reduce_from_tensor_model_parallel_region", lambda x, group=None: x)
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: None)
-    monkeypatch.setattr(
-        moe_utils.parallel_state, "get_tensor_and_data_parallel_group", lambda *a, **k: None
-    )
+    monkeypatch.setattr(moe_utils.parallel_state, "get_tensor_and_data_parallel_group", lambda *a, **k: None)
 
 
 def _logits(*shape, seed):

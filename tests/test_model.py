@@ -76,8 +76,11 @@ def _naive_param_count(c: ModelConfig) -> int:
     kv = c.n_heads if c.n_kv_heads is None else c.n_kv_heads
     attn = d * c.n_heads * hd + 2 * d * kv * hd + c.n_heads * hd * d
     dense = 3 * d * c.ffn_hidden
-    moe = c.num_experts * d + 3 * c.num_experts * d * c.moe_ffn_hidden + (3 * d * c.moe_ffn_hidden
-                                                                           if c.shared_expert else 0)
+    moe = (
+        c.num_experts * d
+        + 3 * c.num_experts * d * c.moe_ffn_hidden
+        + (3 * d * c.moe_ffn_hidden if c.shared_expert else 0)
+    )
     indexer = d * c.indexer_heads * c.indexer_dim + d * c.indexer_dim + d * c.indexer_heads
     has_moe = c.num_experts > 0 and c.n_dense_layers < c.n_layers
     total = c.vocab_size * d * (1 if c.tie_embeddings else 2) + d
@@ -112,7 +115,8 @@ def test_rmsnorm_matches_formula() -> None:
     for r in range(3):
         ms = sum(float(v) ** 2 for v in x[r]) / 8
         expected = torch.tensor(
-            [float(x[r, i]) / math.sqrt(ms + 1e-6) * float(norm.weight[i]) for i in range(8)], dtype=F64)
+            [float(x[r, i]) / math.sqrt(ms + 1e-6) * float(norm.weight[i]) for i in range(8)], dtype=F64
+        )
         _close(norm(x)[r], expected)
 
 
@@ -222,8 +226,9 @@ def test_moe_matches_per_token_naive_routing(score_function: str) -> None:
         if score_function == "sigmoid":
             gates = {e: g / sum(gates.values()) for e, g in gates.items()}
         expected = sum(gates[e] * _naive_expert(flat[t], moe, e) for e in chosen)
-        expected = expected + moe.shared.w2.weight @ (torch.nn.functional.silu(moe.shared.w1.weight @ flat[t])
-                                                      * (moe.shared.w3.weight @ flat[t]))
+        expected = expected + moe.shared.w2.weight @ (
+            torch.nn.functional.silu(moe.shared.w1.weight @ flat[t]) * (moe.shared.w3.weight @ flat[t])
+        )
         _close(y.reshape(T, dim)[t], expected)
         assert rec.topk_map[t].tolist() == [e in plain for e in range(E)]
         assert rec.dispatch_map[t].tolist() == [e in chosen for e in range(E)]
@@ -323,7 +328,7 @@ def test_rows_are_independent_of_each_other() -> None:
     tokens = _tokens(B, S)
     full = model(tokens)
     for i in range(B):
-        alone = model(tokens[i:i + 1])
+        alone = model(tokens[i : i + 1])
         _close(full.hidden[i], alone.hidden[0])
         for a, b in zip(full.mtp_hidden, alone.mtp_hidden):
             _close(a[i], b[0])
@@ -380,8 +385,10 @@ def test_shift_tokens_rolls_within_documents() -> None:
     tokens = torch.tensor([[11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 23, 24, 25, 26, 27, 28]])
     seg = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 0], [3, 3, 3, 3, 3, 3, 3, 3]])
     for k in (1, 2, 3, 9):
-        expected = [[row[t + k] if t + k < 8 and srow[t + k] == srow[t] else 0 for t in range(8)]
-                    for row, srow in zip(tokens.tolist(), seg.tolist())]
+        expected = [
+            [row[t + k] if t + k < 8 and srow[t + k] == srow[t] else 0 for t in range(8)]
+            for row, srow in zip(tokens.tolist(), seg.tolist())
+        ]
         assert shift_tokens(tokens, k, seg).tolist() == expected
         no_seg = [[row[t + k] if t + k < 8 else 0 for t in range(8)] for row in tokens.tolist()]
         assert shift_tokens(tokens, k).tolist() == no_seg
@@ -413,8 +420,10 @@ def test_tokens_per_expert_counts_dispatch_of_non_padding_tokens() -> None:
     out = model(tokens, segment_ids=seg)
     valid = (seg != 0).reshape(-1).tolist()
     for router, rec in zip(model.moe_routers(), out.routers):
-        expected = [sum(1 for t in range(32) if valid[t] and bool(rec.dispatch_map[t, e]))
-                    for e in range(model.config.num_experts)]
+        expected = [
+            sum(1 for t in range(32) if valid[t] and bool(rec.dispatch_map[t, e]))
+            for e in range(model.config.num_experts)
+        ]
         assert router.tokens_per_expert.tolist() == expected and router.tokens_per_expert.dtype == F64
         assert sum(expected) == 27 * model.config.topk
     with torch.no_grad():
@@ -459,8 +468,7 @@ def test_recompute_gives_identical_outputs_gradients_and_counts() -> None:
         g.manual_seed(11)
         loss = (out.hidden * torch.randn(out.hidden.shape, generator=g, dtype=F64)).sum()
         loss = loss + sum((h * torch.randn(h.shape, generator=g, dtype=F64)).sum() for h in out.mtp_hidden)
-        loss = loss + sum((r.probs * torch.randn(r.probs.shape, generator=g, dtype=F64)).sum()
-                          for r in out.routers)
+        loss = loss + sum((r.probs * torch.randn(r.probs.shape, generator=g, dtype=F64)).sum() for r in out.routers)
         idx = out.indexer[1]
         loss = loss + torch.where(torch.isfinite(idx), idx, torch.zeros_like(idx)).sum()
         loss.backward()

@@ -129,7 +129,7 @@ def _naive_float64(mode, loss, mask, seg, b, L):
     if mode == "per_sample":
         return sum(a / max(c, 1) for a, c in zip(s, n)) / rows
     if mode == "per_microbatch":
-        vals = [sum(s[i:i + b]) / max(sum(n[i:i + b]), 1) for i in range(0, rows, b)]
+        vals = [sum(s[i : i + b]) / max(sum(n[i : i + b]), 1) for i in range(0, rows, b)]
         return sum(vals) / len(vals)
     if mode == "per_document":
         docs = {}
@@ -171,8 +171,8 @@ def test_property_accountant_matches_naive_for_random_layouts(case):
     for mode in lp.MODES:
         ref = _naive_float64(mode, loss, mask, seg, b, S)
         acc = lp.Accountant(mode, fixed_length=S)
-        acc.begin_step([mask[i:i + b] for i in range(0, rows, b)], [seg[i:i + b] for i in range(0, rows, b)])
-        total = sum(float(acc.lm_loss(loss[i:i + b], mask[i:i + b], seg[i:i + b])) for i in range(0, rows, b))
+        acc.begin_step([mask[i : i + b] for i in range(0, rows, b)], [seg[i : i + b] for i in range(0, rows, b)])
+        total = sum(float(acc.lm_loss(loss[i : i + b], mask[i : i + b], seg[i : i + b])) for i in range(0, rows, b))
         acc.finish_step()
         logs = acc.logs()
         assert total == pytest.approx(ref, rel=1e-12, abs=1e-12), mode

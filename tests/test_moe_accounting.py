@@ -186,8 +186,15 @@ def naive_step(batch, step, scope, z_form, D, K, lagged=None, quirks=False, repe
     toks = nv.tokens(range(nv.n))
     top = naive_counts(nv, "top")
     frac = [[c / len(toks) for c in row] for row in top] if toks else lagged
-    return {"J": fl(total), "grad": grad, "lb": fl(lb_log), "z": fl(z_log), "frac": frac,
-            "dispatch": naive_counts(nv, "dispatch"), "nv": nv}
+    return {
+        "J": fl(total),
+        "grad": grad,
+        "lb": fl(lb_log),
+        "z": fl(z_log),
+        "frac": frac,
+        "dispatch": naive_counts(nv, "dispatch"),
+        "nv": nv,
+    }
 
 
 def naive_bias(dispatch, steps_dispatch=()):
@@ -210,8 +217,12 @@ def rel_err(a, b):
     return float((a - b).abs().max() / max(float(b.abs().max()), 1e-300))
 
 
-LOG_NAME = {"micro_batch": "load_balancing_loss", "sequence": "seq_load_balancing_loss",
-            "global_lagged": "global_load_balancing_loss", "global_running": "global_load_balancing_loss"}
+LOG_NAME = {
+    "micro_batch": "load_balancing_loss",
+    "sequence": "seq_load_balancing_loss",
+    "global_lagged": "global_load_balancing_loss",
+    "global_running": "global_load_balancing_loss",
+}
 
 
 def check_against_naive(results_by_rank, batch, scope, z_form, D, K, steps=2, quirks=False, where=""):
@@ -273,8 +284,12 @@ def test_global_lagged_step0_is_alpha_per_layer_hand_worked():
 def test_all_padding_microbatch_counts_and_gives_no_nan(scope):
     K, b = 4, N_ROWS // 4
     batch = get_batch(N_ROWS, zero_mb=2, b=b)
-    res = run_rank(batch, microbatches(N_ROWS, 1, 0, K),
-                   {"scope": scope, "aux_coeff": ALPHA, "z_coeff": BETA, "z_form": "microbatch"}, steps=2)
+    res = run_rank(
+        batch,
+        microbatches(N_ROWS, 1, 0, K),
+        {"scope": scope, "aux_coeff": ALPHA, "z_coeff": BETA, "z_form": "microbatch"},
+        steps=2,
+    )
     for step in range(2):
         assert torch.isfinite(res[step]["grad"]).all()
         assert all(math.isfinite(v) for v in res[step]["logs"].values() if v is not None)
@@ -309,8 +324,14 @@ def test_repeated_mtp_layer_exact_and_megatron_z_quirk():
     R = 2
     batch = get_batch(N_ROWS, steps=1, seed=5)
     for quirks in (False, True):
-        cfg = {"scope": "micro_batch", "aux_coeff": ALPHA, "z_coeff": BETA, "z_form": "microbatch",
-               "repeated_mtp_calls": R, "megatron_quirks": quirks}
+        cfg = {
+            "scope": "micro_batch",
+            "aux_coeff": ALPHA,
+            "z_coeff": BETA,
+            "z_form": "microbatch",
+            "repeated_mtp_calls": R,
+            "megatron_quirks": quirks,
+        }
         res = run_rank(batch, microbatches(N_ROWS, 1, 0, 2), cfg, steps=1)[0]
         leaf = batch[0][0].clone().requires_grad_(True)
         nv = Naive(leaf, batch[1], batch[3], repeated=R)
@@ -346,8 +367,9 @@ def test_state_dict_roundtrip_resumes_lagged_counts():
     assert acc.logs()["objective"] == pytest.approx(full[1]["logs"]["objective"], rel=REL)
 
 
-@pytest.mark.parametrize("scope, z_form", [("micro_batch", "global"), ("sequence", "microbatch"),
-                                           ("global_lagged", "global")])
+@pytest.mark.parametrize(
+    "scope, z_form", [("micro_batch", "global"), ("sequence", "microbatch"), ("global_lagged", "global")]
+)
 def test_pipeline_chunks_with_log_layers_match_one_instance(scope, z_form):
     """Two chunks owning layers [0] and [1, 2] (one accountant, log_layers=3) give the objective, the
     gradient and the layer-mean logs of one instance with all three layers; a chunk without MoE layers
@@ -356,9 +378,11 @@ def test_pipeline_chunks_with_log_layers_match_one_instance(scope, z_form):
     cfg = {"scope": scope, "aux_coeff": ALPHA, "z_coeff": BETA, "z_form": z_form}
     one = run_rank((logits, valid, lm_mask, bias), microbatches(N_ROWS, 1, 0, 2), cfg, steps=2)
     acc = _acc()
-    chunks = [(MoEAccounting(acc, 1, E, TOPK, log_layers=3, **cfg), [0]),
-              (MoEAccounting(acc, 2, E, TOPK, log_layers=3, **cfg), [1, 2]),
-              (MoEAccounting(acc, 0, E, TOPK, log_layers=3, declare=True, **cfg), [])]
+    chunks = [
+        (MoEAccounting(acc, 1, E, TOPK, log_layers=3, **cfg), [0]),
+        (MoEAccounting(acc, 2, E, TOPK, log_layers=3, **cfg), [1, 2]),
+        (MoEAccounting(acc, 0, E, TOPK, log_layers=3, declare=True, **cfg), []),
+    ]
     mbs = microbatches(N_ROWS, 1, 0, 2)
     for step in range(2):
         leaf = logits[step].clone().requires_grad_(True)
@@ -387,21 +411,24 @@ def _acc(**kw):
     return Accountant("per_token", grad_reduction="sum", **kw)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"topk": 5}, "topk"),
-    ({"topk": 0}, "topk"),
-    ({"num_experts": 0}, "num_experts"),
-    ({"num_layers": -1}, "num_layers"),
-    ({"aux_coeff": -0.1}, "aux_coeff"),
-    ({"z_coeff": -1e-3}, "z_coeff"),
-    ({"z_coeff": float("nan")}, "z_coeff"),
-    ({"scope": "batch"}, "unknown aux_scope"),
-    ({"z_form": "token"}, "unknown z_form"),
-    ({"megatron_quirks": True, "z_form": "global"}, "z_form='microbatch'"),
-    ({"calculate_per_token_loss": True}, "megatron_quirks"),
-    ({"repeated_mtp_calls": 4}, "repeated_mtp_calls"),
-    ({"log_layers": 2}, "log_layers"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"topk": 5}, "topk"),
+        ({"topk": 0}, "topk"),
+        ({"num_experts": 0}, "num_experts"),
+        ({"num_layers": -1}, "num_layers"),
+        ({"aux_coeff": -0.1}, "aux_coeff"),
+        ({"z_coeff": -1e-3}, "z_coeff"),
+        ({"z_coeff": float("nan")}, "z_coeff"),
+        ({"scope": "batch"}, "unknown aux_scope"),
+        ({"z_form": "token"}, "unknown z_form"),
+        ({"megatron_quirks": True, "z_form": "global"}, "z_form='microbatch'"),
+        ({"calculate_per_token_loss": True}, "megatron_quirks"),
+        ({"repeated_mtp_calls": 4}, "repeated_mtp_calls"),
+        ({"log_layers": 2}, "log_layers"),
+    ],
+)
 def test_bad_constructor_arguments(kwargs, match):
     args = {"num_layers": L, "num_experts": E, "topk": TOPK}
     args.update(kwargs)
@@ -424,8 +451,12 @@ def test_context_parallel_allows_only_token_additive_forms():
     acc = _acc()
     acc.groups = dataclasses.replace(acc.groups, cp_size=2)
     MoEAccounting(acc, L, E, TOPK, scope="global_lagged", z_coeff=BETA, z_form="global")
-    for kwargs in ({"scope": "micro_batch"}, {"scope": "sequence"}, {"scope": "global_running"},
-                   {"scope": "none", "z_coeff": BETA, "z_form": "microbatch"}):
+    for kwargs in (
+        {"scope": "micro_batch"},
+        {"scope": "sequence"},
+        {"scope": "global_running"},
+        {"scope": "none", "z_coeff": BETA, "z_form": "microbatch"},
+    ):
         with pytest.raises(ValueError, match="context parallelism"):
             MoEAccounting(acc, L, E, TOPK, **kwargs)
 
@@ -457,8 +488,9 @@ def test_bad_microbatch_and_end_step_inputs():
     with pytest.raises(ValueError, match="expected 3 router records"):
         moe.microbatch_loss(recs[:2], valid)
     with pytest.raises(ValueError, match=r"record 1: probs has shape \(10, 4\)"):
-        moe.microbatch_loss([recs[0], types.SimpleNamespace(**{**vars(recs[1]), "probs": recs[1].probs[:10]}),
-                             recs[2]], valid)
+        moe.microbatch_loss(
+            [recs[0], types.SimpleNamespace(**{**vars(recs[1]), "probs": recs[1].probs[:10]}), recs[2]], valid
+        )
     with pytest.raises(ValueError, match="valid must be"):
         moe.microbatch_loss(recs, valid[None])
     with pytest.raises(KeyError, match="router_tokens"):
@@ -527,8 +559,11 @@ def _megatron_step(mp, batch, D, K, *, scope, per_token, alpha=ALPHA, beta=BETA,
     slots = L - R + 1 if R else L
     tp_cp, tp_dp_cp = _Group("tp_cp", 1), _Group("tp_dp_cp", D)
     ctx = {"global": None, "repeated": False, "captured": []}
-    mp.setattr(moe_utils, "reduce_from_tensor_model_parallel_region",
-               lambda x, group=None: x if group.name == "tp_cp" else ctx["global"])
+    mp.setattr(
+        moe_utils,
+        "reduce_from_tensor_model_parallel_region",
+        lambda x, group=None: x if group.name == "tp_cp" else ctx["global"],
+    )
     mp.setattr(Scaler, "main_loss_backward_scale", None)
     orig_apply = Scaler.apply
 
@@ -549,21 +584,40 @@ def _megatron_step(mp, batch, D, K, *, scope, per_token, alpha=ALPHA, beta=BETA,
             aux = aux / R
         if name == "seq_load_balancing_loss" and valid_token_count is not None:
             valid_token_count = valid_token_count * self.bsz
-        return TopKRouter.attach_and_log_load_balancing_loss(self, activation, coeff, aux, name, group,
-                                                             reduce_group_has_dp, valid_token_count)
+        return TopKRouter.attach_and_log_load_balancing_loss(
+            self, activation, coeff, aux, name, group, reduce_group_has_dp, valid_token_count
+        )
 
-    config = types.SimpleNamespace(num_layers=slots, mtp_num_layers=None, num_moe_experts=E,
-                                   moe_router_fusion=False, moe_aux_loss_coeff=alpha,
-                                   moe_z_loss_coeff=beta if beta else None)
+    config = types.SimpleNamespace(
+        num_layers=slots,
+        mtp_num_layers=None,
+        num_moe_experts=E,
+        moe_router_fusion=False,
+        moe_aux_loss_coeff=alpha,
+        moe_z_loss_coeff=beta if beta else None,
+    )
 
     def make_router(slot):
         f = types.SimpleNamespace(
-            topk=TOPK, config=config, tp_cp_group=tp_cp, tp_dp_cp_group=tp_dp_cp, layer_number=slot + 1,
-            calculate_per_token_loss=per_token, training=True, routing_type=_MEG_TYPE[scope], bsz=None,
+            topk=TOPK,
+            config=config,
+            tp_cp_group=tp_cp,
+            tp_dp_cp_group=tp_dp_cp,
+            layer_number=slot + 1,
+            calculate_per_token_loss=per_token,
+            training=True,
+            routing_type=_MEG_TYPE[scope],
+            bsz=None,
             global_tokens_per_expert=torch.zeros(E, dtype=torch.float64),
-            ga_steps=torch.tensor(0.0, dtype=torch.float64))
-        for name in ("_apply_aux_loss", "_apply_seq_aux_loss", "_apply_global_aux_loss", "apply_z_loss",
-                     "get_aux_loss_coeff"):
+            ga_steps=torch.tensor(0.0, dtype=torch.float64),
+        )
+        for name in (
+            "_apply_aux_loss",
+            "_apply_seq_aux_loss",
+            "_apply_global_aux_loss",
+            "apply_z_loss",
+            "get_aux_loss_coeff",
+        ):
             setattr(f, name, types.MethodType(getattr(TopKRouter, name), f))
         f.attach_and_log_load_balancing_loss = types.MethodType(attach_newest, f)
         return f
@@ -644,8 +698,13 @@ def compare_with_megatron(ours_by_rank, meg, scope, where):
 def test_megatron_quirks_match_megatron_single_rank(monkeypatch, scope, per_token):
     batch = get_batch(N_ROWS, steps=1, seed=7)
     for K in (1, 2, 4):
-        cfg = {"scope": scope, "aux_coeff": ALPHA, "z_coeff": BETA, "megatron_quirks": True,
-               "calculate_per_token_loss": per_token}
+        cfg = {
+            "scope": scope,
+            "aux_coeff": ALPHA,
+            "z_coeff": BETA,
+            "megatron_quirks": True,
+            "calculate_per_token_loss": per_token,
+        }
         ours = run_rank(batch, microbatches(N_ROWS, 1, 0, K), cfg, steps=1)
         with monkeypatch.context() as mp:
             meg = megatron_step(mp, batch, 1, K, scope=scope, per_token=per_token)
@@ -671,8 +730,14 @@ def test_megatron_repeated_mtp_layer(monkeypatch):
     batch = get_batch(N_ROWS, steps=1, seed=9)
     for per_token in (False, True):
         for scope in ("micro_batch", "global_running"):
-            cfg = {"scope": scope, "aux_coeff": ALPHA, "z_coeff": BETA, "megatron_quirks": True,
-                   "calculate_per_token_loss": per_token, "repeated_mtp_calls": 2}
+            cfg = {
+                "scope": scope,
+                "aux_coeff": ALPHA,
+                "z_coeff": BETA,
+                "megatron_quirks": True,
+                "calculate_per_token_loss": per_token,
+                "repeated_mtp_calls": 2,
+            }
             ours = run_rank(batch, microbatches(N_ROWS, 1, 0, 2), cfg, steps=1)
             with monkeypatch.context() as mp:
                 meg = megatron_step(mp, batch, 1, 2, scope=scope, per_token=per_token, repeated=2)
@@ -685,12 +750,18 @@ def test_megatron_sequence_padding_uses_mean_valid_length():
     batch = get_batch(N_ROWS, steps=1)
     mbs = microbatches(N_ROWS, 1, 0, 1)
     exact = run_rank(batch, mbs, {"scope": "sequence", "aux_coeff": ALPHA}, steps=1)[0]["logs"]
-    quirk = run_rank(batch, mbs, {"scope": "sequence", "aux_coeff": ALPHA, "megatron_quirks": True},
-                     steps=1)[0]["logs"]
+    quirk = run_rank(batch, mbs, {"scope": "sequence", "aux_coeff": ALPHA, "megatron_quirks": True}, steps=1)[0]["logs"]
     nv = Naive(batch[0][0], batch[1], batch[3])
     mean_len = len(nv.tokens(range(N_ROWS))) / N_ROWS
-    want = sum(fl(nv.A(layer, nv.tokens([i]), total=mean_len)) for layer in range(L) for i in range(N_ROWS)
-               if nv.tokens([i])) / N_ROWS
+    want = (
+        sum(
+            fl(nv.A(layer, nv.tokens([i]), total=mean_len))
+            for layer in range(L)
+            for i in range(N_ROWS)
+            if nv.tokens([i])
+        )
+        / N_ROWS
+    )
     assert quirk["objective"] == pytest.approx(want, rel=REL)
     assert abs(quirk["objective"] - exact["objective"]) > 1e-3 * exact["objective"]
 
@@ -707,10 +778,20 @@ EXACT_CONFIGS = {
 }
 QUIRK_CONFIGS = {
     "meg_run": {"scope": "global_running", "aux_coeff": ALPHA, "z_coeff": BETA, "megatron_quirks": True},
-    "meg_run_tok": {"scope": "global_running", "aux_coeff": ALPHA, "z_coeff": BETA, "megatron_quirks": True,
-                    "normalization": "deferred"},
-    "meg_seq_tok": {"scope": "sequence", "aux_coeff": ALPHA, "z_coeff": BETA, "megatron_quirks": True,
-                    "calculate_per_token_loss": True},
+    "meg_run_tok": {
+        "scope": "global_running",
+        "aux_coeff": ALPHA,
+        "z_coeff": BETA,
+        "megatron_quirks": True,
+        "normalization": "deferred",
+    },
+    "meg_seq_tok": {
+        "scope": "sequence",
+        "aux_coeff": ALPHA,
+        "z_coeff": BETA,
+        "megatron_quirks": True,
+        "calculate_per_token_loss": True,
+    },
 }
 KS = {2: [1, 2, 4], 4: [1, 2]}
 
@@ -718,8 +799,10 @@ KS = {2: [1, 2, 4], 4: [1, 2]}
 @pytest.fixture(scope="module")
 def gloo_results():
     jobs2 = [("main", False, KS[2], {**EXACT_CONFIGS, **QUIRK_CONFIGS})]
-    jobs4 = [("main", False, KS[4], EXACT_CONFIGS),
-             ("hollow", True, [2], {"run": EXACT_CONFIGS["run"], "lag": EXACT_CONFIGS["lag"]})]
+    jobs4 = [
+        ("main", False, KS[4], EXACT_CONFIGS),
+        ("hollow", True, [2], {"run": EXACT_CONFIGS["run"], "lag": EXACT_CONFIGS["lag"]}),
+    ]
     return {world: spawn(layout_worker, world, N_ROWS, jobs, timeout_s=90) for world, jobs in ((2, jobs2), (4, jobs4))}
 
 
@@ -739,7 +822,7 @@ def test_gloo_rank_without_moe_tokens_participates(gloo_results):
     """Ranks 2 and 3 hold only padding: they still run every collective (no hang) and the bias update and
     the objective equal the single-process values of the whole global batch."""
     batch = get_batch(N_ROWS, hollow=True)
-    assert not batch[1][N_ROWS // 2:].any()
+    assert not batch[1][N_ROWS // 2 :].any()
     for name in ("run", "lag"):
         cfg = EXACT_CONFIGS[name]
         by_rank = [r[("hollow", name, 2)] for r in gloo_results[4]]
@@ -756,8 +839,9 @@ def test_gloo_megatron_global_aux_gradient_is_one_over_d_of_its_log(gloo_results
         ref = naive_step(batch, 0, "global_running", "microbatch", 2, K, quirks=True)
         assert rel_err(sum(q["grad"] for q in quirk), ref["grad"]) <= REL
         for e, q in zip(exact, quirk):
-            assert q["logs"]["global_load_balancing_loss"] == pytest.approx(e["logs"]["global_load_balancing_loss"],
-                                                                            rel=REL)
+            assert q["logs"]["global_load_balancing_loss"] == pytest.approx(
+                e["logs"]["global_load_balancing_loss"], rel=REL
+            )
         empty_mb = any(not valid[m].any() for r in range(2) for m in microbatches(N_ROWS, 2, r, K))
         for name in ("meg_run", "meg_run_tok", "meg_seq_tok"):
             cfg = QUIRK_CONFIGS[name]
@@ -801,8 +885,9 @@ def test_sequence_scope_uses_documents_under_per_document_mode():
     acc = lp.Accountant("per_document")
     valid = seg > 0
     moe = MoEAccounting(acc, L, E, k, scope="sequence", aux_coeff=alpha)
-    acc.begin_step([mask[:2], mask[2:]], [seg[:2], seg[2:]],
-                   extra_counts=MoEAccounting.router_tokens([valid[:2], valid[2:]]))
+    acc.begin_step(
+        [mask[:2], mask[2:]], [seg[:2], seg[2:]], extra_counts=MoEAccounting.router_tokens([valid[:2], valid[2:]])
+    )
     total = 0.0
 
     class Rec:

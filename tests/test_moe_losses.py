@@ -321,9 +321,7 @@ def test_sequence_loss_all_padding_gives_zero_and_finite_grad():
     probs = moe.router_probs(rand_logits(2, 3, 4, seed=12)).requires_grad_(True)
     routing = moe.topk_routing_map(probs, 1)
     pad = torch.ones(2, 3, dtype=torch.bool)
-    total, count = moe.sequence_load_balancing_loss(
-        probs, routing, topk=1, num_experts=4, coeff=1.0, padding_mask=pad
-    )
+    total, count = moe.sequence_load_balancing_loss(probs, routing, topk=1, num_experts=4, coeff=1.0, padding_mask=pad)
     assert total.item() == 0.0 and int(count) == 2
     total.backward()
     assert torch.equal(probs.grad, torch.zeros_like(probs))

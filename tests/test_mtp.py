@@ -78,7 +78,7 @@ def _naive_mtp(mode, conv, losses, masks, main_mask, N, b):
             return sum(s) / max(sum(n), 1)
         if mode == "per_sample":
             return sum(a / max(c, 1) for a, c in zip(s, n)) / N
-        return sum(sum(s[i:i + b]) / max(sum(n[i:i + b]), 1) for i in range(0, N, b)) / (N // b)
+        return sum(sum(s[i : i + b]) / max(sum(n[i : i + b]), 1) for i in range(0, N, b)) / (N // b)
     total = 0.0
     ntok_main = float(main_mask.sum())
     for x, w in zip(losses, masks):
@@ -88,7 +88,7 @@ def _naive_mtp(mode, conv, losses, masks, main_mask, N, b):
         elif mode == "per_sample":
             total += sum(a / max(c, 1) for a, c in zip(s, n)) / N
         else:
-            total += sum(sum(s[i:i + b]) / max(sum(n[i:i + b]), 1) for i in range(0, N, b)) / (N // b)
+            total += sum(sum(s[i : i + b]) / max(sum(n[i : i + b]), 1) for i in range(0, N, b)) / (N // b)
     return total / Dm
 
 
@@ -112,7 +112,7 @@ def test_accountant_mtp_matches_naive_for_every_k(mode, conv):
             continue
         rows = N // K
         acc = lp.Accountant(mode, mtp_depths=Dm, mtp_convention=conv)
-        acc.begin_step([main_mask[k * rows:(k + 1) * rows] for k in range(K)])
+        acc.begin_step([main_mask[k * rows : (k + 1) * rows] for k in range(K)])
         total = 0
         for k in range(K):
             sl = slice(k * rows, (k + 1) * rows)
@@ -169,8 +169,8 @@ def test_megatron_log_estimator_is_mean_of_microbatch_means():
     acc = lp.Accountant("per_token", mtp_depths=1, mtp_log_estimator="microbatch_mean")
     acc.begin_step([main[:1], main[1:]])
     for i in range(2):
-        acc.lm_loss(torch.zeros(1, 4), main[i:i + 1])
-        acc.mtp_loss([l1[i:i + 1]], [masks[0][i:i + 1]])
+        acc.lm_loss(torch.zeros(1, 4), main[i : i + 1])
+        acc.mtp_loss([l1[i : i + 1]], [masks[0][i : i + 1]])
     # Megatron: mean over microbatches of local means = (1 + 7)/2 = 4; token mean would be 10/4
     acc.finish_step()
     assert acc.logs()["mtp_1_loss"] == pytest.approx(4.0)

@@ -15,15 +15,18 @@ from lossparity.distributed.launch import spawn
 from lossparity.distributed.parallel_dims import ParallelDims
 
 
-@pytest.mark.parametrize("kwargs,world,needle", [
-    ({"dp": 2, "cp": 2}, 8, "--dp × --cp × --tp × --pp = 2×2×1×1 = 4, but the world size is 8"),
-    ({"dp": 3, "ep": 2}, 3, "--ep=2 must divide --dp × --cp"),
-    ({"tp": 1, "sp": True}, 1, "--sp (sequence parallelism) needs --tp > 1"),
-    ({"pp_virtual": 2}, 1, "--pp-virtual=2"),
-    ({"dp": 0}, None, "--dp must be an integer >= 1"),
-    ({"cp": 2, "engine": "fsdp"}, 2, "--engine fsdp"),
-    ({"engine": "zero3"}, 1, "unknown engine 'zero3'"),
-])
+@pytest.mark.parametrize(
+    "kwargs,world,needle",
+    [
+        ({"dp": 2, "cp": 2}, 8, "--dp × --cp × --tp × --pp = 2×2×1×1 = 4, but the world size is 8"),
+        ({"dp": 3, "ep": 2}, 3, "--ep=2 must divide --dp × --cp"),
+        ({"tp": 1, "sp": True}, 1, "--sp (sequence parallelism) needs --tp > 1"),
+        ({"pp_virtual": 2}, 1, "--pp-virtual=2"),
+        ({"dp": 0}, None, "--dp must be an integer >= 1"),
+        ({"cp": 2, "engine": "fsdp"}, 2, "--engine fsdp"),
+        ({"engine": "zero3"}, 1, "unknown engine 'zero3'"),
+    ],
+)
 def test_validate_names_the_flags(kwargs, world, needle):
     dims = ParallelDims(**kwargs)
     before = repr(dims)
@@ -55,8 +58,10 @@ def _groups(rank: int, world: int, kwargs: dict) -> dict:
 
 
 def _expected(rank: int, P: int, D: int, C: int, T: int, E: int, sp: bool) -> dict:
-    grid = {((p * D + d) * C + c) * T + t: (p, d, c, t)
-            for p, d, c, t in itertools.product(range(P), range(D), range(C), range(T))}
+    grid = {
+        ((p * D + d) * C + c) * T + t: (p, d, c, t)
+        for p, d, c, t in itertools.product(range(P), range(D), range(C), range(T))
+    }
     p0, d0, c0, t0 = grid[rank]
     f0 = d0 * C + c0
 
@@ -79,10 +84,13 @@ def _expected(rank: int, P: int, D: int, C: int, T: int, E: int, sp: bool) -> di
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kwargs", [
-    {"dp": 2, "cp": 2, "tp": 2, "sp": True, "ep": 2},
-    {"dp": 2, "tp": 2, "pp": 2, "ep": 2},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"dp": 2, "cp": 2, "tp": 2, "sp": True, "ep": 2},
+        {"dp": 2, "tp": 2, "pp": 2, "ep": 2},
+    ],
+)
 def test_groups_match_rank_arithmetic(kwargs):
     P, D, C, T = (kwargs.get(k, 1) for k in ("pp", "dp", "cp", "tp"))
     out = spawn(_groups, P * D * C * T, kwargs, timeout_s=120)
@@ -91,13 +99,16 @@ def test_groups_match_rank_arithmetic(kwargs):
         assert got == want, (rank, got, want)
 
 
-@pytest.mark.parametrize("name, want", [
-    ("D2xC2xT2+SPxK2+recompute", dict(dp=2, cp=2, tp=2, sp=True, ga=2, recompute=True, pp=1)),
-    ("T2xC2", dict(dp=1, cp=2, tp=2, sp=False, ga=1)),
-    ("P2xV2", dict(pp=2, pp_virtual=2, ga=2)),  # an omitted K is P under a pipeline
-    ("D2xK2+fsdp", dict(dp=2, ga=2, engine="fsdp")),
-    ("K=4", dict(dp=1, ga=4)),
-])
+@pytest.mark.parametrize(
+    "name, want",
+    [
+        ("D2xC2xT2+SPxK2+recompute", dict(dp=2, cp=2, tp=2, sp=True, ga=2, recompute=True, pp=1)),
+        ("T2xC2", dict(dp=1, cp=2, tp=2, sp=False, ga=1)),
+        ("P2xV2", dict(pp=2, pp_virtual=2, ga=2)),  # an omitted K is P under a pipeline
+        ("D2xK2+fsdp", dict(dp=2, ga=2, engine="fsdp")),
+        ("K=4", dict(dp=1, ga=4)),
+    ],
+)
 def test_layout_grammar(name, want):
     from lossparity.training.verify import parse_layout
 
@@ -105,16 +116,19 @@ def test_layout_grammar(name, want):
     assert {k: getattr(lay, k) for k in want} == want
 
 
-@pytest.mark.parametrize("name, needle", [
-    ("D2xQ2", "cannot read 'Q2'"),
-    ("D2xD2", "cannot read 'D2'"),
-    ("V2xP2", "cannot read 'V2'"),
-    ("D2xT2+SPxE2", "--ep=2 is not combined with --sp"),
-    ("D2xE3", "--ep=3 must divide --dp × --cp"),
-    ("C2xK2+fsdp", "--engine fsdp"),
-    ("T1+SP", "--sp (sequence parallelism) needs --tp > 1"),
-    ("D3", "not divisible by dp*ga=3*1"),
-])
+@pytest.mark.parametrize(
+    "name, needle",
+    [
+        ("D2xQ2", "cannot read 'Q2'"),
+        ("D2xD2", "cannot read 'D2'"),
+        ("V2xP2", "cannot read 'V2'"),
+        ("D2xT2+SPxE2", "--ep=2 is not combined with --sp"),
+        ("D2xE3", "--ep=3 must divide --dp × --cp"),
+        ("C2xK2+fsdp", "--engine fsdp"),
+        ("T1+SP", "--sp (sequence parallelism) needs --tp > 1"),
+        ("D3", "not divisible by dp*ga=3*1"),
+    ],
+)
 def test_layout_grammar_refuses_with_the_reason(name, needle):
     from lossparity.training.verify import parse_layout
 

@@ -13,8 +13,20 @@ pytestmark = pytest.mark.slow
 def _run(rank: int, world: int, virtual: int, recompute: bool, steps: int) -> dict:
     from lossparity.training.trainer import TrainConfig, Trainer
 
-    cfg = TrainConfig(pp=world, pp_virtual=virtual, ga=2, steps=steps, global_batch=4, seq_len=16, packed=True,
-                      dtype="float64", recompute=recompute, progress=False, tensorboard=False, bias_rate=1e-2)
+    cfg = TrainConfig(
+        pp=world,
+        pp_virtual=virtual,
+        ga=2,
+        steps=steps,
+        global_batch=4,
+        seq_len=16,
+        packed=True,
+        dtype="float64",
+        recompute=recompute,
+        progress=False,
+        tensorboard=False,
+        bias_rate=1e-2,
+    )
     t = Trainer(cfg)
     t.fit()
     pipe = t.pipeline

@@ -25,28 +25,69 @@ from lossparity.training.trainer import TrainConfig
 # spec -> (mode, normalization, mtp_convention, mtp_log_estimator, aux_scope, z_form), from semantics §1/§4/§5 and the
 # framework facts recorded in the presets' notes
 EXPECTED = {
-    "megatron:calculate_per_token_loss=false": ("per_microbatch", "precount", "own", "microbatch_mean",
-                                                "micro_batch", "microbatch"),
-    "megatron:calculate_per_token_loss=true": ("per_token", "deferred", "main", "microbatch_mean", "micro_batch",
-                                               "microbatch"),
+    "megatron:calculate_per_token_loss=false": (
+        "per_microbatch",
+        "precount",
+        "own",
+        "microbatch_mean",
+        "micro_batch",
+        "microbatch",
+    ),
+    "megatron:calculate_per_token_loss=true": (
+        "per_token",
+        "deferred",
+        "main",
+        "microbatch_mean",
+        "micro_batch",
+        "microbatch",
+    ),
     "megatron:calculate_per_token_loss=false,moe_router_load_balancing_type=seq_aux_loss": (
-        "per_microbatch", "precount", "own", "microbatch_mean", "sequence", "microbatch"),
+        "per_microbatch",
+        "precount",
+        "own",
+        "microbatch_mean",
+        "sequence",
+        "microbatch",
+    ),
     "megatron:calculate_per_token_loss=true,moe_router_load_balancing_type=global_aux_loss": (
-        "per_token", "deferred", "main", "microbatch_mean", "global_running", "microbatch"),
+        "per_token",
+        "deferred",
+        "main",
+        "microbatch_mean",
+        "global_running",
+        "microbatch",
+    ),
     "maxtext": ("per_token", "precount", "pooled", "token_mean", "sequence", "global"),
     "maxtext:calculate_per_token_loss=true": ("per_token", "precount", "main", "token_mean", "sequence", "global"),
-    "maxtext:calculate_per_token_loss=false": ("per_sample", "precount", "own", "microbatch_mean", "sequence",
-                                               "global"),
+    "maxtext:calculate_per_token_loss=false": (
+        "per_sample",
+        "precount",
+        "own",
+        "microbatch_mean",
+        "sequence",
+        "global",
+    ),
     "maxtext:calculate_per_token_loss=false,mtp_per_layer_loss_norm=true": (
-        "per_sample", "precount", "own", "microbatch_mean", "sequence", "global"),
+        "per_sample",
+        "precount",
+        "own",
+        "microbatch_mean",
+        "sequence",
+        "global",
+    ),
     "maxtext:calculate_per_token_loss=false,mtp_per_layer_loss_norm=false": (
-        "per_sample", "precount", "pooled", "microbatch_mean", "sequence", "global"),
+        "per_sample",
+        "precount",
+        "pooled",
+        "microbatch_mean",
+        "sequence",
+        "global",
+    ),
     "hf-trainer": ("per_token", "precount", "own", "token_mean", "micro_batch", "microbatch"),
     "hf-trainer-legacy": ("per_microbatch", "precount", "own", "token_mean", "micro_batch", "microbatch"),
     "torchtitan": ("per_token", "precount", "main", "token_mean", "none", "global"),
     "verl:token-mean": ("per_microbatch", "precount", "own", "token_mean", "none", "global"),
-    "verl:token-mean,use_legacy_worker_impl=disable": ("per_token", "precount", "own", "token_mean", "none",
-                                                       "global"),
+    "verl:token-mean,use_legacy_worker_impl=disable": ("per_token", "precount", "own", "token_mean", "none", "global"),
     "verl:seq-mean-token-mean": ("per_sample", "precount", "own", "token_mean", "none", "global"),
     "verl:seq-mean-token-sum": ("sample_sum", "precount", "own", "token_mean", "none", "global"),
     "verl:seq-mean-token-sum-norm": ("sample_sum_norm", "precount", "own", "token_mean", "none", "global"),
@@ -65,8 +106,7 @@ def test_preset_resolves_to_documented_semantics(spec: str) -> None:
 
 def test_every_preset_is_valid_and_documented() -> None:
     presets = all_presets()
-    assert {p.framework for p in presets} == {"megatron", "maxtext", "hf-trainer", "torchtitan", "verl",
-                                              "lossparity"}
+    assert {p.framework for p in presets} == {"megatron", "maxtext", "hf-trainer", "torchtitan", "verl", "lossparity"}
     for p in presets:
         assert p.mode in MODES and p.normalization in NORMALIZATIONS and p.mtp_convention in CONVENTIONS
         assert p.aux_scope in SCOPES and p.z_form in Z_FORMS and p.grad_reduction in GRAD_REDUCTIONS

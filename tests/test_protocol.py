@@ -57,8 +57,11 @@ def test_mtp_loss_before_lm_loss_and_twice():
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     rolled = roll_mask(mask, None, 1)
     acc.begin_step([mask, mask])
-    with pytest.raises(lp.ProtocolError, match=r"mtp_loss called before lm_loss.*expected lm_loss\(\.\.\.\) for "
-                                               r"microbatch 0 of 2"):
+    with pytest.raises(
+        lp.ProtocolError,
+        match=r"mtp_loss called before lm_loss.*expected lm_loss\(\.\.\.\) for "
+        r"microbatch 0 of 2",
+    ):
         acc.mtp_loss([torch.ones(1, 3)], [rolled])
     acc.lm_loss(torch.ones(1, 3), mask)
     acc.mtp_loss([torch.ones(1, 3)], [rolled])
@@ -96,8 +99,9 @@ def test_moe_end_step_is_part_of_the_protocol():
     with pytest.raises(lp.ProtocolError, match=r"expected MoEAccounting.end_step\(routers\)"):
         acc.logs()
     with pytest.raises(lp.ProtocolError, match="microbatch_loss called outside the microbatches"):
-        moe.microbatch_loss(records_for(torch.zeros(1, 1, 2, E), slice(0, 1), torch.zeros(1, E)),
-                            torch.ones(1, 2, dtype=torch.bool))
+        moe.microbatch_loss(
+            records_for(torch.zeros(1, 1, 2, E), slice(0, 1), torch.zeros(1, E)), torch.ones(1, 2, dtype=torch.bool)
+        )
     moe.end_step(routers)
     with pytest.raises(lp.ProtocolError, match="called twice in one step"):
         moe.end_step(routers)
@@ -111,8 +115,11 @@ def test_mask_after_other_mask_with_same_or_other_count():
     acc.begin_step([torch.tensor([[1.0, 1.0, 0.0, 0.0]])])
     acc.lm_loss(torch.ones(1, 4), torch.tensor([[2.0, 0.0, 0.0, 0.0]]))  # the seed bug: a wrong value, silently
     acc.finish_step()
-    with pytest.raises(ValueError, match=r"lm_loss: mask differs from the one begin_step counted.*\(2 tokens\).*"
-                                         r"rank 0, microbatch 0"):
+    with pytest.raises(
+        ValueError,
+        match=r"lm_loss: mask differs from the one begin_step counted.*\(2 tokens\).*"
+        r"rank 0, microbatch 0",
+    ):
         acc.logs()
 
 
@@ -171,6 +178,7 @@ def no_host_sync():
     def make(name):
         def fail(*args, **kwargs):
             raise AssertionError(f"host synchronization: Tensor.{name}")
+
         return fail
 
     try:
@@ -191,12 +199,15 @@ def test_microbatch_calls_do_not_synchronize(mode):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     logits, valid, lm_mask, bias = make_batch(4, steps=1)
     logits, valid, lm_mask, bias = logits[0].to(dev), valid.to(dev), lm_mask.to(dev), bias.to(dev)
-    seg = (valid.long() * (1 + (torch.arange(valid.shape[1], device=dev) >= 2).long()))  # two documents per row
+    seg = valid.long() * (1 + (torch.arange(valid.shape[1], device=dev) >= 2).long())  # two documents per row
     mbs = [slice(0, 2), slice(2, 4)]
     acc = lp.Accountant(mode, mtp_depths=1, fixed_length=5, device=dev)
     moes = [MoEAccounting(acc, 3, E, TOPK, scope=s, z_coeff=1e-3) for s in ("micro_batch", "sequence")]
-    acc.begin_step([lm_mask[m] for m in mbs], [seg[m] for m in mbs],
-                   extra_counts=MoEAccounting.router_tokens([valid[m] for m in mbs]))
+    acc.begin_step(
+        [lm_mask[m] for m in mbs],
+        [seg[m] for m in mbs],
+        extra_counts=MoEAccounting.router_tokens([valid[m] for m in mbs]),
+    )
     loss = torch.rand(4, 5, dtype=torch.float64, device=dev, requires_grad=True)
     total = 0.0
     with no_host_sync():

@@ -43,8 +43,9 @@ def test_megatron_text_restart_skipped_and_nan_iterations():
     # iterations 3 (skipped) and 4 (NaN) print no losses: left out; 6 and 7 come from the restarted run
     assert_series(run.metrics["lm_loss"], {1: 10.8234, 2: 10.5012, 5: 9.8765, 6: 9.5431, 7: 9.301, 8: 9.1234})
     assert_series(run.metrics["mtp_1_loss"], {1: 10.8312, 2: 10.5187, 5: 9.9012, 6: 9.5803, 7: 9.3451, 8: 9.1702})
-    assert_series(run.metrics["load_balancing_loss"],
-                  {1: 1.02134, 2: 1.01876, 5: 1.0123, 6: 1.0097, 7: 1.0076, 8: 1.0055})
+    assert_series(
+        run.metrics["load_balancing_loss"], {1: 1.02134, 2: 1.01876, 5: 1.0123, 6: 1.0097, 7: 1.0076, 8: 1.0055}
+    )
     assert_series(run.metrics["grad_norm"], {1: 5.432, 2: 4.987, 5: 3.21, 6: 2.988, 7: 2.766, 8: 2.543})
     assert_series(run.metrics["lr"], {1: 1.5e-5, 2: 3e-5, 3: 3e-5, 4: 3e-5, 5: 4.5e-5, 6: 6e-5, 7: 7.5e-5, 8: 9e-5})
     assert_series(run.metrics["loss_scale"], {1: 1.0, 2: 1.0, 3: 0.5, 4: 0.5, 5: 0.5, 6: 0.5, 7: 0.5, 8: 0.5})
@@ -60,9 +61,11 @@ def test_megatron_text_restart_skipped_and_nan_iterations():
 
 def test_restart_discards_the_abandoned_trajectory(tmp_path):
     def line(it: int, loss: float) -> str:
-        return (f" [2026-03-01 10:00:00] iteration {it:8d}/{20:8d} | consumed samples: {4 * it:12d} | "
-                f"lm loss: {loss:.6E} | loss scale: 1.0 | number of skipped iterations:   0 | "
-                "number of nan iterations:   0 |")
+        return (
+            f" [2026-03-01 10:00:00] iteration {it:8d}/{20:8d} | consumed samples: {4 * it:12d} | "
+            f"lm loss: {loss:.6E} | loss scale: 1.0 | number of skipped iterations:   0 | "
+            "number of nan iterations:   0 |"
+        )
 
     first = [line(i, 10.0 - i) for i in range(1, 9)]  # run A reaches iteration 8
     second = [line(i, 20.0 - i) for i in range(5, 7)]  # run B restarts from 4 and stops at 6
@@ -126,15 +129,19 @@ def test_tensorboard_maxtext_tags_and_tensor_summaries(tmp_path):
     out = tmp_path / "maxtext_tb" / "moe-parity"
     writer = EventFileWriter(str(out))
     scalars_plugin = summary_pb2.SummaryMetadata(
-        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
+    )
     for step in range(3):
         values = [
             summary_pb2.Summary.Value(tag="learning/loss", simple_value=11.0 - step),
             summary_pb2.Summary.Value(tag="learning/moe_lb_loss", simple_value=0.25),
             summary_pb2.Summary.Value(tag="learning/total_weights", simple_value=4096.0 + step),
             # TF2-style tensor summary, as jax/flax writers produce
-            summary_pb2.Summary.Value(tag="learning/lm_loss", metadata=scalars_plugin,
-                                      tensor=tensor_util.make_tensor_proto(np.float32(10.5 - step))),
+            summary_pb2.Summary.Value(
+                tag="learning/lm_loss",
+                metadata=scalars_plugin,
+                tensor=tensor_util.make_tensor_proto(np.float32(10.5 - step)),
+            ),
         ]
         writer.add_event(event_pb2.Event(step=step, wall_time=1.0e9 + step, summary=summary_pb2.Summary(value=values)))
     writer.close()
@@ -190,8 +197,11 @@ def test_jsonl_long_form_series_one_after_another(tmp_path):
     lines = [{"step": s, "metric": "lm_loss", "value": 3.0 - 0.1 * s} for s in (1, 2, 3)]
     lines += [{"step": s, "metric": "grad_norm", "value": 1.0 * s} for s in (1, 2, 3)]
     # lm_loss written again at its last step: replaced; grad_norm going back to 2: a restart of grad_norm only
-    lines += [{"step": 3, "metric": "lm_loss", "value": 9.0}, {"step": 2, "metric": "grad_norm", "value": 7.0},
-              {"step": 2, "metric": "consumed_samples", "value": 8}]
+    lines += [
+        {"step": 3, "metric": "lm_loss", "value": 9.0},
+        {"step": 2, "metric": "grad_norm", "value": 7.0},
+        {"step": 2, "metric": "consumed_samples", "value": 8},
+    ]
     log = tmp_path / "series.jsonl"
     log.write_text("".join(json.dumps(obj) + "\n" for obj in lines))
     run = read_log(log)
@@ -300,8 +310,12 @@ def test_detect_format(name, fmt):
 
 
 def test_detect_format_does_not_depend_on_the_file_name(tmp_path):
-    for name, fmt in [("trainer_state.json", "hf_trainer_state"), ("wandb_export.csv", "csv"),
-                      ("torchtitan.log", "torchtitan"), ("golden_values.json", "megatron_golden")]:
+    for name, fmt in [
+        ("trainer_state.json", "hf_trainer_state"),
+        ("wandb_export.csv", "csv"),
+        ("torchtitan.log", "torchtitan"),
+        ("golden_values.json", "megatron_golden"),
+    ]:
         copy = tmp_path / f"copy_of_{fmt}.txt"
         copy.write_bytes((LOGS / name).read_bytes())
         assert detect_format(copy) == fmt
@@ -392,17 +406,31 @@ def test_malformed_json_documents(tmp_path):
 
 def test_canonical_names_across_frameworks():
     table = {
-        "lm loss": "lm_loss", "learning/lm_loss": "lm_loss", "lm_loss": "lm_loss",
-        "mtp_1 loss": "mtp_1_loss", "mtp_2_loss": "mtp_2_loss", "mtp_1_loss": "mtp_1_loss",
-        "learning/loss": "objective", "loss": "objective", "train/loss": "objective",
+        "lm loss": "lm_loss",
+        "learning/lm_loss": "lm_loss",
+        "lm_loss": "lm_loss",
+        "mtp_1 loss": "mtp_1_loss",
+        "mtp_2_loss": "mtp_2_loss",
+        "mtp_1_loss": "mtp_1_loss",
+        "learning/loss": "objective",
+        "loss": "objective",
+        "train/loss": "objective",
         "loss_metrics/global_avg_loss": "objective",
-        "load_balancing_loss": "load_balancing_loss", "learning/moe_lb_loss": "load_balancing_loss",
-        "seq_load_balancing_loss": "seq_load_balancing_loss", "z_loss": "z_loss",
+        "load_balancing_loss": "load_balancing_loss",
+        "learning/moe_lb_loss": "load_balancing_loss",
+        "seq_load_balancing_loss": "seq_load_balancing_loss",
+        "z_loss": "z_loss",
         "learning/z_loss": "logit_z_loss",
-        "grad norm": "grad_norm", "grad-norm": "grad_norm", "global_norm": "grad_norm",
-        "learning/raw_grad_norm": "grad_norm", "learning/grad_norm": "clipped_grad_norm",
-        "learning rate": "lr", "learning_rate": "lr", "learning/current_learning_rate": "lr",
-        "total_weights": "tokens", "learning/total_weights": "tokens",
+        "grad norm": "grad_norm",
+        "grad-norm": "grad_norm",
+        "global_norm": "grad_norm",
+        "learning/raw_grad_norm": "grad_norm",
+        "learning/grad_norm": "clipped_grad_norm",
+        "learning rate": "lr",
+        "learning_rate": "lr",
+        "learning/current_learning_rate": "lr",
+        "total_weights": "tokens",
+        "learning/total_weights": "tokens",
         "some custom thing": "some custom thing",
     }
     for raw, canon in table.items():
@@ -450,13 +478,20 @@ def test_readers_need_neither_torch_nor_numpy():
     import sys
 
     src = Path(__file__).resolve().parents[1] / "src"
-    probe = ("import sys\n"
-             "sys.modules['torch'] = None; sys.modules['numpy'] = None\n"
-             "from lossparity.parity import read_log\n"
-             f"run = read_log({str(LOGS / 'megatron_restart.log')!r})\n"
-             "assert run.metrics['lm_loss'][8] == 9.1234, run.metrics\n")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(src)})
+    probe = (
+        "import sys\n"
+        "sys.modules['torch'] = None; sys.modules['numpy'] = None\n"
+        "from lossparity.parity import read_log\n"
+        f"run = read_log({str(LOGS / 'megatron_restart.log')!r})\n"
+        "assert run.metrics['lm_loss'][8] == 9.1234, run.metrics\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(src)},
+    )
     assert out.returncode == 0, out.stderr
 
 
@@ -545,19 +580,34 @@ def test_megatron_terminal_wrapped_lines_are_joined():
     assert any("line 7 ignored" in n for n in run.notes) and not run.live
 
 
-@pytest.mark.parametrize(("fmt", "text", "line", "needle"), [
-    ("torchtitan", "[titan] 2025 - root - INFO - step:  1  loss:  4.6O72  grad_norm:  1.46  memory: 1.2GiB(0.9%)\n",
-     1, "a number for 'loss', got '4.6O72'"),
-    ("mindformers", "- INFO - { Epoch:[  1/  2], step:[    1/   19], loss: 10.649, lr: 0.0, overflow cond: False, "
-     "loss_scale: 1.0, global_norm: [1 31049], train_throughput_per_npu: 2.896T\n", 1,
-     "'global_norm', got '[1 31049]'"),
-    ("megatron", " iteration        1/      10 | lm loss: 1.0823O0E+01 | grad norm: 5.4 |\n", 1,
-     "'lm loss', got '1.0823O0E+01'"),
-    ("maxtext", "completed step: 0, seconds: 1.0, total_weights: 10, loss: 10.8 7\n", 1, "'loss', got '10.8 7'"),
-    ("jsonl", '{"step": 1, "loss": 2.5}\n{"step": 2, "loss": "2.4x"}\n', 2, "'loss', got '2.4x'"),
-    ("csv", "step,loss\n1,2.5\n2,2.4x\n", 3, "column 'loss'"),
-    ("torchtitan_losses", "1 8.04\n2 7.7S1\n", 2, "'<step> <loss>'"),
-])
+@pytest.mark.parametrize(
+    ("fmt", "text", "line", "needle"),
+    [
+        (
+            "torchtitan",
+            "[titan] 2025 - root - INFO - step:  1  loss:  4.6O72  grad_norm:  1.46  memory: 1.2GiB(0.9%)\n",
+            1,
+            "a number for 'loss', got '4.6O72'",
+        ),
+        (
+            "mindformers",
+            "- INFO - { Epoch:[  1/  2], step:[    1/   19], loss: 10.649, lr: 0.0, overflow cond: False, "
+            "loss_scale: 1.0, global_norm: [1 31049], train_throughput_per_npu: 2.896T\n",
+            1,
+            "'global_norm', got '[1 31049]'",
+        ),
+        (
+            "megatron",
+            " iteration        1/      10 | lm loss: 1.0823O0E+01 | grad norm: 5.4 |\n",
+            1,
+            "'lm loss', got '1.0823O0E+01'",
+        ),
+        ("maxtext", "completed step: 0, seconds: 1.0, total_weights: 10, loss: 10.8 7\n", 1, "'loss', got '10.8 7'"),
+        ("jsonl", '{"step": 1, "loss": 2.5}\n{"step": 2, "loss": "2.4x"}\n', 2, "'loss', got '2.4x'"),
+        ("csv", "step,loss\n1,2.5\n2,2.4x\n", 3, "column 'loss'"),
+        ("torchtitan_losses", "1 8.04\n2 7.7S1\n", 2, "'<step> <loss>'"),
+    ],
+)
 def test_incomplete_numbers_are_errors_naming_file_and_line(tmp_path, fmt, text, line, needle):
     # defect 2: before, 4.6O72 was cut to 4.6 and [1 31049] read as 1.0
     log = tmp_path / "bad.log"
@@ -584,8 +634,11 @@ def test_broken_or_empty_json_is_named_as_json(tmp_path):
     text = (LOGS / "trainer_state.json").read_text()
     cut = tmp_path / "trainer_state.json"
     cut.write_text(text[: len(text) // 2])
-    with pytest.raises(LogParseError, match=r"trainer_state.json:\d+: expected valid JSON: the file is JSON but "
-                                            r"broken at line \d+ column \d+"):
+    with pytest.raises(
+        LogParseError,
+        match=r"trainer_state.json:\d+: expected valid JSON: the file is JSON but "
+        r"broken at line \d+ column \d+",
+    ):
         read_log(cut)
     empty = tmp_path / "empty.json"
     empty.write_text("\n")
@@ -618,14 +671,28 @@ def test_hf_eval_predict_and_summary_entries():
     assert "1 evaluation entries without a step ignored" in run.notes
 
 
-@pytest.mark.parametrize(("fixture", "fmt", "metric", "expected", "step_base"), [
-    ("torchtitan_losses.txt", "torchtitan_losses", "objective",
-     {1: 10.875432014465332, 2: 10.51230239868164, 3: 9.98122787475586, 4: 9.400251388549805, 5: 8.91002368927002}, 1),
-    ("llamafactory_trainer_log.jsonl", "llamafactory", "objective", {5: 2.3125, 10: 2.0417, 15: 1.8833}, 1),
-    ("maxtext_profiler.log", "maxtext", "objective", {0: 11.204, 1: 10.998, 2: 10.64, 3: 10.311, 4: 10.052}, 0),
-    ("mindformers_no_colon.log", "mindformers", "grad_norm", {1: 12.503311, 2: 9.87445, 3: 7.120948}, 1),
-    ("wandb_step0.csv", "csv", "objective", {0: 2.5, 1: 2.25, 2: 2.125}, 0),
-])
+@pytest.mark.parametrize(
+    ("fixture", "fmt", "metric", "expected", "step_base"),
+    [
+        (
+            "torchtitan_losses.txt",
+            "torchtitan_losses",
+            "objective",
+            {
+                1: 10.875432014465332,
+                2: 10.51230239868164,
+                3: 9.98122787475586,
+                4: 9.400251388549805,
+                5: 8.91002368927002,
+            },
+            1,
+        ),
+        ("llamafactory_trainer_log.jsonl", "llamafactory", "objective", {5: 2.3125, 10: 2.0417, 15: 1.8833}, 1),
+        ("maxtext_profiler.log", "maxtext", "objective", {0: 11.204, 1: 10.998, 2: 10.64, 3: 10.311, 4: 10.052}, 0),
+        ("mindformers_no_colon.log", "mindformers", "grad_norm", {1: 12.503311, 2: 9.87445, 3: 7.120948}, 1),
+        ("wandb_step0.csv", "csv", "objective", {0: 2.5, 1: 2.25, 2: 2.125}, 0),
+    ],
+)
 def test_formats_users_have(fixture, fmt, metric, expected, step_base):
     # defects 6 and 9: new formats, MaxText profiler lines, MindFormers 'global_norm [x]', W&B Step from 0
     run = read_log(LOGS / fixture)
@@ -715,8 +782,15 @@ def test_real_log_is_detected_and_read(name):
     assert all(math.isfinite(v) for v in run.metrics[metric].values())
 
 
-_TITAN_COLORS = {"step:": "\x1b[31m", "loss:": "\x1b[32m", "grad_norm:": "\x1b[38;2;180;60;0m",
-                 "memory:": "\x1b[38;2;54;234;195m", "tps:": "\x1b[34m", "tflops:": "\x1b[36m", "mfu:": "\x1b[35m"}
+_TITAN_COLORS = {
+    "step:": "\x1b[31m",
+    "loss:": "\x1b[32m",
+    "grad_norm:": "\x1b[38;2;180;60;0m",
+    "memory:": "\x1b[38;2;54;234;195m",
+    "tps:": "\x1b[34m",
+    "tflops:": "\x1b[36m",
+    "mfu:": "\x1b[35m",
+}
 
 
 @needs_real
@@ -742,8 +816,9 @@ def test_real_golden_values_written_as_tensorboard_events(tmp_path):
     # derived as SOURCES.md describes: Megatron-style tags from the real golden values, read back cross-format
     pytest.importorskip("tensorboard")
     golden = read_log(REAL / "golden_moe_mtp_fp8_dev_h100.json")
-    events = [(s, {"lm loss": v, "mtp_1 loss": golden.metrics["mtp_1_loss"][s]})
-              for s, v in golden.metrics["lm_loss"].items()]
+    events = [
+        (s, {"lm loss": v, "mtp_1 loss": golden.metrics["mtp_1_loss"][s]}) for s, v in golden.metrics["lm_loss"].items()
+    ]
     events += [(4 * s, {"lm loss vs samples": v}) for s, v in golden.metrics["lm_loss"].items()]
     _write_events(tmp_path / "tb", "events.out.tfevents.1700000000.node0.1.0", events)
     tb = read_log(tmp_path / "tb")

@@ -14,7 +14,7 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 def _snippet(title: str) -> str:
     text = README.read_text()
-    section = text[text.index(title):]
+    section = text[text.index(title) :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -29,11 +29,12 @@ def test_quick_start_snippet_runs_and_matches_naive_formula():
     labels = torch.randint(0, V, (4, S))
     mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0], [0] * 6, [1, 1, 1, 0, 0, 0]], dtype=torch.float64)
     labels = torch.where(mask > 0, labels, -100)
-    mbs = [{"tokens": tokens[i:i + 2], "labels": labels[i:i + 2], "mask": mask[i:i + 2]} for i in (0, 2)]
+    mbs = [{"tokens": tokens[i : i + 2], "labels": labels[i : i + 2], "mask": mask[i : i + 2]} for i in (0, 2)]
     logs = ns["train_step"](model, opt, mbs)
     with torch.no_grad():
-        per_tok = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), reduction="none",
-                                                    ignore_index=-100).view(4, S)
+        per_tok = torch.nn.functional.cross_entropy(
+            model(tokens).flatten(0, 1), labels.flatten(), reduction="none", ignore_index=-100
+        ).view(4, S)
     s = (per_tok * mask).sum(1)
     n = mask.sum(1)
     assert abs(logs["objective"] - float((s / n.clamp(min=1)).mean())) < 1e-12  # per_sample

@@ -37,7 +37,9 @@ def test_every_reference_points_to_an_existing_section():
 
 
 def test_no_reference_leaves_the_repository():
-    offenders = [p.relative_to(ROOT).as_posix() for p in _sources()
-                 if re.search(r"shared/SPEC|SPEC\.md", p.read_text(errors="replace"))
-                 and p.name != "test_semantics_doc.py"]
+    offenders = [
+        p.relative_to(ROOT).as_posix()
+        for p in _sources()
+        if re.search(r"shared/SPEC|SPEC\.md", p.read_text(errors="replace")) and p.name != "test_semantics_doc.py"
+    ]
     assert not offenders

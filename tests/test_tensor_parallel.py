@@ -14,15 +14,20 @@ pytestmark = pytest.mark.slow
 def _sharding(rank: int, world: int) -> dict:
     from lossparity.training.trainer import TrainConfig, Trainer
 
-    t = Trainer(TrainConfig(tp=2, steps=1, global_batch=4, seq_len=16, progress=False, tensorboard=False,
-                            model_overrides={}))
+    t = Trainer(
+        TrainConfig(tp=2, steps=1, global_batch=4, seq_len=16, progress=False, tensorboard=False, model_overrides={})
+    )
     attn = t.raw.layers[0].attention
     experts = t.raw.layers[1].ffn.experts
-    return {"wq": [str(p) for p in attn.wq.weight.placements], "local_heads": attn.n_heads,
-            "w1_local": tuple(experts.w1.to_local().shape), "w1": tuple(experts.w1.shape),
-            "router": [str(p) for p in t.raw.layers[1].ffn.router.weight.placements],
-            "head": [str(p) for p in t.raw.output.weight.placements],
-            "head_local": t.raw.output.weight.to_local().shape[0]}
+    return {
+        "wq": [str(p) for p in attn.wq.weight.placements],
+        "local_heads": attn.n_heads,
+        "w1_local": tuple(experts.w1.to_local().shape),
+        "w1": tuple(experts.w1.shape),
+        "router": [str(p) for p in t.raw.layers[1].ffn.router.weight.placements],
+        "head": [str(p) for p in t.raw.output.weight.placements],
+        "head_local": t.raw.output.weight.to_local().shape[0],
+    }
 
 
 def test_tp_really_shards_and_replicates_the_router():
@@ -42,8 +47,18 @@ def test_tp_layouts_match_reference():
 def _lagged_counts(rank: int, world: int, tp: int) -> tuple:
     from lossparity.training.trainer import TrainConfig, Trainer
 
-    t = Trainer(TrainConfig(tp=tp, steps=1, global_batch=4, seq_len=16, progress=False, tensorboard=False,
-                            dtype="float64", bias_rate=0.0))
+    t = Trainer(
+        TrainConfig(
+            tp=tp,
+            steps=1,
+            global_batch=4,
+            seq_len=16,
+            progress=False,
+            tensorboard=False,
+            dtype="float64",
+            bias_rate=0.0,
+        )
+    )
     t.fit()
     return float(t.moe.lagged_tokens), t.moe.lagged_counts.clone()
 
@@ -60,15 +75,20 @@ def _sp_facts(rank: int, world: int) -> dict:
     from lossparity.training.data import global_batch, split_batch
     from lossparity.training.trainer import TrainConfig, Trainer, _valid_tokens
 
-    t = Trainer(TrainConfig(tp=2, sp=True, steps=1, global_batch=4, seq_len=16, packed=True, progress=False,
-                            tensorboard=False))
+    t = Trainer(
+        TrainConfig(tp=2, sp=True, steps=1, global_batch=4, seq_len=16, packed=True, progress=False, tensorboard=False)
+    )
     mb = split_batch(global_batch(t.corpus, 0, global_batch_size=4, seq_len=16, packed=True, seed=0), 1, 0, 1, 4)[0]
     seg, _ = _valid_tokens(mb)
     out = t.raw(mb.tokens, segment_ids=seg, positions=mb.positions)
-    return {"router_tokens": out.routers[0].probs.shape[0], "hidden": tuple(out.hidden.shape),
-            "token_group": t.acc.groups.token_group is not None and __import__("torch").distributed.get_world_size(
-                t.acc.groups.token_group), "grad_group": t.acc.groups.grad_group,
-            "counts": t.raw.moe_routers()[0].tokens_per_expert.clone()}
+    return {
+        "router_tokens": out.routers[0].probs.shape[0],
+        "hidden": tuple(out.hidden.shape),
+        "token_group": t.acc.groups.token_group is not None
+        and __import__("torch").distributed.get_world_size(t.acc.groups.token_group),
+        "grad_group": t.acc.groups.grad_group,
+        "counts": t.raw.moe_routers()[0].tokens_per_expert.clone(),
+    }
 
 
 def test_sequence_parallel_routes_slices_and_sums_counts_over_tp():

@@ -61,8 +61,9 @@ def test_mtp_weights_give_the_mtp_share(mode, convention):
     masks = [roll_mtp(labels, mask, seg, k)[1] for k in (1, 2)]
     losses = [loss.roll(k, dims=1) for k in (1, 2)]
     dens = [5.0] if convention == "pooled" else [5.0, 3.0]
-    ws = mtp_token_weights(mode, masks, convention=convention, segment_ids=seg, fixed_length=10,
-                           denominators=dens, scale=0.3)
+    ws = mtp_token_weights(
+        mode, masks, convention=convention, segment_ids=seg, fixed_length=10, denominators=dens, scale=0.3
+    )
     nums = mtp_numerator(mode, losses, masks, convention=convention, segment_ids=seg, fixed_length=10)
     expected = 0.3 * sum(n / d for n, d in zip(nums, dens))
     torch.testing.assert_close(sum((w * x).sum() for w, x in zip(ws, losses)), expected, rtol=1e-13, atol=0)

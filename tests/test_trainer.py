@@ -91,15 +91,18 @@ def test_atomic_save_keeps_previous_checkpoint_on_crash(tmp_path, monkeypatch):
     assert torch.load(os.path.join(d, "z.pt"))["y"] == 1
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["train", "--mode", "token_mean"], "unknown mode 'token_mean'; valid: per_token"),
-    (["train", "--global-batch", "6", "--ga", "4"], "global_batch=6 is not divisible by dp*ga=1*4"),
-    (["train", "--data", "no_such_file.jsonl"], "data file not found: no_such_file.jsonl"),
-    (["train", "--model", "huge"], "unknown model preset 'huge'"),
-    (["verify", "--modes", "per_token,bogus"], "unknown mode 'bogus'"),
-    (["train", "--cp", "2", "--seq-len", "30"], "seq_len=30 must be divisible by 4 for cp=2"),
-    (["train", "--cp", "2", "--aux-scope", "micro_batch"], "cp=2 supports aux_scope global_lagged/none"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--mode", "token_mean"], "unknown mode 'token_mean'; valid: per_token"),
+        (["train", "--global-batch", "6", "--ga", "4"], "global_batch=6 is not divisible by dp*ga=1*4"),
+        (["train", "--data", "no_such_file.jsonl"], "data file not found: no_such_file.jsonl"),
+        (["train", "--model", "huge"], "unknown model preset 'huge'"),
+        (["verify", "--modes", "per_token,bogus"], "unknown mode 'bogus'"),
+        (["train", "--cp", "2", "--seq-len", "30"], "seq_len=30 must be divisible by 4 for cp=2"),
+        (["train", "--cp", "2", "--aux-scope", "micro_batch"], "cp=2 supports aux_scope global_lagged/none"),
+    ],
+)
 def test_bad_cli_input_exits_2(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
@@ -110,8 +113,19 @@ def test_cli_train_writes_jsonl_schema(tmp_path, capsys):
     assert main(["train", "--steps", "2", "--ga", "2", "--out", str(out), "--no-progress"]) == 0
     lines = [json.loads(x) for x in open(out / "metrics.jsonl")]
     assert [x["step"] for x in lines] == [1, 2]
-    for key in ("lm_loss", "objective", "tokens", "samples", "mtp_1_loss", "global_load_balancing_loss", "z_loss",
-                "max_vio", "grad_norm", "lr", "tokens_per_s"):
+    for key in (
+        "lm_loss",
+        "objective",
+        "tokens",
+        "samples",
+        "mtp_1_loss",
+        "global_load_balancing_loss",
+        "z_loss",
+        "max_vio",
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+    ):
         assert key in lines[0], key
 
 
@@ -132,19 +146,47 @@ def test_dump_samples_matches_logged_lm_loss(tmp_path):
 def test_trainer_run_compared_with_itself_under_two_layouts_passes(tmp_path, capsys):
     # Two layouts of the same run (K=1 vs K=4, float64) through `lossparity compare`: parity, exit 0.
     for name, ga in (("a", 1), ("b", 4)):
-        assert main(["train", "--steps", "3", "--ga", str(ga), "--dtype", "float64", "--packed", "--seq-len", "32",
-                     "--out", str(tmp_path / name), "--no-progress"]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    "--steps",
+                    "3",
+                    "--ga",
+                    str(ga),
+                    "--dtype",
+                    "float64",
+                    "--packed",
+                    "--seq-len",
+                    "32",
+                    "--out",
+                    str(tmp_path / name),
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
     capsys.readouterr()
-    rc = main(["compare", str(tmp_path / "a" / "metrics.jsonl"), str(tmp_path / "b" / "metrics.jsonl"),
-               "--tol", "*=1e-10", "--report", str(tmp_path / "report")])
+    rc = main(
+        [
+            "compare",
+            str(tmp_path / "a" / "metrics.jsonl"),
+            str(tmp_path / "b" / "metrics.jsonl"),
+            "--tol",
+            "*=1e-10",
+            "--report",
+            str(tmp_path / "report"),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "lm_loss" in out and (tmp_path / "report" / "summary.md").exists()
 
 
 def test_mtp_weight_schedule_and_bias_freeze():
-    t = Trainer(small_cfg(steps=3, mtp_weight=0.3, mtp_weight_after=0.1, mtp_switch_step=2, bias_freeze_step=1,
-                          bias_rate=0.5))
+    t = Trainer(
+        small_cfg(steps=3, mtp_weight=0.3, mtp_weight_after=0.1, mtp_switch_step=2, bias_freeze_step=1, bias_rate=0.5)
+    )
     t.fit(steps=1)
     bias_after_1 = [r.expert_bias.clone() for r in t.routers]
     t.fit()
@@ -164,14 +206,20 @@ def _sharded_resume(rank: int, world: int, out: str, engine: str, tp: int) -> di
         pass
     resumed = Trainer(small_cfg(out=out + "/b", resume=True, **kw))
     resumed.fit()
-    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in resumed.raw.named_parameters()}
-    full_ref = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                for n, p in ref.raw.named_parameters()}
+    full = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in resumed.raw.named_parameters()
+    }
+    full_ref = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in ref.raw.named_parameters()
+    }
     skip = {"tokens_per_s", "step_time_s"}
-    return {"params_equal": all(torch.equal(full[n], full_ref[n]) for n in full),
-            "resumed_from": 2, "logs_equal": [{k: v for k, v in x.items() if k not in skip} for x in ref.history[2:]]
-            == [{k: v for k, v in x.items() if k not in skip} for x in resumed.history]}
+    return {
+        "params_equal": all(torch.equal(full[n], full_ref[n]) for n in full),
+        "resumed_from": 2,
+        "logs_equal": [{k: v for k, v in x.items() if k not in skip} for x in ref.history[2:]]
+        == [{k: v for k, v in x.items() if k not in skip} for x in resumed.history],
+    }
 
 
 @pytest.mark.slow

@@ -89,8 +89,7 @@ MODE_INFO: dict[Mode, tuple[str, str]] = {
     ),
     "per_sample": (
         "(1/N) Σ_i s_i / max(n_i, 1)",
-        "MaxText RFC-0032 calculate_per_token_loss=False; Megatron =False with b=1; "
-        "verl seq-mean-token-mean; GRPO",
+        "MaxText RFC-0032 calculate_per_token_loss=False; Megatron =False with b=1; verl seq-mean-token-mean; GRPO",
     ),
     "per_microbatch": (
         "(1/(D·K)) Σ_mb s_mb / max(n_mb, 1)",

@@ -69,7 +69,10 @@ def run_selfcheck(tol: float = 1e-12) -> list[tuple[str, float, float, bool]]:
         acc.finish_step()
         logged = acc.logs()["objective"]
         ref = naive_objective(mode, losses, masks, segs, 2, 6)
-        ok = (abs(total - ref) <= tol * max(1.0, abs(ref)) and logged is not None
-              and abs(logged - ref) <= tol * max(1.0, abs(ref)))
+        ok = (
+            abs(total - ref) <= tol * max(1.0, abs(ref))
+            and logged is not None
+            and abs(logged - ref) <= tol * max(1.0, abs(ref))
+        )
         rows.append((mode, total, ref, ok))
     return rows

@@ -24,19 +24,29 @@ def tiny_model(kind: str = "llama"):
     import transformers
 
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
     if kind == "nologits":  # a model whose outputs carry no logits (bad input of the integration)
+
         class NoLogits(transformers.LlamaForCausalLM):
             def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kw):
-                out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                      **kw)
+                out = super().forward(
+                    input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kw
+                )
                 return transformers.modeling_outputs.BaseModelOutput(last_hidden_state=out.logits)
 
         return NoLogits(transformers.LlamaConfig(**common))
     if kind == "mixtral":
-        config = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
-                                            output_router_logits=True, router_aux_loss_coef=0.05)
+        config = transformers.MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.05
+        )
         return transformers.MixtralForCausalLM(config)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
 
@@ -63,8 +73,9 @@ def packed_rows(n: int = N_ROWS, seed: int = 2) -> list[dict[str, torch.Tensor]]
     g = torch.Generator().manual_seed(seed)
     rows = []
     for i in range(n):
-        cuts = sorted(set(torch.randint(2, SEQ - 1, (int(torch.randint(0, 4, (1,), generator=g)),),
-                                        generator=g).tolist()))
+        cuts = sorted(
+            set(torch.randint(2, SEQ - 1, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g).tolist())
+        )
         starts = [0] + cuts
         pos = torch.zeros(SEQ, dtype=torch.long)
         for a, b in zip(starts, starts[1:] + [SEQ]):
@@ -91,10 +102,25 @@ class RowDataset(torch.utils.data.Dataset):
 def training_args(out_dir: str, b: int, ga: int, steps: int = STEPS, **over):
     import transformers
 
-    kw = dict(output_dir=out_dir, per_device_train_batch_size=b, gradient_accumulation_steps=ga, max_steps=steps,
-              learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
-              save_strategy="no", report_to=[], use_cpu=True, seed=0, train_sampling_strategy="sequential",
-              dataloader_num_workers=0, disable_tqdm=True, max_grad_norm=0.0)
+    kw = dict(
+        output_dir=out_dir,
+        per_device_train_batch_size=b,
+        gradient_accumulation_steps=ga,
+        max_steps=steps,
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        train_sampling_strategy="sequential",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        max_grad_norm=0.0,
+    )
     kw.update(over)
     return transformers.TrainingArguments(**kw)
 
@@ -108,14 +134,23 @@ def grad_recorder():
             self.grads = []
 
         def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
-            self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()
-                               if p.grad is not None})
+            self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
 
     return GradRecorder()
 
 
-def run(out_dir: str, kind: str, mode: str | None, b: int, ga: int, *, data: str = "padded", steps: int = STEPS,
-        trainer_cls=None, record_grads: bool = False):
+def run(
+    out_dir: str,
+    kind: str,
+    mode: str | None,
+    b: int,
+    ga: int,
+    *,
+    data: str = "padded",
+    steps: int = STEPS,
+    trainer_cls=None,
+    record_grads: bool = False,
+):
     """Train ``steps`` steps; ``mode=None`` runs the plain ``transformers.Trainer``. Returns (final
     parameters, log_history, recorded gradients)."""
     import transformers
@@ -125,8 +160,12 @@ def run(out_dir: str, kind: str, mode: str | None, b: int, ga: int, *, data: str
     rows = rows_for(data)
     model = tiny_model(kind)
     rec = grad_recorder() if record_grads else None
-    kw = dict(model=model, args=training_args(out_dir, b, ga, steps), train_dataset=RowDataset(rows),
-              callbacks=[rec] if rec else None)
+    kw = dict(
+        model=model,
+        args=training_args(out_dir, b, ga, steps),
+        train_dataset=RowDataset(rows),
+        callbacks=[rec] if rec else None,
+    )
     if mode is None:
         trainer = (trainer_cls or transformers.Trainer)(**kw)
     else:
@@ -182,8 +221,15 @@ if __name__ == "__main__":  # torchrun entry point: OUT_PREFIX RUNS_JSON
     for spec in json.loads(sys.argv[2]):
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                params, logs, _ = run(tmp, spec["kind"], spec["mode"], spec["b"], spec["ga"], data=spec["data"],
-                                      steps=spec.get("steps", STEPS))
+                params, logs, _ = run(
+                    tmp,
+                    spec["kind"],
+                    spec["mode"],
+                    spec["b"],
+                    spec["ga"],
+                    data=spec["data"],
+                    steps=spec.get("steps", STEPS),
+                )
                 results[spec["name"]] = {"params": params, "logs": logs}
             except ValueError as e:
                 results[spec["name"]] = {"error": str(e)}

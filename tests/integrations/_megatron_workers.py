@@ -104,8 +104,14 @@ def _one_step(mode: str, rank: int, world: int, n_rows: int, num_mbs: int, mbs: 
 
     from lossparity.integrations.megatron import LossFunc
 
-    config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1, calculate_per_token_loss=True,
-                               finalize_model_grads_func=finalize_model_grads, pipeline_dtype=torch.float64)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=1,
+        calculate_per_token_loss=True,
+        finalize_model_grads_func=finalize_model_grads,
+        pipeline_dtype=torch.float64,
+    )
     model = TinyLM(config)
     loss_fn = LossFunc(mode, config=config, fixed_length=S)
     tokens, labels, mask, seg = global_batch(n_rows)
@@ -121,8 +127,13 @@ def _one_step(mode: str, rank: int, world: int, n_rows: int, num_mbs: int, mbs: 
 
     with _cpu_zeros(schedules):
         reports = schedules.forward_backward_no_pipelining(
-            forward_step_func=forward_step, data_iterator=iter(batches), model=model,
-            num_microbatches=num_mbs, seq_length=S, micro_batch_size=mbs)
+            forward_step_func=forward_step,
+            data_iterator=iter(batches),
+            model=model,
+            num_microbatches=num_mbs,
+            seq_length=S,
+            micro_batch_size=mbs,
+        )
     reduced = {}
     for key in reports[0]:  # megatron/training/training.py train_step, calculate_per_token_loss=True
         val = torch.vstack([r[key].view(-1) for r in reports]).sum(dim=0)

@@ -82,11 +82,19 @@ def titan_step(mode: str, rows: slice, ga: int, mesh=None, cls=None, install=Non
     model = TinyLM()
     t = object.__new__(T)
     group = mesh.get_group() if mesh is not None else None
-    t.config = SimpleNamespace(training=SimpleNamespace(disable_cuda_graphs=False, max_norm=1e6),
-                               parallelism=SimpleNamespace(spmd_backend="none"))
-    t.parallel_dims = SimpleNamespace(dp_enabled=mesh is not None, pp_enabled=False, cp_enabled=False,
-                                      ep_enabled=False, dp_cp_enabled=mesh is not None,
-                                      get_mesh=lambda name: mesh, get_optional_mesh=lambda name: None)
+    t.config = SimpleNamespace(
+        training=SimpleNamespace(disable_cuda_graphs=False, max_norm=1e6),
+        parallelism=SimpleNamespace(spmd_backend="none"),
+    )
+    t.parallel_dims = SimpleNamespace(
+        dp_enabled=mesh is not None,
+        pp_enabled=False,
+        cp_enabled=False,
+        ep_enabled=False,
+        dp_cp_enabled=mesh is not None,
+        get_mesh=lambda name: mesh,
+        get_optional_mesh=lambda name: None,
+    )
     t.model_parts, t.model_config, t.device, t.step, t.ntokens_seen = [model], SimpleNamespace(), "cpu", 1, 0
     t.gradient_accumulation_steps, t.num_pipeline_parallel_microbatches = ga, 1
     t.optimizers = _Optim(model, group)
@@ -100,8 +108,15 @@ def titan_step(mode: str, rows: slice, ga: int, mesh=None, cls=None, install=Non
     else:
         install(t, mode)
     b = tokens.shape[0] // ga
-    data = iter([({"input": tokens[k * b:(k + 1) * b], "positions": positions[k * b:(k + 1) * b]},
-                  labels[k * b:(k + 1) * b]) for k in range(ga)])
+    data = iter(
+        [
+            (
+                {"input": tokens[k * b : (k + 1) * b], "positions": positions[k * b : (k + 1) * b]},
+                labels[k * b : (k + 1) * b],
+            )
+            for k in range(ga)
+        ]
+    )
     t.train_step(data)
     return t.optimizers.grads
 

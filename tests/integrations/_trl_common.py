@@ -30,22 +30,38 @@ def examples(n: int = 40, seed: int = 5) -> list[dict[str, list[int]]]:
     return out
 
 
-def sft_args(out_dir: str, b: int, ga: int, *, padding_free: bool = False, packing: bool = False,
-             steps: int = STEPS):
+def sft_args(out_dir: str, b: int, ga: int, *, padding_free: bool = False, packing: bool = False, steps: int = STEPS):
     """SFTConfig of the tests: SGD, constant LR, no clipping, sequential sampling; ``packing`` packs the
     examples into rows of 16 tokens (TRL's best-fit decreasing, padding-free batches)."""
     import trl
 
-    return trl.SFTConfig(packing=packing, **({"max_length": 16} if packing else {"max_length": None}),
-                         output_dir=out_dir, per_device_train_batch_size=b, gradient_accumulation_steps=ga,
-                         max_steps=steps, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant",
-                         logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-                         train_sampling_strategy="sequential", dataloader_num_workers=0, disable_tqdm=True,
-                         max_grad_norm=0.0, padding_free=padding_free or packing, bf16=False)
+    return trl.SFTConfig(
+        packing=packing,
+        **({"max_length": 16} if packing else {"max_length": None}),
+        output_dir=out_dir,
+        per_device_train_batch_size=b,
+        gradient_accumulation_steps=ga,
+        max_steps=steps,
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        train_sampling_strategy="sequential",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        max_grad_norm=0.0,
+        padding_free=padding_free or packing,
+        bf16=False,
+    )
 
 
-def run_sft(out_dir: str, mode: str, b: int, ga: int, *, padding_free: bool = False, packing: bool = False,
-            steps: int = STEPS):
+def run_sft(
+    out_dir: str, mode: str, b: int, ga: int, *, padding_free: bool = False, packing: bool = False, steps: int = STEPS
+):
     """``class MySFT(LossParityMixin, trl.SFTTrainer)`` for ``steps`` steps; returns (params, log_history,
     the first 8 rows as TRL prepared them)."""
     import datasets
@@ -58,8 +74,13 @@ def run_sft(out_dir: str, mode: str, b: int, ga: int, *, padding_free: bool = Fa
 
     args = sft_args(out_dir, b, ga, padding_free=padding_free, packing=packing, steps=steps)
     model = tiny_model("llama")
-    trainer = MySFT(model=model, args=args, train_dataset=datasets.Dataset.from_list(examples()),
-                    processing_class=tokenizer(), loss_mode=mode)
+    trainer = MySFT(
+        model=model,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(examples()),
+        processing_class=tokenizer(),
+        loss_mode=mode,
+    )
     trainer.train()
     first = [trainer.train_dataset[i] for i in range(8)]
     return {n: p.detach().clone() for n, p in model.named_parameters()}, trainer.state.log_history, first
@@ -75,8 +96,8 @@ def naive_mean_of_example_means(rows: list[dict]) -> float:
             lengths = row.get("seq_lengths") or [len(row["input_ids"])]
             start = 0
             for n in lengths:
-                ids = torch.tensor(row["input_ids"][start:start + n])
-                labels = torch.tensor(row["labels"][start:start + n])
+                ids = torch.tensor(row["input_ids"][start : start + n])
+                labels = torch.tensor(row["labels"][start : start + n])
                 start += n
                 logp = torch.log_softmax(model(input_ids=ids[None], use_cache=False).logits[0].double(), -1)
                 terms = [-float(logp[t, labels[t + 1]]) for t in range(n - 1) if labels[t + 1] != -100]

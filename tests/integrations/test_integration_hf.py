@@ -45,11 +45,25 @@ def _param_rel(a: dict, b: dict, p0: dict) -> tuple[float, float]:
 
 
 def _torchrun(tmp_path: Path, runs: list[dict]) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(HERE)]), OMP_NUM_THREADS="1",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(HERE / "_hf_common.py"),
-           str(tmp_path / "out"), json.dumps(runs)]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(SRC), str(HERE)]),
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(HERE / "_hf_common.py"),
+        str(tmp_path / "out"),
+        json.dumps(runs),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(tmp_path / f"out.rank{r}.pt") for r in range(2)]
@@ -108,7 +122,7 @@ def test_moe_aux_loss_is_added_once_per_step(tmp_path):
     model = tiny_model("mixtral")
     coef, auxes = model.config.router_aux_loss_coef, []
     for k in range(2):
-        batch = {key: torch.stack([r[key] for r in rows[4 * k:4 * k + 4]]) for key in rows[0]}
+        batch = {key: torch.stack([r[key] for r in rows[4 * k : 4 * k + 4]]) for key in rows[0]}
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
         logp = torch.log_softmax(out.logits.float(), -1)
         term = 0.0
@@ -137,10 +151,14 @@ def test_bad_input_raises_before_the_first_optimizer_step(tmp_path, case):
     rows = rows_for("ignored" if case == "all_labels_ignored" else "padded")
     model = tiny_model("nologits" if case == "no_logits" else "llama")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer = LossParityTrainer(model=model, args=training_args(str(tmp_path), 2, 2), train_dataset=RowDataset(rows),
-                                loss_mode=mode)
-    match = {"per_document_without_segments": "segment_ids", "all_labels_ignored": "labels",
-             "no_logits": "model: .*logits"}[case]
+    trainer = LossParityTrainer(
+        model=model, args=training_args(str(tmp_path), 2, 2), train_dataset=RowDataset(rows), loss_mode=mode
+    )
+    match = {
+        "per_document_without_segments": "segment_ids",
+        "all_labels_ignored": "labels",
+        "no_logits": "model: .*logits",
+    }[case]
     with pytest.raises(ValueError, match=match):
         trainer.train()
     assert trainer.state.global_step == 0
@@ -154,14 +172,25 @@ def test_bad_options_are_rejected_at_construction(tmp_path):
     from lossparity.integrations.hf import LossParityTrainer
 
     with pytest.raises(ValueError, match="loss_mode"):
-        LossParityTrainer(model=tiny_model(), args=training_args(str(tmp_path), 2, 1),
-                          train_dataset=RowDataset(padded_rows()), loss_mode="per_row")
+        LossParityTrainer(
+            model=tiny_model(),
+            args=training_args(str(tmp_path), 2, 1),
+            train_dataset=RowDataset(padded_rows()),
+            loss_mode="per_row",
+        )
     with pytest.raises(ValueError, match="label_smoothing_factor"):
-        LossParityTrainer(model=tiny_model(), args=training_args(str(tmp_path), 2, 1, label_smoothing_factor=0.1),
-                          train_dataset=RowDataset(padded_rows()))
+        LossParityTrainer(
+            model=tiny_model(),
+            args=training_args(str(tmp_path), 2, 1, label_smoothing_factor=0.1),
+            train_dataset=RowDataset(padded_rows()),
+        )
     with pytest.raises(ValueError, match="compute_loss_func"):
-        LossParityTrainer(model=tiny_model(), args=training_args(str(tmp_path), 2, 1),
-                          train_dataset=RowDataset(padded_rows()), compute_loss_func=lambda *a, **k: 0.0)
+        LossParityTrainer(
+            model=tiny_model(),
+            args=training_args(str(tmp_path), 2, 1),
+            train_dataset=RowDataset(padded_rows()),
+            compute_loss_func=lambda *a, **k: 0.0,
+        )
 
 
 def test_evaluate_reports_the_batch_objective(tmp_path):
@@ -171,8 +200,13 @@ def test_evaluate_reports_the_batch_objective(tmp_path):
 
     rows = padded_rows()[:8]
     args = training_args(str(tmp_path), 2, 1, per_device_eval_batch_size=8)
-    trainer = LossParityTrainer(model=tiny_model(), args=args, train_dataset=RowDataset(rows),
-                                eval_dataset=RowDataset(rows), loss_mode="per_sample")
+    trainer = LossParityTrainer(
+        model=tiny_model(),
+        args=args,
+        train_dataset=RowDataset(rows),
+        eval_dataset=RowDataset(rows),
+        loss_mode="per_sample",
+    )
     metrics = trainer.evaluate()
     assert metrics["eval_loss"] == pytest.approx(naive_step1_objective("per_sample", rows), rel=1e-5)
 
@@ -187,8 +221,12 @@ def test_per_document_from_a_segment_ids_column(tmp_path):
     rows = padded_rows()
     for r in rows:
         r["segment_ids"] = r["attention_mask"].clone()
-    trainer = LossParityTrainer(model=tiny_model(), args=training_args(str(tmp_path), 4, 2, steps=1),
-                                train_dataset=RowDataset(rows), loss_mode="per_document")
+    trainer = LossParityTrainer(
+        model=tiny_model(),
+        args=training_args(str(tmp_path), 4, 2, steps=1),
+        train_dataset=RowDataset(rows),
+        loss_mode="per_document",
+    )
     trainer.train()
     logs = trainer.state.log_history[0]
     assert logs["objective"] == pytest.approx(naive_step1_objective("per_sample", padded_rows()), rel=1e-5)
@@ -199,8 +237,12 @@ def test_row_weighted_mode_on_packed_rows_warns(tmp_path):
 
     from lossparity.integrations.hf import LossParityTrainer
 
-    trainer = LossParityTrainer(model=tiny_model(), args=training_args(str(tmp_path), 4, 1, steps=1),
-                                train_dataset=RowDataset(packed_rows()), loss_mode="per_sample")
+    trainer = LossParityTrainer(
+        model=tiny_model(),
+        args=training_args(str(tmp_path), 4, 1, steps=1),
+        train_dataset=RowDataset(packed_rows()),
+        loss_mode="per_sample",
+    )
     with pytest.warns(UserWarning, match="per_document"):
         trainer.train()
 
@@ -213,8 +255,12 @@ def test_logging_interval_averages_the_per_step_values(tmp_path):
 
     logs = {}
     for every in (1, 2):
-        trainer = LossParityTrainer(model=tiny_model(), train_dataset=RowDataset(padded_rows()), loss_mode="per_sample",
-                                    args=training_args(str(tmp_path), 4, 2, steps=4, logging_steps=every))
+        trainer = LossParityTrainer(
+            model=tiny_model(),
+            train_dataset=RowDataset(padded_rows()),
+            loss_mode="per_sample",
+            args=training_args(str(tmp_path), 4, 2, steps=4, logging_steps=every),
+        )
         trainer.train()
         logs[every] = [x for x in trainer.state.log_history if "objective" in x]
     for key in ("objective", "lm_loss"):

@@ -11,17 +11,24 @@ import pytest
 def test_importing_the_package_imports_no_framework(monkeypatch):
     for name in ("transformers", "trl", "megatron", "torchtitan"):
         monkeypatch.setitem(sys.modules, name, None)  # any import of them would now fail
-    for mod in ("lossparity.integrations", "lossparity.integrations.hf", "lossparity.integrations.megatron",
-                "lossparity.integrations.torchtitan"):
+    for mod in (
+        "lossparity.integrations",
+        "lossparity.integrations.hf",
+        "lossparity.integrations.megatron",
+        "lossparity.integrations.torchtitan",
+    ):
         monkeypatch.delitem(sys.modules, mod, raising=False)
         importlib.import_module(mod)
 
 
-@pytest.mark.parametrize("module,attr,extra,args", [
-    ("lossparity.integrations.hf", "LossParityTrainer", "hf", None),
-    ("lossparity.integrations.megatron", "LossFunc", "megatron", ("per_sample",)),
-    ("lossparity.integrations.torchtitan", "LossParityLoss", "torchtitan", ("per_sample",)),
-])
+@pytest.mark.parametrize(
+    "module,attr,extra,args",
+    [
+        ("lossparity.integrations.hf", "LossParityTrainer", "hf", None),
+        ("lossparity.integrations.megatron", "LossFunc", "megatron", ("per_sample",)),
+        ("lossparity.integrations.torchtitan", "LossParityLoss", "torchtitan", ("per_sample",)),
+    ],
+)
 def test_missing_framework_gives_one_line_naming_the_extra(monkeypatch, module, attr, extra, args):
     for name in ("transformers", "megatron.core", "torchtitan"):
         monkeypatch.setitem(sys.modules, name, None)

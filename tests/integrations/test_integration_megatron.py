@@ -40,8 +40,8 @@ def _naive_objective(mode: str, loss: torch.Tensor, mask: torch.Tensor, seg: tor
         return (loss * mask).sum() / mask.sum()
     if mode == "per_microbatch":  # microbatches of MBS consecutive rows, over all ranks
         for r in range(0, loss.shape[0], MBS):
-            w = mask[r:r + MBS]
-            terms.append((loss[r:r + MBS] * w).sum() / max(float(w.sum()), 1.0))
+            w = mask[r : r + MBS]
+            terms.append((loss[r : r + MBS] * w).sum() / max(float(w.sum()), 1.0))
         return torch.stack(terms).sum() / len(terms)
     return torch.stack(terms).sum() / units
 
@@ -79,8 +79,7 @@ def test_forward_backward_no_pipelining_gives_the_objective_gradients():
 def test_returned_counts_are_integer_tensors_and_numerators_match_naive():
     _, _, mask, seg = global_batch(4)
     loss = torch.rand(4, S, dtype=torch.float64)
-    for mode, count in [("per_sample", 4), ("per_token", int(mask.sum())), ("per_microbatch", 1),
-                        ("per_document", 8)]:
+    for mode, count in [("per_sample", 4), ("per_token", int(mask.sum())), ("per_microbatch", 1), ("per_document", 8)]:
         num, n, report = LossFunc(mode)(mask, loss, segment_ids=seg)
         assert n.dtype == torch.int and n.dim() == 0 and int(n) == count, mode
         # one microbatch of 4 rows: its per_microbatch numerator is its token mean

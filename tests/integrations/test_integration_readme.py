@@ -15,7 +15,7 @@ README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 def _snippet(title: str) -> str:
     text = README.read_text()
-    section = text[text.index(title + "\n"):]
+    section = text[text.index(title + "\n") :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -36,8 +36,14 @@ def test_hf_trainer_snippet(tmp_path):
     pytest.importorskip("transformers")
     from _hf_common import RowDataset, naive_step1_objective, padded_rows, tiny_model, training_args
 
-    ns = _run("### Hugging Face Trainer", {"model": tiny_model(), "args": training_args(str(tmp_path), 2, 4, steps=1),
-                                            "train_dataset": RowDataset(padded_rows())})
+    ns = _run(
+        "### Hugging Face Trainer",
+        {
+            "model": tiny_model(),
+            "args": training_args(str(tmp_path), 2, 4, steps=1),
+            "train_dataset": RowDataset(padded_rows()),
+        },
+    )
     assert ns["step1"]["objective"] == pytest.approx(naive_step1_objective("per_sample", padded_rows()), rel=1e-5)
     assert "lm_loss" in ns["step1"]
 
@@ -48,9 +54,15 @@ def test_trl_snippet(tmp_path):
     from _hf_common import tiny_model
     from _trl_common import examples, naive_mean_of_example_means, sft_args, tokenizer
 
-    ns = _run("### TRL SFTTrainer", {"model": tiny_model(), "tokenizer": tokenizer(),
-                                     "sft_args": sft_args(str(tmp_path), 2, 4, padding_free=True, steps=1),
-                                     "sft_dataset": datasets.Dataset.from_list(examples())})
+    ns = _run(
+        "### TRL SFTTrainer",
+        {
+            "model": tiny_model(),
+            "tokenizer": tokenizer(),
+            "sft_args": sft_args(str(tmp_path), 2, 4, padding_free=True, steps=1),
+            "sft_dataset": datasets.Dataset.from_list(examples()),
+        },
+    )
     ns["sft"].train()
     first = [ns["sft"].train_dataset[i] for i in range(8)]
     assert ns["sft"].state.log_history[0]["objective"] == pytest.approx(naive_mean_of_example_means(first), rel=1e-5)

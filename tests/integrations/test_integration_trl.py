@@ -18,8 +18,10 @@ import torch  # noqa: E402
 from _trl_common import naive_mean_of_example_means, run_sft  # noqa: E402
 
 
-@pytest.mark.parametrize("mode,padding_free,packing", [("per_sample", False, False), ("per_document", True, False),
-                                                       ("per_document", False, True)])
+@pytest.mark.parametrize(
+    "mode,padding_free,packing",
+    [("per_sample", False, False), ("per_document", True, False), ("per_document", False, True)],
+)
 def test_sft_trainer_objective_is_layout_invariant(tmp_path, mode, padding_free, packing):
     n = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -33,9 +35,12 @@ def test_sft_trainer_objective_is_layout_invariant(tmp_path, mode, padding_free,
     naive = naive_mean_of_example_means(first)
     worst = max(abs(x[0]["objective"] - naive) / naive for x in (la, lb))
     kind = "packed" if packing else "padding-free" if padding_free else "padded"
-    print(f"measured: TRL SFTTrainer {mode} ({kind}) 2x4 vs 8x1 after 5 steps: params {rel:.1e}; "
-          f"step-1 objective {worst:.1e}")
+    print(
+        f"measured: TRL SFTTrainer {mode} ({kind}) 2x4 vs 8x1 after 5 steps: params {rel:.1e}; "
+        f"step-1 objective {worst:.1e}"
+    )
     for logs in (la, lb):
         assert logs[0]["step"] == 1 and logs[0]["objective"] == pytest.approx(naive, rel=1e-5)
     assert [x["objective"] for x in lb if "objective" in x] == pytest.approx(
-        [x["objective"] for x in la if "objective" in x], rel=1e-5)
+        [x["objective"] for x in la if "objective" in x], rel=1e-5
+    )

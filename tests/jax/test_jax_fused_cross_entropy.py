@@ -39,8 +39,12 @@ def _naive_torch(h, w, y, wt, z_coeff, upstream):
 
 
 # (dtype, rtol, z-loss, chunk): a ragged last chunk, one-token chunks, the default chunk (one here)
-CASES = [(np.float64, 1e-12, 0.0, 8), (np.float64, 1e-12, 1e-2, 1), (np.float64, 1e-12, 1e-2, None),
-         (np.float32, 2e-6, 1e-2, 8)]
+CASES = [
+    (np.float64, 1e-12, 0.0, 8),
+    (np.float64, 1e-12, 1e-2, 1),
+    (np.float64, 1e-12, 1e-2, None),
+    (np.float32, 2e-6, 1e-2, 8),
+]
 
 
 @pytest.mark.parametrize("dtype,rtol,z_coeff,chunk", CASES)
@@ -53,7 +57,8 @@ def test_values_and_grads_match_naive(dtype, rtol, z_coeff, chunk):
         return 2.5 * total, (total, loss)
 
     grads, (total, loss) = jax.jit(jax.grad(f, argnums=(0, 1, 2), has_aux=True))(
-        jnp.asarray(h), jnp.asarray(w), jnp.asarray(wt))
+        jnp.asarray(h), jnp.asarray(w), jnp.asarray(wt)
+    )
     assert loss.dtype == dtype and grads[0].dtype == dtype and grads[1].dtype == dtype
     assert (np.asarray(loss)[y == -100] == 0).all()
     for got, ref in zip((total, loss, *grads), want):
@@ -64,8 +69,9 @@ def test_batched_shape_and_per_token_loss_is_not_differentiated():
     h, w, y, wt = _inputs(1, np.float64)
     hb, yb, wtb = h[:36].reshape(4, 9, H), y[:36].reshape(4, 9), wt[:36].reshape(4, 9)
     want = _naive_torch(h[:36], w, y[:36], wt[:36], 0.0, upstream=1.0)
-    total, loss = fused_linear_cross_entropy(jnp.asarray(hb), jnp.asarray(w), jnp.asarray(yb), jnp.asarray(wtb),
-                                             chunk_size=5)
+    total, loss = fused_linear_cross_entropy(
+        jnp.asarray(hb), jnp.asarray(w), jnp.asarray(yb), jnp.asarray(wtb), chunk_size=5
+    )
     assert loss.shape == (4, 9)
     np.testing.assert_allclose(np.asarray(loss).reshape(-1), want[1], rtol=1e-12, atol=1e-12)
     # the per-token losses are under stop_gradient: only J carries gradients

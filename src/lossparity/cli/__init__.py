@@ -61,16 +61,27 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="prove layout invariance of objective, logs, gradients, parameters")
     v.add_argument("--quick", action="store_true", help="6 layouts (one composed), 2 steps (CI)")
-    v.add_argument("--full", action="store_true",
-                   help="the default layouts plus 3-D pipeline layouts, 5 steps (by hand; the default runs 3)")
-    v.add_argument("--layouts", default="", metavar="NAME[,NAME...]",
-                   help="run these layouts instead, named [DnX][CnX][Tn[+SP]X][Pn[xVn]X][EnX][Kn][+recompute][+fsdp] "
-                        "(e.g. D2xC2xT2+SPxK2+recompute)")
+    v.add_argument(
+        "--full",
+        action="store_true",
+        help="the default layouts plus 3-D pipeline layouts, 5 steps (by hand; the default runs 3)",
+    )
+    v.add_argument(
+        "--layouts",
+        default="",
+        metavar="NAME[,NAME...]",
+        help="run these layouts instead, named [DnX][CnX][Tn[+SP]X][Pn[xVn]X][EnX][Kn][+recompute][+fsdp] "
+        "(e.g. D2xC2xT2+SPxK2+recompute)",
+    )
     v.add_argument("--steps", type=int, default=0, help="steps per run (default 3, --quick 2, --full 5)")
     v.add_argument("--modes", default="", help="comma-separated modes (default: all)")
     v.add_argument("--aux-scope", default="global_lagged", help="MoE aux-loss scope of the runs")
-    v.add_argument("--loss-impl", default="fused", choices=list(LOSS_IMPLS),
-                   help="output-layer cross-entropy of the runs (default fused)")
+    v.add_argument(
+        "--loss-impl",
+        default="fused",
+        choices=list(LOSS_IMPLS),
+        help="output-layer cross-entropy of the runs (default fused)",
+    )
     v.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
     v.set_defaults(func=_train_glue("cmd_verify"))
 

@@ -111,14 +111,31 @@ def add_modes_arguments(parser: argparse.ArgumentParser) -> None:
     from ..parity.presets import FRAMEWORKS
 
     parser.add_argument("--no-check", action="store_true", help="only print the table")
-    parser.add_argument("--from", dest="from_preset", default=None, metavar="SRC",
-                        help="source preset, e.g. megatron:calculate_per_token_loss=false")
-    parser.add_argument("--to", dest="to_framework", default=None, metavar="TGT",
-                        help=f"target framework ({', '.join(FRAMEWORKS)}) or preset spec")
-    parser.add_argument("--microbatch-size", dest="microbatch_size", type=positive_int, default=None, metavar="b",
-                        help="the source's micro-batch size (decides per_microbatch vs per_sample)")
-    parser.add_argument("--presets", dest="show_presets", action="store_true",
-                        help="print the framework preset table (Markdown)")
+    parser.add_argument(
+        "--from",
+        dest="from_preset",
+        default=None,
+        metavar="SRC",
+        help="source preset, e.g. megatron:calculate_per_token_loss=false",
+    )
+    parser.add_argument(
+        "--to",
+        dest="to_framework",
+        default=None,
+        metavar="TGT",
+        help=f"target framework ({', '.join(FRAMEWORKS)}) or preset spec",
+    )
+    parser.add_argument(
+        "--microbatch-size",
+        dest="microbatch_size",
+        type=positive_int,
+        default=None,
+        metavar="b",
+        help="the source's micro-batch size (decides per_microbatch vs per_sample)",
+    )
+    parser.add_argument(
+        "--presets", dest="show_presets", action="store_true", help="print the framework preset table (Markdown)"
+    )
 
 
 def _modes_translation(args: argparse.Namespace) -> int:
@@ -168,16 +185,32 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tol", default="", help="e.g. lm_loss=1e-3,mtp_1_loss=rel:1e-3,grad_norm=abs:0.01")
     parser.add_argument("--window", type=_parse_window, default=None, help="START:END, inclusive")
     parser.add_argument("--smooth", type=positive_int, default=1, help="trailing moving-average width")
-    parser.add_argument("--megatron-rule", action="store_true",
-                        help="allow min(max(n//100,1),50) failing points of n (Megatron functional tests)")
-    parser.add_argument("--missing-steps", choices=MISSING_STEPS, default="span",
-                        help="span (default): fail when the candidate starts later or stops earlier than the "
-                             "reference; all: fail on any reference step the candidate lacks; ignore: only report")
-    parser.add_argument("--require-all-steps", dest="missing_steps", action="store_const", const="all",
-                        help="same as --missing-steps all")
+    parser.add_argument(
+        "--megatron-rule",
+        action="store_true",
+        help="allow min(max(n//100,1),50) failing points of n (Megatron functional tests)",
+    )
+    parser.add_argument(
+        "--missing-steps",
+        choices=MISSING_STEPS,
+        default="span",
+        help="span (default): fail when the candidate starts later or stops earlier than the "
+        "reference; all: fail on any reference step the candidate lacks; ignore: only report",
+    )
+    parser.add_argument(
+        "--require-all-steps",
+        dest="missing_steps",
+        action="store_const",
+        const="all",
+        help="same as --missing-steps all",
+    )
     parser.add_argument("--align", choices=ALIGNS, default="step")
-    parser.add_argument("--ref-gbs", type=positive_int, default=None,
-                        help="reference global batch size (consumed samples for --align samples)")
+    parser.add_argument(
+        "--ref-gbs",
+        type=positive_int,
+        default=None,
+        help="reference global batch size (consumed samples for --align samples)",
+    )
     parser.add_argument("--cand-gbs", type=positive_int, default=None, help="candidate global batch size")
     parser.add_argument("--ref-step-base", type=int, default=None, help="reference's first step number")
     parser.add_argument("--cand-step-base", type=int, default=None, help="candidate's first step number")
@@ -191,8 +224,9 @@ def _load(args: argparse.Namespace, role: str) -> Run:
 
     shared_map = parse_name_map(args.name_map)
     own_map = parse_name_map(getattr(args, f"{role}_name_map"))
-    run = read_log(getattr(args, role), fmt=getattr(args, f"{role}_format") or args.fmt,
-                   name_map={**shared_map, **own_map} or None)
+    run = read_log(
+        getattr(args, role), fmt=getattr(args, f"{role}_format") or args.fmt, name_map={**shared_map, **own_map} or None
+    )
     base = getattr(args, f"{role}_step_base")
     if base is not None:
         run.step_base = base
@@ -216,9 +250,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
     try:
         ref, cand = _load(args, "ref"), _load(args, "cand")
         metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
-        result = compare_runs(ref, cand, tolerances=args.tol or None, metrics=metrics, window=args.window,
-                              smooth=args.smooth, megatron_rule=args.megatron_rule, align=args.align,
-                              missing_steps=args.missing_steps)
+        result = compare_runs(
+            ref,
+            cand,
+            tolerances=args.tol or None,
+            metrics=metrics,
+            window=args.window,
+            smooth=args.smooth,
+            megatron_rule=args.megatron_rule,
+            align=args.align,
+            missing_steps=args.missing_steps,
+        )
     except (OSError, ImportError, ValueError) as e:  # LogParseError and CompareInputError are ValueErrors
         return _error("compare", args, "log error" if isinstance(e, (LogParseError, OSError)) else "input error", e)
     if args.report:
@@ -241,21 +283,35 @@ def add_gap_arguments(parser: argparse.ArgumentParser) -> None:
     ``.npz``) and ``--microbatch-size``, ``--fixed-length``, ``--bootstrap``, ``--seed``, ``--ci``,
     ``--every``, ``--json``, ``--plot``, ``--compare-drift A B``, ``--drift-metric``, ``--log-format``."""
     parser.add_argument("source", help="run directory (with samples/), dump directory, or .npz file")
-    parser.add_argument("--microbatch-size", type=positive_int, default=None,
-                        help="b for per_microbatch (default: the dump's meta)")
-    parser.add_argument("--fixed-length", type=positive_int, default=None,
-                        help="L for sample_sum_norm (default: the dump's fixed_length, else its seq_len)")
+    parser.add_argument(
+        "--microbatch-size", type=positive_int, default=None, help="b for per_microbatch (default: the dump's meta)"
+    )
+    parser.add_argument(
+        "--fixed-length",
+        type=positive_int,
+        default=None,
+        help="L for sample_sum_norm (default: the dump's fixed_length, else its seq_len)",
+    )
     parser.add_argument("--bootstrap", type=_non_negative_int, default=1000, help="bootstrap replicates (0: none)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the bootstrap's numpy Generator")
     parser.add_argument("--ci", type=_probability, default=0.95, help="confidence level of the intervals")
     parser.add_argument("--every", type=positive_int, default=1, help="summarize blocks of K steps")
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     parser.add_argument("--plot", default=None, metavar="PATH.png", help="write the per-step gap plot")
-    parser.add_argument("--compare-drift", nargs=2, default=None, metavar=("A_LOG", "B_LOG"),
-                        help="two training logs (A: per_token run, B: per_sample run): is A−B the estimator gap?")
+    parser.add_argument(
+        "--compare-drift",
+        nargs=2,
+        default=None,
+        metavar=("A_LOG", "B_LOG"),
+        help="two training logs (A: per_token run, B: per_sample run): is A−B the estimator gap?",
+    )
     parser.add_argument("--drift-metric", default="objective", help="logged metric compared by --compare-drift")
-    parser.add_argument("--log-format", choices=sorted([*FORMATS, *FORMAT_ALIASES]), default=None,
-                        help="format of both drift logs (default: detect)")
+    parser.add_argument(
+        "--log-format",
+        choices=sorted([*FORMATS, *FORMAT_ALIASES]),
+        default=None,
+        help="format of both drift logs (default: detect)",
+    )
 
 
 def _run_log_steps(dump_dir: str) -> list[int]:
@@ -281,8 +337,16 @@ def _gap_report(args: argparse.Namespace) -> GapReport:
     m = meta or {}
     b = args.microbatch_size if args.microbatch_size is not None else m.get("microbatch_size")
     L = args.fixed_length if args.fixed_length is not None else (m.get("fixed_length") or m.get("seq_len"))
-    report = compute_gap(samples, microbatch_size=int(b) if b else None, fixed_length=int(L) if L else None,
-                         bootstrap=args.bootstrap, seed=args.seed, ci=args.ci, source=path, meta=meta)
+    report = compute_gap(
+        samples,
+        microbatch_size=int(b) if b else None,
+        fixed_length=int(L) if L else None,
+        bootstrap=args.bootstrap,
+        seed=args.seed,
+        ci=args.ci,
+        source=path,
+        meta=meta,
+    )
     report.notes[:0] = notes
     last = max([*samples, *(_run_log_steps(path) if not path.endswith(".npz") else [])])
     first = int(m["step_base"]) if m.get("step_base") is not None else min(samples)
@@ -306,8 +370,9 @@ def cmd_gap(args: argparse.Namespace) -> int:
     from ..parity.gap import format_table, plot_gap
 
     if args.compare_drift and args.bootstrap == 0:
-        return _error("gap", args, "input error", ValueError("--compare-drift needs the bootstrap interval: use "
-                                                             "--bootstrap > 0"))
+        return _error(
+            "gap", args, "input error", ValueError("--compare-drift needs the bootstrap interval: use --bootstrap > 0")
+        )
     try:
         report = _gap_report(args)
     except (OSError, ValueError) as e:  # SampleDumpError and LogParseError are ValueErrors
@@ -319,7 +384,10 @@ def cmd_gap(args: argparse.Namespace) -> int:
             return _error("gap", args, "cannot write the plot", e)
     print(json.dumps(report.to_dict(args.every), indent=2) if args.json else format_table(report, args.every))
     if report.missing:
-        print(f"lossparity gap: error: the dump lacks step(s) {step_ranges(report.missing)} (a crash lost them, or "
-              "the dump was not written for every step): the report covers only the steps present", file=sys.stderr)
+        print(
+            f"lossparity gap: error: the dump lacks step(s) {step_ranges(report.missing)} (a crash lost them, or "
+            "the dump was not written for every step): the report covers only the steps present",
+            file=sys.stderr,
+        )
         return 1
     return 1 if report.drift is not None and not report.drift.explained else 0

@@ -279,8 +279,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if sum(map(bool, (args.quick, args.full, args.layouts))) > 1:
         raise UsageError("--quick, --full and --layouts exclude each other")
     try:
-        layouts = parse_layouts(args.layouts) if args.layouts else \
-            QUICK_LAYOUTS if args.quick else FULL_LAYOUTS if args.full else DEFAULT_LAYOUTS
+        layouts = (
+            parse_layouts(args.layouts)
+            if args.layouts
+            else QUICK_LAYOUTS
+            if args.quick
+            else FULL_LAYOUTS
+            if args.full
+            else DEFAULT_LAYOUTS
+        )
     except ValueError as e:
         raise UsageError(f"--layouts: {e}") from None
     steps = args.steps if args.steps else (2 if args.quick else 5 if args.full else 3)

@@ -29,6 +29,7 @@ register with :meth:`Accountant.register_step_end`; ``logs()`` refuses to run be
 ``lm_loss``/``mtp_loss`` synchronizes with the host: denominators are host numbers read once at
 ``begin_step``, value checks (NaN/Inf, masks) are device flags reported by ``logs()`` (semantics §7).
 """
+
 from __future__ import annotations
 
 import math
@@ -83,13 +84,18 @@ _MB_CODE = 4096  # device-check location code: microbatch * _MB_CODE + sub-locat
 # Built-in value checks: name -> (exception, message); the location is appended.
 _CHECKS: dict[str, tuple[type[Exception], str]] = {
     "lm_nonfinite": (FloatingPointError, "lm_loss: per_token_loss has NaN/Inf where the mask is 1"),
-    "lm_mask": (ValueError, "lm_loss: mask differs from the one begin_step counted for this microbatch "
-                            "({expected} tokens): pass the same masks (0/1), in the same order"),
-    "lm_segments": (ValueError, "lm_loss: segment_ids differ from the ones given to begin_step for this "
-                                "microbatch"),
+    "lm_mask": (
+        ValueError,
+        "lm_loss: mask differs from the one begin_step counted for this microbatch "
+        "({expected} tokens): pass the same masks (0/1), in the same order",
+    ),
+    "lm_segments": (ValueError, "lm_loss: segment_ids differ from the ones given to begin_step for this microbatch"),
     "mtp_nonfinite": (FloatingPointError, "mtp_loss: losses have NaN/Inf where the mask is 1"),
-    "mtp_mask": (ValueError, "mtp_loss: masks must be 0/1 and hold the tokens begin_step counted for this "
-                             "depth (roll the main mask with roll_mtp)"),
+    "mtp_mask": (
+        ValueError,
+        "mtp_loss: masks must be 0/1 and hold the tokens begin_step counted for this "
+        "depth (roll the main mask with roll_mtp)",
+    ),
 }
 
 
@@ -112,8 +118,9 @@ def _is_averaging_engine(model: object) -> bool:
         return False
 
 
-def _unique_grads(model: nn.Module | Iterable[Tensor] | None, fill_missing: bool = False,
-                  skip: set[int] | None = None) -> list[Tensor]:
+def _unique_grads(
+    model: nn.Module | Iterable[Tensor] | None, fill_missing: bool = False, skip: set[int] | None = None
+) -> list[Tensor]:
     """Gradients of the distinct parameters (except those whose ``id`` is in ``skip``); with
     ``fill_missing``, parameters that require grad but got none (e.g. an expert that received no token on
     this rank) get zeros, so that every rank reduces a buffer of the same layout."""
@@ -136,7 +143,6 @@ def _unique_grads(model: nn.Module | Iterable[Tensor] | None, fill_missing: bool
     return grads
 
 
-
 def _as_2d(x: Tensor) -> Tensor:
     return x if x.dim() == 2 else x.unsqueeze(0)
 
@@ -156,11 +162,12 @@ def _check_weight(name: str, value: object) -> float:
 def _check_mask_arg(name: str, mask: object, loss: Tensor) -> Tensor:
     """Type and device of a mask given with a loss (no value scan: those are device flags)."""
     if not isinstance(mask, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__} (convert lists and NumPy "
-                        "arrays with torch.as_tensor)")
+        raise TypeError(
+            f"{name} must be a torch.Tensor, got {type(mask).__name__} (convert lists and NumPy "
+            "arrays with torch.as_tensor)"
+        )
     if mask.device != loss.device:
-        raise ValueError(f"{name} is on {mask.device} but the losses are on {loss.device}: move it to "
-                         f"{loss.device}")
+        raise ValueError(f"{name} is on {mask.device} but the losses are on {loss.device}: move it to {loss.device}")
     return mask
 
 
@@ -168,8 +175,14 @@ def _same_storage(a: object, b: Tensor) -> bool:
     """``a`` and ``b`` view the same elements (the same tensor, or an identical view of it): no sync."""
     if a is b:
         return True
-    return (isinstance(a, Tensor) and a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
-            and a.stride() == b.stride() and a.data_ptr() == b.data_ptr())
+    return (
+        isinstance(a, Tensor)
+        and a.device == b.device
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.data_ptr() == b.data_ptr()
+    )
 
 
 def _reduce_and_scale(grads: list[Tensor], group: ProcessGroup | None, factor: float) -> None:
@@ -244,7 +257,8 @@ class Accountant:
         self.mtp_weight = 1.0
         self._metrics: dict[str, tuple[str, bool]] = {}  # declared metric -> (reduce, per_rank)
         self._checks: dict[str, tuple[type[Exception], str, str]] = {
-            k: (e, m, "MTP depth" if k.startswith("mtp") else "") for k, (e, m) in _CHECKS.items()}
+            k: (e, m, "MTP depth" if k.startswith("mtp") else "") for k, (e, m) in _CHECKS.items()
+        }
         self._step_ends: dict[str, bool] = {}  # registered step ends -> done this step
         self._fingerprint_extra: dict[str, object] = {}
         self.step_index = 0  # number of begin_step calls: lets companions cache per-step reads
@@ -348,12 +362,19 @@ class Accountant:
 
     def _fingerprint_fields(self, count_names: Sequence[str]) -> dict[str, object]:
         """What must be equal on every data-parallel rank (compared by the pre-count all-reduce)."""
-        return {"mode": self.mode, "normalization": self.normalization, "grad_reduction": self.grad_reduction,
-                  "fixed_length": self.fixed_length, "mtp_depths": self.mtp_depths,
-                  "mtp_convention": self.mtp_convention, "mtp_log_estimator": self.mtp_log_estimator,
-                  "mtp_weight": self.mtp_weight, "counts": tuple(count_names),
-                  "log_metrics": (tuple(self._metrics.items()), tuple(self._checks)),
-                  "moe": tuple(sorted((k, repr(v)) for k, v in self._fingerprint_extra.items()))}
+        return {
+            "mode": self.mode,
+            "normalization": self.normalization,
+            "grad_reduction": self.grad_reduction,
+            "fixed_length": self.fixed_length,
+            "mtp_depths": self.mtp_depths,
+            "mtp_convention": self.mtp_convention,
+            "mtp_log_estimator": self.mtp_log_estimator,
+            "mtp_weight": self.mtp_weight,
+            "counts": tuple(count_names),
+            "log_metrics": (tuple(self._metrics.items()), tuple(self._checks)),
+            "moe": tuple(sorted((k, repr(v)) for k, v in self._fingerprint_extra.items())),
+        }
 
     def _count_layout(self, extra: Sequence[str]) -> Layout:
         lay = Layout()
@@ -365,8 +386,10 @@ class Accountant:
         for name in extra:
             lay.add(f"extra:{name}")
         if lay.size > _COUNT_CAPACITY:
-            raise ValueError(f"too many counts ({lay.size} > {_COUNT_CAPACITY}): mtp_depths={self.mtp_depths}, "
-                             f"{len(extra)} extra_counts")
+            raise ValueError(
+                f"too many counts ({lay.size} > {_COUNT_CAPACITY}): mtp_depths={self.mtp_depths}, "
+                f"{len(extra)} extra_counts"
+            )
         lay.add("pad", _COUNT_CAPACITY - lay.size)
         return lay
 
@@ -375,8 +398,10 @@ class Accountant:
         where = f"rank {self.groups.token_rank()}, microbatch {i}"
         for name, x in (("masks", w), ("segment_ids", seg)):
             if x is not None and not isinstance(x, Tensor):
-                raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(x).__name__} ({where}): convert "
-                                "lists and NumPy arrays with torch.as_tensor")
+                raise TypeError(
+                    f"{name}[{i}] must be a torch.Tensor, got {type(x).__name__} ({where}): convert "
+                    "lists and NumPy arrays with torch.as_tensor"
+                )
         w2 = _as_2d(w)  # type: ignore[arg-type]
         seg2 = None if seg is None else _as_2d(seg)  # type: ignore[arg-type]
         check_inputs(w2.to(torch.float32), w2, seg2, where=where, check_finite=False)
@@ -384,13 +409,16 @@ class Accountant:
         if seg2 is not None and self.mode == "per_document":
             docs = rows_documents(seg2)
             if bool(((docs[0] < 0) & (w2 > 0)).any()):
-                raise ValueError(f"masks[{i}] has loss-bearing tokens at segment_ids == 0 (padding); they "
-                                 f"belong to no document ({where})")
+                raise ValueError(
+                    f"masks[{i}] has loss-bearing tokens at segment_ids == 0 (padding); they "
+                    f"belong to no document ({where})"
+                )
         ndoc = docs[1] if docs is not None else (count_documents(seg2) if seg2 is not None else 0)
         ntok = w2.sum().to(torch.float64)
         depth_tokens = [float(roll_mask(w2, seg2, k).sum()) for k in range(1, self.mtp_depths + 1)]
-        self._mb_info.append({"tokens": int(ntok.item()), "docs": ndoc, "documents": docs,
-                              "depth_tokens": depth_tokens})
+        self._mb_info.append(
+            {"tokens": int(ntok.item()), "docs": ndoc, "documents": docs, "depth_tokens": depth_tokens}
+        )
         counts[lay.sl("tokens")] += ntok
         counts[lay.sl("samples")] += w2.shape[0]
         counts[lay.sl("microbatches")] += 1
@@ -398,8 +426,9 @@ class Accountant:
         if self.mtp_depths:
             counts[lay.sl("mtp_tokens")] += torch.tensor(depth_tokens, dtype=torch.float64, device=counts.device)
 
-    def _local_counts(self, masks: object, segment_ids: object, mtp_weight: float | None, extra_counts: object
-                      ) -> tuple[Tensor, Layout, Exception | None, list, list]:
+    def _local_counts(
+        self, masks: object, segment_ids: object, mtp_weight: float | None, extra_counts: object
+    ) -> tuple[Tensor, Layout, Exception | None, list, list]:
         """The pre-count buffer of this rank (and its masks and segment ids as lists); an exception is
         returned (and flagged in the buffer) so that every rank still enters the collective and its peers
         report it (semantics §7)."""
@@ -465,7 +494,7 @@ class Accountant:
             self._all_reduce(counts, self.groups.dp_group)
         self._read_counts(counts, lay, error, reduced=self.normalization == "precount")
         self._counts_layout, self._counts = lay, counts
-        self._extra_names = [n[len("extra:"):] for n in lay.names() if n.startswith("extra:")]
+        self._extra_names = [n[len("extra:") :] for n in lay.names() if n.startswith("extra:")]
         self.step_index += 1
         self._masks, self._segs = masks, segs
         self._unit_maps: dict[tuple[int, int], Tensor | None] = {}
@@ -487,15 +516,19 @@ class Accountant:
             raise error
         flagged = values[lay.sl("error")][0]
         if flagged > 0:
-            raise RuntimeError(f"{int(flagged)} other rank(s) reported invalid input in begin_step (see their "
-                               f"error); rank {self.groups.token_rank()} stops too")
+            raise RuntimeError(
+                f"{int(flagged)} other rank(s) reported invalid input in begin_step (see their "
+                f"error); rank {self.groups.token_rank()} stops too"
+            )
         n = self.groups.dp_size if reduced and self.groups.dp_group is not None else 1
         bad = fingerprint_mismatch(values[lay.sl("fingerprint")], n)
         if bad:
             mine = ", ".join(f"{f}={self._fp_fields.get(f, '...')!r}" for f in bad)
-            raise ValueError(f"the accounting configuration differs between the {n} data-parallel ranks in "
-                             f"{', '.join(bad)} (rank {self.groups.token_rank()} has {mine}): build every rank's "
-                             "Accountant and MoEAccounting with the same arguments and declare the same metrics")
+            raise ValueError(
+                f"the accounting configuration differs between the {n} data-parallel ranks in "
+                f"{', '.join(bad)} (rank {self.groups.token_rank()} has {mine}): build every rank's "
+                "Accountant and MoEAccounting with the same arguments and declare the same metrics"
+            )
         self._host_counts = {name: values[lay.sl(name)] for name in lay.names() if name not in ("pad",)}
 
     def _make_log_layout(self) -> Layout:
@@ -586,26 +619,36 @@ class Accountant:
         full = _as_2d(rows)
         return full if columns is None else full[:, columns]
 
-    def _lm_inputs(self, per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor | None
-                   ) -> tuple[Tensor, Tensor, Tensor | None]:
+    def _lm_inputs(
+        self, per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
         if self.state is not StepState.MICROBATCHES or self._mb >= self._n_mbs:
             got = "only " if self.state is StepState.MICROBATCHES else ""
             raise ProtocolError(
                 f"lm_loss called for microbatch {self._mb} but begin_step received {got}{self._n_mbs} masks "
                 f"(rank {self.groups.token_rank()}): expected {self.expected_call()}"
-                if self.state is StepState.MICROBATCHES else
-                f"lm_loss called outside the microbatches of a step: expected {self.expected_call()}")
+                if self.state is StepState.MICROBATCHES
+                else f"lm_loss called outside the microbatches of a step: expected {self.expected_call()}"
+            )
         if not isinstance(per_token_loss, Tensor):
             raise TypeError(f"per_token_loss must be a torch.Tensor, got {type(per_token_loss).__name__}")
         _check_mask_arg("mask", mask, per_token_loss)
         loss, w = _as_2d(per_token_loss), _as_2d(mask)
         seg = None if segment_ids is None else _as_2d(segment_ids)
-        check_inputs(loss, w, seg if seg is None or seg.device == loss.device else None, where=self.where,
-                     check_finite=False, check_mask_values=False, check_segment_values=False)
+        check_inputs(
+            loss,
+            w,
+            seg if seg is None or seg.device == loss.device else None,
+            where=self.where,
+            check_finite=False,
+            check_mask_values=False,
+            check_segment_values=False,
+        )
         return loss, w, seg
 
-    def lm_loss(self, per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor | None = None, *,
-                columns: Tensor | None = None) -> Tensor:
+    def lm_loss(
+        self, per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor | None = None, *, columns: Tensor | None = None
+    ) -> Tensor:
         """This microbatch's share of the language-model objective; call once per microbatch, in order.
 
         ``precount``: returns ``numerator(mb) / denominator`` so that the shares of all microbatches and
@@ -625,9 +668,15 @@ class Accountant:
         if seg is not None and full_seg is not None:
             self._flag_mask("lm_segments", seg, full_seg, code)
         docs = self._mb_info[mb]["documents"] if columns is None else None
-        num = numerator(self.mode, loss, w, segment_ids=seg if full_seg is None else full_seg,
-                        fixed_length=self.fixed_length, unit_counts=self._unit_counts(mb, 0, columns),
-                        documents=docs)
+        num = numerator(
+            self.mode,
+            loss,
+            w,
+            segment_ids=seg if full_seg is None else full_seg,
+            fixed_length=self.fixed_length,
+            unit_counts=self._unit_counts(mb, 0, columns),
+            documents=docs,
+        )
         s, n = sample_stats(loss.detach(), w)
         self._flag_nonfinite("lm_nonfinite", s, code)
         acc, lay = self._acc, self._log_layout
@@ -646,11 +695,13 @@ class Accountant:
 
     def _mtp_denominators(self) -> list[float]:
         """Per-depth denominators (precount) of the MTP term (semantics §4, :func:`mtp_denominators`)."""
-        return mtp_denominators(self.mode, self.mtp_convention, self._denominator(_DEN_KEY[self.mode]),
-                                self._host_counts["mtp_tokens"])
+        return mtp_denominators(
+            self.mode, self.mtp_convention, self._denominator(_DEN_KEY[self.mode]), self._host_counts["mtp_tokens"]
+        )
 
-    def _mtp_inputs(self, losses: Sequence[Tensor], masks: Sequence[Tensor], segment_ids: Tensor | None
-                    ) -> tuple[list[Tensor], list[Tensor], Tensor | None]:
+    def _mtp_inputs(
+        self, losses: Sequence[Tensor], masks: Sequence[Tensor], segment_ids: Tensor | None
+    ) -> tuple[list[Tensor], list[Tensor], Tensor | None]:
         if self.state is not StepState.MICROBATCHES or self._mb == 0 or self._mtp_done:
             what = "twice for one microbatch" if self._mtp_done and self._mb else "before lm_loss"
             if self.state is not StepState.MICROBATCHES:
@@ -672,22 +723,47 @@ class Accountant:
         ws = [_as_2d(x) for x in masks]
         seg = None if segment_ids is None else _as_2d(segment_ids)
         for k, (x, w) in enumerate(zip(ls, ws), start=1):
-            check_inputs(x, w, seg, where=f"{where}, MTP depth {k}", check_finite=False, check_mask_values=False,
-                         check_segment_values=False)
+            check_inputs(
+                x,
+                w,
+                seg,
+                where=f"{where}, MTP depth {k}",
+                check_finite=False,
+                check_mask_values=False,
+                check_segment_values=False,
+            )
         return ls, ws, seg
 
-    def _mtp_numerators(self, mb: int, losses: list[Tensor], masks: list[Tensor], seg: Tensor | None,
-                        columns: Tensor | None) -> list[Tensor]:
+    def _mtp_numerators(
+        self, mb: int, losses: list[Tensor], masks: list[Tensor], seg: Tensor | None, columns: Tensor | None
+    ) -> list[Tensor]:
         if columns is not None and self.mtp_convention == "pooled" and self.mode != "per_token":
-            raise ValueError("mtp_convention='pooled' with a per-unit mode is not supported under context "
-                             "parallelism (its units pool several depths)")
+            raise ValueError(
+                "mtp_convention='pooled' with a per-unit mode is not supported under context "
+                "parallelism (its units pool several depths)"
+            )
         if columns is not None and self.mtp_convention != "pooled":
-            return [numerator(self.mode, x, w, segment_ids=seg, fixed_length=self.fixed_length,
-                              unit_counts=self._unit_counts(mb, k, columns))
-                    for k, (x, w) in enumerate(zip(losses, masks), start=1)]
+            return [
+                numerator(
+                    self.mode,
+                    x,
+                    w,
+                    segment_ids=seg,
+                    fixed_length=self.fixed_length,
+                    unit_counts=self._unit_counts(mb, k, columns),
+                )
+                for k, (x, w) in enumerate(zip(losses, masks), start=1)
+            ]
         docs = self._mb_info[mb]["documents"] if columns is None else None
-        return mtp_numerator(self.mode, losses, masks, convention=self.mtp_convention, segment_ids=seg,
-                             fixed_length=self.fixed_length, documents=docs)
+        return mtp_numerator(
+            self.mode,
+            losses,
+            masks,
+            convention=self.mtp_convention,
+            segment_ids=seg,
+            fixed_length=self.fixed_length,
+            documents=docs,
+        )
 
     def mtp_loss(
         self,
@@ -738,8 +814,9 @@ class Accountant:
             acc[lay.sl("mtp_pooled_num")] += nums[0].detach().to(torch.float64)
 
     # ------------------------------------------------------------------ fused head (weights known up front)
-    def token_weights(self, mask: Tensor, segment_ids: Tensor | None = None, *,
-                      columns: Tensor | None = None) -> Tensor:
+    def token_weights(
+        self, mask: Tensor, segment_ids: Tensor | None = None, *, columns: Tensor | None = None
+    ) -> Tensor:
         """Per-token weights ``w`` of the next microbatch's main loss (the one the next ``lm_loss`` or
         ``add_lm_share`` accounts): ``Σ w·l`` equals the value ``lm_loss(l, mask, ...)`` returns for any
         ``l`` (``precount``: the share ``numerator / denominator``; ``deferred``: the raw numerator).
@@ -747,35 +824,64 @@ class Accountant:
         self._require_step("token_weights")
         self._check_columns(columns)
         den = 1.0 if self.normalization == "deferred" else self._denominator(_DEN_KEY[self.mode])
-        return token_weights(self.mode, mask, segment_ids=segment_ids, fixed_length=self.fixed_length,
-                             unit_counts=self._unit_counts(self._mb, 0, columns), denominator=den)
+        return token_weights(
+            self.mode,
+            mask,
+            segment_ids=segment_ids,
+            fixed_length=self.fixed_length,
+            unit_counts=self._unit_counts(self._mb, 0, columns),
+            denominator=den,
+        )
 
-    def mtp_token_weights(self, masks: Sequence[Tensor], segment_ids: Tensor | None = None, *,
-                          columns: Tensor | None = None) -> list[Tensor]:
+    def mtp_token_weights(
+        self, masks: Sequence[Tensor], segment_ids: Tensor | None = None, *, columns: Tensor | None = None
+    ) -> list[Tensor]:
         """Per-depth weights of the next microbatch's MTP term (call before its ``add_lm_share``):
         ``Σ_k Σ w_k·l_k`` equals the value ``mtp_loss(losses, masks, ...)`` returns (λ, ``1/Dm`` and the
         convention's denominators included)."""
         self._require_step("mtp_token_weights")
         if self.mtp_depths == 0 or len(masks) != self.mtp_depths:
-            raise ValueError(f"mtp_token_weights needs {self.mtp_depths} masks (one per MTP depth), got "
-                             f"{len(masks)} ({self.where})")
+            raise ValueError(
+                f"mtp_token_weights needs {self.mtp_depths} masks (one per MTP depth), got {len(masks)} ({self.where})"
+            )
         self._check_columns(columns)
         pooled = self.mtp_convention == "pooled"
         dens = [1.0] * self.mtp_depths if self.normalization == "deferred" else self._mtp_denominators()
         counts = None if pooled else [self._unit_counts(self._mb, k, columns) for k in range(1, self.mtp_depths + 1)]
-        return mtp_token_weights(self.mode, masks, convention=self.mtp_convention, segment_ids=segment_ids,
-                                 fixed_length=self.fixed_length, unit_counts=counts, denominators=dens,
-                                 scale=self.mtp_weight / (1 if pooled else self.mtp_depths))
+        return mtp_token_weights(
+            self.mode,
+            masks,
+            convention=self.mtp_convention,
+            segment_ids=segment_ids,
+            fixed_length=self.fixed_length,
+            unit_counts=counts,
+            denominators=dens,
+            scale=self.mtp_weight / (1 if pooled else self.mtp_depths),
+        )
 
-    def add_lm_share(self, share: Tensor, per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor | None = None,
-                     *, columns: Tensor | None = None) -> Tensor:
+    def add_lm_share(
+        self,
+        share: Tensor,
+        per_token_loss: Tensor,
+        mask: Tensor,
+        segment_ids: Tensor | None = None,
+        *,
+        columns: Tensor | None = None,
+    ) -> Tensor:
         """Account a main-loss share computed outside (``Σ token_weights·l``, e.g. by the fused head) and
         return it for backward: the detached per-token losses feed the logs exactly as ``lm_loss`` would."""
         self.lm_loss(per_token_loss.detach(), mask, segment_ids, columns=columns)
         return share
 
-    def add_mtp_share(self, share: Tensor, losses: Sequence[Tensor], masks: Sequence[Tensor],
-                      segment_ids: Tensor | None = None, *, columns: Tensor | None = None) -> Tensor:
+    def add_mtp_share(
+        self,
+        share: Tensor,
+        losses: Sequence[Tensor],
+        masks: Sequence[Tensor],
+        segment_ids: Tensor | None = None,
+        *,
+        columns: Tensor | None = None,
+    ) -> Tensor:
         """As :meth:`add_lm_share` for the MTP term (``Σ_k Σ mtp_token_weights_k·l_k``); after ``add_lm_share``."""
         self.mtp_loss([x.detach() for x in losses], masks, segment_ids, columns=columns)
         return share
@@ -823,8 +929,9 @@ class Accountant:
             return "allreduce" if model is not None and self.groups.grad_size > 1 else "sum"
         return reduction
 
-    def finish_step(self, model: nn.Module | Iterable[Tensor] | None = None, *,
-                    expert_params: Iterable[Tensor] = ()) -> float:
+    def finish_step(
+        self, model: nn.Module | Iterable[Tensor] | None = None, *, expert_params: Iterable[Tensor] = ()
+    ) -> float:
         """Scale (and, for plain modules, reduce) the gradients so that they are those of ``J``.
 
         Checks that every pre-counted microbatch was seen. ``deferred``: all-reduces the step's
@@ -879,14 +986,18 @@ class Accountant:
             expected = self._mb_info[mb]["tokens"] if mb < len(self._mb_info) else "?"
             raise error(f"{message.format(expected=expected)} ({loc})")
         names = [n for n, v in zip(self._checks, reduced) if v]
-        raise RuntimeError(f"{int(max(reduced))} other rank(s) reported invalid values in this step "
-                           f"({', '.join(names)}; see their error); rank {self.groups.token_rank()} stops too")
+        raise RuntimeError(
+            f"{int(max(reduced))} other rank(s) reported invalid values in this step "
+            f"({', '.join(names)}; see their error); rank {self.groups.token_rank()} stops too"
+        )
 
     def _check_logs_order(self) -> None:
         if self.state is not StepState.FINISHED or not all(self._step_ends.values()):
             if self.state is StepState.MICROBATCHES and self._mb != self._n_mbs and self.groups.loss_stage:
-                raise ProtocolError(f"logs() called after {self._mb} of {self._n_mbs} microbatches "
-                                    f"(rank {self.groups.token_rank()}): expected {self.expected_call()}")
+                raise ProtocolError(
+                    f"logs() called after {self._mb} of {self._n_mbs} microbatches "
+                    f"(rank {self.groups.token_rank()}): expected {self.expected_call()}"
+                )
             raise ProtocolError(f"logs() called too early: expected {self.expected_call()}")
 
     def _reduce_logs(self) -> list[float]:
@@ -916,10 +1027,15 @@ class Accountant:
         lay = self._log_layout
         self._raise_checks(v[lay.sl("checks")])
         get = {name: v[lay.sl(name)] for name in lay.names()}
-        S, ntok, nsamp, ndoc, nmb, lm_num = (get[n][0] for n in ("S", "Ntok", "samples", "documents",
-                                                                   "microbatches", "lm_num"))
-        out: dict[str, float | None] = {"lm_loss": ratio_or_none(S, ntok), "tokens": ntok, "samples": nsamp,
-                                        "microbatches": nmb}
+        S, ntok, nsamp, ndoc, nmb, lm_num = (
+            get[n][0] for n in ("S", "Ntok", "samples", "documents", "microbatches", "lm_num")
+        )
+        out: dict[str, float | None] = {
+            "lm_loss": ratio_or_none(S, ntok),
+            "tokens": ntok,
+            "samples": nsamp,
+            "microbatches": nmb,
+        }
         if ndoc:
             out["documents"] = ndoc
         counts = {"tokens": ntok, "samples": nsamp, "microbatches": nmb, "documents": ndoc}
@@ -934,8 +1050,9 @@ class Accountant:
         out["objective"] = objective
         return out
 
-    def _mtp_logs(self, get: dict[str, list[float]], out: dict[str, float | None], main_den: float,
-                  nmb: float) -> float:
+    def _mtp_logs(
+        self, get: dict[str, list[float]], out: dict[str, float | None], main_den: float, nmb: float
+    ) -> float:
         """Per-depth MTP logs into ``out``; returns ``λ·term`` of the objective (semantics §4)."""
         depth = [get[f"mtp_{k}"] for k in range(1, self.mtp_depths + 1)]
         for k, (s_k, n_k, means_k, _) in enumerate(depth, start=1):

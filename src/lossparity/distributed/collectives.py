@@ -20,5 +20,5 @@ def all_reduce_coalesced(tensors: Sequence[Tensor], group: dist.ProcessGroup | N
     dist.all_reduce(flat, group=group)
     offset = 0
     for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()

@@ -89,17 +89,35 @@ def _from_dims(dims: ParallelDims) -> ParallelGroups:
     if not dims.built:
         raise RuntimeError("resolve_groups(dims=...): call dims.build_mesh() on every rank first")
     return ParallelGroups(
-        token_group=dims.token_group, log_group=dims.log_group, dp_group=dims.dp_group,
-        dp_size=dims.dp, cp_size=dims.cp, tp_size=dims.tp, pp_size=dims.pp, log_owner=dims.log_owner,
-        cp_rank=dims.cp_rank, pp_rank=dims.pp_rank, grad_group=dims.grad_group,
-        sequence_parallel=dims.sp and dims.tp > 1, ep_group=dims.ep_group, edp_group=dims.edp_group,
-        row_group=dims.row_group, tp_group=dims.tp_group, pp_group=dims.pp_group, cp_group=dims.cp_group,
+        token_group=dims.token_group,
+        log_group=dims.log_group,
+        dp_group=dims.dp_group,
+        dp_size=dims.dp,
+        cp_size=dims.cp,
+        tp_size=dims.tp,
+        pp_size=dims.pp,
+        log_owner=dims.log_owner,
+        cp_rank=dims.cp_rank,
+        pp_rank=dims.pp_rank,
+        grad_group=dims.grad_group,
+        sequence_parallel=dims.sp and dims.tp > 1,
+        ep_group=dims.ep_group,
+        edp_group=dims.edp_group,
+        row_group=dims.row_group,
+        tp_group=dims.tp_group,
+        pp_group=dims.pp_group,
+        cp_group=dims.cp_group,
         ep_size=dims.ep,
     )
 
 
-def resolve_groups(group: ProcessGroup | None = None, mesh: DeviceMesh | None = None, *,
-                   sequence_parallel: bool = False, dims: ParallelDims | None = None) -> ParallelGroups:
+def resolve_groups(
+    group: ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
+    *,
+    sequence_parallel: bool = False,
+    dims: ParallelDims | None = None,
+) -> ParallelGroups:
     """Resolve ``group`` (a data-parallel process group) or ``mesh`` (a ``DeviceMesh`` whose dimension
     names are a subset of ``dp, cp, tp, pp``) into a :class:`ParallelGroups`. With
     ``sequence_parallel`` the tensor-parallel ranks hold distinct tokens before the router (Megatron SP),

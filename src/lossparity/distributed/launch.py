@@ -118,11 +118,21 @@ def init_from_env(backend: str | None = None, timeout_s: float = 120.0) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _entry(rank: int, world_size: int, port: int, backend: str, timeout_s: float, fn: Callable[..., Any],
-           args: tuple, result_dir: str, parent_pid: int) -> None:
+def _entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    fn: Callable[..., Any],
+    args: tuple,
+    result_dir: str,
+    parent_pid: int,
+) -> None:
     die_with_parent(parent_pid)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     # Each rank gets one thread: ranks share the machine's cores, oversubscription only slows them down.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     path = os.path.join(result_dir, f"rank{rank}.pt")
@@ -133,16 +143,26 @@ def _entry(rank: int, world_size: int, port: int, backend: str, timeout_s: float
         dist.barrier()
         torch.save({"ok": True, "result": out}, path)
     except BaseException as e:  # noqa: BLE001 - report any failure to the parent
-        torch.save({"ok": False, "error": traceback.format_exc(), "kind": type(e).__name__, "message": str(e),
-                    "input_error": isinstance(e, _INPUT_ERRORS), "when": time.time()}, path)
+        torch.save(
+            {
+                "ok": False,
+                "error": traceback.format_exc(),
+                "kind": type(e).__name__,
+                "message": str(e),
+                "input_error": isinstance(e, _INPUT_ERRORS),
+                "when": time.time(),
+            },
+            path,
+        )
         raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-          timeout_s: float = 120.0) -> list[Any]:
+def spawn(
+    fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", timeout_s: float = 120.0
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes with the default group
     initialized, and return the list of their return values (rank order). ``fn`` must be importable
     (a module-level function). Raises :class:`RankError` naming the first failing rank."""
@@ -155,8 +175,13 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
         # C++ reducer notices ("find_unused_parameters found no unused parameter") are read when the
         # child imports torch, so the variable must be in the environment the children inherit.
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        ctx = mp.start_processes(_entry, args=(world_size, port, backend, timeout_s, fn, args, tmp, os.getpid()),
-                                 nprocs=world_size, join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            _entry,
+            args=(world_size, port, backend, timeout_s, fn, args, tmp, os.getpid()),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
         failed = None
         deadline = time.monotonic() + 2 * timeout_s + 60
         try:
@@ -188,13 +213,23 @@ def _collect(tmp: str, world_size: int, failed: BaseException | None) -> list[An
         if rec["ok"]:
             results.append(rec["result"])
         else:
-            failures.append(RankFailure(r, rec.get("kind", "Error"), rec.get("message", rec["error"]),
-                                        rec.get("input_error", False), rec["error"], rec.get("when", 0.0)))
+            failures.append(
+                RankFailure(
+                    r,
+                    rec.get("kind", "Error"),
+                    rec.get("message", rec["error"]),
+                    rec.get("input_error", False),
+                    rec["error"],
+                    rec.get("when", 0.0),
+                )
+            )
     if failures:
         stopped = f"rank(s) {', '.join(map(str, missing))} stopped by the launcher" if missing else ""
         raise RankError(stopped, failures)
     if missing:
-        raise RankError(f"rank(s) {', '.join(map(str, missing))} exited without a result"
-                        + (f" ({failed})" if failed is not None else ""))
+        raise RankError(
+            f"rank(s) {', '.join(map(str, missing))} exited without a result"
+            + (f" ({failed})" if failed is not None else "")
+        )
     # Every rank saved its result: an abnormal exit after that (process-group teardown) loses nothing.
     return results

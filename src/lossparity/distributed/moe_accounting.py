@@ -73,6 +73,8 @@ class MoEAccountingState(TypedDict):
 
     lagged_counts: Tensor  # [L, E] float64 on the CPU
     lagged_tokens: float
+
+
 _END_STEP = "MoEAccounting.end_step(routers)"
 
 
@@ -182,16 +184,29 @@ class MoEAccounting:
         self._init_state()
         n = sum(name.startswith(_END_STEP) for name in acc.registered_step_ends)
         self._end_name = _END_STEP if n == 0 else f"{_END_STEP} [instance {n}]"
-        acc.register_step_end(self._end_name, fingerprint=(self.scope, self.z_form, self.aux_coeff, self.z_coeff,
-                                                            self.megatron_quirks, self.L, self.E, self.k))
+        acc.register_step_end(
+            self._end_name,
+            fingerprint=(
+                self.scope,
+                self.z_form,
+                self.aux_coeff,
+                self.z_coeff,
+                self.megatron_quirks,
+                self.L,
+                self.E,
+                self.k,
+            ),
+        )
 
     def _check_z_form(self, z_form: str | None) -> ZForm:
         if z_form is None:
             return "microbatch" if self.megatron_quirks else "global"
         form = check_option("z_form", z_form, Z_FORMS)
         if self.megatron_quirks and form != "microbatch":
-            raise ValueError("megatron_quirks=True needs z_form='microbatch' (Megatron's z-loss is a microbatch "
-                             f"mean), got z_form={z_form!r}")
+            raise ValueError(
+                "megatron_quirks=True needs z_form='microbatch' (Megatron's z-loss is a microbatch "
+                f"mean), got z_form={z_form!r}"
+            )
         return form
 
     def _check_per_token_flag(self, flag: bool | None) -> bool:
@@ -209,22 +224,27 @@ class MoEAccounting:
             raise ValueError(
                 "MoE auxiliary losses under normalization='deferred' divide every gradient by the token count "
                 "known only at the end of the step: use normalization='precount', or megatron_quirks=True with "
-                "calculate_per_token_loss=True (Megatron pre-multiplies each term by its token count)")
+                "calculate_per_token_loss=True (Megatron pre-multiplies each term by its token count)"
+            )
         if deferred and aux_on and self.scope == "global_lagged":
-            raise ValueError("scope 'global_lagged' needs the global router token count before the first "
-                             "backward: use normalization='precount'")
+            raise ValueError(
+                "scope 'global_lagged' needs the global router token count before the first "
+                "backward: use normalization='precount'"
+            )
         sharded = acc.groups.cp_size > 1 or acc.groups.sequence_parallel
         if sharded and ((aux_on and self.scope != "global_lagged") or (z_on and self.z_form != "global")):
             # A context- or sequence-parallel rank holds a shard of every sequence: per-microbatch and
             # per-sequence token sets span the shards, only the token-additive forms split exactly.
-            raise ValueError(f"context parallelism (cp={acc.groups.cp_size}) or sequence parallelism "
-                             f"(sp={acc.groups.sequence_parallel}) supports scope 'global_lagged' or 'none' and "
-                             f"z_form 'global', got scope={self.scope!r}, z_form={self.z_form!r}")
+            raise ValueError(
+                f"context parallelism (cp={acc.groups.cp_size}) or sequence parallelism "
+                f"(sp={acc.groups.sequence_parallel}) supports scope 'global_lagged' or 'none' and "
+                f"z_form 'global', got scope={self.scope!r}, z_form={self.z_form!r}"
+            )
 
     def _set_layer_weights(self) -> None:
         w = torch.ones(self.L, dtype=torch.float64)
         if self.R:
-            w[self.L - self.R:] = 1.0 / self.R
+            w[self.L - self.R :] = 1.0 / self.R
         self._w_aux = w  # a repeated layer's term is the mean over its calls (Megatron: aux / mtp_num_layers)
         # Megatron divides a repeated MTP layer's z-loss by its calls only in the log (TODO in router.py).
         self._w_zgrad = torch.ones(self.L, dtype=torch.float64) if self.megatron_quirks else w
@@ -249,8 +269,12 @@ class MoEAccounting:
             for lid in self._vio_ids:
                 acc.declare_metric(f"max_vio/layer_{lid}", "sum")
             acc.declare_metric("max_vio", "sum")
-        acc.register_check("router_nonfinite", FloatingPointError, "MoE router scores have NaN/Inf at a "
-                           "non-padding token (or the layer's auxiliary term is not finite)", "layer")
+        acc.register_check(
+            "router_nonfinite",
+            FloatingPointError,
+            "MoE router scores have NaN/Inf at a non-padding token (or the layer's auxiliary term is not finite)",
+            "layer",
+        )
 
     def _init_state(self) -> None:
         L, E, dev = self.L, self.E, self.device
@@ -298,8 +322,10 @@ class MoEAccounting:
         try:
             return self.acc.global_count(name)
         except KeyError:
-            raise KeyError(f"MoEAccounting needs the count {name!r} of this step: pass "
-                           "extra_counts=MoEAccounting.router_tokens(valids) to acc.begin_step") from None
+            raise KeyError(
+                f"MoEAccounting needs the count {name!r} of this step: pass "
+                "extra_counts=MoEAccounting.router_tokens(valids) to acc.begin_step"
+            ) from None
 
     def _local_microbatches(self) -> float:
         """``K``: microbatches of this rank (every data-parallel rank runs the same number)."""
@@ -320,16 +346,21 @@ class MoEAccounting:
                 if not isinstance(x, Tensor):
                     raise TypeError(f"router record {i} has no tensor field {field!r}")
                 if x.shape != want:
-                    raise ValueError(f"router record {i}: {field} has shape {tuple(x.shape)}, expected "
-                                     f"[{want[0]}, {self.E}] (valid has shape {tuple(valid.shape)}, "
-                                     f"num_experts={self.E})")
+                    raise ValueError(
+                        f"router record {i}: {field} has shape {tuple(x.shape)}, expected "
+                        f"[{want[0]}, {self.E}] (valid has shape {tuple(valid.shape)}, "
+                        f"num_experts={self.E})"
+                    )
         if self.acc.state is not StepState.MICROBATCHES:
-            raise ProtocolError(f"MoEAccounting.microbatch_loss called outside the microbatches of a step: "
-                                f"expected {self.acc.expected_call()}")
+            raise ProtocolError(
+                f"MoEAccounting.microbatch_loss called outside the microbatches of a step: "
+                f"expected {self.acc.expected_call()}"
+            )
         return (1, valid.numel()) if valid.dim() == 1 else (valid.shape[0], valid.shape[1])
 
-    def microbatch_loss(self, records: Sequence[RouterRecord], valid: Tensor, segment_ids: Tensor | None = None
-                        ) -> Tensor:
+    def microbatch_loss(
+        self, records: Sequence[RouterRecord], valid: Tensor, segment_ids: Tensor | None = None
+    ) -> Tensor:
         """The auxiliary objective share of one microbatch, summed over its MoE layers (semantics §5).
 
         ``records`` are the ``L`` router records of this forward (``logits``, ``probs``, ``topk_map``, each
@@ -357,7 +388,7 @@ class MoEAccounting:
             both = torch.stack([r.probs for r in records] + [r.topk_map for r in records]).to(dtype)
             sums = _token_sum(both, vf) if self.scope in ("micro_batch", "global_lagged", "global_running") else None
             if sums is not None and self.scope == "global_lagged":
-                self._topk_counts += sums[self.L:].detach().to(self.device, torch.float64)
+                self._topk_counts += sums[self.L :].detach().to(self.device, torch.float64)
             if self._aux_on:
                 total, per_layer = self._aux_share(both, sums, v, vf, b, s, tt, segment_ids)
         if self._z_on:
@@ -388,29 +419,36 @@ class MoEAccounting:
             return None
         return tt if self.acc.normalization == "deferred" else tt / max(self._count("tokens"), 1.0)
 
-    def _switch(self, psum: Tensor, counts: Tensor, t_counts: Tensor | float, t_probs: Tensor | float | None = None
-                ) -> Tensor:
-        return F_moe.switch_load_balancing_terms(psum, counts, t_counts, t_probs, topk=self.k, num_experts=self.E,
-                                                 coeff=self.aux_coeff)
+    def _switch(
+        self, psum: Tensor, counts: Tensor, t_counts: Tensor | float, t_probs: Tensor | float | None = None
+    ) -> Tensor:
+        return F_moe.switch_load_balancing_terms(
+            psum, counts, t_counts, t_probs, topk=self.k, num_experts=self.E, coeff=self.aux_coeff
+        )
 
-    def _aux_share(self, both: Tensor, sums: Tensor | None, v: Tensor, vf: Tensor, b: int, s: int,
-                   tt: Tensor, seg: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _aux_share(
+        self, both: Tensor, sums: Tensor | None, v: Tensor, vf: Tensor, b: int, s: int, tt: Tensor, seg: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
         """Load-balancing share of the microbatch (all layers): ``x = Σ_l w_l·Σ_{X in scope} A(X)`` with
         ``A`` = :func:`~lossparity.losses.moe.switch_load_balancing_terms`; the scope only chooses the token
         sets ``X`` and the counts (``both [2L, T, E]``: scores then top-k maps; ``sums``: their ``[2L, E]``
         token sums over the microbatch). Returns ``(share, the per-layer terms [L])``; logs ``x``."""
-        probs, topk = both[:self.L], both[self.L:]
+        probs, topk = both[: self.L], both[self.L :]
         w = self._weights(probs.dtype, probs.device)[0]
         log_scale, den = 1.0 / (self.aux_coeff * self.log_layers), self._den_frac
         pre = self._pre(tt)
-        psum = None if sums is None else sums[:self.L]
+        psum = None if sums is None else sums[: self.L]
         if self.scope == "micro_batch":
             assert sums is not None and psum is not None  # token sums are taken for this scope
-            terms = self._switch(psum, sums[self.L:].detach(), tt)  # A(X_mb) per layer
+            terms = self._switch(psum, sums[self.L :].detach(), tt)  # A(X_mb) per layer
             x = terms @ w  # Σ_l w_l·A(X_mb)
             share = x * (1.0 / self._count("microbatches") if pre is None else pre)
-        elif self.scope == "sequence" and self.acc.mode == "per_document" and seg is not None \
-                and not self.megatron_quirks:
+        elif (
+            self.scope == "sequence"
+            and self.acc.mode == "per_document"
+            and seg is not None
+            and not self.megatron_quirks
+        ):
             terms = self._document_terms(probs, topk, v, seg)
             x = terms @ w
             share = x * (1.0 / max(self._count("documents"), 1.0))
@@ -422,7 +460,7 @@ class MoEAccounting:
             if self.megatron_quirks:
                 # Megatron folds the batch into the expert dim: every sequence gets the mean valid length.
                 n = (tt / b).expand(b)
-            terms = self._switch(seq_sums[:self.L], seq_sums[self.L:].detach(), n).sum(dim=-1)  # Σ_j A(X_j) per layer
+            terms = self._switch(seq_sums[: self.L], seq_sums[self.L :].detach(), n).sum(dim=-1)  # Σ_j A(X_j) per layer
             x = terms @ w
             if self.megatron_quirks:  # Megatron's per-microbatch loss is the mean over its b sequences
                 share = x * (1.0 / (b * self._count("microbatches")) if pre is None else pre / b)
@@ -438,7 +476,7 @@ class MoEAccounting:
             share, den = x, 0.0
         else:  # global_running
             assert sums is not None and psum is not None  # token sums are taken for this scope
-            avg, t_run = self._running_counts(sums[self.L:].detach(), tt)
+            avg, t_run = self._running_counts(sums[self.L :].detach(), tt)
             terms = self._switch(psum, avg.to(probs.dtype), t_run.to(probs.dtype))
             x = terms @ w
             kk = self._local_microbatches()
@@ -462,7 +500,8 @@ class MoEAccounting:
         d = idx.clamp(min=0)
         g = max(ndoc, 1)
         counts = torch.zeros(self.L, g, self.E, dtype=probs.dtype, device=probs.device).index_add_(
-            1, d, topk * keep[None, :, None])
+            1, d, topk * keep[None, :, None]
+        )
         psum = torch.zeros_like(counts).index_add_(1, d, probs * keep[None, :, None])
         n = torch.zeros(g, dtype=probs.dtype, device=probs.device).index_add_(0, d, keep)
         return self._switch(psum, counts, n).sum(dim=-1)  # an empty document gives 0, still counts
@@ -479,8 +518,12 @@ class MoEAccounting:
         (one all-reduce), running mean over the step's microbatches per router (a repeated MTP layer's
         calls accumulate into one running mean, like Megatron's ``ga_steps``). Returns ``(avg [L, E], T)``."""
         L, E = self.L, self.E
-        buf = torch.cat([counts_local.reshape(-1).to(device=self.device, dtype=torch.float64),
-                         tt.reshape(1).to(device=self.device, dtype=torch.float64)])
+        buf = torch.cat(
+            [
+                counts_local.reshape(-1).to(device=self.device, dtype=torch.float64),
+                tt.reshape(1).to(device=self.device, dtype=torch.float64),
+            ]
+        )
         g = self.acc.groups.token_group
         if g is not None:
             dist.all_reduce(buf, group=g)
@@ -497,8 +540,9 @@ class MoEAccounting:
             self._running_n[n_main] += self.R
         return avg.to(counts_local.device), buf[-1].to(counts_local.device)
 
-    def _z_share(self, records: Sequence[RouterRecord], vf: Tensor, dtype: torch.dtype, tt: Tensor
-                 ) -> tuple[Tensor, Tensor]:
+    def _z_share(
+        self, records: Sequence[RouterRecord], vf: Tensor, dtype: torch.dtype, tt: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """Router z-loss share of the microbatch (all layers) and its log accumulation; the per-layer sums
         are :func:`~lossparity.losses.moe.router_z_loss_sums`. Returns ``(share, Σ_x lse² per layer)``."""
         _, w_grad, w_log = self._weights(dtype, vf.device)
@@ -551,8 +595,9 @@ class MoEAccounting:
             if self._log_vio and not self._by_position and lid not in self._vio_ids:
                 raise ValueError(f"router {i} has layer_id {lid}, not among log_layer_ids {self._vio_ids}")
 
-    def end_step(self, routers: Sequence[Router], *, bias_rate: float = 0.0, zero_mean: bool = False
-                 ) -> dict[str, float]:
+    def end_step(
+        self, routers: Sequence[Router], *, bias_rate: float = 0.0, zero_mean: bool = False
+    ) -> dict[str, float]:
         """End-of-step MoE state update, after ``acc.finish_step`` and before ``optimizer.step()`` and
         ``acc.logs()`` (the accountant enforces this order); one all-reduce over the token group.
 
@@ -603,16 +648,18 @@ class MoEAccounting:
         (the first rank of the token group records: the value is the same on all of them)."""
         if not self._log_vio or self.acc.groups.token_rank() != 0:
             return
-        ids = self._vio_ids[:len(routers)] if self._by_position else [getattr(r, "layer_id", i)
-                                                                        for i, r in enumerate(routers)]
+        ids = (
+            self._vio_ids[: len(routers)]
+            if self._by_position
+            else [getattr(r, "layer_id", i) for i, r in enumerate(routers)]
+        )
         names = [f"max_vio/layer_{lid}" for lid in ids] + ["max_vio"]
         self.acc.record_sums(names, torch.cat([vio, (vio / len(self._vio_ids)).sum().reshape(1)]))
 
-    def _update_lagged(self, routers: Sequence[Router], vio_t: Tensor, topk_counts: Tensor | None
-                       ) -> dict[str, float]:
+    def _update_lagged(self, routers: Sequence[Router], vio_t: Tensor, topk_counts: Tensor | None) -> dict[str, float]:
         stats = vio_t if topk_counts is None else torch.cat([vio_t, topk_counts[0].sum().reshape(1) / self.k])
         values = stats.tolist()  # the one host sync of end_step
-        vio = values[:self.num_slots]
+        vio = values[: self.num_slots]
         if topk_counts is not None:
             if values[-1] > 0:  # a step without any token keeps the previous fractions
                 self.lagged_counts = topk_counts.clone()
@@ -625,8 +672,9 @@ class MoEAccounting:
 
     def state_dict(self) -> MoEAccountingState:
         """State to checkpoint: the previous step's global counts of ``global_lagged`` (CPU float64)."""
-        return MoEAccountingState(lagged_counts=self.lagged_counts.detach().cpu().clone(),
-                                  lagged_tokens=self.lagged_tokens)
+        return MoEAccountingState(
+            lagged_counts=self.lagged_counts.detach().cpu().clone(), lagged_tokens=self.lagged_tokens
+        )
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Restore :meth:`state_dict` (``lagged_counts [L, E]``, ``lagged_tokens > 0``)."""

@@ -108,23 +108,31 @@ class ParallelDims:
         for name in ("dp", "cp", "tp", "pp", "ep", "pp_virtual"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{_FLAGS.get(name, '--' + name.replace('_', '-'))} must be an integer >= 1, "
-                                 f"got {value!r}")
+                raise ValueError(
+                    f"{_FLAGS.get(name, '--' + name.replace('_', '-'))} must be an integer >= 1, got {value!r}"
+                )
         check_option("engine", self.engine, ENGINES)
         if world_size is not None and self.world_size != world_size:
-            raise ValueError(f"--dp × --cp × --tp × --pp = {self.dp}×{self.cp}×{self.tp}×{self.pp} = "
-                             f"{self.world_size}, but the world size is {world_size}")
+            raise ValueError(
+                f"--dp × --cp × --tp × --pp = {self.dp}×{self.cp}×{self.tp}×{self.pp} = "
+                f"{self.world_size}, but the world size is {world_size}"
+            )
         if (self.dp * self.cp) % self.ep:
-            raise ValueError(f"--ep={self.ep} must divide --dp × --cp = {self.dp}×{self.cp} = {self.dp * self.cp}: "
-                             "expert-parallel ranks are carved out of the data- and context-parallel ranks")
+            raise ValueError(
+                f"--ep={self.ep} must divide --dp × --cp = {self.dp}×{self.cp} = {self.dp * self.cp}: "
+                "expert-parallel ranks are carved out of the data- and context-parallel ranks"
+            )
         if self.sp and self.tp < 2:
             raise ValueError(f"--sp (sequence parallelism) needs --tp > 1, got --tp={self.tp}")
         if self.pp_virtual > 1 and self.pp < 2:
-            raise ValueError(f"--pp-virtual={self.pp_virtual} (interleaved pipeline) needs --pp > 1, "
-                             f"got --pp={self.pp}")
+            raise ValueError(
+                f"--pp-virtual={self.pp_virtual} (interleaved pipeline) needs --pp > 1, got --pp={self.pp}"
+            )
         if self.engine == "fsdp" and (self.cp > 1 or self.tp > 1 or self.pp > 1 or self.ep > 1):
-            raise ValueError(f"--engine fsdp is supported with --dp only (got --cp={self.cp}, --tp={self.tp}, "
-                             f"--pp={self.pp}, --ep={self.ep})")
+            raise ValueError(
+                f"--engine fsdp is supported with --dp only (got --cp={self.cp}, --tp={self.tp}, "
+                f"--pp={self.pp}, --ep={self.ep})"
+            )
 
     # ------------------------------------------------------------------ mesh
     @property
@@ -291,4 +299,3 @@ class ParallelDims:
     def loss_stage(self) -> bool:
         """True on the last pipeline stage (the one computing the losses)."""
         return self.pp_rank == self.pp - 1
-

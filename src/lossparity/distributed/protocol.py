@@ -22,8 +22,15 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["ProtocolError", "StepState", "Layout", "DeviceChecks", "fingerprint_slots", "fingerprint_mismatch",
-           "FINGERPRINT_FIELDS"]
+__all__ = [
+    "ProtocolError",
+    "StepState",
+    "Layout",
+    "DeviceChecks",
+    "fingerprint_slots",
+    "fingerprint_mismatch",
+    "FINGERPRINT_FIELDS",
+]
 
 
 class ProtocolError(RuntimeError):
@@ -79,8 +86,20 @@ class Layout:
 
 # Fixed fingerprint fields (the buffer length may not depend on the configuration: ranks with different
 # buffer lengths crash the collective instead of reporting). Unknown fields hash into "other".
-FINGERPRINT_FIELDS = ("mode", "normalization", "grad_reduction", "fixed_length", "mtp_depths", "mtp_convention",
-                      "mtp_log_estimator", "mtp_weight", "counts", "log_metrics", "moe", "other")
+FINGERPRINT_FIELDS = (
+    "mode",
+    "normalization",
+    "grad_reduction",
+    "fixed_length",
+    "mtp_depths",
+    "mtp_convention",
+    "mtp_log_estimator",
+    "mtp_weight",
+    "counts",
+    "log_metrics",
+    "moe",
+    "other",
+)
 _COMPONENTS = 2  # independent 14-bit hashes per field: a false match has probability 2^-28
 _BITS = 14
 
@@ -133,8 +152,12 @@ class DeviceChecks:
 
     def counts(self, device: torch.device) -> Tensor:
         """``[checks]`` float64 on ``device``: 1 where this rank recorded a bad value (a few kernels per step)."""
-        rows = [torch.cat([b.reshape(-1) for b, _ in items]).any().reshape(1).to(device) if items
-                else torch.zeros(1, dtype=torch.bool, device=device) for items in self._flags.values()]
+        rows = [
+            torch.cat([b.reshape(-1) for b, _ in items]).any().reshape(1).to(device)
+            if items
+            else torch.zeros(1, dtype=torch.bool, device=device)
+            for items in self._flags.values()
+        ]
         if not rows:
             return torch.zeros(0, dtype=torch.float64, device=device)
         return torch.cat(rows).to(torch.float64)

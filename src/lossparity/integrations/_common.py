@@ -54,8 +54,9 @@ def unit_count(mode: str, mask: Tensor, segment_ids: Tensor | None = None) -> Te
     return torch.tensor(mask.shape[0], dtype=torch.int, device=mask.device)
 
 
-def mode_numerator(mode: str, loss: Tensor, mask: Tensor, segment_ids: Tensor | None = None,
-                   fixed_length: int | None = None) -> tuple[Tensor, Tensor]:
+def mode_numerator(
+    mode: str, loss: Tensor, mask: Tensor, segment_ids: Tensor | None = None, fixed_length: int | None = None
+) -> tuple[Tensor, Tensor]:
     """``(numerator, count)`` of one microbatch for ``mode`` (docs/semantics.md §1): ``Σ s_i`` (per_token,
     sample_sum), ``Σ s_i/max(n_i,1)`` (per_sample), ``Σ_j s_j/max(n_j,1)`` (per_document),
     ``s_mb/max(n_mb,1)`` (per_microbatch), ``Σ s_i / L`` (sample_sum_norm); count = :func:`unit_count`."""

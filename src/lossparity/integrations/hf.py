@@ -98,12 +98,20 @@ class LossParityMixin:
     # Trainer.training_step must not divide our loss by the accumulation steps: it is already J's share.
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args: Any, loss_mode: Mode = "per_sample", fixed_length: int | None = None,
-                 allow_empty_steps: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        loss_mode: Mode = "per_sample",
+        fixed_length: int | None = None,
+        allow_empty_steps: bool = False,
+        **kwargs: Any,
+    ) -> None:
         transformers = require("transformers", "hf")
         if not hasattr(transformers.Trainer, "loss_is_scaled_for_ga"):
-            raise ImportError('lossparity.integrations.hf needs transformers >= 5 (Trainer.loss_is_scaled_for_ga): '
-                              'pip install "lossparity[hf]"')
+            raise ImportError(
+                "lossparity.integrations.hf needs transformers >= 5 (Trainer.loss_is_scaled_for_ga): "
+                'pip install "lossparity[hf]"'
+            )
         self.loss_mode: Mode = check_option("loss_mode", loss_mode, MODES)
         if loss_mode == "sample_sum_norm" and (fixed_length is None or fixed_length <= 0):
             raise ValueError(f"fixed_length: loss_mode 'sample_sum_norm' needs fixed_length > 0, got {fixed_length}")
@@ -131,8 +139,9 @@ class LossParityMixin:
                 raise ValueError(f"LossParityMixin supports data parallelism only; tp/cp/sp sizes are {sizes}")
             # Gradients: the loss is multiplied by the process count (DDP averages), so the accountant
             # touches none (grad_reduction="sum"); its group is the default one (data parallel).
-            self._lp_acc = Accountant(self.loss_mode, group=None, grad_reduction="sum",
-                                      fixed_length=self.lp_fixed_length)
+            self._lp_acc = Accountant(
+                self.loss_mode, group=None, grad_reduction="sum", fixed_length=self.lp_fixed_length
+            )
             if self._lp_aux_coef() is not None:
                 self._lp_acc.declare_metric("aux_loss")
         return self._lp_acc
@@ -148,8 +157,9 @@ class LossParityMixin:
                 seg = segments_of(batch, labels.shape)
                 # Checked here, inside the pre-count, so that every rank stops (not one rank mid-backward).
                 if bool(((seg == 0) & (labels != IGNORE_INDEX)).any()):
-                    raise ValueError("segment_ids: a label (not -100) sits at segment id 0 (padding); it would "
-                                     "belong to no document")
+                    raise ValueError(
+                        "segment_ids: a label (not -100) sits at segment id 0 (padding); it would belong to no document"
+                    )
                 segs.append(seg)
         return masks, (segs if self.loss_mode == "per_document" else None)
 
@@ -160,9 +170,11 @@ class LossParityMixin:
             return
         if isinstance(pos, Tensor) and bool(((pos == 0).sum(-1) > 1).any()):
             self._lp_warned = True
-            warnings.warn(f"loss_mode={self.loss_mode!r} weights rows, and these rows pack several examples "
-                          "(position_ids restart at 0): use loss_mode='per_document' to weight every example once",
-                          stacklevel=2)
+            warnings.warn(
+                f"loss_mode={self.loss_mode!r} weights rows, and these rows pack several examples "
+                "(position_ids restart at 0): use loss_mode='per_document' to weight every example once",
+                stacklevel=2,
+            )
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
         """Trainer hook: fetch the window's batches (HF), then pre-count the step's normalizers over ranks."""
@@ -186,11 +198,15 @@ class LossParityMixin:
         if error is not None:
             raise error
         if acc.global_count(_BAD) > 0:
-            raise ValueError("another rank reported invalid input (labels/segment_ids) before the first forward of "
-                             "this step; see its error")
+            raise ValueError(
+                "another rank reported invalid input (labels/segment_ids) before the first forward of "
+                "this step; see its error"
+            )
         if acc.global_count("tokens") == 0 and not self.lp_allow_empty_steps:
-            raise ValueError(f"labels: every label of this step is ignore_index ({IGNORE_INDEX}) on every rank: "
-                             "nothing to train on (pass allow_empty_steps=True to accept such steps)")
+            raise ValueError(
+                f"labels: every label of this step is ignore_index ({IGNORE_INDEX}) on every rank: "
+                "nothing to train on (pass allow_empty_steps=True to accept such steps)"
+            )
         self._lp_left, self._lp_open = len(masks), True
         self._lp_mbs = acc.global_count("microbatches")
         self._lp_factor = float(getattr(self.accelerator, "num_processes", 1))  # type: ignore[attr-defined]
@@ -209,8 +225,9 @@ class LossParityMixin:
             self._lp_step_logs.append(self._lp_acc.logs())
         return loss
 
-    def compute_loss(self, model: Any, inputs: dict, return_outputs: bool = False,
-                     num_items_in_batch: Any = None) -> Any:
+    def compute_loss(
+        self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
         """This microbatch's exact share of ``J`` (training) or the batch's own ``J`` (evaluation)."""
         labels = shifted_labels(inputs, getattr(self, "_loss_shifts_labels", True))
         seg = segments_of(inputs, labels.shape) if self.loss_mode == "per_document" else None
@@ -221,16 +238,28 @@ class LossParityMixin:
         outputs = model(**fwd)
         logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None)
         if not isinstance(logits, Tensor):
-            raise ValueError("model: its outputs have no 'logits' tensor; LossParityMixin computes the per-token "
-                             "loss from the logits (a model that fuses the LM head into its loss cannot be used)")
-        per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten().to(logits.device),
-                                    ignore_index=IGNORE_INDEX, reduction="none").view(labels.shape)
+            raise ValueError(
+                "model: its outputs have no 'logits' tensor; LossParityMixin computes the per-token "
+                "loss from the logits (a model that fuses the LM head into its loss cannot be used)"
+            )
+        per_token = F.cross_entropy(
+            logits.float().flatten(0, 1),
+            labels.flatten().to(logits.device),
+            ignore_index=IGNORE_INDEX,
+            reduction="none",
+        ).view(labels.shape)
         mask = (labels != IGNORE_INDEX).to(per_token.dtype)
         if self._lp_in_train and self._lp_left > 0:
             loss = self._lp_train_share(per_token, mask, seg, outputs)
         else:
-            loss = _batch_objective(self.loss_mode, per_token, mask, segment_ids=seg,
-                                    microbatch_size=per_token.shape[0], fixed_length=self.lp_fixed_length)
+            loss = _batch_objective(
+                self.loss_mode,
+                per_token,
+                mask,
+                segment_ids=seg,
+                microbatch_size=per_token.shape[0],
+                fixed_length=self.lp_fixed_length,
+            )
         return (loss, outputs) if return_outputs else loss
 
     def _lp_train_share(self, per_token: Tensor, mask: Tensor, seg: Tensor | None, outputs: Any) -> Tensor:
@@ -276,10 +305,14 @@ def __getattr__(name: str) -> Any:
     # LossParityTrainer is built on first use so that importing this module needs no transformers.
     if name == "LossParityTrainer":
         transformers = require("transformers", "hf")
-        cls = type("LossParityTrainer", (LossParityMixin, transformers.Trainer), {
-            "__doc__": "``transformers.Trainer`` optimizing a lossparity mode exactly (see LossParityMixin).",
-            "__module__": __name__,
-        })
+        cls = type(
+            "LossParityTrainer",
+            (LossParityMixin, transformers.Trainer),
+            {
+                "__doc__": "``transformers.Trainer`` optimizing a lossparity mode exactly (see LossParityMixin).",
+                "__module__": __name__,
+            },
+        )
         globals()[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -75,8 +75,10 @@ class LossFunc:
             # be shard-local and Megatron sums the counts over DP×CP, so only per_token stays exact.
             cp = getattr(config, "context_parallel_size", 1) or 1
             if cp > 1 and self.mode != "per_token":
-                raise ValueError(f"config.context_parallel_size={cp}: mode {self.mode!r} needs whole rows on each "
-                                 "rank (only per_token is exact under context parallelism)")
+                raise ValueError(
+                    f"config.context_parallel_size={cp}: mode {self.mode!r} needs whole rows on each "
+                    "rank (only per_token is exact under context parallelism)"
+                )
 
     @staticmethod
     def check_config(config: Any) -> None:
@@ -114,8 +116,10 @@ class LossFunc:
                 f"loss_mask: shape {tuple(loss_mask.shape)} does not match output_tensor {tuple(output_tensor.shape)}"
             )
         if self.mode == "per_document" and segment_ids is None:
-            raise ValueError("segment_ids: mode 'per_document' needs segment_ids (partial(loss_fn, loss_mask, "
-                             "segment_ids=...)) to find the documents of packed rows")
+            raise ValueError(
+                "segment_ids: mode 'per_document' needs segment_ids (partial(loss_fn, loss_mask, "
+                "segment_ids=...)) to find the documents of packed rows"
+            )
         if segment_ids is not None and segment_ids.numel() != loss.numel():
             raise ValueError(
                 f"segment_ids: shape {tuple(segment_ids.shape)} does not match output_tensor "

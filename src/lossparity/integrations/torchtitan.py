@@ -67,8 +67,13 @@ class LossParityLoss:
         self.fixed_length = fixed_length
         self.denominator: Tensor | None = None  # set by precount, once per step
 
-    def precount(self, labels: Sequence[Tensor], positions: Sequence[Tensor | None] | None = None,
-                 group: Any = None, device: torch.device | str | None = None) -> Tensor:
+    def precount(
+        self,
+        labels: Sequence[Tensor],
+        positions: Sequence[Tensor | None] | None = None,
+        group: Any = None,
+        device: torch.device | str | None = None,
+    ) -> Tensor:
         """Step hook: ``max(Σ count, 1)`` over this rank's microbatches (their ``labels``, and ``positions``
         for per_document) and the data-parallel ``group`` (a ``DeviceMesh`` or process group), in one
         all-reduce. Kept on ``device`` as this step's denominator and returned."""
@@ -90,14 +95,16 @@ class LossParityLoss:
         self.denominator = total.clamp(min=1)
         return self.denominator
 
-    def __call__(self, pred: Tensor, labels: Tensor, global_valid_tokens: Tensor | None = None,
-                 **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    def __call__(
+        self, pred: Tensor, labels: Tensor, global_valid_tokens: Tensor | None = None, **kwargs: Any
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """``(numerator(mb) / global count, {})``: this microbatch's exact share of ``J``."""
         if type(pred).__name__ == "DTensor":
             raise TypeError("pred: LossParityLoss takes plain logits; loss-parallel DTensor logits are not supported")
         logits = pred.float() if pred.dtype in (torch.float16, torch.bfloat16) else pred  # fp32 at least, as torchtitan
-        per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1), reduction="none",
-                                    ignore_index=IGNORE_INDEX).view(labels.shape)
+        per_token = F.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(0, 1), reduction="none", ignore_index=IGNORE_INDEX
+        ).view(labels.shape)
         mask = (labels != IGNORE_INDEX).to(per_token.dtype)
         positions = kwargs.get("positions")
         if self.mode == "per_document" and positions is None:
@@ -107,8 +114,10 @@ class LossParityLoss:
         if self.mode == "per_token" and global_valid_tokens is not None:
             return num / global_valid_tokens, {}
         if self.denominator is None:
-            raise RuntimeError(f"LossParityLoss({self.mode!r}) called before precount: call it from the step hook "
-                               "(LossParityTitanMixin.train_step) before the first forward of every step")
+            raise RuntimeError(
+                f"LossParityLoss({self.mode!r}) called before precount: call it from the step hook "
+                "(LossParityTitanMixin.train_step) before the first forward of every step"
+            )
         return num / self.denominator.to(num.device), {}
 
 
@@ -130,6 +139,7 @@ class LossParityTitanMixin:
         n = self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches  # type: ignore[attr-defined]
         batches = [next(data_iterator) for _ in range(n)]
         group = dims.get_mesh("batch") if dims.dp_enabled else None
-        loss_fn.precount([lab for _, lab in batches], [d.get("positions") for d, _ in batches], group,
-                         device=self.device)  # type: ignore[attr-defined]
+        loss_fn.precount(
+            [lab for _, lab in batches], [d.get("positions") for d, _ in batches], group, device=self.device
+        )  # type: ignore[attr-defined]
         return super().train_step(iter(batches))  # type: ignore[misc]

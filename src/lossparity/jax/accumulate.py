@@ -85,8 +85,12 @@ def _step_checks(mask, doc_ids, num_segments) -> list[jax.Array | None]:
     """Value checks of the whole step's ``[K, b, S]`` mask and document ids, naming the microbatch."""
     flags = [
         value_check(
-            ValueError, "mask values must be 0 or 1, found {}", lambda xp, w: (w != 0) & (w != 1), (mask,),
-            index_text=_MB_INDEX, index_order=_MB_ORDER,
+            ValueError,
+            "mask values must be 0 or 1, found {}",
+            lambda xp, w: (w != 0) & (w != 1),
+            (mask,),
+            index_text=_MB_INDEX,
+            index_order=_MB_ORDER,
         )
     ]
     if doc_ids is not None:

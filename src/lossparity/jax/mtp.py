@@ -139,9 +139,17 @@ def mtp_numerator(
     mode = check_mode(mode)
     convention = check_convention(convention)
     xs, ws = _depths(losses, masks)
+
     def num(x: jax.Array, w: jax.Array, seg: jax.Array | None) -> jax.Array:
-        return numerator(mode, x, w, segment_ids=seg, num_segments=num_segments, fixed_length=fixed_length,
-                         microbatch_size=microbatch_size)
+        return numerator(
+            mode,
+            x,
+            w,
+            segment_ids=seg,
+            num_segments=num_segments,
+            fixed_length=fixed_length,
+            microbatch_size=microbatch_size,
+        )
 
     if convention == "pooled":
         return [num(*_pool(xs, ws, segment_ids))]
@@ -197,9 +205,17 @@ def mtp_objective(
         check_inputs(x, w, seg, num_segments=num_segments, where=f"MTP depth {k}")
     if mode == "per_microbatch":
         require_microbatch_size(microbatch_size, int(xs[0].shape[0]), "mtp_objective")
+
     def obj(x: jax.Array, w: jax.Array, seg: jax.Array | None) -> jax.Array:
-        return objective(mode, x, w, segment_ids=seg, num_segments=num_segments, microbatch_size=microbatch_size,
-                         fixed_length=fixed_length)
+        return objective(
+            mode,
+            x,
+            w,
+            segment_ids=seg,
+            num_segments=num_segments,
+            microbatch_size=microbatch_size,
+            fixed_length=fixed_length,
+        )
 
     if convention == "pooled":
         return weight * obj(*_pool(xs, ws, segment_ids))

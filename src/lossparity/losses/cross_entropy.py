@@ -241,7 +241,6 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None, None
 
 
-
 def chunked_cross_entropy(
     hidden: Tensor,
     weight: Tensor,

@@ -140,8 +140,9 @@ def _combine_over_group(m: Tensor, s: Tensor, tgt: Tensor, group: ProcessGroup) 
 class _Tile:
     """Work buffers reused by every token tile of one call."""
 
-    def __init__(self, chunk: int, vchunk: int, vocab: int, hsize: int, cdt: torch.dtype, dev: torch.device,
-                 need_h: bool) -> None:
+    def __init__(
+        self, chunk: int, vchunk: int, vocab: int, hsize: int, cdt: torch.dtype, dev: torch.device, need_h: bool
+    ) -> None:
         self.subtiles = _tiles(vocab, vchunk)
         # sub-tile-major layout: sub-tile j of a c-token tile is a contiguous [c, v_j] view (mm out= needs it)
         self.buf = torch.empty(chunk * vocab, dtype=cdt, device=dev)
@@ -187,9 +188,19 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     every token counts). Returns ``(Σ w·l, l)``; the gradients are formed in the forward."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, tok_w: Tensor, idx: Tensor | None,
-                tiling: tuple[int, int], z_coeff: float, need: tuple[bool, bool], group: ProcessGroup | None,
-                vstart: int) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        tok_w: Tensor,
+        idx: Tensor | None,
+        tiling: tuple[int, int],
+        z_coeff: float,
+        need: tuple[bool, bool],
+        group: ProcessGroup | None,
+        vstart: int,
+    ) -> tuple[Tensor, Tensor]:
         cdt = _compute_dtype(hidden, weight)
         w = weight.to(cdt)
         n, vocab, hsize, dev = labels.shape[0], w.shape[0], w.shape[1], hidden.device
@@ -231,7 +242,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         if grads is None:
             raise RuntimeError(
                 "fused_linear_cross_entropy: its gradients were handed out by an earlier backward (they are "
-                "scaled in place and released); call fused_linear_cross_entropy again for a second backward")
+                "scaled in place and released); call fused_linear_cross_entropy again for a second backward"
+            )
         ctx.grads = None
         gh, gw = (None if g is None else g.mul_(grad_sum) for g in grads)
         return gh, gw, None, None, None, None, None, None, None, None
@@ -251,8 +263,9 @@ def _check_weights(token_weights: Tensor, labels: Tensor) -> None:
         dtype = getattr(token_weights, "dtype", type(token_weights).__name__)
         raise TypeError(f"token_weights must be a floating-point tensor, got {dtype}")
     if tuple(token_weights.shape) != tuple(labels.shape):
-        raise ValueError(f"token_weights shape {tuple(token_weights.shape)} does not match labels shape "
-                         f"{tuple(labels.shape)}")
+        raise ValueError(
+            f"token_weights shape {tuple(token_weights.shape)} does not match labels shape {tuple(labels.shape)}"
+        )
     if token_weights.device != labels.device:
         raise ValueError(f"token_weights on {token_weights.device} but labels on {labels.device}")
 
@@ -296,8 +309,15 @@ def fused_linear_cross_entropy(
     grad_on = torch.is_grad_enabled()
     need = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
     cdt = _compute_dtype(hidden, weight)
-    tiling = fused_tiling(flat.shape[0], weight.shape[0], weight.shape[1], itemsize=cdt.itemsize,
-                          chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, device_type=hidden.device.type)
+    tiling = fused_tiling(
+        flat.shape[0],
+        weight.shape[0],
+        weight.shape[1],
+        itemsize=cdt.itemsize,
+        chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size,
+        device_type=hidden.device.type,
+    )
     valid = flat != ignore_index
     idx = None if bool(valid.all()) else valid.nonzero().squeeze(1)
     if idx is not None:
@@ -306,8 +326,9 @@ def fused_linear_cross_entropy(
         zero = (hidden2d.sum() * 0 + weight.sum() * 0).to(cdt)
         return zero, torch.zeros(out_shape, dtype=cdt, device=hidden.device)
     with torch.autocast(hidden.device.type, enabled=False):
-        total, loss = _FusedLinearCrossEntropy.apply(hidden2d, weight, flat, tok_w, idx, tiling,
-                                                     float(z_loss_coeff), need, vocab_parallel_group, vocab_start)
+        total, loss = _FusedLinearCrossEntropy.apply(
+            hidden2d, weight, flat, tok_w, idx, tiling, float(z_loss_coeff), need, vocab_parallel_group, vocab_start
+        )
     if idx is not None:
         loss = loss.new_zeros(valid.shape[0]).index_copy(0, idx, loss)
     return total, loss.view(out_shape)

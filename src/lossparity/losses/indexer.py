@@ -82,8 +82,7 @@ def indexer_kl(
     unbatched = main_attn_probs.dim() == 3
     if main_attn_probs.dim() not in (3, 4):
         raise ValueError(
-            "main_attn_probs must be [B, heads, Tq, Tk] or [heads, Tq, Tk], "
-            f"got {tuple(main_attn_probs.shape)}"
+            f"main_attn_probs must be [B, heads, Tq, Tk] or [heads, Tq, Tk], got {tuple(main_attn_probs.shape)}"
         )
     a = main_attn_probs.unsqueeze(0) if unbatched else main_attn_probs
     logits = indexer_logits.unsqueeze(0) if unbatched and indexer_logits.dim() == 2 else indexer_logits
@@ -114,9 +113,7 @@ def indexer_kl(
     has_key = keep.any(dim=-1)
     if bool((valid_q & ~has_key).any()):
         bi, ti = (valid_q & ~has_key).nonzero()[0].tolist()
-        raise ValueError(
-            f"valid query token (batch {bi}, position {ti}) has no key with a finite indexer logit"
-        )
+        raise ValueError(f"valid query token (batch {bi}, position {ti}) has no key with a finite indexer logit")
     active = valid_q  # every valid query has a kept key from here on
 
     # Rows without any kept key get finite dummy logits so that no NaN enters the graph.
@@ -132,8 +129,7 @@ def indexer_kl(
     if bool(no_mass.any()):
         bi, ti = no_mass.nonzero()[0].tolist()
         raise ValueError(
-            f"main_attn_probs has no attention mass on the kept keys of valid query token "
-            f"(batch {bi}, position {ti})"
+            f"main_attn_probs has no attention mass on the kept keys of valid query token (batch {bi}, position {ti})"
         )
     p = p / torch.where(mass > 0, mass, torch.ones_like(mass))
     pos = p > 0

@@ -111,9 +111,7 @@ def _check_scores(name: str, x: object, num_experts: int | None = None) -> Tenso
     if x.dim() < 1 or x.shape[-1] < 1:
         raise ValueError(f"{name} must be [..., num_experts] with num_experts >= 1, got {tuple(x.shape)}")
     if num_experts is not None and x.shape[-1] != num_experts:
-        raise ValueError(
-            f"{name} has {x.shape[-1]} experts (shape {tuple(x.shape)}), num_experts={num_experts}"
-        )
+        raise ValueError(f"{name} has {x.shape[-1]} experts (shape {tuple(x.shape)}), num_experts={num_experts}")
     return x
 
 
@@ -280,9 +278,7 @@ def _flatten_sequences(
             )
         n, length = x.shape[0], x.shape[1]
         if num_sequences is not None and num_sequences != n:
-            raise ValueError(
-                f"num_sequences={num_sequences} but {name} has {n} rows (shape {tuple(x.shape)})"
-            )
+            raise ValueError(f"num_sequences={num_sequences} but {name} has {n} rows (shape {tuple(x.shape)})")
         gid = torch.arange(n, device=x.device).repeat_interleave(length)
         return x.reshape(-1, x.shape[-1]), gid, n
     _check_tensor("seq_ids", seq_ids)
@@ -290,8 +286,7 @@ def _flatten_sequences(
         raise TypeError(f"seq_ids must be an integer tensor, got dtype {seq_ids.dtype}")
     if seq_ids.shape != x.shape[:-1]:
         raise ValueError(
-            f"seq_ids shape {tuple(seq_ids.shape)} does not match the token dims "
-            f"{tuple(x.shape[:-1])} of {name}"
+            f"seq_ids shape {tuple(seq_ids.shape)} does not match the token dims {tuple(x.shape[:-1])} of {name}"
         )
     gid = seq_ids.reshape(-1).long()
     if gid.numel() and bool((gid < -1).any()):
@@ -378,9 +373,7 @@ def sequence_load_balancing_loss(
         c, n = _sequence_counts(routing_map.reshape(-1, num_experts), gid, g, valid)
     else:
         if not isinstance(counts, (tuple, list)) or len(counts) != 2:
-            raise TypeError(
-                "counts must be a pair (tokens_per_sequence_expert [G, E], tokens_per_sequence [G])"
-            )
+            raise TypeError("counts must be a pair (tokens_per_sequence_expert [G, E], tokens_per_sequence [G])")
         c = _check_tensor("counts[0]", counts[0])
         n = _check_tensor("counts[1]", counts[1])
         if c.shape != (g, num_experts) or n.shape != (g,):
@@ -451,9 +444,7 @@ def router_z_loss(logits: Tensor, coeff: float, padding_mask: Tensor | None = No
 # ---------------------------------------------------------------------------------------------------
 
 
-def expert_bias_update(
-    tokens_per_expert: Tensor, expert_bias: Tensor, rate: float, zero_mean: bool = False
-) -> Tensor:
+def expert_bias_update(tokens_per_expert: Tensor, expert_bias: Tensor, rate: float, zero_mean: bool = False) -> Tensor:
     """New expert bias ``b + Δb`` with ``Δb_e = rate · sign(mean_e'(c) − c_e)`` (float32, no grad).
 
     ``tokens_per_expert`` and ``expert_bias`` are ``[E]`` or ``[layers, E]`` (means per layer, over
@@ -465,9 +456,7 @@ def expert_bias_update(
     _check_float_tensor("expert_bias", expert_bias)
     _check_nonneg("rate", rate)
     if tokens_per_expert.dim() not in (1, 2) or tokens_per_expert.shape[-1] < 1:
-        raise ValueError(
-            f"tokens_per_expert must be [E] or [layers, E], got shape {tuple(tokens_per_expert.shape)}"
-        )
+        raise ValueError(f"tokens_per_expert must be [E] or [layers, E], got shape {tuple(tokens_per_expert.shape)}")
     if expert_bias.shape != tokens_per_expert.shape:
         raise ValueError(
             f"expert_bias shape {tuple(expert_bias.shape)} does not match tokens_per_expert shape "
@@ -491,9 +480,7 @@ def max_violation(tokens_per_expert: Tensor) -> Tensor:
     """
     _check_tensor("tokens_per_expert", tokens_per_expert)
     if tokens_per_expert.dim() not in (1, 2) or tokens_per_expert.shape[-1] < 1:
-        raise ValueError(
-            f"tokens_per_expert must be [E] or [layers, E], got shape {tuple(tokens_per_expert.shape)}"
-        )
+        raise ValueError(f"tokens_per_expert must be [E] or [layers, E], got shape {tuple(tokens_per_expert.shape)}")
     c = _wide(tokens_per_expert.detach())
     mean = c.mean(dim=-1)
     safe = torch.where(mean > 0, mean, torch.ones_like(mean))

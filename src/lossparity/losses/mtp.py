@@ -27,8 +27,16 @@ from ..options import MTP_CONVENTIONS, MTPConvention, check_option
 from .modes import check_mode, numerator, objective
 from .stats import check_inputs
 
-__all__ = ["CONVENTIONS", "roll_mtp", "roll_mask", "mtp_numerator", "mtp_objective", "check_convention",
-           "mtp_denominators", "mtp_scale"]
+__all__ = [
+    "CONVENTIONS",
+    "roll_mtp",
+    "roll_mask",
+    "mtp_numerator",
+    "mtp_objective",
+    "check_convention",
+    "mtp_denominators",
+    "mtp_scale",
+]
 
 CONVENTIONS: tuple[MTPConvention, ...] = MTP_CONVENTIONS
 
@@ -38,8 +46,7 @@ def check_convention(convention: str) -> MTPConvention:
     return check_option("mtp_convention", convention, MTP_CONVENTIONS)
 
 
-def mtp_denominators(mode: str, convention: str, main_denominator: float, depth_tokens: Sequence[float]
-                     ) -> list[float]:
+def mtp_denominators(mode: str, convention: str, main_denominator: float, depth_tokens: Sequence[float]) -> list[float]:
     """The global denominators of the MTP term's numerators (semantics §4), one place for the accountant's
     gradient shares and its logs.
 
@@ -81,8 +88,9 @@ def roll_mask(mask: Tensor, segment_ids: Tensor | None, k: int) -> Tensor:
     return w
 
 
-def roll_mtp(labels: Tensor, mask: Tensor, segment_ids: Tensor | None, k: int, *, ignore_index: int = -100
-             ) -> tuple[Tensor, Tensor]:
+def roll_mtp(
+    labels: Tensor, mask: Tensor, segment_ids: Tensor | None, k: int, *, ignore_index: int = -100
+) -> tuple[Tensor, Tensor]:
     """Labels and mask of MTP depth ``k`` (semantics §4): both rolled left by ``k`` within each row and each
     document; rolled-out positions get ``ignore_index`` and mask 0. Raises if ``k`` is not smaller than
     the sequence length (the depth would have no position at all)."""
@@ -117,7 +125,8 @@ def mtp_numerator(
     check_convention(convention)
     if len(losses) != len(masks) or not losses:
         raise ValueError(
-            f"need one mask per MTP depth and at least one depth: {len(losses)} losses, {len(masks)} masks")
+            f"need one mask per MTP depth and at least one depth: {len(losses)} losses, {len(masks)} masks"
+        )
     if convention == "pooled":
         loss = torch.cat([x if x.dim() == 2 else x.unsqueeze(0) for x in losses], dim=-1)
         mask = torch.cat([x if x.dim() == 2 else x.unsqueeze(0) for x in masks], dim=-1)
@@ -125,8 +134,10 @@ def mtp_numerator(
         # The same (row, segment id) pairs, hence the same document numbering, repeated per depth.
         docs = None if documents is None else (torch.cat([documents[0]] * len(losses), dim=-1), documents[1])
         return [numerator(mode, loss, mask, segment_ids=seg, fixed_length=fixed_length, documents=docs)]
-    return [numerator(mode, x, w, segment_ids=segment_ids, fixed_length=fixed_length, documents=documents)
-            for x, w in zip(losses, masks)]
+    return [
+        numerator(mode, x, w, segment_ids=segment_ids, fixed_length=fixed_length, documents=documents)
+        for x, w in zip(losses, masks)
+    ]
 
 
 def mtp_objective(
@@ -157,13 +168,22 @@ def mtp_objective(
             s = cast(Tensor, sum((x * w).sum() for x, w in zip(losses, masks)))
             n = sum(w.sum() for w in masks)
             return weight * s / max(float(n), 1.0)
-        return weight * objective(mode, torch.cat(list(losses), dim=-1), torch.cat(list(masks), dim=-1),
-                                  segment_ids=seg, microbatch_size=microbatch_size, fixed_length=fixed_length)
+        return weight * objective(
+            mode,
+            torch.cat(list(losses), dim=-1),
+            torch.cat(list(masks), dim=-1),
+            segment_ids=seg,
+            microbatch_size=microbatch_size,
+            fixed_length=fixed_length,
+        )
     terms = []
     for x, w in zip(losses, masks):
         if convention == "main" and mode == "per_token":
             terms.append(torch.where(w > 0, x, torch.zeros_like(x)).sum() / max(float(main_mask.sum()), 1.0))
         else:
-            terms.append(objective(mode, x, w, segment_ids=segment_ids, microbatch_size=microbatch_size,
-                                   fixed_length=fixed_length))
+            terms.append(
+                objective(
+                    mode, x, w, segment_ids=segment_ids, microbatch_size=microbatch_size, fixed_length=fixed_length
+                )
+            )
     return weight * torch.stack(terms).mean()

@@ -38,13 +38,10 @@ def check_inputs(
     if not isinstance(mask, Tensor):
         raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}{loc}")
     if per_token_loss.dim() not in (1, 2):
-        raise ValueError(
-            f"per_token_loss must be [batch, seq] or [seq], got shape {tuple(per_token_loss.shape)}{loc}"
-        )
+        raise ValueError(f"per_token_loss must be [batch, seq] or [seq], got shape {tuple(per_token_loss.shape)}{loc}")
     if mask.shape != per_token_loss.shape:
         raise ValueError(
-            f"mask shape {tuple(mask.shape)} does not match per_token_loss shape "
-            f"{tuple(per_token_loss.shape)}{loc}"
+            f"mask shape {tuple(mask.shape)} does not match per_token_loss shape {tuple(per_token_loss.shape)}{loc}"
         )
     if not per_token_loss.is_floating_point():
         raise TypeError(f"per_token_loss must be floating point, got dtype {per_token_loss.dtype}{loc}")
@@ -135,8 +132,9 @@ def count_documents(segment_ids: Tensor) -> int:
     return int(present[:, 1:].sum())
 
 
-def document_stats(per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor, *,
-                   documents: tuple[Tensor, int] | None = None) -> tuple[Tensor, Tensor]:
+def document_stats(
+    per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor, *, documents: tuple[Tensor, int] | None = None
+) -> tuple[Tensor, Tensor]:
     """Per-document sums and counts for packed rows: ``s_j = Σ_{t in doc j} w·l``, ``n_j = Σ w``.
 
     A document is a distinct non-zero ``(row, segment_id)`` pair (segment id 0 marks padding, the

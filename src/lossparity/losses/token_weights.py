@@ -103,14 +103,19 @@ def mtp_token_weights(
         raise ValueError("mtp_token_weights needs the mask of at least one MTP depth")
     if convention == "pooled":
         masks2 = [m if m.dim() == 2 else m.unsqueeze(0) for m in masks]
-        seg = None if segment_ids is None else torch.cat([segment_ids if segment_ids.dim() == 2
-                                                          else segment_ids.unsqueeze(0)] * len(masks), dim=-1)
-        pooled = token_weights(mode, torch.cat(masks2, dim=-1), segment_ids=seg, fixed_length=fixed_length,
-                               denominator=denominators[0])
-        return [scale * part.view_as(m) for part, m in zip(pooled.split([m.shape[-1] for m in masks2], dim=-1),
-                                                            masks)]
+        seg = (
+            None
+            if segment_ids is None
+            else torch.cat([segment_ids if segment_ids.dim() == 2 else segment_ids.unsqueeze(0)] * len(masks), dim=-1)
+        )
+        pooled = token_weights(
+            mode, torch.cat(masks2, dim=-1), segment_ids=seg, fixed_length=fixed_length, denominator=denominators[0]
+        )
+        return [scale * part.view_as(m) for part, m in zip(pooled.split([m.shape[-1] for m in masks2], dim=-1), masks)]
     if len(denominators) != len(masks):
         raise ValueError(f"need one denominator per MTP depth: {len(denominators)} for {len(masks)} depths")
     counts = list(unit_counts) if unit_counts is not None else [None] * len(masks)
-    return [scale * token_weights(mode, m, segment_ids=segment_ids, fixed_length=fixed_length, unit_counts=u,
-                                  denominator=d) for m, u, d in zip(masks, counts, denominators)]
+    return [
+        scale * token_weights(mode, m, segment_ids=segment_ids, fixed_length=fixed_length, unit_counts=u, denominator=d)
+        for m, u, d in zip(masks, counts, denominators)
+    ]

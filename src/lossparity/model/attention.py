@@ -54,8 +54,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
         self.cp: ContextParallel | None = None  # keys/values are all-gathered over its group (set by GPT)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, *, return_probs: bool = False
-                ) -> tuple[Tensor, Tensor | None]:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, *, return_probs: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
         """Attend over ``x [B, S, dim]`` under ``mask``; returns ``(out [B, S, dim], probs)`` where
         ``probs`` is ``None`` unless ``return_probs``: then the attention probabilities
         ``[B, n_heads, S, S]`` (detached, in ``max(dtype, float32)``, exactly 0 at masked keys)."""

@@ -27,11 +27,14 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
         self.ffn: nn.Module = (
             MoE(c.dim, c.moe_ffn_hidden, c.num_experts, c.topk, c.score_function, c.shared_expert, layer_id)
-            if moe else SwiGLU(c.dim, c.ffn_hidden))
+            if moe
+            else SwiGLU(c.dim, c.ffn_hidden)
+        )
         self.indexer = Indexer(c.dim, c.indexer_heads, c.indexer_dim, c.rope_theta) if indexer else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, positions: Tensor,
-                valid: Tensor | None) -> tuple[Tensor, RouterRecord | None, tuple[Tensor, Tensor] | None]:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, positions: Tensor, valid: Tensor | None
+    ) -> tuple[Tensor, RouterRecord | None, tuple[Tensor, Tensor] | None]:
         """Run the block on ``x [B, S, dim]``. Returns ``(out, router record or None,
         (main attention probs [B, heads, S, S] detached, indexer logits [B, S, S]) or None)``."""
         a_in = self.attention_norm(x)

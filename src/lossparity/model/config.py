@@ -52,8 +52,17 @@ class ModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_hidden", "max_seq_len",
-                     "moe_ffn_hidden", "indexer_heads", "indexer_dim"):
+        for name in (
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "n_heads",
+            "ffn_hidden",
+            "max_seq_len",
+            "moe_ffn_hidden",
+            "indexer_heads",
+            "indexer_dim",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
@@ -68,20 +77,18 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
         if not 0 <= self.n_dense_layers <= self.n_layers:
             raise ValueError(
-                f"ModelConfig.n_dense_layers={self.n_dense_layers} must be in [0, n_layers={self.n_layers}]")
+                f"ModelConfig.n_dense_layers={self.n_dense_layers} must be in [0, n_layers={self.n_layers}]"
+            )
         if self.num_experts < 0:
             raise ValueError(f"ModelConfig.num_experts must be >= 0, got {self.num_experts}")
         if self.num_experts > 0 and not 1 <= self.topk <= self.num_experts:
-            raise ValueError(
-                f"ModelConfig.topk={self.topk} must be in [1, num_experts={self.num_experts}]")
+            raise ValueError(f"ModelConfig.topk={self.topk} must be in [1, num_experts={self.num_experts}]")
         if self.score_function not in SCORE_FUNCTIONS:
-            raise ValueError(
-                f"ModelConfig.score_function={self.score_function!r}; valid: {', '.join(SCORE_FUNCTIONS)}")
+            raise ValueError(f"ModelConfig.score_function={self.score_function!r}; valid: {', '.join(SCORE_FUNCTIONS)}")
         if self.mtp_depths < 0:
             raise ValueError(f"ModelConfig.mtp_depths must be >= 0, got {self.mtp_depths}")
         if self.indexer_layer is not None and not 0 <= self.indexer_layer < self.n_layers:
-            raise ValueError(
-                f"ModelConfig.indexer_layer={self.indexer_layer} must be in [0, n_layers={self.n_layers})")
+            raise ValueError(f"ModelConfig.indexer_layer={self.indexer_layer} must be in [0, n_layers={self.n_layers})")
         if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
             raise ValueError("ModelConfig.rope_theta, norm_eps and init_std must be > 0")
 
@@ -106,17 +113,64 @@ class ModelConfig:
 
 
 PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=128,
-                        n_dense_layers=1, num_experts=4, topk=2, moe_ffn_hidden=32, mtp_depths=1),
-    "small": ModelConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=192, max_seq_len=256,
-                         n_dense_layers=1, num_experts=8, topk=2, moe_ffn_hidden=64, score_function="sigmoid",
-                         shared_expert=True, mtp_depths=2),
-    "medium": ModelConfig(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, ffn_hidden=768, max_seq_len=512,
-                          n_dense_layers=1, num_experts=8, topk=2, moe_ffn_hidden=256,
-                          score_function="sigmoid", shared_expert=True, mtp_depths=1),
-    "100m": ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_hidden=2048, max_seq_len=1024,
-                        n_dense_layers=1, num_experts=8, topk=2, moe_ffn_hidden=768,
-                        score_function="sigmoid", shared_expert=True, mtp_depths=1),
+    "tiny": ModelConfig(
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=64,
+        max_seq_len=128,
+        n_dense_layers=1,
+        num_experts=4,
+        topk=2,
+        moe_ffn_hidden=32,
+        mtp_depths=1,
+    ),
+    "small": ModelConfig(
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=192,
+        max_seq_len=256,
+        n_dense_layers=1,
+        num_experts=8,
+        topk=2,
+        moe_ffn_hidden=64,
+        score_function="sigmoid",
+        shared_expert=True,
+        mtp_depths=2,
+    ),
+    "medium": ModelConfig(
+        dim=256,
+        n_layers=6,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_hidden=768,
+        max_seq_len=512,
+        n_dense_layers=1,
+        num_experts=8,
+        topk=2,
+        moe_ffn_hidden=256,
+        score_function="sigmoid",
+        shared_expert=True,
+        mtp_depths=1,
+    ),
+    "100m": ModelConfig(
+        dim=512,
+        n_layers=8,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_hidden=2048,
+        max_seq_len=1024,
+        n_dense_layers=1,
+        num_experts=8,
+        topk=2,
+        moe_ffn_hidden=768,
+        score_function="sigmoid",
+        shared_expert=True,
+        mtp_depths=1,
+    ),
 }
 
 

@@ -49,8 +49,10 @@ def shard_columns(seq_len: int, cp_size: int, cp_rank: int, zigzag: bool = True)
         raise ValueError(f"need 0 <= cp_rank < cp_size, got cp_rank={cp_rank}, cp_size={cp_size}")
     parts = 2 * cp_size if zigzag else cp_size
     if seq_len % parts:
-        raise ValueError(f"seq_len={seq_len} must be divisible by {parts} for cp={cp_size} "
-                         f"({'zig-zag' if zigzag else 'contiguous'} sharding)")
+        raise ValueError(
+            f"seq_len={seq_len} must be divisible by {parts} for cp={cp_size} "
+            f"({'zig-zag' if zigzag else 'contiguous'} sharding)"
+        )
     chunks = torch.arange(seq_len).chunk(parts)
     if zigzag:
         return torch.cat([chunks[cp_rank], chunks[parts - 1 - cp_rank]])

@@ -52,8 +52,9 @@ _WEIGHTS = ("w1", "w3", "w2")
 class _Route:
     """The bookkeeping of one dispatch, needed by the matching combine."""
 
-    def __init__(self, tokens: Tensor, gates: Tensor, counts: list[int], send: list[int], recv: list[int],
-                 num_tokens: int) -> None:
+    def __init__(
+        self, tokens: Tensor, gates: Tensor, counts: list[int], send: list[int], recv: list[int], num_tokens: int
+    ) -> None:
         self.tokens, self.gates, self.counts = tokens, gates, counts
         self.send, self.recv, self.num_tokens = send, recv, num_tokens
 
@@ -89,9 +90,13 @@ class ExpertParallel(ParallelStyle):
         _check_shardable(module, device_mesh)
         # torch's stub types input_fn/output_fn as returning None, but distribute_module uses what they
         # return as the module's new inputs/outputs (as its docstring says): the stub is wrong.
-        return distribute_module(module, device_mesh, partition_fn=_partition,
-                                 input_fn=self._dispatch,  # type: ignore[arg-type]
-                                 output_fn=self._combine)  # type: ignore[arg-type]
+        return distribute_module(
+            module,
+            device_mesh,
+            partition_fn=_partition,
+            input_fn=self._dispatch,  # type: ignore[arg-type]
+            output_fn=self._combine,
+        )  # type: ignore[arg-type]
 
     def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple[Tensor, Tensor, Tensor]:
         """Forward pre-hook: send every (token, expert) pair to the expert's rank; return the received
@@ -106,13 +111,16 @@ class ExpertParallel(ParallelStyle):
         host = torch.cat([counts, recv_counts]).tolist()  # the host read of the layer: the split sizes
         per_expert, recv_host = host[:E], host[E:]
         local = E // ep
-        send = [sum(per_expert[j * local:(j + 1) * local]) for j in range(ep)]
-        recv = [sum(recv_host[j * local:(j + 1) * local]) for j in range(ep)]
+        send = [sum(per_expert[j * local : (j + 1) * local]) for j in range(ep)]
+        recv = [sum(recv_host[j * local : (j + 1) * local]) for j in range(ep)]
         self._route = _Route(pairs[:, 1], gates, per_expert, send, recv, T)
         rows = _all_to_all(x.index_select(0, pairs[:, 1]), recv, send, group)
         # Received rows are source-rank-major, then local-expert-major: their local expert index.
-        expert_of_row = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(
-            recv_counts.to(device=x.device, dtype=torch.long), output_size=sum(recv))
+        expert_of_row = (
+            torch.arange(local, device=x.device)
+            .repeat(ep)
+            .repeat_interleave(recv_counts.to(device=x.device, dtype=torch.long), output_size=sum(recv))
+        )
         onehot = nn.functional.one_hot(expert_of_row, local).to(torch.bool)
         return rows, onehot.to(rows.dtype), onehot
 
@@ -127,9 +135,9 @@ class ExpertParallel(ParallelStyle):
         out = outputs.new_zeros(route.num_tokens, outputs.shape[1])
         start = 0
         for e, n in enumerate(route.counts):
-            idx = route.tokens[start:start + n]
+            idx = route.tokens[start : start + n]
             ge = route.gates[:, e].index_select(0, idx).unsqueeze(1).to(out.dtype)
-            out.index_add_(0, idx, back[start:start + n].to(out.dtype) * ge)
+            out.index_add_(0, idx, back[start : start + n].to(out.dtype) * ge)
             start += n
         return out
 
@@ -140,11 +148,14 @@ def _check_shardable(module: nn.Module, mesh: DeviceMesh) -> None:
         raise ValueError(f"ExpertParallel needs a 1-D expert-parallel mesh, got {mesh.ndim} dimensions")
     missing = [n for n in _WEIGHTS if not isinstance(getattr(module, n, None), nn.Parameter)]
     if missing:
-        raise ValueError(f"ExpertParallel applies to GroupedExperts (parameters {_WEIGHTS}); "
-                         f"{type(module).__name__} lacks {missing}")
+        raise ValueError(
+            f"ExpertParallel applies to GroupedExperts (parameters {_WEIGHTS}); {type(module).__name__} lacks {missing}"
+        )
     if any(hasattr(getattr(module, n), "to_local") for n in _WEIGHTS):
-        raise ValueError("ExpertParallel: the experts are already sharded (tensor parallelism is not combined "
-                         "with expert parallelism)")
+        raise ValueError(
+            "ExpertParallel: the experts are already sharded (tensor parallelism is not combined "
+            "with expert parallelism)"
+        )
     num = cast(nn.Parameter, module.w1).shape[0]  # checked above: a Parameter
     if num % mesh.size():
         raise ValueError(f"ep={mesh.size()} must divide the number of routed experts num_experts={num}")

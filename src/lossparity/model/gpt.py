@@ -67,7 +67,8 @@ class GPT(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(
             Block(config, i, moe=config.is_moe_layer(i), indexer=i == config.indexer_layer)
-            for i in range(config.n_layers))
+            for i in range(config.n_layers)
+        )
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.mtp = nn.ModuleList(MTPModule(config, k) for k in range(1, config.mtp_depths + 1))
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
@@ -103,8 +104,9 @@ class GPT(nn.Module):
             if isinstance(m, (Attention, Indexer)):
                 m.cp = cp  # keys of every shard are gathered (attention and indexer alike)
 
-    def prepare(self, tokens: Tensor, *, segment_ids: Tensor | None = None, positions: Tensor | None = None
-                ) -> ForwardContext:
+    def prepare(
+        self, tokens: Tensor, *, segment_ids: Tensor | None = None, positions: Tensor | None = None
+    ) -> ForwardContext:
         """Everything the blocks need besides the hidden states, from whole rows: attention mask, RoPE
         tables, non-padding map, MTP input tokens (rolled on whole rows), cut to this rank's columns under
         context parallelism. Computed once per microbatch (pipeline stages share it)."""
@@ -112,8 +114,11 @@ class GPT(nn.Module):
         c = self.config
         B, S = tokens.shape
         if positions is None:
-            positions = (positions_from_segments(segment_ids) if segment_ids is not None
-                         else torch.arange(S, device=tokens.device).expand(B, S))
+            positions = (
+                positions_from_segments(segment_ids)
+                if segment_ids is not None
+                else torch.arange(S, device=tokens.device).expand(B, S)
+            )
         mask = attention_mask(segment_ids, S, tokens.device)
         mtp_tokens = [shift_tokens(tokens, cast(MTPModule, m).depth, segment_ids) for m in self.mtp]
         cp = self.cp
@@ -144,8 +149,9 @@ class GPT(nn.Module):
             return h
         return sp_gather(h, self.sp_mesh, 1, partial_grad=False)
 
-    def run_layers(self, h: Tensor, ctx: ForwardContext, layer_ids: range, *, recompute: bool = False
-                   ) -> tuple[Tensor, list[RouterRecord], tuple[Tensor, Tensor] | None]:
+    def run_layers(
+        self, h: Tensor, ctx: ForwardContext, layer_ids: range, *, recompute: bool = False
+    ) -> tuple[Tensor, list[RouterRecord], tuple[Tensor, Tensor] | None]:
         """Main transformer layers ``layer_ids`` on ``h``; returns ``(h, router records, indexer outputs)``."""
         routers: list[RouterRecord] = []
         indexer = None
@@ -158,16 +164,18 @@ class GPT(nn.Module):
                 indexer = idx
         return h, routers, indexer
 
-    def run_head(self, h: Tensor, ctx: ForwardContext, *, recompute: bool = False
-                 ) -> tuple[Tensor, list[Tensor], list[RouterRecord]]:
+    def run_head(
+        self, h: Tensor, ctx: ForwardContext, *, recompute: bool = False
+    ) -> tuple[Tensor, list[Tensor], list[RouterRecord]]:
         """Final norm and the MTP depths on the last layer's output ``h``; returns ``(hidden, mtp_hidden,
         MTP router records)`` (the output head itself is applied by the loss code)."""
         hidden = self._full_sequence(self.norm(h))
         mtp_hidden, routers = [], []
         for module in self.mtp:
             emb = self.embed(ctx.mtp_tokens[cast(MTPModule, module).depth - 1])
-            h, normed, record = module(h, emb, ctx.cos, ctx.sin, ctx.mask, ctx.positions, ctx.valid,
-                                       recompute=recompute)
+            h, normed, record = module(
+                h, emb, ctx.cos, ctx.sin, ctx.mask, ctx.positions, ctx.valid, recompute=recompute
+            )
             mtp_hidden.append(self._full_sequence(normed))
             if record is not None:
                 routers.append(record)
@@ -185,25 +193,35 @@ class GPT(nn.Module):
 
     def _check_inputs(self, tokens: Tensor, segment_ids: Tensor | None, positions: Tensor | None) -> None:
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"tokens must be an int64/int32 [B, S] tensor, got {tokens.dtype} "
-                             f"shape {tuple(tokens.shape)}")
+            raise ValueError(
+                f"tokens must be an int64/int32 [B, S] tensor, got {tokens.dtype} shape {tuple(tokens.shape)}"
+            )
         if tokens.shape[1] > self.config.max_seq_len:
-            raise ValueError(f"tokens sequence length {tokens.shape[1]} exceeds max_seq_len "
-                             f"{self.config.max_seq_len}")
+            raise ValueError(f"tokens sequence length {tokens.shape[1]} exceeds max_seq_len {self.config.max_seq_len}")
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
-            raise ValueError(f"tokens values must be in [0, {self.config.vocab_size}), got range "
-                             f"[{int(tokens.min())}, {int(tokens.max())}]")
+            raise ValueError(
+                f"tokens values must be in [0, {self.config.vocab_size}), got range "
+                f"[{int(tokens.min())}, {int(tokens.max())}]"
+            )
         for name, t in (("segment_ids", segment_ids), ("positions", positions)):
             if t is None:
                 continue
             if t.shape != tokens.shape or t.dtype.is_floating_point or t.dtype == torch.bool:
-                raise ValueError(f"{name} must be an integer tensor of tokens' shape {tuple(tokens.shape)}, "
-                                 f"got {t.dtype} shape {tuple(t.shape)}")
+                raise ValueError(
+                    f"{name} must be an integer tensor of tokens' shape {tuple(tokens.shape)}, "
+                    f"got {t.dtype} shape {tuple(t.shape)}"
+                )
             if t.numel() and int(t.min()) < 0:
                 raise ValueError(f"{name} must be >= 0, got min {int(t.min())}")
 
-    def forward(self, tokens: Tensor, *, segment_ids: Tensor | None = None, positions: Tensor | None = None,
-                recompute: bool = False) -> ModelOutput:
+    def forward(
+        self,
+        tokens: Tensor,
+        *,
+        segment_ids: Tensor | None = None,
+        positions: Tensor | None = None,
+        recompute: bool = False,
+    ) -> ModelOutput:
         """Run the model on ``tokens [B, S]``.
 
         ``segment_ids [B, S]`` (optional) marks documents of packed rows (attention and MTP inputs stay
@@ -212,8 +230,7 @@ class GPT(nn.Module):
         checkpoints every transformer block (main and MTP); the re-runs record and count nothing. Under
         :meth:`enable_context_parallel` the inputs are whole rows and the outputs this shard's columns."""
         ctx = self.prepare(tokens, segment_ids=segment_ids, positions=positions)
-        h, routers, indexer = self.run_layers(self.embed(ctx.tokens), ctx, range(len(self.layers)),
-                                              recompute=recompute)
+        h, routers, indexer = self.run_layers(self.embed(ctx.tokens), ctx, range(len(self.layers)), recompute=recompute)
         hidden, mtp_hidden, mtp_routers = self.run_head(h, ctx, recompute=recompute)
         routers += mtp_routers
         return ModelOutput(hidden=hidden, mtp_hidden=mtp_hidden, routers=routers, indexer=indexer)

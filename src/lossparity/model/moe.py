@@ -75,8 +75,16 @@ class GroupedExperts(nn.Module):
 class MoE(nn.Module):
     """``y = Σ_e gate_e · expert_e(x) + shared(x)`` with the experts chosen by a :class:`Router`."""
 
-    def __init__(self, dim: int, hidden: int, num_experts: int, topk: int, score_function: ScoreFunction,
-                 shared_expert: bool, layer_id: int) -> None:
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        num_experts: int,
+        topk: int,
+        score_function: ScoreFunction,
+        shared_expert: bool,
+        layer_id: int,
+    ) -> None:
         super().__init__()
         self.router = Router(dim, num_experts, topk, score_function, layer_id)
         self.experts = GroupedExperts(dim, hidden, num_experts)

@@ -51,9 +51,18 @@ class MTPModule(nn.Module):
         self.block = Block(config, config.n_layers + depth - 1, moe=config.has_moe)
         self.norm = RMSNorm(config.dim, config.norm_eps)
 
-    def forward(self, h_prev: Tensor, emb: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, positions: Tensor,
-                valid: Tensor | None, *, recompute: bool = False
-                ) -> tuple[Tensor, Tensor, RouterRecord | None]:
+    def forward(
+        self,
+        h_prev: Tensor,
+        emb: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor,
+        positions: Tensor,
+        valid: Tensor | None,
+        *,
+        recompute: bool = False,
+    ) -> tuple[Tensor, Tensor, RouterRecord | None]:
         """``h_prev [B, S, dim]`` (previous depth, un-normed) and ``emb [B, S, dim]`` (embedding of the
         tokens ``depth`` ahead) -> ``(h_k un-normed, norm(h_k), router record or None)``; the block is
         checkpointed when ``recompute``."""

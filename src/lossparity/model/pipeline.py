@@ -74,9 +74,16 @@ class StageModule(nn.Module):
     hidden states of the main model and of every MTP depth.
     """
 
-    def __init__(self, gpt: GPT, chunk: int, num_chunks: int, layer_ids: range, *, recompute: bool = False,
-                 aux_fn: Callable[[list[RouterRecord], int, tuple[Tensor, Tensor] | None], Tensor | None]
-                 | None = None) -> None:
+    def __init__(
+        self,
+        gpt: GPT,
+        chunk: int,
+        num_chunks: int,
+        layer_ids: range,
+        *,
+        recompute: bool = False,
+        aux_fn: Callable[[list[RouterRecord], int, tuple[Tensor, Tensor] | None], Tensor | None] | None = None,
+    ) -> None:
         super().__init__()
         self.chunk, self.num_chunks, self.layer_ids = chunk, num_chunks, layer_ids
         self.first, self.last = chunk == 0, chunk == num_chunks - 1
@@ -103,8 +110,10 @@ class StageModule(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gpt = self._gpt[0]
         if self._next >= len(self.contexts):
-            raise RuntimeError(f"pipeline chunk {self.chunk}: forward of microbatch {self._next} but only "
-                               f"{len(self.contexts)} contexts were set for this step")
+            raise RuntimeError(
+                f"pipeline chunk {self.chunk}: forward of microbatch {self._next} but only "
+                f"{len(self.contexts)} contexts were set for this step"
+            )
         mb = self._next
         ctx = self.contexts[mb]
         self._next += 1

@@ -63,8 +63,7 @@ class Router(nn.Module):
     expert_bias: Tensor
     tokens_per_expert: Tensor
 
-    def __init__(self, dim: int, num_experts: int, topk: int, score_function: ScoreFunction, layer_id: int
-                 ) -> None:
+    def __init__(self, dim: int, num_experts: int, topk: int, score_function: ScoreFunction, layer_id: int) -> None:
         super().__init__()
         score_function = check_option("score_function", score_function, SCORE_FUNCTIONS)
         self.num_experts, self.topk, self.layer_id = num_experts, topk, layer_id

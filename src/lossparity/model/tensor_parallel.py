@@ -114,12 +114,18 @@ def _gather_sp_input(module: nn.Module, tp_mesh: DeviceMesh, n_inputs: int) -> N
     from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
 
     rest = (None,) * (n_inputs - 1)
-    parallelize_module(module, tp_mesh, PrepareModuleInput(
-        input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest), use_local_output=True))
+    parallelize_module(
+        module,
+        tp_mesh,
+        PrepareModuleInput(
+            input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest), use_local_output=True
+        ),
+    )
 
 
-def _parallelize_attention(module: Attention, tp_mesh: DeviceMesh, sequence_parallel: bool,
-                           row_out: ParallelStyle) -> None:
+def _parallelize_attention(
+    module: Attention, tp_mesh: DeviceMesh, sequence_parallel: bool, row_out: ParallelStyle
+) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     tp = tp_mesh.size()
@@ -127,14 +133,14 @@ def _parallelize_attention(module: Attention, tp_mesh: DeviceMesh, sequence_para
         raise ValueError(f"tp={tp} must divide n_heads={module.n_heads} and n_kv_heads={module.n_kv_heads}")
     if sequence_parallel:
         _gather_sp_input(module, tp_mesh, 4)
-    parallelize_module(module, tp_mesh, {"wq": ColwiseParallel(), "wk": ColwiseParallel(),
-                                         "wv": ColwiseParallel(), "wo": row_out})
+    parallelize_module(
+        module, tp_mesh, {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": row_out}
+    )
     module.n_heads //= tp
     module.n_kv_heads //= tp
 
 
-def _parallelize_swiglu(module: SwiGLU, tp_mesh: DeviceMesh, sequence_parallel: bool,
-                        row_out: ParallelStyle) -> None:
+def _parallelize_swiglu(module: SwiGLU, tp_mesh: DeviceMesh, sequence_parallel: bool, row_out: ParallelStyle) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     if sequence_parallel:
@@ -151,8 +157,9 @@ def _parallelize_grouped_experts(module: GroupedExperts, tp_mesh: DeviceMesh, se
         module.tp_region = None  # the MoE layer gathers tokens and reduce-scatters itself
 
 
-def _parallelize_submodule(module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, shard_experts: bool,
-                           row_out: ParallelStyle) -> None:
+def _parallelize_submodule(
+    module: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, shard_experts: bool, row_out: ParallelStyle
+) -> None:
     """Apply the plan of the module docstring to one submodule (a no-op for modules it does not name)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -171,8 +178,9 @@ def _parallelize_submodule(module: nn.Module, tp_mesh: DeviceMesh, sequence_para
         module.sequence_parallel = sequence_parallel
 
 
-def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
-                          shard_experts: bool = True) -> None:
+def apply_tensor_parallel(
+    model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False, shard_experts: bool = True
+) -> None:
     """Shard ``model`` (a :class:`~lossparity.model.GPT`) over the 1-D ``tp_mesh`` in place (module
     docstring). Raises when head counts or hidden sizes do not divide by the TP size.
 

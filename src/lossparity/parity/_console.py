@@ -15,8 +15,19 @@ import re
 
 from ._record import LogParseError, Recorder, decorated_number, int_step, lines, to_float, to_number
 
-__all__ = ["MEG_START_RE", "MF_START_RE", "TITAN_START_RE", "ANSI_RE", "MAXTEXT_START", "LOSS_EXPORT_RE",
-           "read_megatron", "read_maxtext", "read_torchtitan", "read_mindformers", "read_loss_export"]
+__all__ = [
+    "MEG_START_RE",
+    "MF_START_RE",
+    "TITAN_START_RE",
+    "ANSI_RE",
+    "MAXTEXT_START",
+    "LOSS_EXPORT_RE",
+    "read_megatron",
+    "read_maxtext",
+    "read_torchtitan",
+    "read_mindformers",
+    "read_loss_export",
+]
 
 
 def _put_field(rec: Recorder, path: str, ln: int, step: int, key: str, text: str) -> None:
@@ -79,8 +90,10 @@ def read_megatron(path: str, rec: Recorder) -> None:
                 text += line
                 if text.rstrip().endswith("|"):
                     _megatron_record(path, first, text, rec)
-                    rec.note(f"line {first}: a metric line hard-wrapped by the terminal was joined with the "
-                             f"{wraps + 1} line(s) after it")
+                    rec.note(
+                        f"line {first}: a metric line hard-wrapped by the terminal was joined with the "
+                        f"{wraps + 1} line(s) after it"
+                    )
                     rec.skipped_lines += wraps + 1
                     pending = None
                 else:
@@ -164,9 +177,7 @@ def read_torchtitan(path: str, rec: Recorder) -> None:
 # MindFormers
 
 MF_START_RE = re.compile(r"Epoch:\s*\[")
-_MF_LINE_RE = re.compile(
-    r"Epoch:\s*\[\s*(\d+)\s*/\s*(\d+)\s*\]\s*,\s*step:\s*\[\s*(\d+)\s*/\s*(\d+)\s*\]\s*,?(.*)$"
-)
+_MF_LINE_RE = re.compile(r"Epoch:\s*\[\s*(\d+)\s*/\s*(\d+)\s*\]\s*,\s*step:\s*\[\s*(\d+)\s*/\s*(\d+)\s*\]\s*,?(.*)$")
 # "name: value" or, as some releases print global_norm, "name [value]" without the colon
 _MF_FIELD_RE = re.compile(r"([A-Za-z_][\w ]*?)\s*(?::\s*|\s(?=\[))(\[[^\]]*\]|[^,]*)")
 

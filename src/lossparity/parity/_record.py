@@ -14,8 +14,18 @@ from dataclasses import dataclass, field, replace
 
 from .names import canonical_name, is_canonical
 
-__all__ = ["LogParseError", "Run", "Recorder", "to_float", "to_number", "decorated_number", "json_number",
-           "int_step", "lines", "SAMPLES_KEYS"]
+__all__ = [
+    "LogParseError",
+    "Run",
+    "Recorder",
+    "to_float",
+    "to_number",
+    "decorated_number",
+    "json_number",
+    "int_step",
+    "lines",
+    "SAMPLES_KEYS",
+]
 
 SAMPLES_KEYS = ("consumed_samples", "consumed samples")
 
@@ -113,8 +123,11 @@ class Recorder:
         self.skipped_lines += 1
         self.live = self.live or last
         where = "last line" if last else "line"
-        self.note(f"{where} {ln} ignored: incomplete ({why}; the log may still be written)" if last
-                  else f"{where} {ln} ignored: incomplete ({why}; the job was probably killed while writing it)")
+        self.note(
+            f"{where} {ln} ignored: incomplete ({why}; the log may still be written)"
+            if last
+            else f"{where} {ln} ignored: incomplete ({why}; the job was probably killed while writing it)"
+        )
 
     def begin(self, step: int) -> None:
         """Start a record at ``step``; a step below the last one read is a restart."""
@@ -134,9 +147,9 @@ class Recorder:
         prev = self.raw_names.setdefault(name, raw)
         if prev != raw:
             raise LogParseError(
-                self.path, line,
-                f"one log name per metric, but {prev!r} and {raw!r} both map to {name!r} "
-                "(rename one with a name map)",
+                self.path,
+                line,
+                f"one log name per metric, but {prev!r} and {raw!r} both map to {name!r} (rename one with a name map)",
             )
         return name
 
@@ -202,8 +215,15 @@ class Recorder:
 # ---------------------------------------------------------------------------------------------------
 # numbers
 
-_NONFINITE = {"nan": math.nan, "inf": math.inf, "+inf": math.inf, "-inf": -math.inf,
-              "infinity": math.inf, "+infinity": math.inf, "-infinity": -math.inf}
+_NONFINITE = {
+    "nan": math.nan,
+    "inf": math.inf,
+    "+inf": math.inf,
+    "-inf": -math.inf,
+    "infinity": math.inf,
+    "+infinity": math.inf,
+    "-infinity": -math.inf,
+}
 _PLAIN_RE = re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$")
 # a console number with decoration: thousands separators, a unit or percent sign, a parenthesized remark
 _DECORATED_RE = re.compile(

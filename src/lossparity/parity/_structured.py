@@ -17,9 +17,19 @@ from typing import Any
 
 from ._record import SAMPLES_KEYS, LogParseError, Recorder, _drop_from, int_step, json_number, lines, to_float
 
-__all__ = ["read_jsonl", "read_llamafactory", "read_csv", "read_megatron_golden", "read_hf_trainer_state",
-           "read_tensorboard", "event_files", "is_lfs_pointer", "load_json", "CSV_STEP_COLUMNS",
-           "MAXTEXT_KEY_PREFIXES"]
+__all__ = [
+    "read_jsonl",
+    "read_llamafactory",
+    "read_csv",
+    "read_megatron_golden",
+    "read_hf_trainer_state",
+    "read_tensorboard",
+    "event_files",
+    "is_lfs_pointer",
+    "load_json",
+    "CSV_STEP_COLUMNS",
+    "MAXTEXT_KEY_PREFIXES",
+]
 
 MAXTEXT_KEY_PREFIXES = ("learning/", "perf/")
 _LFS_MAGIC = b"version https://git-lfs.github.com/spec/"
@@ -36,12 +46,17 @@ def is_lfs_pointer(path: str) -> bool:
 
 def lfs_error(path: str, what: str) -> LogParseError:
     """The error for an LFS pointer given where ``what`` was expected."""
-    return LogParseError(path, 1, f"{what}, but the file is a Git LFS pointer (the content was never fetched: run "
-                                  "`git lfs pull` in its repository)")
+    return LogParseError(
+        path,
+        1,
+        f"{what}, but the file is a Git LFS pointer (the content was never fetched: run "
+        "`git lfs pull` in its repository)",
+    )
 
 
-def _json_value(rec: Recorder, path: str, key: str, raw: object, ln: int | None, where: str | None = None
-                ) -> float | None:
+def _json_value(
+    rec: Recorder, path: str, key: str, raw: object, ln: int | None, where: str | None = None
+) -> float | None:
     """Number of a JSON value; ``None`` for labels; a non-number for a strict key raises."""
     value = json_number(raw)
     if value is None and raw is not None and rec.strict(key):
@@ -131,8 +146,9 @@ def _csv_columns(header: list[str], step_col: int) -> dict[int, str]:
     return columns
 
 
-def _csv_rows(path: str, reader: Any, header: list[str], step_col: int, columns: dict[int, str],
-              rec: Recorder) -> list[tuple[int, int, dict[int, float]]]:
+def _csv_rows(
+    path: str, reader: Any, header: list[str], step_col: int, columns: dict[int, str], rec: Recorder
+) -> list[tuple[int, int, dict[int, float]]]:
     rows: list[tuple[int, int, dict[int, float]]] = []
     first_text: dict[int, int] = {}
     numeric_cols: set[int] = set()
@@ -192,8 +208,10 @@ def read_csv(path: str, rec: Recorder) -> None:
     rows = _csv_rows(path, reader, header, step_col, columns, rec)
     if header[step_col].strip() in _WANDB_STEP_HEADERS and rows and min(s for _, s, _ in rows) == 0:
         rec.step_base = 0
-        rec.note(f"column {header[step_col].strip()!r} is W&B's step counter and starts at 0: first step 0 "
-                 "(override with --ref-step-base/--cand-step-base)")
+        rec.note(
+            f"column {header[step_col].strip()!r} is W&B's step counter and starts at 0: first step 0 "
+            "(override with --ref-step-base/--cand-step-base)"
+        )
     for ln, step, values in rows:
         rec.begin(step)
         for i, v in values.items():
@@ -213,8 +231,11 @@ def load_json(path: str) -> object:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise LogParseError(path, e.lineno, f"valid JSON: the file is JSON but broken at line {e.lineno} column "
-                                            f"{e.colno} ({e.msg}; truncated?)") from None
+        raise LogParseError(
+            path,
+            e.lineno,
+            f"valid JSON: the file is JSON but broken at line {e.lineno} column {e.colno} ({e.msg}; truncated?)",
+        ) from None
 
 
 def _golden_items(path: str, metric: str, spec: dict[str, object]) -> list[tuple[int, object]]:
@@ -233,8 +254,9 @@ def _golden_items(path: str, metric: str, spec: dict[str, object]) -> list[tuple
     try:
         start, interval = int(spec["start_step"]), int(spec["step_interval"])  # type: ignore[call-overload]
     except (KeyError, TypeError, ValueError):
-        raise LogParseError(path, None, "integer 'start_step' and 'step_interval' for a list of values",
-                            where=where) from None
+        raise LogParseError(
+            path, None, "integer 'start_step' and 'step_interval' for a list of values", where=where
+        ) from None
     # legacy list form: values[i] is TensorBoard event start + i·interval (0-based), i.e. iteration +1
     return [(start + i * interval + 1, v) for i, v in enumerate(values)]
 
@@ -260,12 +282,13 @@ def read_megatron_golden(path: str, rec: Recorder) -> None:
                 continue
             value = json_number(v)
             if value is None:
-                raise LogParseError(path, None, f"a number or \"nan\" at step {step}, got {v!r}",
-                                    where=f"metric {metric!r}")
+                raise LogParseError(
+                    path, None, f'a number or "nan" at step {step}, got {v!r}', where=f"metric {metric!r}"
+                )
             points.append((step, value))
         rec.put_series(metric, points)
     if missing:
-        rec.note(f"{missing} value(s) written as the string \"nan\" (steps the run did not log) are missing")
+        rec.note(f'{missing} value(s) written as the string "nan" (steps the run did not log) are missing')
 
 
 _HF_EVAL_PREFIXES = ("eval_", "predict_", "test_")

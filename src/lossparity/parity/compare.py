@@ -60,9 +60,19 @@ from ..options import ALIGNS, MISSING_STEPS, Align, MissingSteps, check_option
 from .names import CANONICAL_METRICS, MTP_RE, default_canonical_name, is_canonical
 from .readers import Run
 
-__all__ = ["DEFAULT_TOLERANCES", "CompareInputError", "CompareResult", "MetricResult", "Tolerance",
-           "compare_runs", "megatron_allowed_failures", "moving_average", "parse_tolerances", "step_ranges",
-           "tolerance_for"]
+__all__ = [
+    "DEFAULT_TOLERANCES",
+    "CompareInputError",
+    "CompareResult",
+    "MetricResult",
+    "Tolerance",
+    "compare_runs",
+    "megatron_allowed_failures",
+    "moving_average",
+    "parse_tolerances",
+    "step_ranges",
+    "tolerance_for",
+]
 
 
 class CompareInputError(ValueError):
@@ -303,21 +313,38 @@ class MetricResult:
         w = self.worst_index
         bad = np.flatnonzero(~self.ok)
         failures = [
-            {"step": int(self.steps[i]), "x": _num(self.x[i]), "ref": _num(self.ref[i]),
-             "cand": _num(self.cand[i]), "rel_diff": _num(self.rel_diff[i])}
+            {
+                "step": int(self.steps[i]),
+                "x": _num(self.x[i]),
+                "ref": _num(self.ref[i]),
+                "cand": _num(self.cand[i]),
+                "rel_diff": _num(self.rel_diff[i]),
+            }
             for i in bad[:max_failures]
         ]
         return {
-            "metric": self.metric, "cand_metric": self.cand_metric, "passed": self.passed,
+            "metric": self.metric,
+            "cand_metric": self.cand_metric,
+            "passed": self.passed,
             "tolerance": {"rel": self.tolerance.rel, "abs": self.tolerance.abs},
-            "n_compared": self.n_compared, "n_failed": self.n_failed, "allowed_failures": self.allowed_failures,
-            "first_fail_step": self.first_fail_step, "worst_step": self.worst_step, "worst_x": _num(self.x[w]),
-            "worst_ref": _num(self.ref[w]), "worst_cand": _num(self.cand[w]),
-            "max_rel_diff": _num(self.max_rel_diff), "first_step": int(self.steps[0]),
-            "last_step": int(self.steps[-1]), "only_ref": self.only_ref, "only_cand": self.only_cand,
-            "missing_in_cand": step_ranges(self.missing_cand), "missing_in_ref": step_ranges(self.missing_ref),
+            "n_compared": self.n_compared,
+            "n_failed": self.n_failed,
+            "allowed_failures": self.allowed_failures,
+            "first_fail_step": self.first_fail_step,
+            "worst_step": self.worst_step,
+            "worst_x": _num(self.x[w]),
+            "worst_ref": _num(self.ref[w]),
+            "worst_cand": _num(self.cand[w]),
+            "max_rel_diff": _num(self.max_rel_diff),
+            "first_step": int(self.steps[0]),
+            "last_step": int(self.steps[-1]),
+            "only_ref": self.only_ref,
+            "only_cand": self.only_cand,
+            "missing_in_cand": step_ranges(self.missing_cand),
+            "missing_in_ref": step_ranges(self.missing_ref),
             "missing_violation": self.missing_violation,
-            "failures": failures, "failures_truncated": bool(bad.size > max_failures),
+            "failures": failures,
+            "failures_truncated": bool(bad.size > max_failures),
         }
 
 
@@ -352,17 +379,31 @@ class CompareResult:
         """JSON-ready result (non-finite numbers as strings)."""
 
         def run_info(run: Run) -> dict[str, object]:
-            return {"source": run.source, "format": run.format, "step_base": run.step_base,
-                    "restarts": run.restarts, "dropped_values": run.dropped_values,
-                    "skipped_lines": run.skipped_lines, "skipped_steps": sorted(run.skipped_steps),
-                    "live": run.live, "notes": list(run.notes)}
+            return {
+                "source": run.source,
+                "format": run.format,
+                "step_base": run.step_base,
+                "restarts": run.restarts,
+                "dropped_values": run.dropped_values,
+                "skipped_lines": run.skipped_lines,
+                "skipped_steps": sorted(run.skipped_steps),
+                "live": run.live,
+                "notes": list(run.notes),
+            }
 
         return {
-            "passed": self.passed, "ref": run_info(self.ref), "cand": run_info(self.cand), "align": self.align,
-            "window": list(self.window) if self.window else None, "smooth": self.smooth,
-            "megatron_rule": self.megatron_rule, "missing_steps": self.missing_steps,
+            "passed": self.passed,
+            "ref": run_info(self.ref),
+            "cand": run_info(self.cand),
+            "align": self.align,
+            "window": list(self.window) if self.window else None,
+            "smooth": self.smooth,
+            "megatron_rule": self.megatron_rule,
+            "missing_steps": self.missing_steps,
             "metrics": {k: m.to_dict() for k, m in self.metrics.items()},
-            "skipped": dict(self.skipped), "not_compared": list(self.not_compared), "notes": list(self.notes),
+            "skipped": dict(self.skipped),
+            "not_compared": list(self.not_compared),
+            "notes": list(self.notes),
         }
 
 
@@ -397,16 +438,16 @@ def _points(run: Run, metric: str, align: str, offset: int, window: Window | Non
     if align == "step":
         out = {float(s + offset): (s, v) for s, v in sorted(series.items())}
     else:
-        out = {float(run.consumed_samples[s]): (s, v) for s, v in sorted(series.items())
-               if s in run.consumed_samples}
+        out = {float(run.consumed_samples[s]): (s, v) for s, v in sorted(series.items()) if s in run.consumed_samples}
     if window is None:
         return out
     lo, hi = window
     return {x: p for x, p in out.items() if (lo is None or x >= lo) and (hi is None or x <= hi)}
 
 
-def _missing_violation(rule: str, ref_x: list[float], cand_x: list[float], missing: list[float],
-                       unit: str, cand_live: bool = False) -> str | None:
+def _missing_violation(
+    rule: str, ref_x: list[float], cand_x: list[float], missing: list[float], unit: str, cand_live: bool = False
+) -> str | None:
     """Why the missing-steps ``rule`` fails for these points, or ``None`` (see the module docstring).
 
     With ``span`` a reference point counts as outside the candidate's span when it lies at least one
@@ -430,13 +471,22 @@ def _missing_violation(rule: str, ref_x: list[float], cand_x: list[float], missi
         parts.append(f"stops at {unit} {cand_x[-1]:g}, before the reference's last {unit} {ref_x[-1]:g}")
     if not parts:
         return None
-    return (f"the candidate {' and '.join(parts)}: reference {unit}s {step_ranges(early + late)} are not compared "
-            "(compare a part with --window, or --missing-steps ignore)")
+    return (
+        f"the candidate {' and '.join(parts)}: reference {unit}s {step_ranges(early + late)} are not compared "
+        "(compare a part with --window, or --missing-steps ignore)"
+    )
 
 
 def _compare_metric(
-    names: tuple[str, str], ref: Run, cand: Run, tol: Tolerance, align: str,
-    window: Window | None, smooth: int, megatron_rule: bool, missing_rule: str,
+    names: tuple[str, str],
+    ref: Run,
+    cand: Run,
+    tol: Tolerance,
+    align: str,
+    window: Window | None,
+    smooth: int,
+    megatron_rule: bool,
+    missing_rule: str,
 ) -> MetricResult | None:
     rp = _points(ref, names[0], align, 0, window)
     cp = _points(cand, names[1], align, ref.step_base - cand.step_base, window)
@@ -455,10 +505,18 @@ def _compare_metric(
     missing_cand, missing_ref = sorted(set(rp) - set(cp)), sorted(set(cp) - set(rp))
     unit = "step" if align == "step" else "sample count"
     return MetricResult(
-        metric=names[0], cand_metric=names[1], tolerance=tol, steps=steps, x=np.array(xs, dtype=np.float64),
-        ref=r, cand=c, ok=ok.astype(bool), rel_diff=rel,
+        metric=names[0],
+        cand_metric=names[1],
+        tolerance=tol,
+        steps=steps,
+        x=np.array(xs, dtype=np.float64),
+        ref=r,
+        cand=c,
+        ok=ok.astype(bool),
+        rel_diff=rel,
         allowed_failures=megatron_allowed_failures(len(xs)) if megatron_rule else 0,
-        missing_cand=missing_cand, missing_ref=missing_ref,
+        missing_cand=missing_cand,
+        missing_ref=missing_ref,
         missing_violation=_missing_violation(missing_rule, sorted(rp), sorted(cp), missing_cand, unit, cand.live),
     )
 
@@ -481,9 +539,11 @@ def _loss_pairing(ref: Run, cand: Run) -> tuple[tuple[str, str], str] | None:
         if a in ref.metrics and b not in ref.metrics and b in cand.metrics and a not in cand.metrics:
             lm_run = ref if a == "lm_loss" else cand
             raw_r, raw_c = ref.raw_names.get(a, a), cand.raw_names.get(b, b)
-            note = (f"paired the reference's {a} ({raw_r!r}) with the candidate's {b} ({raw_c!r}): one log has "
-                    "only the LM loss, the other only its objective; they agree when the objective holds no MTP or "
-                    "auxiliary term")
+            note = (
+                f"paired the reference's {a} ({raw_r!r}) with the candidate's {b} ({raw_c!r}): one log has "
+                "only the LM loss, the other only its objective; they agree when the objective holds no MTP or "
+                "auxiliary term"
+            )
             extra = sorted(m for m in lm_run.metrics if m.startswith(_AUX_HINT))
             if extra:
                 note += f" (the LM-loss log also has {', '.join(extra)}: check that the objective excludes them)"
@@ -521,8 +581,9 @@ def _check_tolerance_names(overrides: Mapping[str, Tolerance], names: Sequence[s
         if key != "*" and not any(key == n or fnmatch.fnmatchcase(n, key) for n in names):
             canonical = default_canonical_name(key)
             hint = f" (the log name {key!r} is {canonical!r} here)" if canonical != key and canonical in names else ""
-            raise CompareInputError(f"tolerances: {key!r} matches no compared metric{hint}; compared: "
-                                    f"{', '.join(names)}")
+            raise CompareInputError(
+                f"tolerances: {key!r} matches no compared metric{hint}; compared: {', '.join(names)}"
+            )
 
 
 def _check_arguments(align: str, smooth: int, window: Window | None, missing_steps: str) -> Window | None:
@@ -593,12 +654,22 @@ def compare_runs(
                 f"{sorted(cand.metrics)}); map names with a name map or name metrics explicitly"
             )
     _check_tolerance_names(overrides, [p[0] for p in pairs])
-    result = CompareResult(ref=ref, cand=cand, align=align, window=window, smooth=smooth, megatron_rule=megatron_rule,
-                           not_compared=not_compared, missing_steps=missing_steps, notes=notes)
+    result = CompareResult(
+        ref=ref,
+        cand=cand,
+        align=align,
+        window=window,
+        smooth=smooth,
+        megatron_rule=megatron_rule,
+        not_compared=not_compared,
+        missing_steps=missing_steps,
+        notes=notes,
+    )
     where = " inside the window" if window else ""
     for names in pairs:
-        mr = _compare_metric(names, ref, cand, tolerance_for(names[0], overrides), align, window, smooth,
-                             megatron_rule, missing_steps)
+        mr = _compare_metric(
+            names, ref, cand, tolerance_for(names[0], overrides), align, window, smooth, megatron_rule, missing_steps
+        )
         if mr is not None:
             result.metrics[names[0]] = mr
         elif metrics is not None:
@@ -606,9 +677,13 @@ def compare_runs(
         else:
             result.skipped[names[0]] = f"no overlapping {align}s{where}"
     if cand.live and missing_steps == "span":
-        result.notes.append("the candidate log ends with an incomplete line (still being written): reference "
-                            "steps after its last complete step are reported, not failed")
+        result.notes.append(
+            "the candidate log ends with an incomplete line (still being written): reference "
+            "steps after its last complete step are reported, not failed"
+        )
     if not result.metrics:
-        raise CompareInputError(f"no overlapping {align}s for any shared metric "
-                                f"({', '.join(p[0] for p in pairs)}){f' inside the window {window}' if window else ''}")
+        raise CompareInputError(
+            f"no overlapping {align}s for any shared metric "
+            f"({', '.join(p[0] for p in pairs)}){f' inside the window {window}' if window else ''}"
+        )
     return result

@@ -54,7 +54,7 @@ __all__ = [
 
 NOT_COMPUTABLE = {
     "per_document": "not computable from per-sample data: a row's (n, s) does not say how they split over its "
-                    "documents (dump per-document sums and counts instead)",
+    "documents (dump per-document sums and counts instead)",
 }
 _MODE_COLUMNS = ("per_token", "per_sample", "per_microbatch", "sample_sum", "sample_sum_norm")
 _VALUE_COLUMNS = (*_MODE_COLUMNS, "gap", "cov_term")
@@ -187,20 +187,28 @@ class DriftResult:
     def verdict(self) -> str:
         """One line: "explained" or "not explained", with the numbers that decide it."""
         word = "explained" if self.explained else "not explained"
-        return (f"verdict: {word} (observed mean {self.metric} difference A−B {self.observed_mean:.6g} "
-                f"{'lies' if self.explained else 'does not lie'} in the CI [{self.ci_low:.6g}, {self.ci_high:.6g}] "
-                f"of the mean estimator gap {self.gap_mean:.6g} over {len(self.steps)} steps)")
+        return (
+            f"verdict: {word} (observed mean {self.metric} difference A−B {self.observed_mean:.6g} "
+            f"{'lies' if self.explained else 'does not lie'} in the CI [{self.ci_low:.6g}, {self.ci_high:.6g}] "
+            f"of the mean estimator gap {self.gap_mean:.6g} over {len(self.steps)} steps)"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict, with one row per step and the verdict line."""
         return {
-            "metric": self.metric, "a": self.a_source, "b": self.b_source,
+            "metric": self.metric,
+            "a": self.a_source,
+            "b": self.b_source,
             "steps": [
                 {"step": st, "observed": o, "gap": g, "ci_low": c[0], "ci_high": c[1]}
                 for st, o, g, c in zip(self.steps, self.observed, self.gap, self.step_ci)
             ],
-            "observed_mean": self.observed_mean, "gap_mean": self.gap_mean,
-            "ci_low": self.ci_low, "ci_high": self.ci_high, "explained": self.explained, "verdict": self.verdict,
+            "observed_mean": self.observed_mean,
+            "gap_mean": self.gap_mean,
+            "ci_low": self.ci_low,
+            "ci_high": self.ci_high,
+            "explained": self.explained,
+            "verdict": self.verdict,
         }
 
 
@@ -238,7 +246,8 @@ class GapReport:
             "steps": len(self.steps),
             "mean_gap": float(gaps.mean()),
             "mean_cov_term": float(np.mean([st.cov_term for st in self.steps])),
-            "ci_low": lo, "ci_high": hi,
+            "ci_low": lo,
+            "ci_high": hi,
             "max_decomposition_error": float(max(abs(st.gap - st.cov_term) for st in self.steps)),
         }
 
@@ -246,18 +255,26 @@ class GapReport:
         """JSON-ready report: settings, per-step rows (or blocks of ``every`` steps), overall summary,
         what is not computable, notes and the drift check."""
         return {
-            "source": self.source, "meta": self.meta, "microbatch_size": self.microbatch_size,
-            "fixed_length": self.fixed_length, "bootstrap": self.bootstrap, "seed": self.seed, "ci": self.ci,
+            "source": self.source,
+            "meta": self.meta,
+            "microbatch_size": self.microbatch_size,
+            "fixed_length": self.fixed_length,
+            "bootstrap": self.bootstrap,
+            "seed": self.seed,
+            "ci": self.ci,
             "every": every,
             "steps": [st.to_dict() for st in self.steps] if every == 1 else summarize(self, every),
-            "overall": self.overall(), "not_computable": dict(NOT_COMPUTABLE), "notes": list(self.notes),
+            "overall": self.overall(),
+            "not_computable": dict(NOT_COMPUTABLE),
+            "notes": list(self.notes),
             "missing_steps": list(self.missing),
             "compare_drift": self.drift.to_dict() if self.drift else None,
         }
 
 
-def _check_gap_arguments(samples: dict[int, StepSamples], microbatch_size: int | None, fixed_length: int | None,
-                         bootstrap: int, ci: float) -> None:
+def _check_gap_arguments(
+    samples: dict[int, StepSamples], microbatch_size: int | None, fixed_length: int | None, bootstrap: int, ci: float
+) -> None:
     if bootstrap < 0:
         raise ValueError(f"bootstrap must be >= 0, got {bootstrap}")
     if not 0.0 < ci < 1.0:
@@ -299,16 +316,27 @@ def compute_gap(
         rows, n, s = samples[step]
         b = microbatch_size
         if b is not None and (rows.size % b or not np.array_equal(rows, np.arange(rows.size))):
-            mb_problem = mb_problem or (f"per_microbatch not computed from step {step}: its {rows.size} rows are not "
-                                        f"0..N-1 in blocks of b={b}")
+            mb_problem = mb_problem or (
+                f"per_microbatch not computed from step {step}: its {rows.size} rows are not 0..N-1 in blocks of b={b}"
+            )
             b = None
         vals = step_mode_values(n, s, microbatch_size=b, fixed_length=fixed_length)
         cov, mean_n, cov_term = covariance_gap(n, s)
         per_token, per_sample = float(vals["per_token"]), float(vals["per_sample"])  # type: ignore[arg-type]
-        st = StepGap(step=step, samples=int(n.size), tokens=int(n.sum()), per_token=per_token,
-                     per_sample=per_sample, per_microbatch=vals["per_microbatch"],
-                     sample_sum=float(vals["sample_sum"]), sample_sum_norm=vals["sample_sum_norm"],  # type: ignore[arg-type]
-                     gap=per_token - per_sample, cov=cov, mean_count=mean_n, cov_term=cov_term)
+        st = StepGap(
+            step=step,
+            samples=int(n.size),
+            tokens=int(n.sum()),
+            per_token=per_token,
+            per_sample=per_sample,
+            per_microbatch=vals["per_microbatch"],
+            sample_sum=float(vals["sample_sum"]),
+            sample_sum_norm=vals["sample_sum_norm"],  # type: ignore[arg-type]
+            gap=per_token - per_sample,
+            cov=cov,
+            mean_count=mean_n,
+            cov_term=cov_term,
+        )
         if bootstrap:
             r = bootstrap_gaps(n, s, bootstrap, rng)
             st.ci_low, st.ci_high = _interval(r, ci)
@@ -320,9 +348,18 @@ def compute_gap(
         notes.append(mb_problem)
     if fixed_length is None:
         notes.append("sample_sum_norm not computed: give --fixed-length L (the dump's meta has no fixed_length)")
-    return GapReport(source=source, meta=meta, microbatch_size=microbatch_size, fixed_length=fixed_length,
-                     bootstrap=bootstrap, seed=seed, ci=ci, steps=rows_out, notes=notes,
-                     replicates=np.stack(reps) if reps else None)
+    return GapReport(
+        source=source,
+        meta=meta,
+        microbatch_size=microbatch_size,
+        fixed_length=fixed_length,
+        bootstrap=bootstrap,
+        seed=seed,
+        ci=ci,
+        steps=rows_out,
+        notes=notes,
+        replicates=np.stack(reps) if reps else None,
+    )
 
 
 def summarize(report: GapReport, every: int) -> list[dict[str, Any]]:
@@ -334,8 +371,13 @@ def summarize(report: GapReport, every: int) -> list[dict[str, Any]]:
     for lo in range(0, len(report.steps), every):
         idx = list(range(lo, min(lo + every, len(report.steps))))
         block = [report.steps[i] for i in idx]
-        row: dict[str, Any] = {"first_step": block[0].step, "last_step": block[-1].step, "steps": len(block),
-                               "samples": sum(b.samples for b in block), "tokens": sum(b.tokens for b in block)}
+        row: dict[str, Any] = {
+            "first_step": block[0].step,
+            "last_step": block[-1].step,
+            "steps": len(block),
+            "samples": sum(b.samples for b in block),
+            "tokens": sum(b.tokens for b in block),
+        }
         for col in _VALUE_COLUMNS:
             vals = [getattr(b, col) for b in block]
             row[col] = None if any(v is None for v in vals) else float(np.mean(vals))
@@ -371,18 +413,27 @@ def compare_drift(report: GapReport, run_a: Any, run_b: Any, metric: str = "obje
             idx.append(j)
             observed.append(a[off] - b[off])
     if not idx:
-        raise ValueError(f"no step in common between the dump ({report.steps[0].step}..{report.steps[-1].step}, first "
-                         f"step {base}) and the finite {metric!r} values of both logs")
+        raise ValueError(
+            f"no step in common between the dump ({report.steps[0].step}..{report.steps[-1].step}, first "
+            f"step {base}) and the finite {metric!r} values of both logs"
+        )
     lo, hi = report.mean_interval(idx)
     assert lo is not None and hi is not None
     obs_mean = float(np.mean(observed))
     gap_mean = float(np.mean([report.steps[j].gap for j in idx]))
     slack = 1e-12 * max(1.0, abs(gap_mean))  # the two sides are computed by different sums
     return DriftResult(
-        metric=metric, a_source=run_a.source, b_source=run_b.source,
-        steps=[report.steps[j].step for j in idx], observed=observed, gap=[report.steps[j].gap for j in idx],
+        metric=metric,
+        a_source=run_a.source,
+        b_source=run_b.source,
+        steps=[report.steps[j].step for j in idx],
+        observed=observed,
+        gap=[report.steps[j].gap for j in idx],
         step_ci=[(report.steps[j].ci_low, report.steps[j].ci_high) for j in idx],
-        observed_mean=obs_mean, gap_mean=gap_mean, ci_low=lo, ci_high=hi,
+        observed_mean=obs_mean,
+        gap_mean=gap_mean,
+        ci_low=lo,
+        ci_high=hi,
         explained=bool(lo - slack <= obs_mean <= hi + slack),
     )
 
@@ -415,8 +466,7 @@ def _drift_blocks(report: GapReport, every: int) -> list[tuple[int, int, float, 
     for lo in range(0, len(d.steps), every):
         hi = min(lo + every, len(d.steps))
         ci = report.mean_interval([index[s] for s in d.steps[lo:hi]])
-        out.append((d.steps[lo], d.steps[hi - 1], float(np.mean(d.observed[lo:hi])), float(np.mean(d.gap[lo:hi])),
-                    *ci))
+        out.append((d.steps[lo], d.steps[hi - 1], float(np.mean(d.observed[lo:hi])), float(np.mean(d.gap[lo:hi])), *ci))
     return out
 
 
@@ -426,27 +476,48 @@ def format_table(report: GapReport, every: int = 1) -> str:
     computable, notes and (when present) the drift table and verdict."""
     pct = f"{100 * report.ci:g}% CI"
     mode = (report.meta or {}).get("mode")
-    lines = [f"lossparity gap: {report.source}" + (f" (run mode {mode})" if mode else ""),
-             f"  steps {len(report.steps)}, microbatch size {report.microbatch_size or '-'}, fixed length "
-             f"{report.fixed_length or '-'}, bootstrap {report.bootstrap} (seed {report.seed})"]
+    lines = [
+        f"lossparity gap: {report.source}" + (f" (run mode {mode})" if mode else ""),
+        f"  steps {len(report.steps)}, microbatch size {report.microbatch_size or '-'}, fixed length "
+        f"{report.fixed_length or '-'}, bootstrap {report.bootstrap} (seed {report.seed})",
+    ]
     head = ("step", "N", "tokens", *_MODE_COLUMNS, "gap", "Cov(n,l)/mean(n)", pct)
     rows: list[tuple[str, ...]] = []
     if every == 1:
         for st in report.steps:
-            rows.append((str(st.step), str(st.samples), str(st.tokens), *(_f(getattr(st, c)) for c in _MODE_COLUMNS),
-                         _f(st.gap), _f(st.cov_term), _ci(st.ci_low, st.ci_high)))
+            rows.append(
+                (
+                    str(st.step),
+                    str(st.samples),
+                    str(st.tokens),
+                    *(_f(getattr(st, c)) for c in _MODE_COLUMNS),
+                    _f(st.gap),
+                    _f(st.cov_term),
+                    _ci(st.ci_low, st.ci_high),
+                )
+            )
     else:
         head = ("steps", "N", "tokens", *_MODE_COLUMNS, "gap", "Cov(n,l)/mean(n)", pct)
         for blk in summarize(report, every):
-            rows.append((f"{blk['first_step']}-{blk['last_step']}", str(blk["samples"]), str(blk["tokens"]),
-                         *(_f(blk[c]) for c in _MODE_COLUMNS), _f(blk["gap"]), _f(blk["cov_term"]),
-                         _ci(blk["ci_low"], blk["ci_high"])))
+            rows.append(
+                (
+                    f"{blk['first_step']}-{blk['last_step']}",
+                    str(blk["samples"]),
+                    str(blk["tokens"]),
+                    *(_f(blk[c]) for c in _MODE_COLUMNS),
+                    _f(blk["gap"]),
+                    _f(blk["cov_term"]),
+                    _ci(blk["ci_low"], blk["ci_high"]),
+                )
+            )
         lines.append(f"  (means over blocks of {every} steps)")
     lines += _table(head, rows)
     ov = report.overall()
-    lines.append(f"  overall: mean gap per_token − per_sample {ov['mean_gap']:.6g} {_ci(ov['ci_low'], ov['ci_high'])}, "
-                 f"mean Cov(n,l)/mean(n) {ov['mean_cov_term']:.6g}, max |gap − Cov/mean| "
-                 f"{ov['max_decomposition_error']:.3g}")
+    lines.append(
+        f"  overall: mean gap per_token − per_sample {ov['mean_gap']:.6g} {_ci(ov['ci_low'], ov['ci_high'])}, "
+        f"mean Cov(n,l)/mean(n) {ov['mean_cov_term']:.6g}, max |gap − Cov/mean| "
+        f"{ov['max_decomposition_error']:.3g}"
+    )
     lines += [f"  {k}: {why}" for k, why in NOT_COMPUTABLE.items()]
     lines += [f"  note: {x}" for x in report.notes]
     if report.missing:
@@ -454,9 +525,16 @@ def format_table(report: GapReport, every: int = 1) -> str:
     d = report.drift
     if d is not None:
         lines.append(f"  compare-drift: {d.metric}, A = {d.a_source}, B = {d.b_source}")
-        drows = [(f"{r[0]}" if r[0] == r[1] else f"{r[0]}-{r[1]}", _f(r[2]), _f(r[3]), _ci(r[4], r[5]),
-                  "yes" if r[4] is not None and r[5] is not None and r[4] <= r[2] <= r[5] else "no")
-                 for r in _drift_blocks(report, every)]
+        drows = [
+            (
+                f"{r[0]}" if r[0] == r[1] else f"{r[0]}-{r[1]}",
+                _f(r[2]),
+                _f(r[3]),
+                _ci(r[4], r[5]),
+                "yes" if r[4] is not None and r[5] is not None and r[4] <= r[2] <= r[5] else "no",
+            )
+            for r in _drift_blocks(report, every)
+        ]
         lines += _table(("step" if every == 1 else "steps", "observed A−B", "gap", pct, "in CI"), drows)
         lines.append("  " + d.verdict)
     return "\n".join(lines)
@@ -477,11 +555,19 @@ def plot_gap(report: GapReport, path: str) -> None:
         hi = np.array([st.ci_high for st in report.steps], dtype=np.float64)
         ax.fill_between(x, lo, hi, color="tab:blue", alpha=0.2, label=f"{100 * report.ci:g}% bootstrap CI")
     ax.plot(x, [st.gap for st in report.steps], color="tab:blue", lw=1.4, label="gap per_token − per_sample")
-    ax.plot(x, [st.cov_term for st in report.steps], color="tab:orange", lw=0, marker=".", ms=4,
-            label="Cov(n, l) / mean(n)")
+    ax.plot(
+        x, [st.cov_term for st in report.steps], color="tab:orange", lw=0, marker=".", ms=4, label="Cov(n, l) / mean(n)"
+    )
     if report.drift is not None:
-        ax.plot(report.drift.steps, report.drift.observed, color="tab:red", lw=0, marker="x", ms=5,
-                label=f"observed {report.drift.metric} A − B")
+        ax.plot(
+            report.drift.steps,
+            report.drift.observed,
+            color="tab:red",
+            lw=0,
+            marker="x",
+            ms=5,
+            label=f"observed {report.drift.metric} A − B",
+        )
     ax.axhline(0.0, color="black", lw=0.5)
     ax.set_xlabel("step")
     ax.set_ylabel("loss difference")

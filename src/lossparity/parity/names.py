@@ -110,7 +110,7 @@ def default_canonical_name(raw: str) -> str:
     Lookup order: the exact name, its lower-cased form, the ``mtp_<k> loss`` pattern, then the same
     again without a ``train/`` prefix; a name nothing matches is returned unchanged.
     """
-    for name in (raw, *(raw[len(p):] for p in _STRIPPABLE_PREFIXES if raw.startswith(p))):
+    for name in (raw, *(raw[len(p) :] for p in _STRIPPABLE_PREFIXES if raw.startswith(p))):
         for candidate in (name, name.lower()):
             if candidate in DEFAULT_NAME_MAP:
                 return DEFAULT_NAME_MAP[candidate]

@@ -61,7 +61,13 @@ __all__ = [
 
 FRAMEWORKS: tuple[str, ...] = ("megatron", "maxtext", "hf-trainer", "torchtitan", "verl", "lossparity")
 PRESET_NAMES: tuple[str, ...] = (
-    "megatron", "maxtext", "hf-trainer", "hf-trainer-legacy", "torchtitan", "verl", "lossparity",
+    "megatron",
+    "maxtext",
+    "hf-trainer",
+    "hf-trainer-legacy",
+    "torchtitan",
+    "verl",
+    "lossparity",
 )
 _VERL_MODES: dict[str, Mode] = {
     "token-mean": "per_token",
@@ -69,12 +75,18 @@ _VERL_MODES: dict[str, Mode] = {
     "seq-mean-token-sum": "sample_sum",
     "seq-mean-token-sum-norm": "sample_sum_norm",
 }
-_MEGATRON_LB: dict[str, AuxScope] = {"aux_loss": "micro_batch", "seq_aux_loss": "sequence",
-                                     "global_aux_loss": "global_running", "none": "none"}
-_QUIRKS = ("Megatron parity quirks (semantics §5) are reproduced only by lossparity's megatron preset: they "
-           "matter with global_aux_loss (aux gradient 1/D of its logged value), with a router z-loss in MTP "
-           "layers, and with calculate_per_token_loss=true plus aux/z losses (pre-multiplication by local token "
-           "counts)")
+_MEGATRON_LB: dict[str, AuxScope] = {
+    "aux_loss": "micro_batch",
+    "seq_aux_loss": "sequence",
+    "global_aux_loss": "global_running",
+    "none": "none",
+}
+_QUIRKS = (
+    "Megatron parity quirks (semantics §5) are reproduced only by lossparity's megatron preset: they "
+    "matter with global_aux_loss (aux gradient 1/D of its logged value), with a router z-loss in MTP "
+    "layers, and with calculate_per_token_loss=true plus aux/z losses (pre-multiplication by local token "
+    "counts)"
+)
 
 
 @dataclass(frozen=True)
@@ -111,9 +123,13 @@ class Preset:
 
     def accountant_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``Accountant(...)`` that this preset fixes."""
-        kw: dict[str, Any] = {"mode": self.mode, "normalization": self.normalization,
-                              "grad_reduction": self.grad_reduction, "mtp_convention": self.mtp_convention,
-                              "mtp_log_estimator": self.mtp_log_estimator}
+        kw: dict[str, Any] = {
+            "mode": self.mode,
+            "normalization": self.normalization,
+            "grad_reduction": self.grad_reduction,
+            "mtp_convention": self.mtp_convention,
+            "mtp_log_estimator": self.mtp_log_estimator,
+        }
         if self.fixed_length is not None:
             kw["fixed_length"] = self.fixed_length
         return kw
@@ -126,9 +142,14 @@ class Preset:
     def train_config_fields(self) -> dict[str, Any]:
         """The ``TrainConfig`` fields this preset sets: mode, normalization, MTP convention, aux scope, z form
         (and ``fixed_length``). ``mtp_log_estimator`` is an ``Accountant`` argument, see :meth:`accountant_kwargs`."""
-        out: dict[str, Any] = {"mode": self.mode, "normalization": self.normalization,
-                               "mtp_convention": self.mtp_convention, "aux_scope": self.aux_scope,
-                               "z_form": self.z_form, "megatron_quirks": self.megatron_quirks}
+        out: dict[str, Any] = {
+            "mode": self.mode,
+            "normalization": self.normalization,
+            "mtp_convention": self.mtp_convention,
+            "aux_scope": self.aux_scope,
+            "z_form": self.z_form,
+            "megatron_quirks": self.megatron_quirks,
+        }
         if self.fixed_length is not None:
             out["fixed_length"] = self.fixed_length
         return out
@@ -191,8 +212,9 @@ def _check_options(spec: str, name: str, options: dict[str, str], valid: tuple[s
     unknown = sorted(set(options) - set(valid))
     if unknown:
         allowed = ", ".join(valid) if valid else "none"
-        raise ValueError(f"preset {spec!r}: unknown option(s) {', '.join(unknown)} for {name}; "
-                         f"valid options: {allowed}")
+        raise ValueError(
+            f"preset {spec!r}: unknown option(s) {', '.join(unknown)} for {name}; valid options: {allowed}"
+        )
 
 
 def _no_positional(spec: str, name: str, positional: list[str]) -> None:
@@ -208,8 +230,9 @@ def _megatron(spec: str, positional: list[str], options: dict[str, str]) -> Pres
     _no_positional(spec, "megatron", positional)
     _check_options(spec, "megatron", options, ("calculate_per_token_loss", "moe_router_load_balancing_type"))
     per_token = _parse_bool(options.get("calculate_per_token_loss", "false"), "calculate_per_token_loss")
-    lb = _choice(options.get("moe_router_load_balancing_type", "aux_loss"), "moe_router_load_balancing_type",
-                 tuple(_MEGATRON_LB))
+    lb = _choice(
+        options.get("moe_router_load_balancing_type", "aux_loss"), "moe_router_load_balancing_type", tuple(_MEGATRON_LB)
+    )
     name = f"megatron:calculate_per_token_loss={'true' if per_token else 'false'}"
     if lb != "aux_loss":
         name += f",moe_router_load_balancing_type={lb}"
@@ -245,16 +268,21 @@ def _megatron(spec: str, positional: list[str], options: dict[str, str]) -> Pres
             "local rescaling exactly.",
         ]
     return Preset(
-        name=name, framework="megatron",
+        name=name,
+        framework="megatron",
         mode="per_token" if per_token else "per_microbatch",
         normalization="deferred" if per_token else "precount",
         mtp_convention="main" if per_token else "own",
         mtp_log_estimator="microbatch_mean",
-        aux_scope=_MEGATRON_LB[lb], z_form="microbatch",
+        aux_scope=_MEGATRON_LB[lb],
+        z_form="microbatch",
         grad_reduction="sum" if per_token else "mean",
         megatron_quirks=True,
-        description=("Megatron-LM, per-token objective over the global token count" if per_token else
-                     "Megatron-LM default: mean of microbatch means (per-sample when micro-batch size is 1)"),
+        description=(
+            "Megatron-LM, per-token objective over the global token count"
+            if per_token
+            else "Megatron-LM default: mean of microbatch means (per-sample when micro-batch size is 1)"
+        ),
         notes=notes,
         settings=(["--calculate-per-token-loss"] if per_token else ["no --calculate-per-token-loss (the default)"])
         + [f"--moe-router-load-balancing-type {lb}"],
@@ -280,17 +308,27 @@ def _maxtext(spec: str, positional: list[str], options: dict[str, str]) -> Prese
         "terms (their gradients shrink by 1/Ntok), and learning/loss becomes lm_loss + aux/K: with those terms "
         "this preset reproduces MaxText only with GA = 1.",
     ]
-    aux_note = ("load_balance_loss_weight w = lossparity aux_coeff·(number of MoE layers)/k (MaxText averages over "
-                "layers and its per-sequence loss is k× the Switch form); exact without padding")
+    aux_note = (
+        "load_balance_loss_weight w = lossparity aux_coeff·(number of MoE layers)/k (MaxText averages over "
+        "layers and its per-sequence loss is k× the Switch form); exact without padding"
+    )
     log = {"lm_loss": "learning/lm_loss", "objective": "learning/loss (GA = 1)"}
     if "calculate_per_token_loss" not in options:
         if "mtp_per_layer_loss_norm" in options:
-            raise ValueError(f"preset {spec!r}: mtp_per_layer_loss_norm needs calculate_per_token_loss=false "
-                             "(RFC-0032 fork)")
+            raise ValueError(
+                f"preset {spec!r}: mtp_per_layer_loss_norm needs calculate_per_token_loss=false (RFC-0032 fork)"
+            )
         return Preset(
-            name="maxtext", framework="maxtext", mode="per_token", normalization="precount",
-            mtp_convention="pooled", mtp_log_estimator="token_mean", aux_scope="sequence", z_form="global",
-            grad_reduction="sum", has_router_z_loss=False,
+            name="maxtext",
+            framework="maxtext",
+            mode="per_token",
+            normalization="precount",
+            mtp_convention="pooled",
+            mtp_log_estimator="token_mean",
+            aux_scope="sequence",
+            z_form="global",
+            grad_reduction="sum",
+            has_router_z_loss=False,
             description="upstream MaxText: global token mean; MTP depths pooled",
             notes=[
                 "verified (trainers/pre_train/train.py): objective Σ xent / total_weights over the whole global batch "
@@ -308,16 +346,23 @@ def _maxtext(spec: str, positional: list[str], options: dict[str, str]) -> Prese
             aux_note=aux_note,
         )
     per_token = _parse_bool(options["calculate_per_token_loss"], "calculate_per_token_loss")
-    fork = ("assumed from RFC-0032 (a MaxText fork; not in upstream MaxText, so not verifiable against public "
-            "code): ")
+    fork = "assumed from RFC-0032 (a MaxText fork; not in upstream MaxText, so not verifiable against public code): "
     if per_token:
         if "mtp_per_layer_loss_norm" in options:
-            raise ValueError(f"preset {spec!r}: mtp_per_layer_loss_norm only applies with "
-                             "calculate_per_token_loss=false")
+            raise ValueError(
+                f"preset {spec!r}: mtp_per_layer_loss_norm only applies with calculate_per_token_loss=false"
+            )
         return Preset(
-            name="maxtext:calculate_per_token_loss=true", framework="maxtext", mode="per_token",
-            normalization="precount", mtp_convention="main", mtp_log_estimator="token_mean", aux_scope="sequence",
-            z_form="global", grad_reduction="sum", has_router_z_loss=False,
+            name="maxtext:calculate_per_token_loss=true",
+            framework="maxtext",
+            mode="per_token",
+            normalization="precount",
+            mtp_convention="main",
+            mtp_log_estimator="token_mean",
+            aux_scope="sequence",
+            z_form="global",
+            grad_reduction="sum",
+            has_router_z_loss=False,
             description="MaxText RFC-0032 fork, =true: per-token objective, MTP over the main token count",
             notes=[
                 fork + "=true keeps the per-token objective for any GA, and calculate_mtp_loss divides the MTP sums by "
@@ -335,9 +380,15 @@ def _maxtext(spec: str, positional: list[str], options: dict[str, str]) -> Prese
     norm = _parse_bool(options.get("mtp_per_layer_loss_norm", "true"), "mtp_per_layer_loss_norm")
     return Preset(
         name=f"maxtext:calculate_per_token_loss=false,mtp_per_layer_loss_norm={'true' if norm else 'false'}",
-        framework="maxtext", mode="per_sample", normalization="precount",
-        mtp_convention="own" if norm else "pooled", mtp_log_estimator="microbatch_mean", aux_scope="sequence",
-        z_form="global", grad_reduction="sum", has_router_z_loss=False,
+        framework="maxtext",
+        mode="per_sample",
+        normalization="precount",
+        mtp_convention="own" if norm else "pooled",
+        mtp_log_estimator="microbatch_mean",
+        aux_scope="sequence",
+        z_form="global",
+        grad_reduction="sum",
+        has_router_z_loss=False,
         description="MaxText RFC-0032 fork, =false: per-sample objective (Megatron =False with b=1)",
         notes=[
             fork + "objective = mean over the global batch of s_i / max(n_i, 1) for any GA (each GA micro-step holds "
@@ -357,28 +408,41 @@ def _maxtext(spec: str, positional: list[str], options: dict[str, str]) -> Prese
     )
 
 
-_HF_AUX_NOTE = ("router_aux_loss_coef: HF models compute one load_balancing_loss_func over all layers' router "
-                "logits pooled (not a per-layer sum): equal to lossparity's micro_batch term only with one MoE layer")
-_HF_AUX_FACT = ("verified (HF MoE causal-LM forwards, e.g. Qwen3-MoE, GraniteMoE): the router aux loss is one "
-                   "load_balancing_loss_func over the concatenated router logits of all layers, per forward "
-                   "(micro_batch scope, padding excluded with the attention mask), added to the model loss")
+_HF_AUX_NOTE = (
+    "router_aux_loss_coef: HF models compute one load_balancing_loss_func over all layers' router "
+    "logits pooled (not a per-layer sum): equal to lossparity's micro_batch term only with one MoE layer"
+)
+_HF_AUX_FACT = (
+    "verified (HF MoE causal-LM forwards, e.g. Qwen3-MoE, GraniteMoE): the router aux loss is one "
+    "load_balancing_loss_func over the concatenated router logits of all layers, per forward "
+    "(micro_batch scope, padding excluded with the attention mask), added to the model loss"
+)
 
 
 def _hf(spec: str, positional: list[str], options: dict[str, str]) -> Preset:
     _no_positional(spec, "hf-trainer", positional)
     _check_options(spec, "hf-trainer", options, ("average_tokens_across_devices",))
     across = _parse_bool(options.get("average_tokens_across_devices", "true"), "average_tokens_across_devices")
-    requires = ["transformers >= 4.46 and a model whose forward accepts **kwargs (num_items_in_batch reaches the "
-                "loss)"]
+    requires = ["transformers >= 4.46 and a model whose forward accepts **kwargs (num_items_in_batch reaches the loss)"]
     if across:
         requires.append("average_tokens_across_devices=True (the default since transformers 4.54) or one process")
     else:
-        requires.append("one process: with D > 1 and average_tokens_across_devices=False every rank divides by its "
-                        "own token count (mean over ranks of per-rank token means), which no lossparity mode is")
+        requires.append(
+            "one process: with D > 1 and average_tokens_across_devices=False every rank divides by its "
+            "own token count (mean over ranks of per-rank token means), which no lossparity mode is"
+        )
     return Preset(
-        name="hf-trainer" + ("" if across else ":average_tokens_across_devices=false"), framework="hf-trainer",
-        mode="per_token", normalization="precount", mtp_convention="own", mtp_log_estimator="token_mean",
-        aux_scope="micro_batch", z_form="microbatch", grad_reduction="mean", has_mtp=False, has_router_z_loss=False,
+        name="hf-trainer" + ("" if across else ":average_tokens_across_devices=false"),
+        framework="hf-trainer",
+        mode="per_token",
+        normalization="precount",
+        mtp_convention="own",
+        mtp_log_estimator="token_mean",
+        aux_scope="micro_batch",
+        z_form="microbatch",
+        grad_reduction="mean",
+        has_mtp=False,
+        has_router_z_loss=False,
         description="Hugging Face Trainer >= 4.46: Σ s / num_items_in_batch (pre-counted token normalizer)",
         notes=[
             "verified (Trainer.compute_loss): since 4.46 the Trainer counts num_items_in_batch, the loss tokens of all "
@@ -397,8 +461,11 @@ def _hf(spec: str, positional: list[str], options: dict[str, str]) -> Preset:
             "assumed: the logged loss is the objective, averaged over the logging steps; no separate global "
             "token-mean log.",
         ],
-        settings=["transformers >= 4.46", "a model forward with **kwargs (num_items_in_batch)",
-                  f"average_tokens_across_devices={'True' if across else 'False'}"],
+        settings=[
+            "transformers >= 4.46",
+            "a model forward with **kwargs (num_items_in_batch)",
+            f"average_tokens_across_devices={'True' if across else 'False'}",
+        ],
         requires=requires,
         log_names={"objective": "loss"},
         aux_note=_HF_AUX_NOTE,
@@ -409,9 +476,17 @@ def _hf_legacy(spec: str, positional: list[str], options: dict[str, str]) -> Pre
     _no_positional(spec, "hf-trainer-legacy", positional)
     _check_options(spec, "hf-trainer-legacy", options, ())
     return Preset(
-        name="hf-trainer-legacy", framework="hf-trainer", mode="per_microbatch", normalization="precount",
-        mtp_convention="own", mtp_log_estimator="token_mean", aux_scope="micro_batch", z_form="microbatch",
-        grad_reduction="mean", has_mtp=False, has_router_z_loss=False,
+        name="hf-trainer-legacy",
+        framework="hf-trainer",
+        mode="per_microbatch",
+        normalization="precount",
+        mtp_convention="own",
+        mtp_log_estimator="token_mean",
+        aux_scope="micro_batch",
+        z_form="microbatch",
+        grad_reduction="mean",
+        has_mtp=False,
+        has_router_z_loss=False,
         description="Hugging Face Trainer < 4.46 (legacy GA): mean of microbatch token means",
         notes=[
             "verified (Trainer.training_step): without num_items_in_batch the model's loss, the token mean of its "
@@ -433,9 +508,16 @@ def _torchtitan(spec: str, positional: list[str], options: dict[str, str]) -> Pr
     _no_positional(spec, "torchtitan", positional)
     _check_options(spec, "torchtitan", options, ())
     return Preset(
-        name="torchtitan", framework="torchtitan", mode="per_token", normalization="precount",
-        mtp_convention="main", mtp_log_estimator="token_mean", aux_scope="none", z_form="global",
-        grad_reduction="sum", has_router_z_loss=False,
+        name="torchtitan",
+        framework="torchtitan",
+        mode="per_token",
+        normalization="precount",
+        mtp_convention="main",
+        mtp_log_estimator="token_mean",
+        aux_scope="none",
+        z_form="global",
+        grad_reduction="sum",
+        has_router_z_loss=False,
         description="torchtitan: Σ s / global valid tokens counted before the step; aux-loss-free MoE balancing",
         notes=[
             "verified (torchtitan main, trainer.py): the loss tokens of all gradient-accumulation microbatches are "
@@ -454,7 +536,7 @@ def _torchtitan(spec: str, positional: list[str], options: dict[str, str]) -> Pr
         settings=["defaults (loss normalized by global_valid_tokens)"],
         log_names={"objective": "loss (loss_metrics/global_avg_loss)"},
         aux_note="no load-balancing loss (aux-loss-free bias: lossparity bias_rate = load_balance_coeff, "
-                 "bias_zero_mean=True)",
+        "bias_zero_mean=True)",
     )
 
 
@@ -466,11 +548,13 @@ def _verl(spec: str, positional: list[str], options: dict[str, str]) -> Preset:
             raise ValueError(f"preset {spec!r}: give one loss_agg_mode; valid: {', '.join(_VERL_MODES)}")
         agg = positional[0]
     if agg is None:
-        raise ValueError(f"preset {spec!r}: verl needs a loss_agg_mode, e.g. verl:token-mean; valid: "
-                         f"{', '.join(_VERL_MODES)}")
+        raise ValueError(
+            f"preset {spec!r}: verl needs a loss_agg_mode, e.g. verl:token-mean; valid: {', '.join(_VERL_MODES)}"
+        )
     agg = _choice(agg, "loss_agg_mode", tuple(_VERL_MODES))
-    impl = _choice(options.get("use_legacy_worker_impl", "auto"), "use_legacy_worker_impl",
-                   ("auto", "enable", "disable"))
+    impl = _choice(
+        options.get("use_legacy_worker_impl", "auto"), "use_legacy_worker_impl", ("auto", "enable", "disable")
+    )
     legacy = impl != "disable"
     L = _positive(options["loss_scale_factor"], "loss_scale_factor") if "loss_scale_factor" in options else None
     if L is not None and agg != "seq-mean-token-sum-norm":
@@ -492,20 +576,28 @@ def _verl(spec: str, positional: list[str], options: dict[str, str]) -> Preset:
     ]
     if agg == "token-mean" and legacy:
         mode = "per_microbatch"
-        notes.append("legacy workers: token-mean is the mean over micro-batches of their token means (per_microbatch, "
-                     "b = ppo_micro_batch_size_per_gpu); exact per_token needs use_legacy_worker_impl=disable.")
+        notes.append(
+            "legacy workers: token-mean is the mean over micro-batches of their token means (per_microbatch, "
+            "b = ppo_micro_batch_size_per_gpu); exact per_token needs use_legacy_worker_impl=disable."
+        )
         requires.append("use_dynamic_bsz=False (dynamic micro-batches weigh micro-batch means by their row counts)")
     elif agg in ("seq-mean-token-mean", "seq-mean-token-sum") and legacy:
-        requires += ["every response has at least one loss token (the legacy aggregation drops empty responses "
-                     "from the micro-batch's sequence count)",
-                     "use_dynamic_bsz=False and a fixed ppo_micro_batch_size_per_gpu"]
+        requires += [
+            "every response has at least one loss token (the legacy aggregation drops empty responses "
+            "from the micro-batch's sequence count)",
+            "use_dynamic_bsz=False and a fixed ppo_micro_batch_size_per_gpu",
+        ]
     elif agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
-        notes.append("assumed: the engine's global_batch_size counts every sequence, empty ones included, so a "
-                     "response without loss tokens counts in the denominator (semantics §1).")
+        notes.append(
+            "assumed: the engine's global_batch_size counts every sequence, empty ones included, so a "
+            "response without loss tokens counts in the denominator (semantics §1)."
+        )
     if agg == "seq-mean-token-sum-norm":
-        requires.append("the same L (loss_scale_factor) in both runs; verl divides a micro-batch's *sum* of sequence "
-                        "sums by L without a 1/N, so its value is lossparity's sample_sum_norm times a constant (b "
-                        "with the legacy workers): same gradient direction, the learning rate absorbs the factor")
+        requires.append(
+            "the same L (loss_scale_factor) in both runs; verl divides a micro-batch's *sum* of sequence "
+            "sums by L without a 1/N, so its value is lossparity's sample_sum_norm times a constant (b "
+            "with the legacy workers): same gradient direction, the learning rate absorbs the factor"
+        )
     name = f"verl:{agg}" + ("" if impl == "auto" else f",use_legacy_worker_impl={impl}")
     if L is not None:
         name += f",loss_scale_factor={L}"
@@ -515,11 +607,23 @@ def _verl(spec: str, positional: list[str], options: dict[str, str]) -> Preset:
     if L is not None:
         settings.append(f"actor_rollout_ref.actor.loss_scale_factor={L}")
     return Preset(
-        name=name, framework="verl", mode=mode, normalization="precount", mtp_convention="own",
-        mtp_log_estimator="token_mean", aux_scope="none", z_form="global", grad_reduction="mean",
-        has_mtp=False, has_router_z_loss=False, fixed_length=L,
+        name=name,
+        framework="verl",
+        mode=mode,
+        normalization="precount",
+        mtp_convention="own",
+        mtp_log_estimator="token_mean",
+        aux_scope="none",
+        z_form="global",
+        grad_reduction="mean",
+        has_mtp=False,
+        has_router_z_loss=False,
+        fixed_length=L,
         description=f"verl loss_agg_mode={agg} ({'legacy' if legacy else 'engine'} workers)",
-        notes=notes, settings=settings, requires=requires, log_names={"objective": "actor/pg_loss"},
+        notes=notes,
+        settings=settings,
+        requires=requires,
+        log_names={"objective": "actor/pg_loss"},
     )
 
 
@@ -532,17 +636,23 @@ def _lossparity(spec: str, positional: list[str], options: dict[str, str]) -> Pr
     if mode == "sample_sum_norm" and L is None:
         raise ValueError(f"preset {spec!r}: mode sample_sum_norm needs fixed_length=L")
     p = Preset(
-        name="lossparity", framework="lossparity", mode=mode,
+        name="lossparity",
+        framework="lossparity",
+        mode=mode,
         normalization=_choice(options.get("normalization", "precount"), "normalization", NORMALIZATIONS),
         mtp_convention=_choice(options.get("mtp_convention", "own"), "mtp_convention", MTP_CONVENTIONS),
-        mtp_log_estimator=_choice(options.get("mtp_log_estimator", "token_mean"), "mtp_log_estimator",
-                                  MTP_LOG_ESTIMATORS),
+        mtp_log_estimator=_choice(
+            options.get("mtp_log_estimator", "token_mean"), "mtp_log_estimator", MTP_LOG_ESTIMATORS
+        ),
         aux_scope=_choice(options.get("aux_scope", "global_lagged"), "aux_scope", AUX_SCOPES),
         z_form=_choice(options.get("z_form", "global"), "z_form", Z_FORMS),
-        grad_reduction="auto", fixed_length=L,
+        grad_reduction="auto",
+        fixed_length=L,
         description="lossparity: exact, layout-invariant defaults",
-        notes=["the defaults of Accountant/MoEAccounting/TrainConfig: every number is the same for every layout "
-               "(semantics §3)"],
+        notes=[
+            "the defaults of Accountant/MoEAccounting/TrainConfig: every number is the same for every layout "
+            "(semantics §3)"
+        ],
         log_names={"lm_loss": "lm_loss", "objective": "objective", "mtp_loss": "mtp_<k>_loss"},
         aux_note="aux_coeff (summed over MoE layers)",
     )
@@ -554,8 +664,10 @@ def _lossparity(spec: str, positional: list[str], options: dict[str, str]) -> Pr
 
 
 def _lossparity_settings(p: Preset) -> list[str]:
-    line = (f"--mode {p.mode} --normalization {p.normalization} --mtp-convention {p.mtp_convention} "
-            f"--aux-scope {p.aux_scope}")
+    line = (
+        f"--mode {p.mode} --normalization {p.normalization} --mtp-convention {p.mtp_convention} "
+        f"--aux-scope {p.aux_scope}"
+    )
     out = [line, f"z_form={p.z_form}, mtp_log_estimator={p.mtp_log_estimator} (TrainConfig / Accountant)"]
     if p.fixed_length is not None:
         out.append(f"fixed_length={p.fixed_length}")
@@ -563,8 +675,13 @@ def _lossparity_settings(p: Preset) -> list[str]:
 
 
 _BUILDERS = {
-    "megatron": _megatron, "maxtext": _maxtext, "hf-trainer": _hf, "hf-trainer-legacy": _hf_legacy,
-    "torchtitan": _torchtitan, "verl": _verl, "lossparity": _lossparity,
+    "megatron": _megatron,
+    "maxtext": _maxtext,
+    "hf-trainer": _hf,
+    "hf-trainer-legacy": _hf_legacy,
+    "torchtitan": _torchtitan,
+    "verl": _verl,
+    "lossparity": _lossparity,
 }
 
 
@@ -576,24 +693,33 @@ def resolve_preset(spec: str) -> Preset:
     on anything unknown.
     """
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"preset spec must be a non-empty string, got {spec!r}; valid presets: "
-                         f"{', '.join(PRESET_NAMES)}")
+        raise ValueError(
+            f"preset spec must be a non-empty string, got {spec!r}; valid presets: {', '.join(PRESET_NAMES)}"
+        )
     name, positional, options = _split_spec(spec)
     if name not in _BUILDERS:
-        raise ValueError(f"unknown preset {name!r} (from {spec!r}); valid presets: {', '.join(PRESET_NAMES)} "
-                         f"(verl:<loss_agg_mode> with {', '.join(_VERL_MODES)})")
+        raise ValueError(
+            f"unknown preset {name!r} (from {spec!r}); valid presets: {', '.join(PRESET_NAMES)} "
+            f"(verl:<loss_agg_mode> with {', '.join(_VERL_MODES)})"
+        )
     return _BUILDERS[name](spec, positional, options)
 
 
 def all_presets() -> list[Preset]:
     """One preset per documented spec (the README table's rows)."""
     specs = [
-        "megatron:calculate_per_token_loss=false", "megatron:calculate_per_token_loss=true",
-        "maxtext", "maxtext:calculate_per_token_loss=true",
+        "megatron:calculate_per_token_loss=false",
+        "megatron:calculate_per_token_loss=true",
+        "maxtext",
+        "maxtext:calculate_per_token_loss=true",
         "maxtext:calculate_per_token_loss=false,mtp_per_layer_loss_norm=true",
         "maxtext:calculate_per_token_loss=false,mtp_per_layer_loss_norm=false",
-        "hf-trainer", "hf-trainer-legacy", "torchtitan",
-        *(f"verl:{m}" for m in _VERL_MODES), "verl:token-mean,use_legacy_worker_impl=disable", "lossparity",
+        "hf-trainer",
+        "hf-trainer-legacy",
+        "torchtitan",
+        *(f"verl:{m}" for m in _VERL_MODES),
+        "verl:token-mean,use_legacy_worker_impl=disable",
+        "lossparity",
     ]
     return [resolve_preset(s) for s in specs]
 
@@ -601,14 +727,24 @@ def all_presets() -> list[Preset]:
 def preset_table() -> str:
     """Markdown table of :func:`all_presets` for the README: preset, mode, normalization, MTP convention,
     MTP log estimator, aux scope, z form and a one-line description."""
-    head = ("preset", "mode", "normalization", "MTP convention", "MTP log estimator", "aux scope", "z form",
-            "description")
+    head = (
+        "preset",
+        "mode",
+        "normalization",
+        "MTP convention",
+        "MTP log estimator",
+        "aux scope",
+        "z form",
+        "description",
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in all_presets():
         mtp = (f"`{p.mtp_convention}`", f"`{p.mtp_log_estimator}`") if p.has_mtp else ("—", "—")
         z = f"`{p.z_form}`" if p.has_router_z_loss else "—"
-        lines.append(f"| `{p.name}` | `{p.mode}` | `{p.normalization}` | {mtp[0]} | {mtp[1]} | `{p.aux_scope}` | {z} "
-                     f"| {p.description} |")
+        lines.append(
+            f"| `{p.name}` | `{p.mode}` | `{p.normalization}` | {mtp[0]} | {mtp[1]} | `{p.aux_scope}` | {z} "
+            f"| {p.description} |"
+        )
     return "\n".join(lines)
 
 
@@ -640,10 +776,12 @@ class Translation:
     def format(self) -> str:
         """The text ``lossparity modes --from ... --to ...`` prints."""
         b = f" (micro-batch size {self.microbatch_size})" if self.microbatch_size else ""
-        out = [f"lossparity modes: {self.source.name}{b} -> {self.target_framework}",
-               f"  source: {_describe(self.source, self.microbatch_size)}",
-               f"  target: {self.target.name}: {_describe(self.target, None)}",
-               f"settings in {self.target.framework}:"]
+        out = [
+            f"lossparity modes: {self.source.name}{b} -> {self.target_framework}",
+            f"  source: {_describe(self.source, self.microbatch_size)}",
+            f"  target: {self.target.name}: {_describe(self.target, None)}",
+            f"settings in {self.target.framework}:",
+        ]
         out += [f"  - {s}" for s in self.settings]
         if self.logs:
             out.append("logs:")
@@ -654,8 +792,14 @@ class Translation:
         if self.warnings:
             out.append("warnings:")
             out += [f"  ! {s}" for s in self.warnings]
-        out.append("result: " + ("EXACT translation" if self.exact else
-                                 f"APPROXIMATE ({len(self.warnings)} warning{'s' * (len(self.warnings) != 1)})"))
+        out.append(
+            "result: "
+            + (
+                "EXACT translation"
+                if self.exact
+                else f"APPROXIMATE ({len(self.warnings)} warning{'s' * (len(self.warnings) != 1)})"
+            )
+        )
         return "\n".join(out)
 
 
@@ -697,36 +841,62 @@ def _candidates(target: str, source: Preset) -> list[Preset]:
     if key == "lossparity":
         # lossparity implements every choice; Megatron's quirks through its own megatron preset.
         base = resolve_preset("lossparity")
-        spec = (f"lossparity:mode={source.mode},normalization={source.normalization},"
-                f"mtp_convention={source.mtp_convention},mtp_log_estimator={source.mtp_log_estimator},"
-                f"aux_scope={source.aux_scope},z_form={source.z_form}"
-                + (f",fixed_length={source.fixed_length}" if source.fixed_length else ""))
-        p = replace(source, name=f"lossparity preset {source.name}" if source.megatron_quirks else spec,
-                    framework="lossparity", grad_reduction="auto", settings=[], requires=[],
-                    log_names=base.log_names, aux_note=base.aux_note, description=base.description)
-        p.settings.extend(([f"the lossparity preset {source.name} (reproduces its quirks)"]
-                           if source.megatron_quirks else []) + _lossparity_settings(p))
+        spec = (
+            f"lossparity:mode={source.mode},normalization={source.normalization},"
+            f"mtp_convention={source.mtp_convention},mtp_log_estimator={source.mtp_log_estimator},"
+            f"aux_scope={source.aux_scope},z_form={source.z_form}"
+            + (f",fixed_length={source.fixed_length}" if source.fixed_length else "")
+        )
+        p = replace(
+            source,
+            name=f"lossparity preset {source.name}" if source.megatron_quirks else spec,
+            framework="lossparity",
+            grad_reduction="auto",
+            settings=[],
+            requires=[],
+            log_names=base.log_names,
+            aux_note=base.aux_note,
+            description=base.description,
+        )
+        p.settings.extend(
+            ([f"the lossparity preset {source.name} (reproduces its quirks)"] if source.megatron_quirks else [])
+            + _lossparity_settings(p)
+        )
         return [p]
     if key == "megatron":
-        return [resolve_preset(f"megatron:calculate_per_token_loss={f},moe_router_load_balancing_type={lb}")
-                for f in ("false", "true") for lb in _MEGATRON_LB]
+        return [
+            resolve_preset(f"megatron:calculate_per_token_loss={f},moe_router_load_balancing_type={lb}")
+            for f in ("false", "true")
+            for lb in _MEGATRON_LB
+        ]
     if key == "maxtext":
-        return [resolve_preset(s) for s in ("maxtext", "maxtext:calculate_per_token_loss=true",
-                                            "maxtext:calculate_per_token_loss=false,mtp_per_layer_loss_norm=true",
-                                            "maxtext:calculate_per_token_loss=false,mtp_per_layer_loss_norm=false")]
+        return [
+            resolve_preset(s)
+            for s in (
+                "maxtext",
+                "maxtext:calculate_per_token_loss=true",
+                "maxtext:calculate_per_token_loss=false,mtp_per_layer_loss_norm=true",
+                "maxtext:calculate_per_token_loss=false,mtp_per_layer_loss_norm=false",
+            )
+        ]
     if key == "hf-trainer":
         return [resolve_preset("hf-trainer"), resolve_preset("hf-trainer-legacy")]
     if key == "torchtitan":
         return [resolve_preset("torchtitan")]
     if key == "verl":
         L = f",loss_scale_factor={source.fixed_length}" if source.fixed_length else ""
-        return [resolve_preset(f"verl:{m},use_legacy_worker_impl={impl}" + (L if m.endswith("norm") else ""))
-                for impl in ("disable", "auto") for m in _VERL_MODES]
+        return [
+            resolve_preset(f"verl:{m},use_legacy_worker_impl={impl}" + (L if m.endswith("norm") else ""))
+            for impl in ("disable", "auto")
+            for m in _VERL_MODES
+        ]
     try:
         return [resolve_preset(t)]
     except ValueError:
-        raise ValueError(f"unknown target {target!r}; valid targets: {', '.join(FRAMEWORKS)}, or a preset spec "
-                         f"({', '.join(PRESET_NAMES)})") from None
+        raise ValueError(
+            f"unknown target {target!r}; valid targets: {', '.join(FRAMEWORKS)}, or a preset spec "
+            f"({', '.join(PRESET_NAMES)})"
+        ) from None
 
 
 @dataclass
@@ -750,23 +920,32 @@ def _assess_mode(src: Preset, cand: Preset, b: int | None, acc: _Assessment) -> 
     elif cand.mode == "per_microbatch" and smode == "per_microbatch":
         tb = b
         acc.settings.append(_microbatch_setting(cand, b))
-        acc.conditions.append("the same micro-batch size and the same assignment of rows to microbatches as the "
-                              "source (per_microbatch depends on b)")
+        acc.conditions.append(
+            "the same micro-batch size and the same assignment of rows to microbatches as the "
+            "source (per_microbatch depends on b)"
+        )
     tmode = _eff_mode(cand.mode, tb)
     if smode == tmode:
         if smode == "sample_sum_norm":
             acc.conditions.append(f"the same fixed length L{f' = {src.fixed_length}' if src.fixed_length else ''}")
     elif smode == "per_microbatch" and tmode == "per_sample" and b is None:
         acc.penalty += 100
-        acc.warnings.append(f"the source averages microbatch means (per_microbatch); {cand.framework}'s {tmode} "
-                            "equals it only when the source micro-batch size is 1: give --microbatch-size")
+        acc.warnings.append(
+            f"the source averages microbatch means (per_microbatch); {cand.framework}'s {tmode} "
+            "equals it only when the source micro-batch size is 1: give --microbatch-size"
+        )
     else:
         acc.penalty += 100
         what = f"per_microbatch with b={b}" if smode == "per_microbatch" and b else smode
-        gap = (" (the difference is the estimator gap Cov(n,l)/mean(n); measure it with `lossparity gap`)"
-               if {smode, tmode} == {"per_token", "per_sample"} else "")
-        acc.warnings.append(f"LM objective: the source optimizes {what}, no setting of {cand.framework} gives it "
-                            f"(closest: {cand.name}, {tmode}){gap}")
+        gap = (
+            " (the difference is the estimator gap Cov(n,l)/mean(n); measure it with `lossparity gap`)"
+            if {smode, tmode} == {"per_token", "per_sample"}
+            else ""
+        )
+        acc.warnings.append(
+            f"LM objective: the source optimizes {what}, no setting of {cand.framework} gives it "
+            f"(closest: {cand.name}, {tmode}){gap}"
+        )
     if src.normalization != cand.normalization:
         acc.settings.append(f"(mechanism: {cand.normalization} instead of {src.normalization}; same objective)")
     return smode, tmode, tb
@@ -782,17 +961,21 @@ def _assess_mtp(src: Preset, cand: Preset, smode: str, tmode: str, acc: _Assessm
         return
     if _eff_conv(src.mtp_convention, smode) != _eff_conv(cand.mtp_convention, tmode):
         acc.penalty += 10
-        acc.warnings.append(f"MTP objective: source convention {src.mtp_convention}, target {cand.mtp_convention} "
-                            "(exact only without MTP)")
+        acc.warnings.append(
+            f"MTP objective: source convention {src.mtp_convention}, target {cand.mtp_convention} "
+            "(exact only without MTP)"
+        )
     if "mtp_loss" not in src.log_names:
         return
     if "mtp_loss" not in cand.log_names:
         acc.conditions.append(f"MTP logs are not compared: {cand.framework} logs no per-depth MTP loss")
     elif src.mtp_log_estimator != cand.mtp_log_estimator:
         acc.penalty += 10
-        acc.warnings.append(f"MTP log: source estimator {src.mtp_log_estimator} ({src.log_names['mtp_loss']}), "
-                            f"target {cand.mtp_log_estimator} ({cand.log_names['mtp_loss']}): the per-depth MTP "
-                            "curves differ")
+        acc.warnings.append(
+            f"MTP log: source estimator {src.mtp_log_estimator} ({src.log_names['mtp_loss']}), "
+            f"target {cand.mtp_log_estimator} ({cand.log_names['mtp_loss']}): the per-depth MTP "
+            "curves differ"
+        )
     else:
         acc.logs.append(f"{src.log_names['mtp_loss']} <-> {cand.log_names['mtp_loss']}")
 
@@ -803,14 +986,19 @@ def _assess_logs(src: Preset, cand: Preset, smode: str, tmode: str, acc: _Assess
         if "lm_loss" in cand.log_names:
             acc.logs.append(f"{src.log_names['lm_loss']} <-> {cand.log_names['lm_loss']} (global token mean S/Ntok)")
         elif tmode == "per_token" and "objective" in cand.log_names:
-            acc.logs.append(f"{src.log_names['lm_loss']} <-> {cand.log_names['objective']} (the target's objective "
-                            "is the token mean; equal without MTP and aux terms)")
-            acc.conditions.append(f"no MTP or aux term in the compared curve: {cand.framework}'s logged loss "
-                                  "includes them")
+            acc.logs.append(
+                f"{src.log_names['lm_loss']} <-> {cand.log_names['objective']} (the target's objective "
+                "is the token mean; equal without MTP and aux terms)"
+            )
+            acc.conditions.append(
+                f"no MTP or aux term in the compared curve: {cand.framework}'s logged loss includes them"
+            )
         else:
             acc.penalty += 5
-            acc.conditions.append(f"the source's {src.log_names['lm_loss']} (global token mean) has no counterpart: "
-                                  f"{cand.framework} logs only its objective ({tmode})")
+            acc.conditions.append(
+                f"the source's {src.log_names['lm_loss']} (global token mean) has no counterpart: "
+                f"{cand.framework} logs only its objective ({tmode})"
+            )
     if "objective" in src.log_names and "objective" in cand.log_names and smode == tmode:
         acc.logs.append(f"{src.log_names['objective']} <-> {cand.log_names['objective']} (objective {tmode})")
 
@@ -847,16 +1035,25 @@ def _assess(src: Preset, cand: Preset, b: int | None) -> tuple[int, Translation]
     log without counterpart 5, load-balancing scopes or z forms that differ 5/3, a missing feature 1; among
     equals, fewer conditions win (one point per ten), never over a real difference.
     """
-    acc = _Assessment(settings=list(cand.settings),
-                      conditions=[f"source: {r}" for r in src.requires] + [f"target: {r}" for r in cand.requires])
+    acc = _Assessment(
+        settings=list(cand.settings),
+        conditions=[f"source: {r}" for r in src.requires] + [f"target: {r}" for r in cand.requires],
+    )
     smode, tmode, tb = _assess_mode(src, cand, b, acc)
     _assess_mtp(src, cand, smode, tmode, acc)
     _assess_logs(src, cand, smode, tmode, acc)
     _assess_moe(src, cand, b, tb, acc)
     penalty = acc.penalty + len(acc.conditions) // 10
-    return penalty, Translation(source=src, target_framework="", microbatch_size=b, target=cand,
-                                settings=acc.settings, logs=acc.logs, conditions=acc.conditions,
-                                warnings=acc.warnings)
+    return penalty, Translation(
+        source=src,
+        target_framework="",
+        microbatch_size=b,
+        target=cand,
+        settings=acc.settings,
+        logs=acc.logs,
+        conditions=acc.conditions,
+        warnings=acc.warnings,
+    )
 
 
 def translate(source: Preset, target_framework: str, microbatch_size: int | None = None) -> Translation:

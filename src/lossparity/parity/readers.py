@@ -152,8 +152,10 @@ def _json_kind(data: object) -> str | None:
             return "llamafactory"
         if "step" in data:
             return "jsonl"
-        if data and any(isinstance(v, dict) and "values" in v for v in data.values()) and all(
-            (isinstance(v, dict) and "values" in v) or isinstance(v, (int, float)) for v in data.values()
+        if (
+            data
+            and any(isinstance(v, dict) and "values" in v for v in data.values())
+            and all((isinstance(v, dict) and "values" in v) or isinstance(v, (int, float)) for v in data.values())
         ):
             return "megatron_golden"
     return None
@@ -170,9 +172,13 @@ def _detect_json(path: str, first: str) -> str | None:
         pass
     kind = _json_kind(_structured.load_json(path))  # a pretty-printed document (raises when broken)
     if kind is None:
-        raise LogParseError(path, None, "a JSON log: objects with 'step' (jsonl) or 'current_steps' "
-                                        "(llamafactory), 'log_history' (hf_trainer_state) or "
-                                        "{metric: {values}} (megatron_golden)")
+        raise LogParseError(
+            path,
+            None,
+            "a JSON log: objects with 'step' (jsonl) or 'current_steps' "
+            "(llamafactory), 'log_history' (hf_trainer_state) or "
+            "{metric: {values}} (megatron_golden)",
+        )
     return kind
 
 
@@ -229,8 +235,9 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     if fmt is not None:
         return fmt
     raise LogParseError(
-        p, None, f"a known log format in the first {_DETECT_MAX_LINES} lines ({', '.join(FORMATS)}); "
-        "pass the format explicitly"
+        p,
+        None,
+        f"a known log format in the first {_DETECT_MAX_LINES} lines ({', '.join(FORMATS)}); pass the format explicitly",
     )
 
 

@@ -65,14 +65,35 @@ def format_text(result: CompareResult) -> str:
     lines = [f"lossparity compare: {'PARITY' if result.passed else 'VIOLATION'}"]
     for role, run in (("ref", result.ref), ("cand", result.cand)):
         lines.append(f"  {role:<4} {run.source} ({run.format}, first step {run.step_base})")
-    head = ("metric", "tolerance", "points", "failed", "allowed", "first fail", "worst step", "max rel diff",
-            "missing r/c", "")
+    head = (
+        "metric",
+        "tolerance",
+        "points",
+        "failed",
+        "allowed",
+        "first fail",
+        "worst step",
+        "max rel diff",
+        "missing r/c",
+        "",
+    )
     rows = [head]
     for m in result.metrics.values():
         first = m.first_fail_step
-        rows.append((_metric_label(m), str(m.tolerance), str(m.n_compared), str(m.n_failed), str(m.allowed_failures),
-                     "-" if first is None else str(first), str(m.worst_step), f"{m.max_rel_diff:.3e}",
-                     _missing_cell(m), "ok" if m.passed else "FAIL"))
+        rows.append(
+            (
+                _metric_label(m),
+                str(m.tolerance),
+                str(m.n_compared),
+                str(m.n_failed),
+                str(m.allowed_failures),
+                "-" if first is None else str(first),
+                str(m.worst_step),
+                f"{m.max_rel_diff:.3e}",
+                _missing_cell(m),
+                "ok" if m.passed else "FAIL",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     for m in result.metrics.values():
@@ -105,8 +126,11 @@ def summary_markdown(result: CompareResult, plots: dict[str, Path], plots_skippe
             notes.append(f"{len(run.skipped_steps)} step(s) flagged skipped/NaN/overflow by the log")
         out.append(f"- {role}: `{label}` ({', '.join(notes)})")
     window = "all" if result.window is None else f"{result.window[0]} .. {result.window[1]}"
-    rule = "Megatron functional-test rule (min(max(n//100,1),50) failures allowed)" if result.megatron_rule \
+    rule = (
+        "Megatron functional-test rule (min(max(n//100,1),50) failures allowed)"
+        if result.megatron_rule
         else "every point must pass"
+    )
     out += [
         f"- Alignment: {result.align}; window: {window}; smoothing: {result.smooth}; verdict rule: {rule}",
         "",
@@ -155,8 +179,9 @@ def plot_metric(m: MetricResult, path: Path, xlabel: str, smooth: int) -> None:
     top.plot(m.x, m.ref, label="reference", lw=1.4)
     top.plot(m.x, m.cand, label="candidate", lw=1.0, ls="--")
     top.set_ylabel(m.metric + suffix)
-    top.set_title(f"{m.metric}: {'ok' if m.passed else 'FAIL'} ({m.n_failed}/{m.n_compared} points outside "
-                  f"{m.tolerance})")
+    top.set_title(
+        f"{m.metric}: {'ok' if m.passed else 'FAIL'} ({m.n_failed}/{m.n_compared} points outside {m.tolerance})"
+    )
     top.legend(loc="best")
     with np.errstate(invalid="ignore", divide="ignore"):
         scale = np.abs(m.ref)
@@ -166,8 +191,14 @@ def plot_metric(m: MetricResult, path: Path, xlabel: str, smooth: int) -> None:
     bottom.plot(m.x, signed, color="tab:blue", lw=1.0, label="(cand - ref) / |ref|")
     bad = ~m.ok
     if bad.any():
-        bottom.scatter(m.x[bad], np.nan_to_num(signed[bad], nan=0.0, posinf=0.0, neginf=0.0),
-                       color="tab:red", s=12, zorder=3, label="failing")
+        bottom.scatter(
+            m.x[bad],
+            np.nan_to_num(signed[bad], nan=0.0, posinf=0.0, neginf=0.0),
+            color="tab:red",
+            s=12,
+            zorder=3,
+            label="failing",
+        )
     bottom.axhline(0.0, color="black", lw=0.5)
     bottom.set_ylabel("relative difference")
     bottom.set_xlabel(xlabel)

@@ -118,9 +118,10 @@ def truncate_records(path: str, step: int) -> list[str]:
     notes = []
     torn = len(data) % RECORD_BYTES
     if torn:
-        notes.append(f"{path}: dropped a torn last record ({torn} of {RECORD_BYTES} bytes; the run was killed "
-                     "while writing it)")
-    records = np.frombuffer(data[:len(data) - torn], dtype=_RECORD).reshape(-1, RECORD_FIELDS)
+        notes.append(
+            f"{path}: dropped a torn last record ({torn} of {RECORD_BYTES} bytes; the run was killed while writing it)"
+        )
+    records = np.frombuffer(data[: len(data) - torn], dtype=_RECORD).reshape(-1, RECORD_FIELDS)
     keep = records[:, 0] <= step
     if not keep.all():
         notes.append(f"{path}: dropped {int((~keep).sum())} record(s) after step {step}, the step resumed from")
@@ -229,8 +230,10 @@ def _read_rank_file(path: str, notes: list[str]) -> np.ndarray:
     size = os.path.getsize(path)
     whole = size // RECORD_BYTES
     if size % RECORD_BYTES:
-        notes.append(f"{os.path.basename(path)}: incomplete last record ignored ({size % RECORD_BYTES} of "
-                     f"{RECORD_BYTES} bytes after {whole} whole records; the run stopped while writing it)")
+        notes.append(
+            f"{os.path.basename(path)}: incomplete last record ignored ({size % RECORD_BYTES} of "
+            f"{RECORD_BYTES} bytes after {whole} whole records; the run stopped while writing it)"
+        )
     data = np.fromfile(path, dtype=_RECORD, count=whole * RECORD_FIELDS)
     return data.reshape(-1, RECORD_FIELDS)
 
@@ -247,9 +250,7 @@ def find_dump(path: str | os.PathLike[str]) -> str:
     if not os.path.isdir(p):
         raise FileNotFoundError(f"sample dump {p} does not exist")
     for candidate in (p, os.path.join(p, DUMP_SUBDIR)):
-        if os.path.isdir(candidate) and (
-            os.path.exists(os.path.join(candidate, META_FILE)) or _rank_files(candidate)
-        ):
+        if os.path.isdir(candidate) and (os.path.exists(os.path.join(candidate, META_FILE)) or _rank_files(candidate)):
             return candidate
     raise FileNotFoundError(
         f"no sample dump in {p}: expected samples_rank<r>.bin files (and {META_FILE}) there or in "
@@ -283,10 +284,11 @@ def read_sample_meta(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError) as e:
         raise SampleDumpError(f"{mpath}: cannot be read as JSON: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise SampleDumpError(f"{mpath}: expected a JSON object with \"format\": \"{FORMAT_NAME}\"")
+        raise SampleDumpError(f'{mpath}: expected a JSON object with "format": "{FORMAT_NAME}"')
     if meta.get("version") != FORMAT_VERSION:
-        raise SampleDumpError(f"{mpath}: unsupported version {meta.get('version')!r}; this reader knows "
-                              f"version {FORMAT_VERSION}")
+        raise SampleDumpError(
+            f"{mpath}: unsupported version {meta.get('version')!r}; this reader knows version {FORMAT_VERSION}"
+        )
     return meta
 
 
@@ -316,8 +318,10 @@ def _check_values(records: np.ndarray, origin: list[tuple[str, int]]) -> None:
         i = int(bad[0])
         f, r = origin[i]
         step, row, n, s = records[i].tolist()
-        raise SampleDumpError(f"{f} record {r}: expected integer step, row, n >= 0 and a finite loss sum, got "
-                              f"step={step}, row={row}, n={n}, s={s}")
+        raise SampleDumpError(
+            f"{f} record {r}: expected integer step, row, n >= 0 and a finite loss sum, got "
+            f"step={step}, row={row}, n={n}, s={s}"
+        )
 
 
 def read_sample_dump(path: str | os.PathLike[str], notes: list[str] | None = None) -> dict[int, StepSamples]:
@@ -352,8 +356,10 @@ def read_sample_dump(path: str | os.PathLike[str], notes: list[str] | None = Non
     if same.size:
         i = int(same[0])
         a, b = origin[int(order[i])], origin[int(order[i + 1])]
-        raise SampleDumpError(f"duplicate sample (step {int(records[i, 0])}, row {int(records[i, 1])}) in "
-                              f"{a[0]} record {a[1]} and {b[0]} record {b[1]}")
+        raise SampleDumpError(
+            f"duplicate sample (step {int(records[i, 0])}, row {int(records[i, 1])}) in "
+            f"{a[0]} record {a[1]} and {b[0]} record {b[1]}"
+        )
     meta = read_sample_meta(p)
     n_expected = int(meta["global_batch"]) if meta and meta.get("global_batch") else None
     out: dict[int, StepSamples] = {}
@@ -364,12 +370,16 @@ def read_sample_dump(path: str | os.PathLike[str], notes: list[str] | None = Non
         rows = block[:, 1].astype(np.int64)
         incomplete = n_expected is not None and (rows.size != n_expected or rows[-1] != n_expected - 1)
         if incomplete and n_expected is not None and j == len(steps) - 1 and rows.size < n_expected and len(steps) > 1:
-            notes.append(f"last step {int(step)} ignored: incomplete ({rows.size} of {n_expected} samples; the run "
-                         "stopped while writing it)")
+            notes.append(
+                f"last step {int(step)} ignored: incomplete ({rows.size} of {n_expected} samples; the run "
+                "stopped while writing it)"
+            )
             break
         if incomplete:
-            raise SampleDumpError(f"{p}: step {int(step)} has {rows.size} samples (rows {rows.min()}..{rows.max()}), "
-                                  f"but {META_FILE} says global_batch={n_expected}: a rank file is missing or "
-                                  "incomplete")
+            raise SampleDumpError(
+                f"{p}: step {int(step)} has {rows.size} samples (rows {rows.min()}..{rows.max()}), "
+                f"but {META_FILE} says global_batch={n_expected}: a rank file is missing or "
+                "incomplete"
+            )
         out[int(step)] = (rows, block[:, 2].copy(), block[:, 3].copy())
     return out

@@ -19,8 +19,15 @@ import torch
 
 from .rundir import load_newest_intact, rotate_checkpoints, sharded_checkpoint_intact
 
-__all__ = ["atomic_save", "save_checkpoint", "load_latest", "save_sharded_checkpoint", "load_sharded_latest",
-           "rng_state", "set_rng_state"]
+__all__ = [
+    "atomic_save",
+    "save_checkpoint",
+    "load_latest",
+    "save_sharded_checkpoint",
+    "load_sharded_latest",
+    "rng_state",
+    "set_rng_state",
+]
 
 
 def atomic_save(obj: Any, path: str) -> None:
@@ -88,8 +95,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_sharded_checkpoint(directory: str, step: int, model: Any, optimizer: Any, extra: dict[str, Any], *,
-                            keep: int = 2, state: dict[str, Any] | None = None) -> str:
+def save_sharded_checkpoint(
+    directory: str,
+    step: int,
+    model: Any,
+    optimizer: Any,
+    extra: dict[str, Any],
+    *,
+    keep: int = 2,
+    state: dict[str, Any] | None = None,
+) -> str:
     """Sharded checkpoint (FSDP2 / tensor-parallel DTensors, pipeline stages) with
     ``torch.distributed.checkpoint``: every rank writes its shards into ``.tmp-step_<n>/``, then its own
     ``extra_rank<r>.pt`` (RNG states, step); after a barrier rank 0 renames the folder to ``step_<n>/``
@@ -126,8 +141,9 @@ def save_sharded_checkpoint(directory: str, step: int, model: Any, optimizer: An
     return final
 
 
-def load_sharded_latest(directory: str, model: Any, optimizer: Any, *,
-                        state: dict[str, Any] | None = None) -> dict[str, Any] | None:
+def load_sharded_latest(
+    directory: str, model: Any, optimizer: Any, *, state: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
     """Restore the newest :func:`save_sharded_checkpoint` into ``model``/``optimizer`` (resharding as
     ``torch.distributed.checkpoint`` does) and return this rank's ``extra`` (rank 0's when the checkpoint
     was written by fewer ranks); ``None`` without one. ``state``: load into this state dict in place

@@ -186,8 +186,16 @@ class TrainConfig:
         """The layout of this config as a (not yet built) ``ParallelDims``."""
         from ..distributed.parallel_dims import ParallelDims
 
-        return ParallelDims(dp=self.dp, cp=self.cp, tp=self.tp, pp=self.pp, ep=self.ep, sp=self.sp,
-                            pp_virtual=self.pp_virtual, engine=self.engine)
+        return ParallelDims(
+            dp=self.dp,
+            cp=self.cp,
+            tp=self.tp,
+            pp=self.pp,
+            ep=self.ep,
+            sp=self.sp,
+            pp_virtual=self.pp_virtual,
+            engine=self.engine,
+        )
 
     def _check_layout(self) -> None:
         self.parallel_dims().validate()  # sizes, ep | dp*cp, sp needs tp, engine combinations
@@ -198,12 +206,15 @@ class TrainConfig:
                 raise ValueError(f"seq_len={self.seq_len} must be divisible by {parts} for cp={self.cp}")
         if (self.cp > 1 or self.sp) and (self.aux_scope not in ("global_lagged", "none") or self.z_form != "global"):
             who = " with ".join(([f"cp={self.cp}"] if self.cp > 1 else []) + (["sp"] if self.sp else []))
-            raise ValueError(f"{who} supports aux_scope global_lagged/none and z_form global (got aux_scope="
-                             f"{self.aux_scope!r}, z_form={self.z_form!r}): the other forms need the counts of whole "
-                             "microbatches or sequences on every shard")
+            raise ValueError(
+                f"{who} supports aux_scope global_lagged/none and z_form global (got aux_scope="
+                f"{self.aux_scope!r}, z_form={self.z_form!r}): the other forms need the counts of whole "
+                "microbatches or sequences on every shard"
+            )
         if self.sp and (self.seq_len // self.cp) % self.tp:
-            raise ValueError(f"seq_len/cp={self.seq_len}/{self.cp} must be divisible by tp={self.tp} for sequence "
-                             "parallelism")
+            raise ValueError(
+                f"seq_len/cp={self.seq_len}/{self.cp} must be divisible by tp={self.tp} for sequence parallelism"
+            )
         if self.pp > 1:
             if self.dump_samples:
                 raise ValueError(f"pp={self.pp} is not combined with dump_samples yet")
@@ -224,14 +235,17 @@ class TrainConfig:
         if self.ep == 1:
             return
         if self.sp:
-            raise ValueError(f"--ep={self.ep} is not combined with --sp yet (under SP the experts see tokens gathered "
-                             "over TP; EP keeps each rank's own tokens)")
+            raise ValueError(
+                f"--ep={self.ep} is not combined with --sp yet (under SP the experts see tokens gathered "
+                "over TP; EP keeps each rank's own tokens)"
+            )
         from ..model import get_config
 
         experts = get_config(self.model, **self.model_overrides).num_experts
         if experts == 0 or experts % self.ep:
-            raise ValueError(f"--ep={self.ep} must divide the number of routed experts num_experts={experts} "
-                             f"of model {self.model!r}")
+            raise ValueError(
+                f"--ep={self.ep} must divide the number of routed experts num_experts={experts} of model {self.model!r}"
+            )
 
     def _check_features(self) -> None:
         if self.dump_samples and (self.out is None or self.cp > 1):

@@ -113,9 +113,7 @@ class Batch:
     def rows(self, start: int, stop: int) -> Batch:
         """Rows ``[start, stop)`` of this batch, as views (no copy); ``0 <= start <= stop <= N``."""
         if not (0 <= start <= stop <= self.num_rows):
-            raise ValueError(
-                f"rows(start={start}, stop={stop}) out of range for a batch of {self.num_rows} rows"
-            )
+            raise ValueError(f"rows(start={start}, stop={stop}) out of range for a batch of {self.num_rows} rows")
         return Batch(
             tokens=self.tokens[start:stop],
             labels=self.labels[start:stop],
@@ -282,9 +280,7 @@ class Corpus(ABC):
         """Token counts (BOS included) of the documents ``indices``, int64 ``[len(indices)]``."""
 
     @abstractmethod
-    def gather(
-        self, indices: Sequence[int] | np.ndarray, max_len: int | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def gather(self, indices: Sequence[int] | np.ndarray, max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Concatenated tokens of documents ``indices``, each cut to its first ``max_len`` tokens.
 
         Returns ``(flat, lens)``: ``lens[j] = min(len_j, max_len)`` and ``flat`` (int64) holds the
@@ -325,9 +321,7 @@ class TokenListCorpus(Corpus):
         lens = np.array([a.size for a in arrays], dtype=np.int64)
         flat = np.concatenate(arrays) if lens.sum() else np.zeros(0, dtype=np.int64)
         if flat.size and (flat.min() < 0 or flat.max() >= vocab_size):
-            raise ValueError(
-                f"token ids must be in [0, vocab_size={vocab_size}), found [{flat.min()}, {flat.max()}]"
-            )
+            raise ValueError(f"token ids must be in [0, vocab_size={vocab_size}), found [{flat.min()}, {flat.max()}]")
         self._flat = flat
         self._offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         self.vocab_size = int(vocab_size)
@@ -342,9 +336,7 @@ class TokenListCorpus(Corpus):
         idx = _as_indices(indices, self.num_documents)
         return self._offsets[idx + 1] - self._offsets[idx]
 
-    def gather(
-        self, indices: Sequence[int] | np.ndarray, max_len: int | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def gather(self, indices: Sequence[int] | np.ndarray, max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """See :meth:`Corpus.gather`."""
         idx = _as_indices(indices, self.num_documents)
         lens = self._offsets[idx + 1] - self._offsets[idx]
@@ -367,8 +359,10 @@ def _read_text(path: str | os.PathLike[str]) -> str:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except UnicodeDecodeError as e:  # a binary file: name it instead of failing deep in the decoder
-        raise ValueError(f"corpus file {os.fspath(path)!r} is not UTF-8 text (byte {e.start}: {e.reason}); "
-                         "--data takes a .txt or .jsonl file") from None
+        raise ValueError(
+            f"corpus file {os.fspath(path)!r} is not UTF-8 text (byte {e.start}: {e.reason}); "
+            "--data takes a .txt or .jsonl file"
+        ) from None
 
 
 _PARAGRAPH_BREAK = re.compile(r"\n[ \t\r\f\v]*\n")
@@ -396,9 +390,7 @@ class TextFileCorpus(TokenListCorpus):
         if not paragraphs:
             raise ValueError(f"corpus file {os.fspath(path)!r} has no documents (no non-blank paragraph)")
         self.path = os.fspath(path)
-        super().__init__(
-            _encode_documents(paragraphs, tokenizer, add_eos), tokenizer.vocab_size, shuffle=shuffle
-        )
+        super().__init__(_encode_documents(paragraphs, tokenizer, add_eos), tokenizer.vocab_size, shuffle=shuffle)
 
 
 class JsonlCorpus(TokenListCorpus):
@@ -512,21 +504,15 @@ class SyntheticCorpus(Corpus):
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
         if num_topics < 1 or motifs_per_topic < 1:
-            raise ValueError(
-                f"num_topics and motifs_per_topic must be >= 1, got {num_topics}, {motifs_per_topic}"
-            )
+            raise ValueError(f"num_topics and motifs_per_topic must be >= 1, got {num_topics}, {motifs_per_topic}")
         if not 1 <= topic_vocab <= content:
-            raise ValueError(
-                f"topic_vocab must be in [1, vocab_size - {NUM_SPECIAL}={content}], got {topic_vocab}"
-            )
+            raise ValueError(f"topic_vocab must be in [1, vocab_size - {NUM_SPECIAL}={content}], got {topic_vocab}")
         if len(motif_len) != 2 or not 1 <= motif_len[0] <= motif_len[1]:
             raise ValueError(f"motif_len must be (lo, hi) with 1 <= lo <= hi, got {motif_len}")
         if not 2 <= min_len <= max_len:
             raise ValueError(f"need 2 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
         if median_len <= 0 or sigma < 0:
-            raise ValueError(
-                f"need median_len > 0 and sigma >= 0, got median_len={median_len}, sigma={sigma}"
-            )
+            raise ValueError(f"need median_len > 0 and sigma >= 0, got median_len={median_len}, sigma={sigma}")
         if not 0 <= noise_short <= 1:
             raise ValueError(f"noise_short must be in [0, 1], got {noise_short}")
         self.vocab_size = int(vocab_size)
@@ -582,9 +568,7 @@ class SyntheticCorpus(Corpus):
         topic = (_uniform(keys, _TAG_TOPIC, 0) * self.num_topics).astype(np.int64)
         return np.minimum(topic, self.num_topics - 1)
 
-    def gather(
-        self, indices: Sequence[int] | np.ndarray, max_len: int | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def gather(self, indices: Sequence[int] | np.ndarray, max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """See :meth:`Corpus.gather`; a cut document is exactly the prefix of the full one."""
         idx = _as_indices(indices, None)
         keys = self._keys(idx)
@@ -782,9 +766,7 @@ def global_batch(
     return _assemble(flat, lens, rows, offsets, segs, n_rows, s_len)
 
 
-def split_batch(
-    batch: Batch, dp_size: int, dp_rank: int, grad_accum: int, microbatch_size: int
-) -> list[Batch]:
+def split_batch(batch: Batch, dp_size: int, dp_rank: int, grad_accum: int, microbatch_size: int) -> list[Batch]:
     """The ``K = grad_accum`` microbatches of data-parallel rank ``d = dp_rank`` (views, no copy).
 
     Requires ``N = D·K·b`` (``D = dp_size``, ``b = microbatch_size``). Microbatch ``k`` of rank ``d`` is

@@ -36,8 +36,9 @@ def head_loss_fn(gpt: GPT) -> Callable[[Tensor, Tensor], Tensor]:
         mesh = weight.device_mesh
         local = weight.to_local()
         start = mesh.get_local_rank() * local.shape[0]
-        return lambda h, lab: chunked_cross_entropy(h, local, lab, vocab_parallel_group=mesh.get_group(),
-                                                    vocab_start=start, vocab_size=weight.shape[0])
+        return lambda h, lab: chunked_cross_entropy(
+            h, local, lab, vocab_parallel_group=mesh.get_group(), vocab_start=start, vocab_size=weight.shape[0]
+        )
     return lambda h, lab: chunked_cross_entropy(h, weight, lab)
 
 
@@ -49,13 +50,21 @@ def head_fused_fn(gpt: GPT) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, 
         mesh = weight.device_mesh
         local = weight.to_local()
         start = mesh.get_local_rank() * local.shape[0]
-        return lambda h, lab, w: fused_linear_cross_entropy(h, local, lab, w, vocab_parallel_group=mesh.get_group(),
-                                                            vocab_start=start, vocab_size=weight.shape[0])
+        return lambda h, lab, w: fused_linear_cross_entropy(
+            h, local, lab, w, vocab_parallel_group=mesh.get_group(), vocab_start=start, vocab_size=weight.shape[0]
+        )
     return lambda h, lab, w: fused_linear_cross_entropy(h, weight, lab, w)
 
 
-def head_weights(acc: Accountant, loss_impl: str, dtype: torch.dtype, mask: Tensor, seg: Tensor,
-                 mtp_masks: list[Tensor], cols: Tensor | None) -> tuple[Tensor, list[Tensor]] | None:
+def head_weights(
+    acc: Accountant,
+    loss_impl: str,
+    dtype: torch.dtype,
+    mask: Tensor,
+    seg: Tensor,
+    mtp_masks: list[Tensor],
+    cols: Tensor | None,
+) -> tuple[Tensor, list[Tensor]] | None:
     """The accountant's per-token weights of its next microbatch (main, per MTP depth) in the loss
     ``dtype``, for the fused head (``Σ w·l`` is exactly the microbatch's share of ``J``); ``None`` for the
     chunked head."""
@@ -81,11 +90,19 @@ class LossForward(nn.Module):
         super().__init__()
         self.gpt = gpt
 
-    def forward(self, tokens: Tensor, labels: Tensor, mtp_labels: list[Tensor], segment_ids: Tensor,
-                positions: Tensor, recompute: bool = False, autocast_dtype: torch.dtype | None = None,
-                weights: tuple[Tensor, list[Tensor]] | None = None
-                ) -> tuple[Tensor, list[Tensor], list[tuple[Tensor, ...]], tuple[Tensor, Tensor] | None,
-                           tuple[Tensor, Tensor] | None]:
+    def forward(
+        self,
+        tokens: Tensor,
+        labels: Tensor,
+        mtp_labels: list[Tensor],
+        segment_ids: Tensor,
+        positions: Tensor,
+        recompute: bool = False,
+        autocast_dtype: torch.dtype | None = None,
+        weights: tuple[Tensor, list[Tensor]] | None = None,
+    ) -> tuple[
+        Tensor, list[Tensor], list[tuple[Tensor, ...]], tuple[Tensor, Tensor] | None, tuple[Tensor, Tensor] | None
+    ]:
         """Forward of whole rows ``tokens [b,S]``; under context parallelism the losses are those of this
         rank's columns (the labels are cut alike)."""
         if self.gpt.cp is not None:
@@ -108,8 +125,9 @@ class LossForward(nn.Module):
         return upcast(main), [upcast(x) for x in mtp], routers, out.indexer, shares
 
 
-def indexer_share(acc: Accountant, coeff: float, indexer: tuple[Tensor, Tensor], valid: Tensor, *,
-                  per_rank: bool = False) -> Tensor:
+def indexer_share(
+    acc: Accountant, coeff: float, indexer: tuple[Tensor, Tensor], valid: Tensor, *, per_rank: bool = False
+) -> Tensor:
     """DeepSeek-V3.2 indexer loss share of one microbatch in its invariant form ``c·Σ_t KL_t / Tq_global``
     (docs/semantics.md §5): ``indexer = (target probs, indexer logits)`` of this rank's queries, ``valid``
     their non-padding map, ``Tq_global`` the step's non-padding query tokens. Logged as the global mean of

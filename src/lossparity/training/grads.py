@@ -38,8 +38,13 @@ def total_grad_norm(grads: Sequence[Tensor], pp_group: dist.ProcessGroup | None 
     return sq.sqrt().cpu()
 
 
-def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float, *, pp_group: dist.ProcessGroup | None = None,
-                   norm_params: Sequence[torch.nn.Parameter] | None = None) -> float:
+def clip_grad_norm(
+    params: Sequence[torch.nn.Parameter],
+    max_norm: float,
+    *,
+    pp_group: dist.ProcessGroup | None = None,
+    norm_params: Sequence[torch.nn.Parameter] | None = None,
+) -> float:
     """Clip the gradients of ``params`` by the global norm ``n`` of :func:`total_grad_norm` over
     ``norm_params`` (default ``params``): ``g ← g · min(1, max_norm/(n + 1e-6))`` (``max_norm <= 0``: no
     clipping, ``torch.nn.utils.clip_grads_with_norm_``). Returns ``n`` (one host sync per step)."""
@@ -56,6 +61,9 @@ def sum_replicated_grads_over_tp(params: Sequence[torch.nn.Parameter], tp_group:
     projections; the router as a replicated DTensor) saw only this TP rank's slice of the sequence, so
     their gradients are summed over TP (one all-reduce); TP-sharded parameters already have their full
     gradients."""
-    grads = [g.to_local() if hasattr(g, "to_local") else g for g in (p.grad for p in params if p.grad is not None)
-             if not hasattr(g, "placements") or all(pl.is_replicate() for pl in g.placements)]
+    grads = [
+        g.to_local() if hasattr(g, "to_local") else g
+        for g in (p.grad for p in params if p.grad is not None)
+        if not hasattr(g, "placements") or all(pl.is_replicate() for pl in g.placements)
+    ]
     all_reduce_coalesced(grads, tp_group)

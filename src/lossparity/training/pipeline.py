@@ -43,8 +43,15 @@ class PipelineRunner:
     """The pipeline half of a trainer with ``cfg.pp > 1`` (see the module docstring). ``moe_factory(n,
     **kw)`` builds the MoE accounting of a chunk with ``n`` routers (the trainer's settings)."""
 
-    def __init__(self, cfg: Any, raw: GPT, acc: Accountant, dims: ParallelDims, device: torch.device,
-                 moe_factory: Callable[..., MoEAccounting]) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        raw: GPT,
+        acc: Accountant,
+        dims: ParallelDims,
+        device: torch.device,
+        moe_factory: Callable[..., MoEAccounting],
+    ) -> None:
         self.cfg, self.raw, self.acc, self.dims, self.device = cfg, raw, acc, dims, device
         self.pp_group, self.pp_rank = dims.pp_group, dims.pp_rank
         num_chunks = cfg.pp * cfg.pp_virtual
@@ -57,8 +64,12 @@ class PipelineRunner:
         for c in self.chunk_ids:
             module = StageModule(raw, c, num_chunks, ranges[c], recompute=cfg.recompute)
             routers = module.routers()
-            moe = moe_factory(len(routers), log_layers=total_moe, declare=total_moe > 0,
-                              log_layer_ids=[r.layer_id for r in raw.moe_routers()])
+            moe = moe_factory(
+                len(routers),
+                log_layers=total_moe,
+                declare=total_moe > 0,
+                log_layer_ids=[r.layer_id for r in raw.moe_routers()],
+            )
             module.aux_fn = self._aux_fn(moe, routers)
             self.stages.append(module)
             self.moes.append((moe, routers))
@@ -89,12 +100,20 @@ class PipelineRunner:
         hidden = torch.empty(b, s_between, dim, dtype=dtype, device=self.device, requires_grad=True)
         stacked = torch.empty(1 + len(raw.mtp), b, s_local, dim, dtype=dtype, device=self.device)
         tokens = torch.empty(b, cfg.seq_len, dtype=torch.long, device=self.device)
-        pstages = [PipelineStage(m, c, num_chunks, self.device, group=self.pp_group,
-                                 input_args=tokens if c == 0 else hidden,
-                                 output_args=stacked if c == num_chunks - 1 else hidden,
-                                 input_grads=(None,) if c == 0 else hidden,
-                                 output_grads=(None,) if c == num_chunks - 1 else hidden)
-                   for m, c in zip(self.stages, self.chunk_ids)]
+        pstages = [
+            PipelineStage(
+                m,
+                c,
+                num_chunks,
+                self.device,
+                group=self.pp_group,
+                input_args=tokens if c == 0 else hidden,
+                output_args=stacked if c == num_chunks - 1 else hidden,
+                input_grads=(None,) if c == 0 else hidden,
+                output_grads=(None,) if c == num_chunks - 1 else hidden,
+            )
+            for m, c in zip(self.stages, self.chunk_ids)
+        ]
         # scale_grads=False: the accountant's shares are already exact, the schedule must not divide.
         if cfg.pp_virtual == 1:
             return Schedule1F1B(pstages[0], cfg.ga, loss_fn=self._loss_fn, scale_grads=False)
@@ -104,6 +123,7 @@ class PipelineRunner:
     def _aux_fn(self, moe: MoEAccounting, routers: list) -> Any:
         """The chunk's auxiliary share of one microbatch: MoE terms of its routers plus the indexer loss
         when the chunk holds the indexer layer (``None`` when neither)."""
+
         def fn(records: list[RouterRecord], mb: int, indexer: tuple[Tensor, Tensor] | None) -> Tensor | None:
             data = self._batch[mb]
             share = moe.microbatch_loss(records, data["valid"], data["seg"]) if records else None
@@ -120,8 +140,7 @@ class PipelineRunner:
         data = self._batch[self._loss_mb]
         self._loss_mb += 1
         dtype = torch.float64 if self.cfg.dtype == "float64" else torch.float32
-        weights = head_weights(acc, self.cfg.loss_impl, dtype, data["mask"], data["seg"], data["mtp_masks"],
-                               self._cols)
+        weights = head_weights(acc, self.cfg.loss_impl, dtype, data["mask"], data["seg"], data["mtp_masks"], self._cols)
         if weights is not None:  # fused head: the shares carry the gradients, losses feed the logs
             fce = head_fused_fn(self.raw)
             share, per_tok = fce(output[0], data["labels"], weights[0])
@@ -129,8 +148,9 @@ class PipelineRunner:
             if len(self.raw.mtp):
                 parts = [fce(output[k], lab, w) for k, (lab, w) in enumerate(zip(data["mtp_labels"], weights[1]), 1)]
                 mtp_share = sum((p[0] for p in parts), torch.zeros_like(share))  # as LossForward sums them
-                loss = loss + acc.add_mtp_share(mtp_share, [p[1] for p in parts],
-                                                data["mtp_masks"], data["seg"], columns=self._cols)
+                loss = loss + acc.add_mtp_share(
+                    mtp_share, [p[1] for p in parts], data["mtp_masks"], data["seg"], columns=self._cols
+                )
             return loss
         ce = head_loss_fn(self.raw)
         per_tok = ce(output[0], data["labels"])
@@ -157,8 +177,16 @@ class PipelineRunner:
         for mb, seg, valid in zip(mbs, segs, valids):
             rolled = [roll_mtp(mb.labels, mb.mask, seg, k) for k in range(1, len(raw.mtp) + 1)]
             valid_c = cut(valid) if tp_mesh is None else sp_shard(cut(valid), tp_mesh)
-            self._batch.append({"labels": cut(mb.labels), "mask": cut(mb.mask), "seg": cut(seg), "valid": valid_c,
-                                "mtp_labels": [cut(r[0]) for r in rolled], "mtp_masks": [cut(r[1]) for r in rolled]})
+            self._batch.append(
+                {
+                    "labels": cut(mb.labels),
+                    "mask": cut(mb.mask),
+                    "seg": cut(seg),
+                    "valid": valid_c,
+                    "mtp_labels": [cut(r[0]) for r in rolled],
+                    "mtp_masks": [cut(r[1]) for r in rolled],
+                }
+            )
         contexts = [raw.prepare(mb.tokens, segment_ids=seg, positions=mb.positions) for mb, seg in zip(mbs, segs)]
         for m in self.stages:
             m.set_microbatches(contexts)

@@ -73,8 +73,10 @@ def build_corpus(cfg: TrainConfig, vocab_size: int) -> Corpus:
         return SyntheticCorpus(vocab_size=vocab_size, seed=cfg.seed)
     tok = ByteTokenizer()
     if tok.vocab_size > vocab_size:
-        raise ValueError(f"model vocab_size {vocab_size} is smaller than the byte tokenizer's {tok.vocab_size} "
-                         f"needed by --data {cfg.data}: pass --set vocab_size={tok.vocab_size} (or more)")
+        raise ValueError(
+            f"model vocab_size {vocab_size} is smaller than the byte tokenizer's {tok.vocab_size} "
+            f"needed by --data {cfg.data}: pass --set vocab_size={tok.vocab_size} (or more)"
+        )
     if cfg.data.endswith(".jsonl"):
         return JsonlCorpus(cfg.data, tok, field=cfg.data_field)
     return TextFileCorpus(cfg.data, tok)
@@ -125,23 +127,37 @@ class Trainer:
         self.device = _pick_device(cfg)
         self.dims.build_mesh(self.device.type)
         self.dp_rank = self.dims.dp_rank
-        self.cp_ctx = (ContextParallel(self.dims.cp_group, cfg.cp, self.dims.cp_rank, cfg.cp_zigzag)
-                       if cfg.cp > 1 else None)
+        self.cp_ctx = (
+            ContextParallel(self.dims.cp_group, cfg.cp, self.dims.cp_rank, cfg.cp_zigzag) if cfg.cp > 1 else None
+        )
         self.model_config = get_config(cfg.model, **dict(cfg.model_overrides))
         self.raw = self._build_model()
         self.model = self._wrap_engine(LossForward(self.raw))
         self.corpus = build_corpus(cfg, self.model_config.vocab_size)
-        self.acc = Accountant(cfg.mode, normalization=cfg.normalization, fixed_length=cfg.fixed_length,
-                              mtp_depths=self.model_config.mtp_depths, mtp_convention=cfg.mtp_convention,
-                              device=self.device, mtp_log_estimator=cfg.mtp_log_estimator, dims=self.dims)
+        self.acc = Accountant(
+            cfg.mode,
+            normalization=cfg.normalization,
+            fixed_length=cfg.fixed_length,
+            mtp_depths=self.model_config.mtp_depths,
+            mtp_convention=cfg.mtp_convention,
+            device=self.device,
+            mtp_log_estimator=cfg.mtp_log_estimator,
+            dims=self.dims,
+        )
         self.routers = self.raw.moe_routers()
         if self.model_config.indexer_layer is not None:
             self.acc.declare_metric("indexer_loss", "ratio", per_rank=cfg.sp)
-        self.pipeline = PipelineRunner(cfg, self.raw, self.acc, self.dims, self.device, self._moe_accounting) \
-            if cfg.pp > 1 else None
+        self.pipeline = (
+            PipelineRunner(cfg, self.raw, self.acc, self.dims, self.device, self._moe_accounting)
+            if cfg.pp > 1
+            else None
+        )
         # Under pipeline parallelism every chunk has its own MoE accounting (see training/pipeline.py).
-        self.moe = self._moe_accounting(len(self.routers), log_layer_ids=[r.layer_id for r in self.routers]) \
-            if self.pipeline is None else None
+        self.moe = (
+            self._moe_accounting(len(self.routers), log_layer_ids=[r.layer_id for r in self.routers])
+            if self.pipeline is None
+            else None
+        )
         self.optimizer = self._build_optimizer()
         self.step = 0
         self.history: list[dict[str, Any]] = []
@@ -187,15 +203,25 @@ class Trainer:
         with warnings.catch_warnings():
             # torch >= 2.12 deprecates broadcast_buffers; its replacement still syncs buffers at init.
             warnings.simplefilter("ignore", FutureWarning)
-            return nn.parallel.DistributedDataParallel(fwd, broadcast_buffers=False, find_unused_parameters=True,
-                                                       process_group=self.dims.grad_group)
+            return nn.parallel.DistributedDataParallel(
+                fwd, broadcast_buffers=False, find_unused_parameters=True, process_group=self.dims.grad_group
+            )
 
     def _moe_accounting(self, num_layers: int, **kwargs: Any) -> MoEAccounting:
         """MoE accounting of ``num_layers`` routers with the run's scope and coefficients."""
         cfg, mc = self.cfg, self.model_config
-        return MoEAccounting(self.acc, num_layers, max(mc.num_experts, 1), max(mc.topk, 1), scope=cfg.aux_scope,
-                             aux_coeff=cfg.aux_coeff, z_coeff=cfg.z_coeff, z_form=cfg.z_form,
-                             megatron_quirks=cfg.megatron_quirks, **kwargs)
+        return MoEAccounting(
+            self.acc,
+            num_layers,
+            max(mc.num_experts, 1),
+            max(mc.topk, 1),
+            scope=cfg.aux_scope,
+            aux_coeff=cfg.aux_coeff,
+            z_coeff=cfg.z_coeff,
+            z_form=cfg.z_form,
+            megatron_quirks=cfg.megatron_quirks,
+            **kwargs,
+        )
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """AdamW over the parameters this rank owns (weight decay on matrices only). ``foreach`` is off
@@ -206,7 +232,11 @@ class Trainer:
         no_decay = [p for n, p in named if p.dim() < 2]
         return torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False if cfg.tp > 1 or cfg.ep > 1 else None)
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            foreach=False if cfg.tp > 1 or cfg.ep > 1 else None,
+        )
 
     # ------------------------------------------------------------------ one step
     def mtp_weight(self, step: int) -> float:
@@ -223,19 +253,32 @@ class Trainer:
         """Run optimizer step ``self.step`` and return its log line."""
         cfg, acc, model = self.cfg, self.acc, self.model
         t0 = time.perf_counter()
-        batch = global_batch(self.corpus, self.step, global_batch_size=cfg.global_batch, seq_len=cfg.seq_len,
-                             packed=cfg.packed, seed=cfg.seed).to(self.device)
+        batch = global_batch(
+            self.corpus,
+            self.step,
+            global_batch_size=cfg.global_batch,
+            seq_len=cfg.seq_len,
+            packed=cfg.packed,
+            seed=cfg.seed,
+        ).to(self.device)
         mbs = split_batch(batch, cfg.dp, self.dp_rank, cfg.ga, cfg.microbatch_size)
         cols = None if self.cp_ctx is None else self.cp_ctx.columns(cfg.seq_len).to(self.device)
         segs, valids = zip(*(_valid_tokens(mb) for mb in mbs))
-        acc.begin_step([mb.mask for mb in mbs], list(segs), mtp_weight=self.mtp_weight(self.step),
-                       extra_counts=MoEAccounting.router_tokens(valids))
+        acc.begin_step(
+            [mb.mask for mb in mbs],
+            list(segs),
+            mtp_weight=self.mtp_weight(self.step),
+            extra_counts=MoEAccounting.router_tokens(valids),
+        )
         if self.pipeline is not None:
             return self._finish_pipeline_step(mbs, segs, valids, t0)
         for i, (mb, seg, valid) in enumerate(zip(mbs, segs, valids)):
             last = i == len(mbs) - 1
-            sync = model.no_sync() if isinstance(model, nn.parallel.DistributedDataParallel) and not last \
+            sync = (
+                model.no_sync()
+                if isinstance(model, nn.parallel.DistributedDataParallel) and not last
                 else contextlib.nullcontext()
+            )
             if self.dims.grad_engine == "fsdp" and self.world > 1:
                 # an FSDPModule method: reduce-scatter once, after the last microbatch
                 cast(Any, model).set_requires_gradient_sync(last)
@@ -264,19 +307,32 @@ class Trainer:
         loss_dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
         weights = head_weights(acc, cfg.loss_impl, loss_dtype, mask_c, seg_c, masks_k, cols)
         per_tok, mtp_losses, routers, indexer, shares = self.model(
-            mb.tokens, mb.labels, [r[0] for r in rolled], seg, mb.positions, cfg.recompute,
-            torch.bfloat16 if cfg.dtype == "bf16" else None, weights)
+            mb.tokens,
+            mb.labels,
+            [r[0] for r in rolled],
+            seg,
+            mb.positions,
+            cfg.recompute,
+            torch.bfloat16 if cfg.dtype == "bf16" else None,
+            weights,
+        )
         if cfg.sp:  # routers saw this TP rank's slice of the sequence (losses are whole rows)
             valid_c = sp_shard(valid_c, self.dims.submesh("tp"))
-        loss = (acc.lm_loss(per_tok, mask_c, seg_c, columns=cols) if shares is None
-                else acc.add_lm_share(shares[0], per_tok, mask_c, seg_c, columns=cols))
+        loss = (
+            acc.lm_loss(per_tok, mask_c, seg_c, columns=cols)
+            if shares is None
+            else acc.add_lm_share(shares[0], per_tok, mask_c, seg_c, columns=cols)
+        )
         if self.dump is not None:
             s_i, n_i = sample_stats(per_tok.detach(), mask_c)
             first = (self.dp_rank * cfg.ga + i) * cfg.microbatch_size
             self.dump.write(self.step + 1, torch.arange(first, first + len(n_i)), n_i, s_i)
         if rolled:
-            loss = loss + (acc.mtp_loss(mtp_losses, masks_k, seg_c, columns=cols) if shares is None
-                           else acc.add_mtp_share(shares[1], mtp_losses, masks_k, seg_c, columns=cols))
+            loss = loss + (
+                acc.mtp_loss(mtp_losses, masks_k, seg_c, columns=cols)
+                if shares is None
+                else acc.add_mtp_share(shares[1], mtp_losses, masks_k, seg_c, columns=cols)
+            )
         if self.routers and self.moe is not None:
             records = [RouterRecord(r.layer_id, *t) for r, t in zip(self.routers, routers)]
             loss = loss + self.moe.microbatch_loss(records, valid_c, seg_c)
@@ -294,7 +350,8 @@ class Trainer:
             raise FloatingPointError(
                 f"step {self.step + 1} (rank {self.rank}): the gradient norm is {grad_norm}; the optimizer step was "
                 "not taken: a term of this step's objective or its gradient is not finite (the losses, weights and "
-                "coefficients of the step were checked; look for an overflow, e.g. lower --lr or use float32)")
+                "coefficients of the step were checked; look for an overflow, e.g. lower --lr or use float32)"
+            )
         lr = _lr_at(cfg, self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -302,8 +359,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - t0
         self.step += 1
-        return {"step": self.step, **logs, **extra_logs, "grad_norm": grad_norm, "lr": lr,
-                "tokens_per_s": cfg.global_batch * cfg.seq_len / elapsed, "step_time_s": elapsed}
+        return {
+            "step": self.step,
+            **logs,
+            **extra_logs,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens_per_s": cfg.global_batch * cfg.seq_len / elapsed,
+            "step_time_s": elapsed,
+        }
 
     def _finish_pipeline_step(self, mbs: list[Batch], segs: tuple, valids: tuple, t0: float) -> dict[str, Any]:
         """Steps 2-5 of :meth:`train_step` through the pipeline schedule (see ``training/pipeline.py``)."""
@@ -314,8 +378,10 @@ class Trainer:
         if cfg.sp:
             sum_replicated_grads_over_tp(list(pipe.params.values()), self.dims.tp_group)
         experts = {id(p) for p in self.expert_params}
-        acc.finish_step([p for p in pipe.params.values() if id(p) not in experts],
-                        expert_params=[p for p in pipe.params.values() if id(p) in experts])
+        acc.finish_step(
+            [p for p in pipe.params.values() if id(p) not in experts],
+            expert_params=[p for p in pipe.params.values() if id(p) in experts],
+        )
         pipe.end_step_moe(self.bias_rate(self.step), cfg.bias_zero_mean)
         return self._optimizer_step(pipe.grad_norm_and_clip(cfg.grad_clip), {}, t0)
 
@@ -325,9 +391,15 @@ class Trainer:
         step (the data position: batches are a function of the step), RNG states and the config. Single-
         process runs only (multi-rank runs checkpoint :meth:`distributed_state`)."""
         assert self.moe is not None
-        return {"step": self.step, "model": self.raw.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "moe": self.moe.state_dict(), "rng": rng_state(), "config": dataclasses.asdict(self.cfg),
-                "mtp_weight": self.acc.mtp_weight}
+        return {
+            "step": self.step,
+            "model": self.raw.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "moe": self.moe.state_dict(),
+            "rng": rng_state(),
+            "config": dataclasses.asdict(self.cfg),
+            "mtp_weight": self.acc.mtp_weight,
+        }
 
     @property
     def sharded(self) -> bool:
@@ -336,8 +408,13 @@ class Trainer:
         return self.world > 1
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"step": self.step, "rng": rng_state(), "config": dataclasses.asdict(self.cfg),
-                "mtp_weight": self.acc.mtp_weight, "world": self.world}
+        return {
+            "step": self.step,
+            "rng": rng_state(),
+            "config": dataclasses.asdict(self.cfg),
+            "mtp_weight": self.acc.mtp_weight,
+            "world": self.world,
+        }
 
     def _moe_instances(self) -> list[tuple[MoEAccounting, list[Any]]]:
         if self.pipeline is not None:
@@ -455,10 +532,17 @@ class Trainer:
         if cfg.dump_samples and cfg.out:
             from ..parity.sample_dump import DUMP_SUBDIR, SampleDumpWriter
 
-            meta = {"global_batch": cfg.global_batch, "microbatch_size": cfg.microbatch_size, "seq_len": cfg.seq_len,
-                    "mode": cfg.mode, "fixed_length": cfg.fixed_length, "world_size": self.world}
-            self.dump = SampleDumpWriter(os.path.join(cfg.out, DUMP_SUBDIR), self.rank, meta=meta,
-                                         resume_step=self.step if self.step else None)
+            meta = {
+                "global_batch": cfg.global_batch,
+                "microbatch_size": cfg.microbatch_size,
+                "seq_len": cfg.seq_len,
+                "mode": cfg.mode,
+                "fixed_length": cfg.fixed_length,
+                "world_size": self.world,
+            }
+            self.dump = SampleDumpWriter(
+                os.path.join(cfg.out, DUMP_SUBDIR), self.rank, meta=meta, resume_step=self.step if self.step else None
+            )
         interval = IntervalMean()
         done = 0
         try:
@@ -496,8 +580,7 @@ def _progress(step: int, total: int, means: dict[str, float]) -> None:
     filled = int(width * step / total)
     bar = "#" * filled + "." * (width - filled)
     loss = means.get("lm_loss")
-    text = (f"[{bar}] step {step}/{total}  lm_loss {loss:.4f}" if loss is not None else
-            f"[{bar}] step {step}/{total}")
+    text = f"[{bar}] step {step}/{total}  lm_loss {loss:.4f}" if loss is not None else f"[{bar}] step {step}/{total}"
     text += f"  objective {means.get('objective', float('nan')):.4f}  tok/s {means.get('tokens_per_s', 0):.0f}"
     if sys.stdout.isatty():
         print("\r" + text, end="", flush=True)

@@ -23,8 +23,17 @@ from ..losses.modes import MODES
 from ..options import DType
 from .trainer import TrainConfig, Trainer
 
-__all__ = ["Layout", "DEFAULT_LAYOUTS", "QUICK_LAYOUTS", "FULL_LAYOUTS", "LAYOUT_GRAMMAR", "parse_layout",
-           "parse_layouts", "run_verify", "format_table"]
+__all__ = [
+    "Layout",
+    "DEFAULT_LAYOUTS",
+    "QUICK_LAYOUTS",
+    "FULL_LAYOUTS",
+    "LAYOUT_GRAMMAR",
+    "parse_layout",
+    "parse_layouts",
+    "run_verify",
+    "format_table",
+]
 
 TOL = {"float64": 1e-10, "float32": 1e-5}
 # Not layout-invariant by definition, or not numbers of the run.
@@ -60,8 +69,10 @@ class Layout:
 
 
 # One grammar token per dimension, in the order of the grammar; "x" separates them.
-_TOKEN = re.compile(r"^(?:D(?P<dp>\d+)|C(?P<cp>\d+)|T(?P<tp>\d+)(?P<sp>\+SP)?|P(?P<pp>\d+)|V(?P<v>\d+)|"
-                    r"E(?P<ep>\d+)|K(?P<ga>\d+))$")
+_TOKEN = re.compile(
+    r"^(?:D(?P<dp>\d+)|C(?P<cp>\d+)|T(?P<tp>\d+)(?P<sp>\+SP)?|P(?P<pp>\d+)|V(?P<v>\d+)|"
+    r"E(?P<ep>\d+)|K(?P<ga>\d+))$"
+)
 _ORDER = ("dp", "cp", "tp", "pp", "v", "ep", "ga")
 
 
@@ -84,7 +95,7 @@ def parse_layout(name: str) -> Layout:
         if m.group(1) in flags:
             raise ValueError(f"layout {name!r}: +{m.group(1)} given twice")
         flags.add(m.group(1))
-        body = body[:m.start()]
+        body = body[: m.start()]
     sizes: dict[str, int] = {}
     sp = False
     prev = None
@@ -92,8 +103,10 @@ def parse_layout(name: str) -> Layout:
         m = _TOKEN.match(part)
         key = next((k for k in _ORDER if m and m.group(k)), None)
         if m is None or key is None or key in sizes or (key == "v" and prev != "pp") or int(m.group(key)) < 1:
-            raise ValueError(f"layout {name!r}: cannot read {part!r}; layouts are named {LAYOUT_GRAMMAR} "
-                             "(each dimension at most once, Vn right after Pn), e.g. D2xC2xT2+SPxK2")
+            raise ValueError(
+                f"layout {name!r}: cannot read {part!r}; layouts are named {LAYOUT_GRAMMAR} "
+                "(each dimension at most once, Vn right after Pn), e.g. D2xC2xT2+SPxK2"
+            )
         sizes[key] = int(m.group(key))
         sp = sp or bool(m.group("sp"))
         prev = key
@@ -101,10 +114,19 @@ def parse_layout(name: str) -> Layout:
         raise ValueError(f"layout {name!r}: empty; layouts are named {LAYOUT_GRAMMAR}")
     # A pipeline needs at least P microbatches in flight: an omitted K is P there, 1 elsewhere.
     ga = sizes.get("ga", sizes.get("pp", 1))
-    layout = Layout(name, sizes.get("dp", 1), ga, recompute="recompute" in flags,
-                    cp=sizes.get("cp", 1), pp=sizes.get("pp", 1), pp_virtual=sizes.get("v", 1),
-                    engine="fsdp" if "fsdp" in flags else "ddp", tp=sizes.get("tp", 1), sp=sp,
-                    ep=sizes.get("ep", 1))
+    layout = Layout(
+        name,
+        sizes.get("dp", 1),
+        ga,
+        recompute="recompute" in flags,
+        cp=sizes.get("cp", 1),
+        pp=sizes.get("pp", 1),
+        pp_virtual=sizes.get("v", 1),
+        engine="fsdp" if "fsdp" in flags else "ddp",
+        tp=sizes.get("tp", 1),
+        sp=sp,
+        ep=sizes.get("ep", 1),
+    )
     if not _indexer_supported(layout):
         layout = dataclasses.replace(layout, indexer=False)
     check_layout(layout)
@@ -138,9 +160,18 @@ def parse_layouts(names: str) -> tuple[Layout, ...]:
 
 
 def _layout_fields(layout: Layout) -> dict[str, Any]:
-    return {"dp": layout.dp, "cp": layout.cp, "ga": layout.ga, "pp": layout.pp, "pp_virtual": layout.pp_virtual,
-            "recompute": layout.recompute, "engine": layout.engine, "tp": layout.tp, "sp": layout.sp,
-            "ep": layout.ep}
+    return {
+        "dp": layout.dp,
+        "cp": layout.cp,
+        "ga": layout.ga,
+        "pp": layout.pp,
+        "pp_virtual": layout.pp_virtual,
+        "recompute": layout.recompute,
+        "engine": layout.engine,
+        "tp": layout.tp,
+        "sp": layout.sp,
+        "ep": layout.ep,
+    }
 
 
 def _L(name: str) -> Layout:  # noqa: N802 - short constructor for the tables below
@@ -149,13 +180,32 @@ def _L(name: str) -> Layout:  # noqa: N802 - short constructor for the tables be
 
 # The default set keeps `./dev.sh main` within its time budget: the 2-D rows that a composed row
 # contains (T2xK2 in T2xC2/T2xP2, plain 1F1B P2xK2 in C2xP2/T2xP2) run in --full only.
-DEFAULT_LAYOUTS = tuple(_L(n) for n in (
-    "1x1", "K=4", "D2xK2", "D4", "D2xK2+recompute", "D2xK2+fsdp", "C2xK2", "D2xC2+recompute",
-    "T2+SPxK2", "P2xV2xK2", "D2xP2xK2+recompute",
-    "T2xC2", "T2+SPxC2", "C2xP2", "T2xP2", "D2xC2xT2+SP", "D2xE2xK2"))
+DEFAULT_LAYOUTS = tuple(
+    _L(n)
+    for n in (
+        "1x1",
+        "K=4",
+        "D2xK2",
+        "D4",
+        "D2xK2+recompute",
+        "D2xK2+fsdp",
+        "C2xK2",
+        "D2xC2+recompute",
+        "T2+SPxK2",
+        "P2xV2xK2",
+        "D2xP2xK2+recompute",
+        "T2xC2",
+        "T2+SPxC2",
+        "C2xP2",
+        "T2xP2",
+        "D2xC2xT2+SP",
+        "D2xE2xK2",
+    )
+)
 QUICK_LAYOUTS = tuple(_L(n) for n in ("1x1", "K=4", "D2xK2+recompute", "C2xK2", "P2xV2xK2", "T2+SPxC2"))
-FULL_LAYOUTS = DEFAULT_LAYOUTS + tuple(_L(n) for n in ("T2xK2", "P2xK2", "D2xT2xP2xV2", "C2xT2+SPxP2",
-                                                        "D4xE2+recompute", "D2xE2xP2", "D2xT2xE2"))
+FULL_LAYOUTS = DEFAULT_LAYOUTS + tuple(
+    _L(n) for n in ("T2xK2", "P2xK2", "D2xT2xP2xV2", "C2xT2+SPxP2", "D4xE2+recompute", "D2xE2xP2", "D2xT2xE2")
+)
 
 
 def _record(trainer: Trainer) -> dict[str, Any]:
@@ -169,8 +219,9 @@ def _record(trainer: Trainer) -> dict[str, Any]:
     return {
         "history": trainer.history,
         "params": {n: p.detach().clone() for n, p in params},
-        "bias": {i: r.expert_bias.detach().clone() for i, r in enumerate(trainer.routers)
-                 if owned is None or id(r) in owned},
+        "bias": {
+            i: r.expert_bias.detach().clone() for i, r in enumerate(trainer.routers) if owned is None or id(r) in owned
+        },
     }
 
 
@@ -236,8 +287,11 @@ def compare_records(run: dict[str, Any], ref: dict[str, Any]) -> dict[str, float
 
 
 def _b_dependent(mode: str, base: dict[str, Any]) -> bool:
-    return mode == "per_microbatch" or base.get("aux_scope") in ("micro_batch", "global_running") or \
-        base.get("z_form") == "microbatch"
+    return (
+        mode == "per_microbatch"
+        or base.get("aux_scope") in ("micro_batch", "global_running")
+        or base.get("z_form") == "microbatch"
+    )
 
 
 def run_verify(
@@ -254,9 +308,19 @@ def run_verify(
     from ..distributed.launch import spawn
 
     t0 = time.perf_counter()
-    base = dataclasses.asdict(TrainConfig(steps=steps, dtype=dtype, progress=False, tensorboard=False,
-                                          global_batch=8, seq_len=32, packed=True, warmup=1,
-                                          model_overrides={"indexer_layer": 1}))
+    base = dataclasses.asdict(
+        TrainConfig(
+            steps=steps,
+            dtype=dtype,
+            progress=False,
+            tensorboard=False,
+            global_batch=8,
+            seq_len=32,
+            packed=True,
+            warmup=1,
+            model_overrides={"indexer_layer": 1},
+        )
+    )
     base.update(overrides or {})
     base.pop("mode")
     tol = TOL["float64" if dtype == "float64" else "float32"]
@@ -269,8 +333,11 @@ def run_verify(
                 print(f"  running layout {layout.name} ({len(modes)} modes)...", flush=True)
             world = layout.world
             t1 = time.perf_counter()
-            results[layout.name] = (_run_modes(0, 1, base, list(modes), layout) if world == 1 else
-                                    merge_records(spawn(_run_modes, world, base, list(modes), layout, timeout_s=300)))
+            results[layout.name] = (
+                _run_modes(0, 1, base, list(modes), layout)
+                if world == 1
+                else merge_records(spawn(_run_modes, world, base, list(modes), layout, timeout_s=300))
+            )
             walls[layout.name] = time.perf_counter() - t1
         return results[layout.name]
 
@@ -290,25 +357,39 @@ def run_verify(
         for mode in modes:
             ref_layout = reference(layout, mode)
             diffs = compare_records(run(layout)[mode], run(ref_layout)[mode])
-            rows.append({"layout": layout.name, "mode": mode, "reference": ref_layout.name, "diffs": diffs,
-                         "pass": all(v <= tol for v in diffs.values())})
-    return {"rows": rows, "tolerance": tol, "wall_s": time.perf_counter() - t0, "steps": steps,
-            "layout_wall_s": walls,
-            "config": {k: v for k, v in base.items() if k not in ("out",)}}
+            rows.append(
+                {
+                    "layout": layout.name,
+                    "mode": mode,
+                    "reference": ref_layout.name,
+                    "diffs": diffs,
+                    "pass": all(v <= tol for v in diffs.values()),
+                }
+            )
+    return {
+        "rows": rows,
+        "tolerance": tol,
+        "wall_s": time.perf_counter() - t0,
+        "steps": steps,
+        "layout_wall_s": walls,
+        "config": {k: v for k, v in base.items() if k not in ("out",)},
+    }
 
 
 def format_table(report: dict[str, Any]) -> str:
     """The verify report as a Markdown table (layout × quantity → max relative difference)."""
     cols = ["objective", "lm_loss", "logs", "grad_norm", "params", "bias"]
-    lines = ["| layout | mode | vs | " + " | ".join(cols) + " | result |",
-             "|" + "---|" * (len(cols) + 4)]
+    lines = ["| layout | mode | vs | " + " | ".join(cols) + " | result |", "|" + "---|" * (len(cols) + 4)]
     for r in report["rows"]:
         cells = " | ".join(f"{r['diffs'][c]:.1e}" for c in cols)
-        lines.append(f"| {r['layout']} | {r['mode']} | {r['reference']} | {cells} | "
-                     f"{'PASS' if r['pass'] else 'FAIL'} |")
+        lines.append(
+            f"| {r['layout']} | {r['mode']} | {r['reference']} | {cells} | {'PASS' if r['pass'] else 'FAIL'} |"
+        )
     n_pass = sum(r["pass"] for r in report["rows"])
-    lines.append(f"\n{n_pass}/{len(report['rows'])} PASS (tolerance {report['tolerance']:g} relative, "
-                 f"{report['steps']} steps each, wall {report['wall_s']:.1f} s)")
+    lines.append(
+        f"\n{n_pass}/{len(report['rows'])} PASS (tolerance {report['tolerance']:g} relative, "
+        f"{report['steps']} steps each, wall {report['wall_s']:.1f} s)"
+    )
     walls = report.get("layout_wall_s") or {}
     if walls:
         lines.append("wall per layout (all modes): " + ", ".join(f"{k} {v:.1f} s" for k, v in walls.items()))
@@ -317,6 +398,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 def write_json(report: dict[str, Any], path: str) -> None:
     """Write the report as JSON (infinities as strings)."""
+
     def clean(x: Any) -> Any:
         if isinstance(x, float) and x != x or x in (float("inf"), float("-inf")):
             return str(x)
