@@ -140,6 +140,9 @@ class LossParityTitanMixin:
         batches = [next(data_iterator) for _ in range(n)]
         group = dims.get_mesh("batch") if dims.dp_enabled else None
         loss_fn.precount(
-            [lab for _, lab in batches], [d.get("positions") for d, _ in batches], group, device=self.device
-        )  # type: ignore[attr-defined]
+            [lab for _, lab in batches],
+            [d.get("positions") for d, _ in batches],
+            group,
+            device=self.device,  # type: ignore[attr-defined]
+        )
         return super().train_step(iter(batches))  # type: ignore[misc]

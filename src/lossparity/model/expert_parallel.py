@@ -95,8 +95,8 @@ class ExpertParallel(ParallelStyle):
             device_mesh,
             partition_fn=_partition,
             input_fn=self._dispatch,  # type: ignore[arg-type]
-            output_fn=self._combine,
-        )  # type: ignore[arg-type]
+            output_fn=self._combine,  # type: ignore[arg-type]
+        )
 
     def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple[Tensor, Tensor, Tensor]:
         """Forward pre-hook: send every (token, expert) pair to the expert's rank; return the received

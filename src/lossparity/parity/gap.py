@@ -330,7 +330,7 @@ def compute_gap(
             per_token=per_token,
             per_sample=per_sample,
             per_microbatch=vals["per_microbatch"],
-            sample_sum=float(vals["sample_sum"]),
+            sample_sum=float(vals["sample_sum"]),  # type: ignore[arg-type]
             sample_sum_norm=vals["sample_sum_norm"],  # type: ignore[arg-type]
             gap=per_token - per_sample,
             cov=cov,
