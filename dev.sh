@@ -22,7 +22,8 @@ ensure_env() {  # $1 = extras profile: main | test
     "$VENV/bin/pip" install -q --no-deps "megatron-core==0.16.1"
     # torchtitan 0.3.0 pins datasets<4.8 and pulls wandb/torch_checkpointing that its trainer module does not
     # need: install it and the modules it imports without their dependencies (torch stays as installed).
-    "$VENV/bin/pip" install -q --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3" "torchdata==0.11.0"
+    # torchtitan.trainer imports triton (CPU runs never call it).
+    "$VENV/bin/pip" install -q --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3" "torchdata==0.11.0" "triton==3.9.0"
     "$VENV/bin/pip" install -q tyro einops
   else
     "$VENV/bin/pip" install -q -e .
