@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..options import ALIGNS, MISSING_STEPS, MODE_INFO
@@ -26,25 +27,23 @@ __all__ = ["add_compare_arguments", "add_gap_arguments", "cmd_compare", "cmd_gap
 # argument types
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (the error names the text)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
+def _int_at_least(low: int, what: str) -> Callable[[str], int]:
+    """argparse type: an integer ``>= low``; anything else is an error naming the text."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = low - 1
+        if v < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return v
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return v
+positive_int = _int_at_least(1, "a positive integer")  # argparse type: an integer >= 1
+_non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
 def _probability(text: str) -> float:
