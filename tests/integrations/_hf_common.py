@@ -99,10 +99,10 @@ class RowDataset(torch.utils.data.Dataset):
         return dict(self.rows[i])
 
 
-def training_args(out_dir: str, b: int, ga: int, steps: int = STEPS, **over):
-    import transformers
-
-    kw = dict(
+def common_args(out_dir: str, b: int, ga: int, steps: int = STEPS) -> dict:
+    """Arguments shared by the Trainer and SFTTrainer runs: SGD, constant LR, no clipping, sequential
+    sampling, CPU, no logging integrations."""
+    return dict(
         output_dir=out_dir,
         per_device_train_batch_size=b,
         gradient_accumulation_steps=ga,
@@ -121,8 +121,12 @@ def training_args(out_dir: str, b: int, ga: int, steps: int = STEPS, **over):
         disable_tqdm=True,
         max_grad_norm=0.0,
     )
-    kw.update(over)
-    return transformers.TrainingArguments(**kw)
+
+
+def training_args(out_dir: str, b: int, ga: int, steps: int = STEPS, **over):
+    import transformers
+
+    return transformers.TrainingArguments(**{**common_args(out_dir, b, ga, steps), **over})
 
 
 def grad_recorder():

@@ -5,7 +5,7 @@ examples are prompt-only), and the tiny Llama of ``_hf_common``."""
 from __future__ import annotations
 
 import torch
-from _hf_common import STEPS, VOCAB, tiny_model
+from _hf_common import STEPS, VOCAB, common_args, tiny_model
 
 
 def tokenizer():
@@ -38,22 +38,7 @@ def sft_args(out_dir: str, b: int, ga: int, *, padding_free: bool = False, packi
     return trl.SFTConfig(
         packing=packing,
         **({"max_length": 16} if packing else {"max_length": None}),
-        output_dir=out_dir,
-        per_device_train_batch_size=b,
-        gradient_accumulation_steps=ga,
-        max_steps=steps,
-        learning_rate=0.5,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        train_sampling_strategy="sequential",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        max_grad_norm=0.0,
+        **common_args(out_dir, b, ga, steps),
         padding_free=padding_free or packing,
         bf16=False,
     )
