@@ -101,11 +101,11 @@ def _available_bytes() -> int | None:
     return None
 
 
-def _too_big(name: str, shape: tuple[int, int, int], device: torch.device) -> str | None:
+def _too_big(name: str, shape: tuple[int, int, int], device: torch.device, share: float = MEMORY_SHARE) -> str | None:
     tokens, vocab, _ = shape
     need = LOGIT_COPIES.get(name, 0.0) * tokens * vocab * 4
     avail = _available_bytes() if device.type == "cpu" else None
-    if avail is not None and need > MEMORY_SHARE * avail:
+    if avail is not None and need > share * avail:
         return f"skipped: needs ~{need / 2**30:.1f} GiB, {avail / 2**30:.1f} available"
     return None
 
@@ -175,7 +175,11 @@ def check_float64(fn: Method, shape: tuple[int, int, int], device: torch.device)
 
 
 def bench_shape(
-    shape: tuple[int, int, int], fns: dict[str, Method | str], repeats: int, device: torch.device
+    shape: tuple[int, int, int],
+    fns: dict[str, Method | str],
+    repeats: int,
+    device: torch.device,
+    memory_share: float = MEMORY_SHARE,
 ) -> dict[str, dict]:
     """Time every method ``repeats`` times (interleaved, after one untimed call), probe its first-call
     memory in a subprocess and check it against float64; a ``note`` says why a method was skipped."""
@@ -183,7 +187,7 @@ def bench_shape(
     active: dict[str, Method] = {}
     inputs = _inputs(*shape, device)
     for name, fn in fns.items():
-        note = fn if isinstance(fn, str) else _too_big(name, shape, device)
+        note = fn if isinstance(fn, str) else _too_big(name, shape, device, memory_share)
         if note:
             results[name] = {"note": note}
             continue
@@ -307,6 +311,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="torch intra-op threads, also in the memory probes (0: torch's default); on a "
         "busy shared machine 1 gives steadier figures",
     )
+    parser.add_argument(
+        "--memory-share",
+        type=float,
+        default=MEMORY_SHARE,
+        help=f"skip a method whose estimated peak exceeds this share of the available memory (default "
+        f"{MEMORY_SHARE}: room for other processes of a shared machine; raise it on an idle one)",
+    )
     parser.add_argument("--probe", nargs=4, metavar=("METHOD", "T", "V", "H"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -329,7 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
         fns = {name: fn if name in keep else "not run (--methods)" for name, fn in fns.items()}
     figures, rows, targets = [], [], []
     for shape in shapes:
-        results = bench_shape(shape, fns, args.repeats, device)
+        results = bench_shape(shape, fns, args.repeats, device, args.memory_share)
         figures.append({"T": shape[0], "V": shape[1], "H": shape[2], "dtype": "float32", "methods": results})
         rows += report_rows(shape, results)
         targets.append(check_targets(shape, results))

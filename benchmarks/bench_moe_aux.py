@@ -1,21 +1,25 @@
 """Cost of the MoE auxiliary-loss and tracker path relative to the MoE layers themselves, per step.
 
-For each model preset (default ``tiny`` and ``small``) and each aux scope, one optimizer step of ``K`` microbatches
-runs every MoE layer of the model (main and MTP) on random hidden states of ``b × S`` tokens:
+For each model preset (default ``tiny`` and ``small``) and each aux scope, optimizer steps of ``K``
+microbatches run every MoE layer of the model (main and MTP) on random hidden states of ``b × S`` tokens,
+in two variants interleaved step by step in one process (machine noise hits them alike):
 
 - *MoE layers*: the layers' forward (router, experts, shared expert) and the backward of their outputs;
-- *aux path*: :meth:`MoEAccounting.microbatch_loss` (load-balancing share, router z-loss, log
-  accumulation) and the backward of its share, per microbatch, plus :meth:`MoEAccounting.end_step` (log
-  hand-off, dispatch and top-k counts, expert-bias update) once per step.
+- *MoE layers + aux path*: the same, plus per microbatch :meth:`MoEAccounting.microbatch_loss`
+  (load-balancing share, router z-loss, log accumulation) back-propagated in **the same** backward as
+  the layers' outputs (as in a training step: the share's gradient joins the router's own graph), and
+  per step :meth:`MoEAccounting.router_tokens` (the step's count) and :meth:`MoEAccounting.end_step`
+  (log hand-off, dispatch and top-k counts, expert-bias update).
 
-Every part is timed directly within the same step (no difference of noisy totals). The aux backward runs
-separately (``retain_graph``) and so re-traverses the router's score normalization and matmul backward
-that one joint backward would share: the aux figure is an upper bound of the incremental cost. Reported:
-medians over the repeated steps after warm-up, the median of the per-step ratios, and the ratio of the
-minima (the figure least disturbed by other processes on a shared machine). Targets (issue 16): aux path
-<= 10% of the MoE layers at ``tiny``, <= 3% at ``small``. ``--threads`` fixes torch's intra-op threads
-(CPU figures of a shared machine are steadier with 1). ``ops/step`` counts the aten operators the aux
-path dispatches per step (forward, backward, end_step): a machine-independent measure of its overhead.
+The aux path's cost is the difference of the two variants' step times (the accountant's own calls,
+``begin_step``/``lm_loss``/``finish_step``/``logs``, are not timed). Reported: medians over the repeated
+steps after warm-up, the median of the per-pair ratios ``(t_aux − t_moe)/t_moe``, the same from the
+minima (least disturbed by other processes on a shared machine), the directly timed ``microbatch_loss``
++ ``end_step`` (the forward side alone), and ``ops/step``: the aten operators the aux path adds to a step
+(operators of the aux step minus those of the plain step, forward, backward and ``end_step``: a
+machine-independent measure). Targets (issue 16): aux path <= 10% of the MoE layers at ``tiny``, <= 3% at
+``small``. ``--threads`` fixes torch's intra-op threads (CPU figures of a shared machine are steadier
+with 1).
 
     python -m benchmarks.bench_moe_aux [--quick] [--json PATH] [--repeats N] [--threads N] [--device D]
                                        [--presets tiny,small,medium,100m]
@@ -75,84 +79,117 @@ def _valid(b: int, s: int, device: torch.device) -> Tensor:
     return torch.arange(s, device=device)[None, :] < lengths[:, None]
 
 
+class _Case:
+    """One preset's MoE layers, accountant and aux path, with the two step variants being compared."""
+
+    def __init__(self, preset: str, b: int, s: int, k: int, scope: str, device: torch.device) -> None:
+        cfg = get_config(preset)
+        torch.manual_seed(0)
+        model = GPT(cfg).to(device)
+        self.cfg, self.k, self.device = cfg, k, device
+        self.layers: list[nn.Module] = _moe_layers(model)
+        self.routers = [m.router for m in self.layers]
+        self.acc = Accountant("per_token", device=device)
+        self.aux = MoEAccounting(
+            self.acc, len(self.layers), cfg.num_experts, cfg.topk, scope=scope, aux_coeff=1e-2, z_coeff=1e-3
+        )
+        gen = torch.Generator().manual_seed(1)
+        self.xs = [torch.randn(b, s, cfg.dim, generator=gen).to(device).requires_grad_() for _ in self.layers]
+        self.grads = [torch.randn(b, s, cfg.dim, generator=gen).to(device) for _ in self.layers]
+        self.one = torch.ones((), device=device)
+        self.valid = _valid(b, s, device)
+        self.mask = self.valid.float()
+        self.zeros = torch.zeros(b, s, device=device)
+
+    def _forward(self) -> tuple[list[Tensor], list]:
+        outs, records = zip(*(layer(x, self.valid) for layer, x in zip(self.layers, self.xs)))
+        return list(outs), list(records)
+
+    def plain_step(self, ops: TorchDispatchMode | None = None) -> float:
+        """The MoE layers' forward and backward of every microbatch (seconds)."""
+        t = 0.0
+        for _ in range(self.k):
+            _sync(self.device)
+            t0 = time.perf_counter()
+            with ops if ops is not None else contextlib.nullcontext():
+                outs, _ = self._forward()
+                torch.autograd.backward(outs, self.grads)
+            _sync(self.device)
+            t += time.perf_counter() - t0
+        for r in self.routers:  # what end_step does to the counters; not part of the MoE layers' time
+            r.reset_counts()
+        return t
+
+    def aux_step(self, ops: TorchDispatchMode | None = None) -> tuple[float, float]:
+        """The same with the aux path in the one backward: ``(step seconds, seconds of the aux calls)``."""
+        ctx = ops if ops is not None else contextlib.nullcontext()
+        acc, aux, k = self.acc, self.aux, self.k
+        t0 = time.perf_counter()
+        with ctx:
+            extra = MoEAccounting.router_tokens([self.valid] * k)
+        t = direct = time.perf_counter() - t0
+        acc.begin_step([self.mask] * k, extra_counts=extra)
+        for _ in range(k):
+            _sync(self.device)
+            t0 = time.perf_counter()
+            with ctx:
+                outs, records = self._forward()
+            t1 = time.perf_counter()
+            with ctx:
+                share = aux.microbatch_loss(records, self.valid)
+            _sync(self.device)
+            t2 = time.perf_counter()
+            with ctx:
+                torch.autograd.backward([*outs, share], [*self.grads, self.one])
+            _sync(self.device)
+            t += time.perf_counter() - t0
+            direct += t2 - t1
+            acc.lm_loss(self.zeros, self.mask)
+        acc.finish_step(None)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        with ctx:
+            aux.end_step(self.routers, bias_rate=1e-3)
+        _sync(self.device)
+        t_end = time.perf_counter() - t0
+        acc.logs()
+        return t + t_end, direct + t_end
+
+
 def bench_case(
     preset: str, b: int, s: int, k: int, scope: str, repeats: int, warmup: int, device: torch.device
 ) -> dict:
-    """Per-step times (seconds) of the MoE layers and of the aux path for one preset and scope.
-
-    Per microbatch: the MoE layers' forward, ``microbatch_loss``, the backward of the aux share alone
-    (``retain_graph``), the backward of the layers' outputs; per step ``end_step``. Every part is timed
-    directly. The separate aux backward re-traverses the router's score and matmul backward that a joint
-    backward would share, so the aux figure is an upper bound of its incremental cost."""
-    cfg = get_config(preset)
-    torch.manual_seed(0)
-    model = GPT(cfg).to(device)
-    layers: list[nn.Module] = _moe_layers(model)
-    routers = [m.router for m in layers]
-    acc = Accountant("per_token", device=device)
-    aux = MoEAccounting(acc, len(layers), cfg.num_experts, cfg.topk, scope=scope, aux_coeff=1e-2, z_coeff=1e-3)
-    gen = torch.Generator().manual_seed(1)
-    xs = [torch.randn(b, s, cfg.dim, generator=gen).to(device).requires_grad_() for _ in layers]
-    grads = [torch.randn(b, s, cfg.dim, generator=gen).to(device) for _ in layers]
-    valid = _valid(b, s, device)
-    mask = valid.float()
-    zeros = torch.zeros(b, s, device=device)
-    moe_t, aux_t, fwd_t = [], [], []
-    ops = _CountOps()
-    for step in range(warmup + repeats + 1):
-        count = step == warmup + repeats  # one last, untimed step counts the aux path's operators
-        t_moe = t_aux = t_fwd = 0.0
-        acc.begin_step([mask] * k, extra_counts=MoEAccounting.router_tokens([valid] * k))
-        for _ in range(k):
-            _sync(device)
-            t0 = time.perf_counter()
-            outs, records = zip(*(layer(x, valid) for layer, x in zip(layers, xs)))
-            _sync(device)
-            t1 = time.perf_counter()
-            acc.lm_loss(zeros, mask)
-            _sync(device)
-            t2 = time.perf_counter()
-            with ops if count else contextlib.nullcontext():
-                share = aux.microbatch_loss(list(records), valid)
-            _sync(device)
-            t3 = time.perf_counter()
-            with ops if count else contextlib.nullcontext():
-                share.backward(retain_graph=True)
-            _sync(device)
-            t4 = time.perf_counter()
-            torch.autograd.backward(list(outs), grads)
-            _sync(device)
-            t5 = time.perf_counter()
-            t_moe += (t1 - t0) + (t5 - t4)
-            t_aux += t4 - t2
-            t_fwd += t3 - t2
-        acc.finish_step(None)
-        _sync(device)
-        t6 = time.perf_counter()
-        with ops if count else contextlib.nullcontext():
-            aux.end_step(routers, bias_rate=1e-3)
-        _sync(device)
-        t_end = time.perf_counter() - t6
-        acc.logs()
-        if warmup <= step < warmup + repeats:
+    """Per-step times (seconds) of the MoE layers with and without the aux path, for one preset and scope
+    (see the module docstring)."""
+    case = _Case(preset, b, s, k, scope, device)
+    moe_t, aux_t, direct_t = [], [], []
+    for step in range(warmup + repeats):
+        t_moe = case.plain_step()
+        t_aux, t_direct = case.aux_step()
+        if step >= warmup:
             moe_t.append(t_moe)
-            aux_t.append(t_aux + t_end)
-            fwd_t.append(t_fwd + t_end)
+            aux_t.append(t_aux - t_moe)
+            direct_t.append(t_direct)
+    plain_ops, aux_ops = _CountOps(), _CountOps()
+    case.plain_step(plain_ops)
+    case.aux_step(aux_ops)
+    cfg = case.cfg
     return {
         "preset": preset,
         "scope": scope,
         "b": b,
         "seq_len": s,
         "microbatches": k,
-        "moe_layers": len(layers),
+        "moe_layers": len(case.layers),
         "num_experts": cfg.num_experts,
         "topk": cfg.topk,
+        "score_function": cfg.score_function,
         "moe": summarize(moe_t),
         "aux": summarize(aux_t),
-        "aux_forward_and_end_step": summarize(fwd_t),
+        "aux_forward_and_end_step": summarize(direct_t),
         "ratio": statistics.median(a / m for a, m in zip(aux_t, moe_t)),
-        "ratio_of_minima": min(aux_t) / min(moe_t),
-        "ops_per_step": ops.count,
+        "ratio_of_minima": (min(m + a for m, a in zip(moe_t, aux_t)) - min(moe_t)) / min(moe_t),
+        "ops_per_step": aux_ops.count - plain_ops.count,
         "target_ratio": TARGETS.get(preset, TARGET_RATIO),
     }
 
@@ -205,9 +242,9 @@ def main(argv: list[str] | None = None) -> dict:
                 "MoE layers",
                 "MoE fwd+bwd ms/step",
                 "aux path ms/step",
-                "of which fwd+end_step",
+                "microbatch_loss+end_step ms",
                 "aux / MoE",
-                "min aux / min MoE",
+                "from minima",
                 "target",
                 "ops/step",
             ],

@@ -139,6 +139,26 @@ def test_protocol_errors():
         acc.lm_loss(torch.ones(1, 2), torch.ones(1, 2))
 
 
+def test_record_many_adds_numerators_denominators_and_objective_in_one_call():
+    acc = lp.Accountant("per_token")
+    acc.declare_metric("z_loss")
+    acc.declare_metric("aux", "sum")
+    acc.begin_step([torch.ones(1, 2)])
+    acc.lm_loss(torch.ones(1, 2), torch.ones(1, 2))  # objective 1.0 from the LM term
+    slots = ["num:z_loss", "den:z_loss", "num:aux", "objective"]
+    acc.record_many(slots, torch.tensor([3.0, 2.0, 0.25, 0.5], dtype=torch.float32))
+    acc.record_many(slots, torch.tensor([1.0, 2.0, 0.25, 0.5], dtype=torch.float64))
+    with pytest.raises(KeyError, match="unknown slot 'num:nope'"):
+        acc.record_many(["num:nope"], torch.zeros(1))
+    with pytest.raises(ValueError, match="2 slots for 1 values"):
+        acc.record_many(["num:aux", "objective"], torch.zeros(1))
+    acc.finish_step()
+    logs = acc.logs()
+    assert logs["z_loss"] == 1.0  # (3 + 1) / (2 + 2)
+    assert logs["aux"] == 0.5
+    assert logs["objective"] == 2.0
+
+
 def test_record_needs_declaration():
     acc = lp.Accountant("per_token")
     acc.declare_metric("z_loss")

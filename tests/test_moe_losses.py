@@ -484,3 +484,50 @@ def test_public_alias_module():
     assert moe_alias.switch_load_balancing_loss is moe.switch_load_balancing_loss
     for name in moe.__all__:
         assert getattr(moe_alias, name) is getattr(moe, name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the forms with the gradient formed in the forward pass (MoEAccounting's hot path)
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tensor_counts", [False, True])
+def test_switch_weights_are_the_terms_gradient_and_hand_formula(tensor_counts):
+    # K_e = coeff·E·c_e/(k·T_c·T_p): checked against the formula written out in float64, and as the
+    # gradient of the terms w.r.t. the score sums (autograd through switch_load_balancing_terms)
+    g = torch.Generator().manual_seed(5)
+    L, E, k, coeff = 3, 6, 2, 0.07
+    counts = torch.randint(0, 9, (L, E), generator=g).double()
+    psum = torch.rand(L, E, generator=g, dtype=torch.float64).requires_grad_(True)
+    t_c, t_p = 11.0, 13.0
+    tc = torch.full((L,), t_c, dtype=torch.float64) if tensor_counts else t_c
+    tp = torch.full((L,), t_p, dtype=torch.float64) if tensor_counts else t_p
+    K = moe.switch_load_balancing_weights(counts, tc, tp, topk=k, num_experts=E, coeff=coeff)
+    hand = torch.tensor(
+        [[coeff * E * float(counts[l, e]) / (k * t_c * t_p) for e in range(E)] for l in range(L)], dtype=torch.float64
+    )
+    torch.testing.assert_close(K, hand, rtol=1e-14, atol=0)
+    terms = moe.switch_load_balancing_terms(psum, counts, tc, tp, topk=k, num_experts=E, coeff=coeff)
+    (grad,) = torch.autograd.grad(terms.sum(), psum)
+    torch.testing.assert_close(grad, hand, rtol=1e-14, atol=0)
+    # an empty set (T = 0) gives exactly zero weights, no NaN
+    zero = torch.zeros(L, dtype=torch.float64) if tensor_counts else 0.0
+    K0 = moe.switch_load_balancing_weights(counts * 0, zero, topk=k, num_experts=E, coeff=coeff)
+    assert torch.equal(K0, torch.zeros_like(K0))
+
+
+@pytest.mark.parametrize("offset", [0.0, 300.0])
+def test_router_z_loss_sums_and_grad_match_autograd_of_the_plain_formula(offset):
+    # z_l = Σ_x w_x·(log Σ_e exp(logit))²; the gradient of Σ_l s_l·z_l by autograd of that plain formula
+    # (float64, with a large common offset: exp(300) still fits a double, the stable form must agree)
+    g = torch.Generator().manual_seed(6)
+    L, T, E = 2, 9, 5
+    logits = (torch.randn(L, T, E, generator=g, dtype=torch.float64) * 3 + offset).requires_grad_(True)
+    w = (torch.rand(T, generator=g) > 0.3).double()
+    s = torch.tensor([0.3, -1.7], dtype=torch.float64)
+    plain = torch.log(torch.exp(logits).sum(dim=-1)).square() @ w
+    (want_grad,) = torch.autograd.grad((plain * s).sum(), logits)
+    z, grad = moe.router_z_loss_sums_and_grad(logits.detach(), w, s)
+    torch.testing.assert_close(z, plain.detach(), rtol=1e-13, atol=0)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-300)
+    torch.testing.assert_close(z, moe.router_z_loss_sums(logits.detach(), weights=w), rtol=1e-13, atol=0)

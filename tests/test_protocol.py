@@ -251,11 +251,14 @@ def test_router_uses_the_losses_score_normalization():
         assert torch.equal(rec.probs, F_moe.router_probs(rec.logits, score))
 
 
-def test_moe_training_path_equals_the_loss_functions():
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_moe_training_path_equals_the_loss_functions(score):
     """Micro-batch scope and microbatch z-loss of one step, K=2: the share the accounting back-propagates
-    equals the public per-layer functions evaluated on each microbatch (mean over microbatches)."""
+    equals the public per-layer functions evaluated on each microbatch (mean over microbatches), and so
+    does its gradient (formed in the forward pass) against autograd through those functions."""
     logits, valid, lm_mask, bias = make_batch(4, steps=1)
-    logits = logits[0]
+    leaf = logits[0].clone().requires_grad_(True)
+    logits = leaf
     acc = lp.Accountant()
     moe = MoEAccounting(acc, 3, E, TOPK, scope="micro_batch", aux_coeff=0.01, z_coeff=1e-3, z_form="microbatch")
     mbs = [slice(0, 2), slice(2, 4)]
@@ -263,7 +266,7 @@ def test_moe_training_path_equals_the_loss_functions():
     got, want = 0.0, 0.0
     for m in mbs:
         acc.lm_loss(torch.zeros(lm_mask[m].shape, dtype=torch.float64), lm_mask[m])
-        recs = records_for(logits, m, bias)
+        recs = records_for(logits, m, bias, score)
         got = got + moe.microbatch_loss(recs, valid[m])
         pad = ~valid[m].reshape(-1)
         t = int((~pad).sum())
@@ -272,7 +275,10 @@ def test_moe_training_path_equals_the_loss_functions():
                 counts = F_moe.tokens_per_expert(r.topk_map, pad)
                 want += F_moe.switch_load_balancing_loss(r.probs, counts, t, TOPK, E, 0.01, padding_mask=pad) / 2
             want += F_moe.router_z_loss(r.logits, 1e-3, pad) / 2
-    assert float(got) == pytest.approx(float(want), rel=1e-12)
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-12)
+    (g_got,) = torch.autograd.grad(got, leaf, retain_graph=True)
+    (g_want,) = torch.autograd.grad(want, leaf)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-10, atol=1e-18)
 
 
 def test_mtp_denominators_one_place():

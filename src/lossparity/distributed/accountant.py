@@ -597,10 +597,11 @@ class Accountant:
     def flag(self, check: str, bad: Tensor, sub: Tensor | int = 0, *, microbatch: int | None = None) -> None:
         """Record a failed value check on the device (no host sync); ``logs()`` raises it on every rank,
         naming this rank, the microbatch (default: the last one ``lm_loss`` saw) and ``sub`` (e.g. the
-        layer: a tensor of the shape of ``bad`` gives one sub-location per element)."""
+        layer: a tensor of the shape of ``bad`` gives one sub-location per element). ``bad`` is a bool
+        tensor (bad where true) or a floating tensor (bad where not finite, tested once per step)."""
         self._require_step(f"flag({check!r})")
         mb = max(self._mb - 1, 0) if microbatch is None else microbatch
-        self._device_checks.flag(check, bad, sub + mb * _MB_CODE)
+        self._device_checks.flag(check, bad, sub, float(mb * _MB_CODE))
 
     def _flag_mask(self, check: str, w: Tensor, expected: Tensor, code: float) -> None:
         self._device_checks.flag(check, w != expected.to(w.device, w.dtype), code)
@@ -906,6 +907,28 @@ class Accountant:
             pos = [self._log_layout.sl(f"metric:{n}").start for n in names]
             self._sum_index[key] = torch.tensor(pos, dtype=torch.long, device=self.device)
         self._acc.index_add_(0, self._sum_index[key], nums.detach().to(self.device, torch.float64))
+
+    def record_many(self, slots: Sequence[str], values: Tensor) -> None:
+        """Add ``values[i]`` to log slot ``slots[i]`` in one kernel (``values [n]``, any float dtype).
+
+        Slots: ``"num:<metric>"`` / ``"den:<metric>"`` (a declared metric's numerator / denominator, as
+        :meth:`record` adds them), ``"objective"`` / ``"objective_local"`` (as :meth:`add_objective`)."""
+        self._require_step("record_many")
+        if len(slots) != values.numel():
+            raise ValueError(f"record_many: {len(slots)} slots for {values.numel()} values")
+        key = ("record_many", *slots)
+        if key not in self._sum_index:
+            pos = []
+            for slot in slots:
+                part, _, name = slot.partition(":")
+                if slot in ("objective", "objective_local"):
+                    pos.append(self._log_layout.sl(slot).start)
+                elif part in ("num", "den") and name in self._metrics:
+                    pos.append(self._log_layout.sl(f"metric:{name}").start + (part == "den"))
+                else:
+                    raise KeyError(f"record_many: unknown slot {slot!r}; declared metrics: {list(self._metrics)}")
+            self._sum_index[key] = torch.tensor(pos, dtype=torch.long, device=self.device)
+        self._acc.index_add_(0, self._sum_index[key], values.detach().reshape(-1).to(self.device, torch.float64))
 
     def add_objective(self, value: Tensor | float, *, per_rank: bool = False) -> None:
         """Add an already-normalized objective contribution (e.g. an auxiliary loss share) to the logged

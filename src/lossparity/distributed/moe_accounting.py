@@ -21,8 +21,13 @@ divided by its coefficient and averaged over MoE layers (``load_balancing_loss``
 ``megatron_quirks=True`` (the ``megatron`` preset only) reproduces Megatron-LM's gradients and logged
 numbers instead, including its documented deviations from semantics §5 (see :class:`MoEAccounting`).
 
-Every term is :func:`lossparity.losses.moe.switch_load_balancing_terms` or
-:func:`~lossparity.losses.moe.router_z_loss_sums` evaluated on the scope's token set (one home per formula).
+Every term is :func:`lossparity.losses.moe.switch_load_balancing_weights` (``A = Σ_e K_e·P_e``) or
+:func:`~lossparity.losses.moe.router_z_loss_sums_and_grad` evaluated on the scope's token set (one home per
+formula). Both are computed without an autograd graph and their gradients formed in the forward pass
+(``A`` is linear in the scores once the counts are fixed; the z-loss gradient is ``2·lse·softmax``); the
+returned share hands them to the records' ``probs``/``logits`` in its backward, so the aux path adds no
+backward through its own reductions and joins the router's graph where the language-model loss
+back-propagates anyway.
 Per step the logged values and the objective contribution accumulate on the device and reach the
 accountant in :meth:`MoEAccounting.end_step`, together with the module's one collective (dispatch and
 top-k counts) and the expert-load metrics ``max_vio``. ``end_step`` is part of the accountant's protocol
@@ -42,11 +47,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from numbers import Real
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from ..losses import moe as F_moe
 from ..options import AUX_SCOPES, Z_FORMS, AuxScope, ZForm, check_option
@@ -95,6 +101,66 @@ def _token_sum(x: Tensor, vf: Tensor) -> Tensor:
     """``Σ_t vf[t]·x[..., t, e]`` over the token dim (second to last) of ``x [..., T, E]``: one batched
     ``vf @ x`` (``vf [T]``, or per-sequence ``[b, S]`` against ``x [L, b, S, E]``)."""
     return torch.matmul(vf.unsqueeze(-2), x).squeeze(-2)
+
+
+class _GradPlan:
+    """Gradients of one microbatch's auxiliary share w.r.t. the router records, formed in the forward.
+
+    Scores: ``∂share/∂p[l,x,e] = coef[l, X(x), e] · tokens[x]`` (kept factorized, ``coef [L, E]`` for one
+    token set or ``[L, G, E]`` for sets given by rows or an index); logits: ``z_grad [L, T, E]``."""
+
+    def __init__(self) -> None:
+        self.p_coef: Tensor | None = None
+        self.tokens: Tensor | None = None
+        self.rows: tuple[int, int] | None = None
+        self.index: Tensor | None = None
+        self.z_grad: Tensor | None = None
+
+    def set_scores(
+        self,
+        K: Tensor,
+        layer_scale: Tensor,
+        tokens: Tensor,
+        *,
+        rows: tuple[int, int] | None = None,
+        index: Tensor | None = None,
+    ) -> None:
+        """``coef = K · layer_scale[l]`` (``K [L, E]`` or ``[L, G, E]``); ``tokens`` ``[T]`` (or ``[b, S]``
+        with ``rows``: set = row), ``index [T]``: the set of every token."""
+        self.p_coef = K * layer_scale.view(-1, *([1] * (K.dim() - 1)))
+        self.tokens, self.rows, self.index = tokens, rows, index
+
+    def grads(self, g: Tensor) -> list[Tensor]:
+        """The gradients of ``g·share`` for the inputs in order: the ``L`` scores, then the ``L`` logits."""
+        out: list[Tensor] = []
+        if self.p_coef is not None and self.tokens is not None:
+            c = self.p_coef * (g if g.dtype == self.p_coef.dtype else g.to(self.p_coef.dtype))
+            if self.rows is not None:  # [L, b, E] x [b, S] -> [L, b·S, E]
+                gp = (c.unsqueeze(2) * self.tokens.unsqueeze(-1)).flatten(1, 2)
+            elif self.index is not None:
+                gp = c.index_select(1, self.index) * self.tokens.unsqueeze(-1)
+            else:
+                gp = c.unsqueeze(1) * self.tokens.unsqueeze(-1)
+            out.extend(gp.unbind(0))
+        if self.z_grad is not None:
+            out.extend((self.z_grad * (g if g.dtype == self.z_grad.dtype else g.to(self.z_grad.dtype))).unbind(0))
+        return out
+
+
+class _ShareWithGrad(torch.autograd.Function):
+    """``share`` (computed without a graph) attached to the router records: its backward returns the
+    gradients of the :class:`_GradPlan` times the incoming gradient (a trivial backward, like the fused
+    cross-entropy's)."""
+
+    @staticmethod
+    def forward(ctx: Any, share: Tensor, plan: _GradPlan, *inputs: Tensor) -> Tensor:  # noqa: ARG004
+        ctx.plan = plan
+        return share.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        return (None, None, *ctx.plan.grads(g))
 
 
 class MoEAccounting:
@@ -181,6 +247,7 @@ class MoEAccounting:
         self.device = acc.device
         self._set_layer_weights()
         self._declare(self.L > 0 if declare is None else bool(declare), log_layer_ids)
+        self._set_log_slots()
         self._init_state()
         n = sum(name.startswith(_END_STEP) for name in acc.registered_step_ends)
         self._end_name = _END_STEP if n == 0 else f"{_END_STEP} [instance {n}]"
@@ -281,7 +348,9 @@ class MoEAccounting:
         # global_lagged: previous step's global top-k counts and token count (uniform at step 0).
         self.lagged_counts = torch.full((L, E), float(self.k) / E, dtype=torch.float64, device=dev)
         self.lagged_tokens = 1.0
-        self._lagged_cache: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+        self._lagged_cache: dict[tuple[torch.dtype, torch.device, int], Tensor] = {}
+        self._pair_cache: dict[tuple[object, ...], Tensor] = {}
+        self._vio_maps: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
         self._layer_codes: dict[tuple[torch.device, int], Tensor] = {}
         self._topk_counts = torch.zeros(L, E, dtype=torch.float64, device=dev)
         self._running = torch.zeros(self.num_slots, E, dtype=torch.float64, device=dev)
@@ -289,14 +358,40 @@ class MoEAccounting:
         self._reset_step()
 
     def _reset_step(self) -> None:
-        # Per-step log terms (detached device tensors with their host scales), denominators (numbers or
-        # device tensors) and objective shares: kept as lists, summed once in end_step.
-        self._lb: list[tuple[Tensor, float]] = []
-        self._z: list[tuple[Tensor, float]] = []
-        self._lb_den: list[Tensor | float] = []
-        self._z_den: list[Tensor | float] = []
-        self._objective: list[Tensor] = []
+        # Per-step log values: the tensor ones summed on the device in one float64 vector (order:
+        # self._log_slots), the denominators that are host numbers as floats; handed over in end_step.
+        self._logvec: Tensor | None = None
+        self._lb_den = 0.0
+        self._z_den = 0.0
         self._calls = 0
+
+    def _set_log_slots(self) -> None:
+        """How the per-microbatch log vector maps onto the accountant's slots. The vector holds
+        ``[lb share, lb logged]`` (aux term on), ``[z share, z logged]`` (z-loss on) and the microbatch's
+        router tokens (global z form: its logged denominator); ``end_step`` hands over ``M @ Σ vectors``."""
+        lb, z = self.log_name, self.z_log_name
+        n = 2 * self._aux_on + 2 * self._z_on + (self._z_on and self.z_form == "global")
+        rows: list[tuple[str, dict[int, float]]] = []
+        i = 0
+        objective: dict[int, float] = {}
+        if self._aux_on:
+            objective[i] = 1.0
+            if lb:
+                rows.append((f"num:{lb}", {i + 1: 1.0}))
+            i += 2
+        if self._z_on:
+            objective[i] = 1.0
+            if z:
+                rows.append((f"num:{z}", {i + 1: 1.0}))
+                if self.z_form == "global":
+                    rows.append((f"den:{z}", {i + 2: self._den_frac}))
+        rows.append(("objective_local" if self.acc.groups.sequence_parallel else "objective", objective))
+        self._log_slots = [name for name, _ in rows]
+        self._log_map = torch.zeros(len(rows), max(n, 1), dtype=torch.float64)
+        for r, (_, coeffs) in enumerate(rows):
+            for col, c in coeffs.items():
+                self._log_map[r, col] = c
+        self._log_maps: dict[tuple[torch.device, float], Tensor] = {}
 
     # ---------------------------------------------------------------- per step
     @staticmethod
@@ -370,7 +465,15 @@ class MoEAccounting:
         contributes 0 and still counts. The logged values accumulate until :meth:`end_step`. With the
         accountant in mode ``per_document`` and packed rows (``segment_ids``), the ``sequence`` scope's
         sequences are the documents (semantics §5) and its mean runs over the global ``Ndoc``.
-        No host synchronization: NaN/Inf router scores or shares are flagged for ``acc.logs()``.
+
+        The share's gradient is formed here, without an autograd graph: the load-balancing term is linear
+        in the scores (``∂A/∂p[x,e] = K_e``, :func:`~lossparity.losses.moe.switch_load_balancing_weights`)
+        and the z-loss gradient is ``2·lse·softmax``
+        (:func:`~lossparity.losses.moe.router_z_loss_sums_and_grad`). The backward of the returned share
+        multiplies them by its incoming gradient and hands them to the records' ``probs`` and ``logits``,
+        whose own graphs (the router's score normalization and matmul) the language-model loss
+        back-propagates through anyway. No host synchronization: NaN/Inf router scores or shares are
+        flagged for ``acc.logs()``.
         """
         b, s = self._check_records(records, valid)
         mb, self._calls = self._calls, self._calls + 1
@@ -378,40 +481,63 @@ class MoEAccounting:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         ref = records[0].probs
         dtype = torch.float64 if ref.dtype == torch.float64 else torch.float32
-        v = valid.reshape(-1)
-        v = (v if v.dtype == torch.bool else v > 0).to(ref.device)
-        vf = v.to(dtype)
-        tt = vf.sum()  # stays on the device
-        total, per_layer = None, None
-        if self._aux_on or (self.scope == "global_lagged" and self.L):
-            # One stack of scores and top-k maps [2L, T, E]: one batched token sum gives both histograms.
-            both = torch.stack([r.probs for r in records] + [r.topk_map for r in records]).to(dtype)
-            sums = _token_sum(both, vf) if self.scope in ("micro_batch", "global_lagged", "global_running") else None
-            if sums is not None and self.scope == "global_lagged":
-                self._topk_counts += sums[self.L :].detach().to(self.device, torch.float64)
-            if self._aux_on:
-                total, per_layer = self._aux_share(both, sums, v, vf, b, s, tt, segment_ids)
-        if self._z_on:
-            share, zsum = self._z_share(records, vf, dtype, tt)
-            total = share if total is None else total + share
-            per_layer = zsum if per_layer is None else per_layer + zsum
-        if total is None or per_layer is None:  # both set together (aux or z term on)
+        need_p = self._aux_on or self.scope == "global_lagged"
+        if not (need_p or self._z_on):
             return torch.zeros((), dtype=dtype, device=ref.device)
-        self._flag(records, per_layer, mb)
-        self._objective.append(total.detach())
-        return total
+        plan = _GradPlan()
+        with torch.no_grad():
+            v = valid.reshape(-1)
+            v = v if v.dtype == torch.bool else v > 0
+            if v.device != ref.device:
+                v = v.to(ref.device)
+            vf = v.to(dtype)
+            tt = vf.sum()  # stays on the device
+            parts: list[Tensor] = []  # this microbatch's log vector, in the order of self._log_slots
+            per_layer = None
+            # One stack [2L (+L), T, E] of scores, top-k maps (and logits for the z-loss): one batched token
+            # sum gives both histograms.
+            views = ([r.probs for r in records] + [r.topk_map for r in records] if need_p else []) + (
+                [r.logits for r in records] if self._z_on else []
+            )
+            stacked = torch.stack(views)
+            if stacked.dtype != dtype:
+                stacked = stacked.to(dtype)
+            if need_p:
+                both = stacked[: 2 * self.L]
+                scope_sums = self.scope in ("micro_batch", "global_lagged", "global_running")
+                sums = _token_sum(both, vf) if scope_sums else None
+                if sums is not None and self.scope == "global_lagged":
+                    self._topk_counts += sums[self.L :].to(self.device, torch.float64)
+                if self._aux_on:
+                    lb, per_layer = self._aux_share(both, sums, v, vf, b, s, tt, segment_ids, plan)
+                    parts.append(lb)
+            if self._z_on:
+                zv, zsum = self._z_share(stacked[-self.L :], vf, tt, plan)
+                parts.append(zv)
+                if self.z_form == "global":
+                    parts.append(tt.reshape(1))
+                per_layer = zsum if per_layer is None else per_layer + zsum
+            if per_layer is None:  # global_lagged counting only (aux coefficient 0)
+                return torch.zeros((), dtype=dtype, device=ref.device)
+            self._flag(records, per_layer, mb)
+            vec = torch.cat(parts) if len(parts) > 1 else parts[0]
+            total = vec[0] + vec[2] if self._aux_on and self._z_on else vec[0]
+            self._logvec = vec.to(self.device, torch.float64) if self._logvec is None else self._logvec + vec
+        inputs = ([r.probs for r in records] if plan.p_coef is not None else []) + (
+            [r.logits for r in records] if plan.z_grad is not None else []
+        )
+        return _ShareWithGrad.apply(total, plan, *inputs)
 
     def _flag(self, records: Sequence[RouterRecord], per_layer: Tensor, mb: int) -> None:
-        """Device flag for acc.logs(): a NaN/Inf router score at a valid token shows in its layer's term
-        (``x - x`` is NaN exactly there); the share is the weighted sum of the layers' terms."""
+        """Device flag for acc.logs(): a NaN/Inf router score at a valid token makes its layer's term not
+        finite (tested once per step); the share is the weighted sum of the layers' terms."""
         if not self.acc.check_finite:
             return
         key = (per_layer.device, len(records))
         if key not in self._layer_codes:
             ids = [float(getattr(r, "layer", i)) for i, r in enumerate(records)]
             self._layer_codes[key] = torch.tensor(ids, dtype=torch.float64, device=per_layer.device)
-        x = per_layer.detach()
-        self.acc.flag("router_nonfinite", (x - x) != 0, self._layer_codes[key], microbatch=mb)
+        self.acc.flag("router_nonfinite", per_layer, self._layer_codes[key], microbatch=mb)
 
     def _pre(self, tt: Tensor) -> Tensor | None:
         """Megatron ``calculate_per_token_loss``: ``n_mb`` (deferred) or ``n_mb / Ntok`` (precount)."""
@@ -419,81 +545,111 @@ class MoEAccounting:
             return None
         return tt if self.acc.normalization == "deferred" else tt / max(self._count("tokens"), 1.0)
 
-    def _switch(
-        self, psum: Tensor, counts: Tensor, t_counts: Tensor | float, t_probs: Tensor | float | None = None
+    def _switch_weights(
+        self, counts: Tensor, t_counts: Tensor | float, t_probs: Tensor | float | None = None
     ) -> Tensor:
-        return F_moe.switch_load_balancing_terms(
-            psum, counts, t_counts, t_probs, topk=self.k, num_experts=self.E, coeff=self.aux_coeff
+        return F_moe.switch_load_balancing_weights(
+            counts, t_counts, t_probs, topk=self.k, num_experts=self.E, coeff=self.aux_coeff
         )
 
+    def _pair(self, w: Tensor, a: float, w2: Tensor, c: float) -> Tensor:
+        """``[L, 2]`` columns ``w·a`` and ``w2·c``: one matrix-vector product gives (share, logged value)
+        of the per-layer terms (cached: the factors are constant within a step)."""
+        key = (w.dtype, w.device, id(w), a, id(w2), c)
+        out = self._pair_cache.get(key)
+        if out is None:
+            if len(self._pair_cache) > 64:  # factors that change every step (e.g. their token counts)
+                self._pair_cache.clear()
+            out = self._pair_cache[key] = torch.stack([w * a, w2 * c], dim=1)
+        return out
+
     def _aux_share(
-        self, both: Tensor, sums: Tensor | None, v: Tensor, vf: Tensor, b: int, s: int, tt: Tensor, seg: Tensor | None
+        self,
+        both: Tensor,
+        sums: Tensor | None,
+        v: Tensor,
+        vf: Tensor,
+        b: int,
+        s: int,
+        tt: Tensor,
+        seg: Tensor | None,
+        plan: _GradPlan,
     ) -> tuple[Tensor, Tensor]:
         """Load-balancing share of the microbatch (all layers): ``x = Σ_l w_l·Σ_{X in scope} A(X)`` with
-        ``A`` = :func:`~lossparity.losses.moe.switch_load_balancing_terms`; the scope only chooses the token
-        sets ``X`` and the counts (``both [2L, T, E]``: scores then top-k maps; ``sums``: their ``[2L, E]``
-        token sums over the microbatch). Returns ``(share, the per-layer terms [L])``; logs ``x``."""
+        ``A(X) = Σ_e K_e(X)·P_e(X)`` (:func:`~lossparity.losses.moe.switch_load_balancing_weights`); the
+        scope only chooses the token sets ``X``, the counts and the multiplier ``m`` of the share ``m·x``
+        (``both [2L, T, E]``: scores then top-k maps; ``sums``: their ``[2L, E]`` token sums over the
+        microbatch). Sets the gradient plan ``∂share/∂p[l,x,e] = m·w_l·K_e(X(x))·valid[x]``.
+        Returns ``([share, logged value], the per-layer terms [L])``."""
         probs, topk = both[: self.L], both[self.L :]
         w = self._weights(probs.dtype, probs.device)[0]
-        log_scale, den = 1.0 / (self.aux_coeff * self.log_layers), self._den_frac
+        log_scale = 1.0 / (self.aux_coeff * self.log_layers)
+        den = self._den_frac
         pre = self._pre(tt)
-        psum = None if sums is None else sums[: self.L]
+        m: Tensor | float
+        rows: tuple[int, int] | None = None
+        index: Tensor | None = None
+        tokens = vf
         if self.scope == "micro_batch":
-            assert sums is not None and psum is not None  # token sums are taken for this scope
-            terms = self._switch(psum, sums[self.L :].detach(), tt)  # A(X_mb) per layer
-            x = terms @ w  # Σ_l w_l·A(X_mb)
-            share = x * (1.0 / self._count("microbatches") if pre is None else pre)
+            assert sums is not None  # token sums are taken for this scope
+            psum, K = sums[: self.L], self._switch_weights(sums[self.L :], tt)  # A(X_mb) per layer
+            m = 1.0 / self._count("microbatches") if pre is None else pre
         elif (
             self.scope == "sequence"
             and self.acc.mode == "per_document"
             and seg is not None
             and not self.megatron_quirks
         ):
-            terms = self._document_terms(probs, topk, v, seg)
-            x = terms @ w
-            share = x * (1.0 / max(self._count("documents"), 1.0))
+            K, psum, index, tokens = self._document_sums(probs, topk, v, seg)
+            m = 1.0 / max(self._count("documents"), 1.0)
             den = den * self.acc.documents_of(seg)[1]
         elif self.scope == "sequence":
-            vs = vf.view(b, s)
-            seq_sums = _token_sum(both.view(2 * self.L, b, s, self.E), vs)  # [2L, b, E]
-            n = vs.sum(dim=1)  # tokens per sequence
-            if self.megatron_quirks:
-                # Megatron folds the batch into the expert dim: every sequence gets the mean valid length.
-                n = (tt / b).expand(b)
-            terms = self._switch(seq_sums[: self.L], seq_sums[self.L :].detach(), n).sum(dim=-1)  # Σ_j A(X_j) per layer
-            x = terms @ w
+            tokens = vf.view(b, s)
+            seq_sums = _token_sum(both.view(2 * self.L, b, s, self.E), tokens)  # [2L, b, E]
+            # Megatron folds the batch into the expert dim: every sequence gets the mean valid length.
+            n = (tt / b).expand(b) if self.megatron_quirks else tokens.sum(dim=1)  # tokens per sequence
+            psum, K, rows = seq_sums[: self.L], self._switch_weights(seq_sums[self.L :], n), (b, s)  # [L, b, E]
             if self.megatron_quirks:  # Megatron's per-microbatch loss is the mean over its b sequences
-                share = x * (1.0 / (b * self._count("microbatches")) if pre is None else pre / b)
+                m = 1.0 / (b * self._count("microbatches")) if pre is None else pre / b
                 log_scale = log_scale / b
             else:
-                share = x * (1.0 / max(self._count("samples"), 1.0))
+                m = 1.0 / max(self._count("samples"), 1.0)
                 den = den * b
         elif self.scope == "global_lagged":
-            assert psum is not None  # token sums are taken for this scope
-            counts = self._lagged_counts(probs.dtype, probs.device)
-            terms = self._switch(psum, counts, self.lagged_tokens, max(self._count(ROUTER_TOKENS), 1.0))
-            x = terms @ w
-            share, den = x, 0.0
+            assert sums is not None  # token sums are taken for this scope
+            psum, K = sums[: self.L], self._lagged_weights(probs.dtype, probs.device)
+            m, den = 1.0, 0.0
         else:  # global_running
-            assert sums is not None and psum is not None  # token sums are taken for this scope
-            avg, t_run = self._running_counts(sums[self.L :].detach(), tt)
-            terms = self._switch(psum, avg.to(probs.dtype), t_run.to(probs.dtype))
-            x = terms @ w
+            assert sums is not None  # token sums are taken for this scope
+            avg, t_run = self._running_counts(sums[self.L :], tt)
+            psum, K = sums[: self.L], self._switch_weights(avg.to(probs.dtype), t_run.to(probs.dtype))
             kk = self._local_microbatches()
             if pre is not None:
-                share = x * pre
+                m = pre
             elif self.megatron_quirks:  # DDP's 1/D on top of the schedule's 1/K: 1/D of the logged value
-                share = x * (1.0 / self._count("microbatches"))
+                m = 1.0 / self._count("microbatches")
             else:
-                share = x * (1.0 / kk)
+                m = 1.0 / kk
             log_scale, den = log_scale / kk, 0.0
-        self._lb.append((x.detach(), log_scale))
-        self._lb_den.append(den)
-        return share, terms
+        # A(X) = Σ_e K_e·P_e per set, summed over the sets of each layer
+        terms = (psum * K).sum(dim=-1) if K.dim() == 2 else (psum * K).sum(dim=(-2, -1))
+        if isinstance(m, Tensor):
+            pair = terms @ self._pair(w, 1.0, w, log_scale)
+            pair = pair * torch.cat([m.reshape(1), pair.new_ones(1)])
+            plan.set_scores(K, w * m, tokens, rows=rows, index=index)
+        else:
+            wl = self._pair(w, m, w, log_scale)
+            pair = terms @ wl
+            plan.set_scores(K, wl[:, 0], tokens, rows=rows, index=index)
+        self._lb_den += den
+        return pair, terms
 
-    def _document_terms(self, probs: Tensor, topk: Tensor, v: Tensor, seg: Tensor) -> Tensor:
+    def _document_sums(
+        self, probs: Tensor, topk: Tensor, v: Tensor, seg: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Packed rows under per_document: every document is a sequence (DeepSeek's loss per document).
-        ``Σ_doc A(X_doc)`` per layer by scatter-adds over the documents numbered at begin_step."""
+        Scatter-adds over the documents numbered at begin_step. Returns ``(K [L, G, E], P [L, G, E],
+        document of every token [T], token weights [T])``; an empty document gives 0 and still counts."""
         doc, ndoc = self.acc.documents_of(seg)
         idx = doc.reshape(-1).to(probs.device)
         keep = ((idx >= 0) & v).to(probs.dtype)
@@ -504,13 +660,18 @@ class MoEAccounting:
         )
         psum = torch.zeros_like(counts).index_add_(1, d, probs * keep[None, :, None])
         n = torch.zeros(g, dtype=probs.dtype, device=probs.device).index_add_(0, d, keep)
-        return self._switch(psum, counts, n).sum(dim=-1)  # an empty document gives 0, still counts
+        return self._switch_weights(counts, n), psum, d, keep
 
-    def _lagged_counts(self, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """The previous step's global top-k counts ``c_e^prev`` (cached until the next ``end_step``)."""
-        key = (dtype, device)
+    def _lagged_weights(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """``K`` of ``global_lagged`` from the previous step's global top-k counts ``c_e^prev`` and this
+        step's global router tokens (cached for the step)."""
+        key = (dtype, device, self.acc.step_index)
         if key not in self._lagged_cache:
-            self._lagged_cache[key] = self.lagged_counts.to(device=device, dtype=dtype)
+            self._lagged_cache.clear()
+            counts = self.lagged_counts.to(device=device, dtype=dtype)
+            self._lagged_cache[key] = self._switch_weights(
+                counts, self.lagged_tokens, max(self._count(ROUTER_TOKENS), 1.0)
+            )
         return self._lagged_cache[key]
 
     def _running_counts(self, counts_local: Tensor, tt: Tensor) -> tuple[Tensor, Tensor]:
@@ -540,47 +701,56 @@ class MoEAccounting:
             self._running_n[n_main] += self.R
         return avg.to(counts_local.device), buf[-1].to(counts_local.device)
 
-    def _z_share(
-        self, records: Sequence[RouterRecord], vf: Tensor, dtype: torch.dtype, tt: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """Router z-loss share of the microbatch (all layers) and its log accumulation; the per-layer sums
-        are :func:`~lossparity.losses.moe.router_z_loss_sums`. Returns ``(share, Σ_x lse² per layer)``."""
-        _, w_grad, w_log = self._weights(dtype, vf.device)
-        zsum = F_moe.router_z_loss_sums(torch.stack([r.logits for r in records]).to(dtype), weights=vf)  # [L]
-        x = zsum @ w_grad
-        x_log = (zsum @ w_log).detach() if self._z_split else x.detach()
+    def _z_share(self, logits: Tensor, vf: Tensor, tt: Tensor, plan: _GradPlan) -> tuple[Tensor, Tensor]:
+        """Router z-loss share of the microbatch (all layers, ``logits [L, T, E]``) with its gradient plan;
+        the per-layer sums are :func:`~lossparity.losses.moe.router_z_loss_sums_and_grad`. Returns
+        ``([share, logged value], Σ_x lse² per layer)``."""
+        _, w_grad, w_log = self._weights(logits.dtype, logits.device)
         pre = self._pre(tt)
+        w_shown = w_log if self._z_split else w_grad
         if self.z_form == "global":
-            share = x * (self.z_coeff / max(self._count(ROUTER_TOKENS), 1.0))
-            self._z.append((x_log, 1.0 / self.log_layers))
-            self._z_den.append(tt * self._den_frac)
-        else:
-            mean = 1.0 / tt.clamp(min=1)  # Megatron z_loss_func: mean over the microbatch's valid tokens
-            share = x * (self.z_coeff * mean * (1.0 / self._count("microbatches") if pre is None else pre))
-            self._z.append((x_log * mean, 1.0 / self.log_layers))
-            self._z_den.append(self._den_frac)
-        return share, zsum
+            wz = self._pair(w_grad, self.z_coeff / max(self._count(ROUTER_TOKENS), 1.0), w_shown, 1.0 / self.log_layers)
+            zsum, plan.z_grad = F_moe.router_z_loss_sums_and_grad(logits, vf, wz[:, 0])  # [L], [L, T, E]
+            return zsum @ wz, zsum
+        # Megatron z_loss_func: mean over the microbatch's valid tokens, then over microbatches
+        mean = 1.0 / tt.clamp(min=1)
+        c = mean if pre is None else mean * pre
+        wz = self._pair(
+            w_grad,
+            self.z_coeff * (1.0 / self._count("microbatches") if pre is None else 1.0),
+            w_shown,
+            1.0 / self.log_layers,
+        )
+        zsum, plan.z_grad = F_moe.router_z_loss_sums_and_grad(logits, vf, wz[:, 0] * c)
+        self._z_den += self._den_frac
+        return (zsum @ wz) * torch.cat([c.reshape(1), mean.reshape(1)]), zsum
 
     # ---------------------------------------------------------------- end of step
-    def _sum(self, items: Sequence[Tensor | float]) -> Tensor:
-        """Sum of numbers and device scalars as one float64 scalar on the accountant's device."""
-        tensors = [x.reshape(()).to(self.device, torch.float64) for x in items if isinstance(x, Tensor)]
-        total = torch.stack(tensors).sum() if tensors else torch.zeros((), dtype=torch.float64, device=self.device)
-        return total + sum(x for x in items if not isinstance(x, Tensor))
-
     def _flush_logs(self) -> None:
-        """Hand the step's accumulated log values and objective contribution to the accountant."""
+        """Hand the step's accumulated log values and objective contribution to the accountant (one kernel)."""
+        vec = self._logvec
+        if vec is None:
+            return
         acc = self.acc
-        for name, items, den in ((self.log_name, self._lb, self._lb_den), (self.z_log_name, self._z, self._z_den)):
-            if name and items:
-                vals = torch.stack([x for x, _ in items]).to(self.device, torch.float64)
-                scales = torch.tensor([c for _, c in items], dtype=torch.float64, device=self.device)
-                acc.record(name, vals @ scales, self._sum(den))
-        if self._objective:
-            obj = torch.stack(self._objective).to(self.device, torch.float64).sum()
-            if acc.normalization == "deferred":
-                obj = obj / max(acc.global_count("tokens"), 1.0)
-            acc.add_objective(obj, per_rank=acc.groups.sequence_parallel)
+        # Megatron calculate_per_token_loss under deferred normalization: objective = Σ raw shares / Ntok
+        scale = 1.0 / max(acc.global_count("tokens"), 1.0) if acc.normalization == "deferred" else 1.0
+        key = (vec.device, scale)
+        if key not in self._log_maps:
+            m = self._log_map.clone()
+            m[-1] *= scale
+            self._log_maps = {key: m.to(vec.device)}
+        out = self._log_maps[key] @ vec
+        slots = list(self._log_slots)
+        host: list[float] = []
+        if self.log_name and self._aux_on:
+            slots.append(f"den:{self.log_name}")
+            host.append(self._lb_den)
+        if self.z_log_name and self._z_on and self.z_form != "global":
+            slots.append(f"den:{self.z_log_name}")
+            host.append(self._z_den)
+        if host:
+            out = torch.cat([out, torch.tensor(host, dtype=torch.float64, device=out.device)])
+        acc.record_many(slots, out)
 
     def _check_routers(self, routers: Sequence[Router]) -> None:
         if len(routers) != self.num_slots:
@@ -618,23 +788,27 @@ class MoEAccounting:
         if not self.L:
             return {}
         dispatch, topk_counts = self._reduce_counts(routers)
-        if bias_rate > 0:  # all layers at once ([layers, E]), then back into every router's buffer
-            bias = torch.stack([r.expert_bias.detach() for r in routers])
-            new = F_moe.expert_bias_update(dispatch.to(bias.device), bias, bias_rate, zero_mean=zero_mean)
-            with torch.no_grad():
+        with torch.no_grad():
+            if bias_rate > 0:  # all layers at once ([layers, E]), then back into every router's buffer
+                bias = torch.stack([r.expert_bias for r in routers])
+                new = F_moe.expert_bias_update(dispatch, bias, bias_rate, zero_mean=zero_mean)
                 for r, row in zip(routers, new):
                     r.expert_bias.copy_(row)
-        for r in routers:
-            r.reset_counts()
+            for r in routers:
+                r.reset_counts()
         vio_t = F_moe.max_violation(dispatch)
         self._record_vio(routers, vio_t)
-        self._running.zero_()
-        self._running_n.zero_()
+        if self.scope == "global_running":
+            self._running.zero_()
+            self._running_n.zero_()
         return self._update_lagged(routers, vio_t, topk_counts)
 
     def _reduce_counts(self, routers: Sequence[Router]) -> tuple[Tensor, Tensor | None]:
         """The step's dispatch counts ``[slots, E]`` (and top-k counts ``[L, E]``) summed over the token group."""
-        local = torch.stack([r.tokens_per_expert.detach() for r in routers]).to(self.device, torch.float64)
+        with torch.no_grad():
+            local = torch.stack([r.tokens_per_expert for r in routers])
+        if local.device != self.device or local.dtype != torch.float64:
+            local = local.to(self.device, torch.float64)
         lagged = self.scope == "global_lagged"
         buf = torch.cat([local.reshape(-1), self._topk_counts.reshape(-1)]) if lagged else local.reshape(-1)
         g = self.acc.groups.token_group
@@ -654,7 +828,11 @@ class MoEAccounting:
             else [getattr(r, "layer_id", i) for i, r in enumerate(routers)]
         )
         names = [f"max_vio/layer_{lid}" for lid in ids] + ["max_vio"]
-        self.acc.record_sums(names, torch.cat([vio, (vio / len(self._vio_ids)).sum().reshape(1)]))
+        key = (vio.shape[0], vio.dtype, vio.device)
+        if key not in self._vio_maps:  # [n, n+1] = [identity | 1/layers]: the values and their layer mean
+            m = torch.cat([torch.eye(vio.shape[0]), torch.full((vio.shape[0], 1), 1.0 / len(self._vio_ids))], dim=1)
+            self._vio_maps[key] = m.to(vio.device, vio.dtype)
+        self.acc.record_sums(names, vio @ self._vio_maps[key])
 
     def _update_lagged(self, routers: Sequence[Router], vio_t: Tensor, topk_counts: Tensor | None) -> dict[str, float]:
         stats = vio_t if topk_counts is None else torch.cat([vio_t, topk_counts[0].sum().reshape(1) / self.k])

@@ -140,22 +140,33 @@ class DeviceChecks:
 
     def __init__(self, names: Sequence[str]) -> None:
         self.names = tuple(names)
-        self._flags: dict[str, list[tuple[Tensor, Tensor | float]]] = {n: [] for n in self.names}
+        self._flags: dict[str, list[tuple[Tensor, Tensor | float, float]]] = {n: [] for n in self.names}
 
     def reset(self) -> None:
         """Start a step: no check has failed."""
         self._flags = {n: [] for n in self.names}
 
-    def flag(self, name: str, bad: Tensor, code: Tensor | float) -> None:
-        """Remember that ``bad`` (where true) marks a failed check ``name`` at ``code``."""
-        self._flags[name].append((bad, code))
+    def flag(self, name: str, bad: Tensor, code: Tensor | float, offset: float = 0.0) -> None:
+        """Remember that ``bad`` marks a failed check ``name`` at ``code + offset``: a bool tensor (bad where
+        true), or a floating tensor (bad where not finite, tested once per step in :meth:`counts`)."""
+        self._flags[name].append((bad, code, offset))
+
+    @staticmethod
+    def _bad(items: Sequence[tuple[Tensor, Tensor | float, float]], device: torch.device) -> Tensor:
+        """``[1]`` bool: any flagged element of ``items`` (bool: true; float: not finite)."""
+        bools = [b.reshape(-1) for b, _, _ in items if b.dtype == torch.bool]
+        floats = [b.reshape(-1) for b, _, _ in items if b.dtype != torch.bool]
+        parts = []
+        if bools:
+            parts.append(torch.cat(bools).any().reshape(1).to(device))
+        if floats:
+            parts.append(torch.isfinite(torch.cat(floats)).logical_not_().any().reshape(1).to(device))
+        return parts[0] if len(parts) == 1 else parts[0] | parts[1]
 
     def counts(self, device: torch.device) -> Tensor:
         """``[checks]`` float64 on ``device``: 1 where this rank recorded a bad value (a few kernels per step)."""
         rows = [
-            torch.cat([b.reshape(-1) for b, _ in items]).any().reshape(1).to(device)
-            if items
-            else torch.zeros(1, dtype=torch.bool, device=device)
+            self._bad(items, device) if items else torch.zeros(1, dtype=torch.bool, device=device)
             for items in self._flags.values()
         ]
         if not rows:
@@ -166,10 +177,12 @@ class DeviceChecks:
         """Smallest failing location code per failed check (host sync: the error path only)."""
         out: dict[str, float] = {}
         for name, items in self._flags.items():
-            for bad, code in items:
+            for bad, code, offset in items:
                 b = bad.detach().cpu().reshape(-1)
+                if b.dtype != torch.bool:
+                    b = ~torch.isfinite(b)
                 c = torch.as_tensor(code, dtype=torch.float64).detach().cpu().reshape(-1).expand(b.shape[0])
                 hits = c[b]
                 if hits.numel():
-                    out[name] = min(out.get(name, math.inf), float(hits.min()))
+                    out[name] = min(out.get(name, math.inf), float(hits.min()) + offset)
         return out

@@ -26,8 +26,10 @@ __all__ = [
     "SCORE_FUNCTIONS",
     "router_scores",
     "router_probs",
+    "switch_load_balancing_weights",
     "switch_load_balancing_terms",
     "router_z_loss_sums",
+    "router_z_loss_sums_and_grad",
     "topk_routing_map",
     "tokens_per_expert",
     "switch_load_balancing_loss",
@@ -230,6 +232,52 @@ def switch_load_balancing_loss(
     return switch_load_balancing_terms(p.sum(dim=0), c, t, topk=topk, num_experts=num_experts, coeff=coeff)
 
 
+def switch_load_balancing_weights(
+    tokens_per_expert: Tensor,
+    count_tokens: Tensor | float,
+    prob_tokens: Tensor | float | None = None,
+    *,
+    topk: int,
+    num_experts: int,
+    coeff: float,
+) -> Tensor:
+    """The Switch load-balancing term as a linear form of the score sums: the one home of the formula
+    (semantics §5).
+
+    ``A = coeff · E/k · Σ_e (c_e / T_c) · (P_e / T_p) = Σ_e K_e · P_e`` with ``P_e = Σ_{x in X} p[x,e]``
+    (the scores' sums over the token set ``X``) and ``K_e = coeff · E · c_e / (k · T_c · T_p)``: ``c_e`` the
+    top-k counts (``tokens_per_expert [..., E]``, detached by the caller), ``T_c``/``T_p`` the token counts
+    they are normalized by (``count_tokens``, ``prob_tokens``: numbers or tensors broadcasting to ``[...]``;
+    ``prob_tokens`` defaults to ``count_tokens``, giving Switch's ``coeff·E/(k·T²)·Σ_e c_e·P_e``).
+    Returns ``K [..., E]``, which is also ``∂A/∂p[x,e]`` for every token ``x`` of the set (the counts are
+    constants), so a caller can form the gradient without back-propagating through the sums. A set with
+    ``T = 0`` gives ``K = 0`` exactly. No validation, no host sync.
+    """
+    return tokens_per_expert * _switch_factor(tokens_per_expert, count_tokens, prob_tokens, topk, num_experts, coeff)
+
+
+def _switch_factor(
+    like: Tensor,
+    count_tokens: Tensor | float,
+    prob_tokens: Tensor | float | None,
+    topk: int,
+    num_experts: int,
+    coeff: float,
+) -> Tensor | float:
+    """``coeff·E/(k·T_c·T_p)`` (0 for an empty set): a number, or a tensor ``[..., 1]``."""
+    if not isinstance(count_tokens, Tensor) and not isinstance(prob_tokens, Tensor):
+        t_p = count_tokens if prob_tokens is None else prob_tokens
+        den = topk * count_tokens * t_p
+        return num_experts * float(coeff) / den if den > 0 else 0.0
+    t_c_dev = torch.as_tensor(count_tokens, dtype=like.dtype, device=like.device)
+    t_p_dev = t_c_dev if prob_tokens is None else torch.as_tensor(prob_tokens, dtype=like.dtype, device=like.device)
+    # An empty set has c = 0 exactly, so clamping its zero denominator to 1e-30 gives 0 without a 0/0 or
+    # an overflow (a non-empty set has a denominator >= 1/b², far above it).
+    # (in place on the fresh product: the same operations as ``E·coeff / clamp(k·T_c·T_p)``, fewer kernels)
+    den_dev = t_c_dev.mul(topk).mul_(t_p_dev).clamp_(min=1e-30)
+    return den_dev.reciprocal_().mul_(num_experts * float(coeff)).unsqueeze(-1)
+
+
 def switch_load_balancing_terms(
     prob_sums: Tensor,
     tokens_per_expert: Tensor,
@@ -240,28 +288,19 @@ def switch_load_balancing_terms(
     num_experts: int,
     coeff: float,
 ) -> Tensor:
-    """The Switch load-balancing term of every token set at once: the one home of the formula (semantics §5).
+    """The Switch load-balancing term of every token set at once (semantics §5):
+    ``A = Σ_e K_e · P_e`` with ``K`` = :func:`switch_load_balancing_weights` (same arguments) and
+    ``P_e = Σ_{x in X} p[x,e]`` (``prob_sums [..., E]``).
 
-    ``A = coeff · E/k · Σ_e (c_e / T_c) · (P_e / T_p)`` with ``P_e = Σ_{x in X} p[x,e]`` (``prob_sums
-    [..., E]``), ``c_e`` the top-k counts (``tokens_per_expert [..., E]``, detached by the caller) and
-    ``T_c``/``T_p`` the token counts they are normalized by (``count_tokens``, ``prob_tokens``: numbers or
-    tensors broadcasting to ``[...]``; ``prob_tokens`` defaults to ``count_tokens``, giving Switch's
-    ``coeff·E/(k·T²)·Σ_e c_e·P_e``). Megatron's scopes are this term on different token sets: a microbatch,
-    each sequence (``[..., sequences, E]``), the global batch with counts from the previous step
-    (``global_lagged``: ``T_c`` that step's tokens) or running over microbatches. A set with ``T = 0``
-    gives exactly 0. Returns ``[...]`` (a scalar for ``[E]`` inputs). No validation, no host sync.
+    Megatron's scopes are this term on different token sets: a microbatch, each sequence
+    (``[..., sequences, E]``), the global batch with counts from the previous step (``global_lagged``:
+    ``T_c`` that step's tokens) or running over microbatches. A set with ``T = 0`` gives exactly 0.
+    Returns ``[...]`` (a scalar for ``[E]`` inputs). No validation, no host sync.
     """
+    # Megatron's evaluation order: Σ_e P_e·c_e first, then the factor (the same float32 rounding).
+    factor = _switch_factor(prob_sums, count_tokens, prob_tokens, topk, num_experts, coeff)
     dot = (prob_sums * tokens_per_expert).sum(dim=-1)
-    if not isinstance(count_tokens, Tensor) and not isinstance(prob_tokens, Tensor):
-        t_p = count_tokens if prob_tokens is None else prob_tokens
-        den = topk * count_tokens * t_p
-        return dot * (num_experts * float(coeff) / den) if den > 0 else dot * 0.0
-    t_c_dev = torch.as_tensor(count_tokens, dtype=dot.dtype, device=dot.device)
-    t_p_dev = t_c_dev if prob_tokens is None else torch.as_tensor(prob_tokens, dtype=dot.dtype, device=dot.device)
-    # Megatron's evaluation order. An empty set has dot = 0 exactly, so clamping its zero denominator to
-    # 1e-30 gives 0 without a 0/0 or an overflow (a non-empty set has a denominator >= 1/b², far above it).
-    den_dev = (topk * t_c_dev * t_p_dev).clamp(min=1e-30)
-    return dot * (num_experts * float(coeff) / den_dev)
+    return dot * (factor.squeeze(-1) if isinstance(factor, Tensor) else factor)
 
 
 def _flatten_sequences(
@@ -427,6 +466,25 @@ def router_z_loss_sums(logits: Tensor, valid: Tensor | None = None, *, weights: 
     return lse2.sum(dim=-1)
 
 
+def router_z_loss_sums_and_grad(logits: Tensor, weights: Tensor, grad_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`router_z_loss_sums` of stacked layers with its gradient, for a caller that forms the
+    gradient in the forward pass (no autograd graph).
+
+    ``logits [L, T, E]``, ``weights [T]`` (0/1 floats; padding rows must be finite), ``grad_scale [L]``
+    (``s_l``). Returns ``(z [L], G [L, T, E])`` with ``z_l = Σ_x w_x·lse_l(x)²`` and
+    ``G = ∂(Σ_l s_l·z_l)/∂logits``, i.e. ``G[l,x,e] = 2·s_l·w_x·lse_l(x)·softmax(logits[l,x])_e``.
+    No validation, no host sync.
+    """
+    # logsumexp by hand: its exponentials are the softmax the gradient needs
+    top = logits.amax(dim=-1, keepdim=True)
+    e = (logits - top).exp_()
+    s = e.sum(dim=-1, keepdim=True)
+    lse = s.log().add_(top).squeeze(-1)  # [L, T]
+    z = lse.square() @ weights  # router_z_loss_sums' formula
+    scale = (lse * weights).mul_((2.0 * grad_scale).unsqueeze(-1)).unsqueeze(-1)
+    return z, e.mul_(scale.div_(s))
+
+
 def router_z_loss(logits: Tensor, coeff: float, padding_mask: Tensor | None = None) -> Tensor:
     """Router z-loss ``coeff · (1/|valid|) · Σ_{valid x} logsumexp(logits[x])²`` (float32 scalar).
 
@@ -465,11 +523,11 @@ def expert_bias_update(tokens_per_expert: Tensor, expert_bias: Tensor, rate: flo
     with torch.no_grad():
         dtype = torch.float64 if expert_bias.dtype == torch.float64 else torch.float32  # fp32, or fp64 kept
         c = tokens_per_expert.to(device=expert_bias.device, dtype=dtype)
-        mean = c.sum(dim=-1, keepdim=True) / c.shape[-1]
-        delta = torch.sign(mean - c) * float(rate)
+        mean = c.sum(dim=-1, keepdim=True).div_(c.shape[-1])
+        delta = (mean - c).sign_().mul_(float(rate))  # fresh tensors: in place saves kernels
         if zero_mean:
             delta = delta - delta.mean(dim=-1, keepdim=True)
-        return expert_bias.detach().to(dtype) + delta
+        return delta.add_(expert_bias.to(dtype))
 
 
 def max_violation(tokens_per_expert: Tensor) -> Tensor:
@@ -481,7 +539,8 @@ def max_violation(tokens_per_expert: Tensor) -> Tensor:
     _check_tensor("tokens_per_expert", tokens_per_expert)
     if tokens_per_expert.dim() not in (1, 2) or tokens_per_expert.shape[-1] < 1:
         raise ValueError(f"tokens_per_expert must be [E] or [layers, E], got shape {tuple(tokens_per_expert.shape)}")
-    c = _wide(tokens_per_expert.detach())
-    mean = c.mean(dim=-1)
-    safe = torch.where(mean > 0, mean, torch.ones_like(mean))
-    return torch.where(mean > 0, (c.amax(dim=-1) - mean) / safe, torch.zeros_like(mean))
+    with torch.no_grad():
+        c = _wide(tokens_per_expert)
+        mean = c.mean(dim=-1)
+        # counts are >= 0: a layer with mean 0 has max 0, and 0 / (clamped mean) is exactly 0
+        return (c.amax(dim=-1) - mean).div_(mean.clamp(min=1e-30))
