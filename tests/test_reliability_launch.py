@@ -118,3 +118,33 @@ def test_kill_and_resume_trial_is_bit_exact(tmp_path):
     summary = run_trials(1, steps=4, seed=3, workdir=str(tmp_path), resume_kill_p=1.0, log=lambda _: None)
     assert summary["kills"] >= 2 and summary["kills_during_resume"] >= 1, summary
     assert summary["bit_exact"] == 1, summary["results"]
+
+
+@pytest.mark.slow
+def test_a_port_taken_before_the_rendezvous_is_retried_with_a_new_one(monkeypatch):
+    # Before: a port picked by free_port() and taken by another process before rank 0's store bound it
+    # (two test sessions on one machine) failed the whole run with EADDRINUSE.
+    import socket
+
+    import lossparity.distributed.launch as launch
+
+    sys.path.insert(0, HERE)
+    from _reliability_workers import rank_and_world
+
+    busy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(8)
+    taken = busy.getsockname()[1]
+    real = launch.free_port
+    picks = []
+
+    def first_taken() -> int:
+        picks.append(taken if not picks else real())
+        return picks[-1]
+
+    monkeypatch.setattr(launch, "free_port", first_taken)
+    try:
+        assert spawn(rank_and_world, 2, timeout_s=30) == [(0, 2), (1, 2)]
+    finally:
+        busy.close()
+    assert len(picks) == 2 and picks[0] == taken and picks[1] != taken

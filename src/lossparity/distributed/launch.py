@@ -39,6 +39,7 @@ __all__ = ["free_port", "spawn", "init_from_env", "RankError", "RankFailure", "d
 _INPUT_ERRORS = (ValueError, TypeError, LookupError, FileNotFoundError)
 _WATCHDOG_PERIOD_S = 1.0
 _GRACE_PERIOD_S = 3.0
+_PORT_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -136,8 +137,10 @@ def _entry(
     # Each rank gets one thread: ranks share the machine's cores, oversubscription only slows them down.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     path = os.path.join(result_dir, f"rank{rank}.pt")
+    stage = "init"
     try:
         init_from_env(backend, timeout_s)
+        stage = "run"
         out = fn(rank, world_size, *args)
         # Leave together: a rank tearing down while a peer (the TCP store's host) is gone can abort.
         dist.barrier()
@@ -151,6 +154,7 @@ def _entry(
                 "message": str(e),
                 "input_error": isinstance(e, _INPUT_ERRORS),
                 "when": time.time(),
+                "stage": stage,
             },
             path,
         )
@@ -165,11 +169,49 @@ def spawn(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes with the default group
     initialized, and return the list of their return values (rank order). ``fn`` must be importable
-    (a module-level function). Raises :class:`RankError` naming the first failing rank."""
-    import tempfile
-
+    (a module-level function). Raises :class:`RankError` naming the first failing rank. A rendezvous
+    port taken by another process between its choice and the bind (a race between concurrent jobs of
+    one machine) is retried with a new port, up to three times, before any rank has run ``fn``."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return _spawn_once(fn, world_size, args, backend, timeout_s)
+        except _PortTaken:
+            if attempt == _PORT_ATTEMPTS - 1:
+                raise RankError(
+                    f"the rendezvous port was taken by another process {_PORT_ATTEMPTS} times in a row "
+                    "(free ports are picked at run time; is something grabbing ports of 127.0.0.1?)"
+                ) from None
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(Exception):
+    """The rendezvous failed before any rank ran ``fn`` because the chosen port was taken meanwhile."""
+
+
+def _port_taken(tmp: str, world_size: int) -> bool:
+    """Whether every recorded failure happened while joining the rendezvous, one of them on a busy port
+    (another process took the port between :func:`free_port` and the store's bind)."""
+    recs = []
+    for r in range(world_size):
+        path = os.path.join(tmp, f"rank{r}.pt")
+        if os.path.exists(path):
+            recs.append(torch.load(path, weights_only=False))
+    failed = [rec for rec in recs if not rec["ok"]]
+    return (
+        bool(failed)
+        and all(rec.get("stage") == "init" for rec in failed)
+        and any(
+            "address already in use" in rec.get("error", "").lower() or "eaddrinuse" in rec.get("error", "").lower()
+            for rec in failed
+        )
+    )
+
+
+def _spawn_once(fn: Callable[..., Any], world_size: int, args: tuple, backend: str, timeout_s: float) -> list[Any]:
+    import tempfile
+
     with tempfile.TemporaryDirectory(prefix="lossparity-spawn-") as tmp:
         port = free_port()
         # C++ reducer notices ("find_unused_parameters found no unused parameter") are read when the
@@ -198,6 +240,8 @@ def spawn(
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
+            if _port_taken(tmp, world_size):
+                raise _PortTaken from None
         return _collect(tmp, world_size, failed)
 
 
