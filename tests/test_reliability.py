@@ -348,3 +348,24 @@ def test_truncated_sharded_checkpoint_is_skipped(tmp_path):
     with pytest.raises(RunDirError, match="no intact checkpoint"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         load_newest_intact(str(tmp_path), sharded_checkpoint_intact)
+
+
+def test_resume_hides_the_abandoned_tensorboard_steps(tmp_path):
+    # Before: a resume from step 3 of a run that had logged up to step 5 left TensorBoard showing steps
+    # 4 and 5 twice (old and recomputed values); metrics.jsonl was already cut at the checkpoint.
+    ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    log = MetricsLog(str(tmp_path), 0, tensorboard=True)
+    for s in range(1, 6):
+        log.write({"step": s, "lm_loss": float(s)})
+    log.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the truncation note of metrics.jsonl
+        log = MetricsLog(str(tmp_path), 3, tensorboard=True)
+    for s in (4, 5):
+        log.write({"step": s, "lm_loss": 10.0 * s})
+    log.close()
+    acc = ea.EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={ea.SCALARS: 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("lm_loss")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+    with open(tmp_path / "metrics.jsonl") as f:
+        assert [json.loads(line)["lm_loss"] for line in f] == [1.0, 2.0, 3.0, 40.0, 50.0]

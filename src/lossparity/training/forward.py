@@ -136,6 +136,6 @@ def indexer_share(
     kl = indexer_kl(probs, logits, valid)
     tq = max(acc.global_count(ROUTER_TOKENS), 1.0)
     share = coeff * kl / tq
-    acc.record("indexer_loss", kl.detach(), float(valid.sum()))
+    acc.record("indexer_loss", kl.detach(), valid.sum())  # a device count: no host sync per microbatch
     acc.add_objective(share.detach(), per_rank=per_rank)
     return share

@@ -10,7 +10,9 @@
   never a partial one. A torn last line (a kill in the middle of a write) is dropped with a note.
 
 TensorBoard scalars go to ``OUT/tensorboard`` when the package is installed (an event file per start,
-read by TensorBoard as one run).
+read by TensorBoard as one run). A resume from step ``s`` opens its writer with ``purge_step = s + 1``:
+TensorBoard then hides the events of steps ``> s`` written before the restart (the abandoned history that
+``metrics.jsonl`` drops), so every step shows once, with the recomputed value.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class MetricsLog:
         for note in truncate_metrics(self.path, start_step):
             warnings.warn(note, stacklevel=2)
         self.f = open(self.path, "ab")  # noqa: SIM115 - closed in close()
-        self.tb = _tensorboard(out) if tensorboard else None
+        self.tb = _tensorboard(out, start_step) if tensorboard else None
 
     def write(self, line: dict[str, Any]) -> None:
         """Append one step's line and hand it to the operating system (flush, no fsync)."""
@@ -110,10 +112,11 @@ class MetricsLog:
             self.tb = None
 
 
-def _tensorboard(out: str) -> Any:
+def _tensorboard(out: str, start_step: int) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
 
-        return SummaryWriter(os.path.join(out, "tensorboard"))
+        # purge_step: TensorBoard drops the earlier events of steps >= it (the restart's abandoned history)
+        return SummaryWriter(os.path.join(out, "tensorboard"), purge_step=start_step + 1 if start_step > 0 else None)
     except Exception:  # noqa: BLE001 - tensorboard is optional
         return None
