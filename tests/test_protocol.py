@@ -223,6 +223,29 @@ def test_microbatch_calls_do_not_synchronize(mode):
     assert acc.logs()["objective"] == pytest.approx(float(total.detach()), rel=1e-12)
 
 
+@pytest.mark.parametrize("mode", ["per_token", "per_sample", "per_document", "sample_sum_norm"])
+def test_token_weights_of_the_fused_head_do_not_synchronize(mode):
+    # Before: per_document numbered the documents again (and checked them) on the host every microbatch.
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    _, valid, lm_mask, _ = make_batch(4, steps=1)
+    valid, lm_mask = valid.to(dev), lm_mask.to(dev)
+    seg = valid.long() * (1 + (torch.arange(valid.shape[1], device=dev) >= 2).long())  # two documents per row
+    mbs = [slice(0, 2), slice(2, 4)]
+    acc = lp.Accountant(mode, mtp_depths=1, fixed_length=5, device=dev)
+    acc.begin_step([lm_mask[m] for m in mbs], [seg[m] for m in mbs])
+    loss = torch.rand(4, 5, dtype=torch.float64, device=dev)
+    total = 0.0
+    for m in mbs:
+        rolled = roll_mask(lm_mask[m], seg[m], 1)
+        with no_host_sync():
+            w = acc.token_weights(lm_mask[m], seg[m])
+            (wk,) = acc.mtp_token_weights([rolled], seg[m])
+            total = total + acc.add_lm_share((w * loss[m]).sum(), loss[m], lm_mask[m], seg[m])
+            total = total + acc.add_mtp_share((wk * loss[m]).sum(), [loss[m]], [rolled], seg[m])
+    acc.finish_step()
+    assert acc.logs()["objective"] == pytest.approx(float(total), rel=1e-12)
+
+
 # ----------------------------------------------------------------------------- fingerprint, peers
 def test_mismatched_ranks_stop_with_one_message_naming_the_field():
     out = spawn(mismatched_ranks, 2, timeout_s=120)

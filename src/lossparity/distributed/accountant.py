@@ -99,6 +99,14 @@ _CHECKS: dict[str, tuple[type[Exception], str]] = {
 }
 
 
+def _shaped_like(counts: Tensor | None, mask: object) -> Tensor | None:
+    """A unit-count map in the shape of ``mask`` (``[S]`` masks of one row), when the sizes agree; else as
+    it is (the shape check of the token weights then names the mismatch)."""
+    if counts is None or not isinstance(mask, Tensor) or counts.shape == mask.shape:
+        return counts
+    return counts.reshape(mask.shape) if counts.numel() == mask.numel() else counts
+
+
 def _is_averaging_engine(model: object) -> bool:
     """DDP and FSDP (1 and 2) divide gradients by the data-parallel size."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
@@ -573,19 +581,26 @@ class Accountant:
     def _denominator(self, key: str) -> float:
         return max(self._host_counts[key][0], 1.0)
 
-    def _unit_counts(self, mb: int, depth: int, columns: Tensor | None) -> Tensor | None:
+    def _unit_counts(self, mb: int, depth: int, columns: Tensor | None, *, whole: bool = False) -> Tensor | None:
         """Whole-row unit counts of microbatch ``mb`` (depth 0 = main loss) restricted to ``columns``;
-        ``None`` without context parallelism (local counts are then the whole-row counts)."""
-        if columns is None:
+        ``None`` without context parallelism (local counts are then the whole-row counts) unless ``whole``
+        (the map of the rows given to ``begin_step``: the token weights take it instead of numbering the
+        documents again, which would read them to the host every microbatch)."""
+        if columns is None and not whole:
             return None
+        if mb >= len(self._masks):
+            return None  # more microbatches than counted: the accounting call that follows names it
         key = (mb, depth)
         if key not in self._unit_maps:
             w, seg = _as_2d(self._masks[mb]), self._segs[mb]
             if depth:
                 w = roll_mask(w, seg, depth)
-            self._unit_maps[key] = unit_count_map(self.mode, w, seg)
+            # the documents numbered at begin_step: no host sync here (per microbatch)
+            self._unit_maps[key] = unit_count_map(self.mode, w, seg, documents=self._mb_info[mb]["documents"])
         full = self._unit_maps[key]
-        return None if full is None else full[:, columns]
+        if full is None or columns is None:
+            return full
+        return full[:, columns]
 
     def _check_columns(self, columns: Tensor | None) -> None:
         if self.groups.cp_size > 1 and columns is None:
@@ -830,7 +845,7 @@ class Accountant:
             mask,
             segment_ids=segment_ids,
             fixed_length=self.fixed_length,
-            unit_counts=self._unit_counts(self._mb, 0, columns),
+            unit_counts=_shaped_like(self._unit_counts(self._mb, 0, columns, whole=True), mask),
             denominator=den,
         )
 
@@ -848,7 +863,14 @@ class Accountant:
         self._check_columns(columns)
         pooled = self.mtp_convention == "pooled"
         dens = [1.0] * self.mtp_depths if self.normalization == "deferred" else self._mtp_denominators()
-        counts = None if pooled else [self._unit_counts(self._mb, k, columns) for k in range(1, self.mtp_depths + 1)]
+        counts = (
+            None
+            if pooled
+            else [
+                _shaped_like(self._unit_counts(self._mb, k, columns, whole=True), m)
+                for k, m in zip(range(1, self.mtp_depths + 1), masks)
+            ]
+        )
         return mtp_token_weights(
             self.mode,
             masks,

@@ -119,14 +119,18 @@ def denominator(mode: str, norms: Normalizers, fixed_length: int | None = None) 
 _UNIT_MODES = ("per_sample", "per_document", "per_microbatch")
 
 
-def unit_count_map(mode: str, mask: Tensor, segment_ids: Tensor | None = None) -> Tensor | None:
+def unit_count_map(
+    mode: str, mask: Tensor, segment_ids: Tensor | None = None, *, documents: tuple[Tensor, int] | None = None
+) -> Tensor | None:
     """For the modes that normalize per unit (``per_sample``, ``per_document``, ``per_microbatch``): a
     ``[b, S]`` map giving at every position the token count ``n`` of the unit (sample, document,
     microbatch) that contains it, computed from whole rows; ``None`` for the other modes.
 
     Context parallelism splits a row's columns over ranks; a shard's numerator is then
     ``Σ_{shard positions} w·l / max(n_unit, 1)`` with ``n_unit`` read from this map, and the shards'
-    numerators add up to the unit's exact ``s_unit / max(n_unit, 1)``.
+    numerators add up to the unit's exact ``s_unit / max(n_unit, 1)``. ``documents``: the
+    ``rows_documents(segment_ids)`` of the rows when already known (the accountant numbers them at
+    ``begin_step``), which spares the numbering's host synchronization.
     """
     check_mode(mode)
     if mode not in _UNIT_MODES:
@@ -140,9 +144,10 @@ def unit_count_map(mode: str, mask: Tensor, segment_ids: Tensor | None = None) -
         raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
     from .stats import rows_documents
 
-    doc, ndoc = rows_documents(segment_ids)
-    n = torch.zeros(max(ndoc, 1), dtype=torch.float64).index_add(0, doc.clamp(min=0).flatten(), w.flatten())
-    return n[doc.clamp(min=0)].view_as(w)
+    doc, ndoc = rows_documents(segment_ids) if documents is None else documents
+    doc = doc.to(w.device).clamp(min=0)
+    n = torch.zeros(max(ndoc, 1), dtype=torch.float64, device=w.device).index_add(0, doc.flatten(), w.flatten())
+    return n[doc].view_as(w)
 
 
 def numerator(
