@@ -8,6 +8,9 @@
    each, side by side.
 2. One ``verify`` on the GPU: the tiny MoE+MTP model in float64 under the single-process layouts
    (``1x1``, ``K=4``, ``K=4`` with recompute), every mode.
+3. The MoE auxiliary-loss path against the MoE layers (``benchmarks.bench_moe_aux``, one joint
+   backward, scopes ``micro_batch`` and ``global_lagged``) at the ``small``, ``medium`` and ``100m``
+   presets: on a GPU both sides pay kernel launches, so the CPU ratios need not carry over.
 
 Writes ``DIR/gpu_bench.json`` and prints Markdown tables. Sized to finish well under 8 minutes on an
 H200-class GPU (the naive path at the default shape materializes 32768×151936 bf16 logits, ~10 GB).
@@ -111,6 +114,25 @@ def gpu_verify(steps: int) -> dict:
     return report
 
 
+def moe_aux_bench(presets: list[str], repeats: int) -> list[dict]:
+    from benchmarks.bench_moe_aux import FULL, bench_case
+
+    device = torch.device("cuda")
+    cases = [
+        bench_case(p, *FULL[p], scope, repeats, 3, device)
+        for p in presets
+        for scope in ("micro_batch", "global_lagged")
+    ]
+    print("| preset | scope | MoE fwd+bwd ms/step | aux path ms/step | aux / MoE | ops/step |")
+    print("|---|---|---|---|---|---|")
+    for c in cases:
+        print(
+            f"| {c['preset']} | {c['scope']} | {c['moe']['median_s'] * 1e3:.2f} | {c['aux']['median_s'] * 1e3:.3f} | "
+            f"{100 * c['ratio']:.2f}% | {c['ops_per_step']} |"
+        )
+    return cases
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="directory for gpu_bench.json")
@@ -119,6 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--H", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--verify-steps", type=int, default=3)
+    p.add_argument("--moe-presets", default="small,medium,100m", help="presets of the MoE aux-path step ('' skips)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.gpu needs a CUDA device")
@@ -132,11 +155,13 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['peak_extra_gib']:.2f} | {r['time_vs_naive']:.2f} | {r['memory_vs_naive']:.2f} |"
         )
     report = gpu_verify(args.verify_steps)
+    moe = moe_aux_bench([x for x in args.moe_presets.split(",") if x], repeats=10)
     payload = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "cross_entropy": rows,
         "verify": report,
+        "moe_aux": moe,
         "wall_s": time.perf_counter() - t0,
     }
     os.makedirs(args.out, exist_ok=True)
