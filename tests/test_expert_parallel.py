@@ -104,7 +104,7 @@ def test_ep_trainer_layouts_match_single_process():
     report = run_verify(layouts, ("per_sample",), steps=2, progress=False)
     assert all(r["pass"] for r in report["rows"]), format_table(report)
     # Deferred normalization with the plain engine: the accountant divides the expert shards too, once.
-    # (Indexer off: its share divides by the step's router-token count, which deferred does not pre-count.)
+    # (Indexer off: deferred normalization refuses the indexer loss, whose share needs the global query count.)
     layouts = (Layout("D2xE2+plain", 2, 1, ep=2, engine="plain", indexer=False),)
     overrides = {"normalization": "deferred", "mtp_convention": "main", "aux_scope": "none", "z_coeff": 0.0}
     report = run_verify(layouts, ("per_token",), steps=2, progress=False, overrides=overrides)

@@ -196,3 +196,16 @@ def test_bad_inputs():
         indexer_kl(no_mass, sel, ones)
     with pytest.raises(TypeError, match="indexer_logits must be floating point"):
         indexer_kl(attn, torch.zeros(1, 6, 6, dtype=torch.long), ones)
+
+
+def test_deferred_normalization_with_the_indexer_loss_is_refused_before_any_state():
+    # Before: the share divided by this rank's query tokens (deferred counts are local until finish_step)
+    # and finish_step then divided by the global LM tokens: a layout-dependent indexer objective.
+    from lossparity.training.config import TrainConfig
+    from lossparity.training.trainer import Trainer
+
+    kw = {"normalization": "deferred", "mtp_convention": "main", "model_overrides": {"indexer_layer": 1}, "steps": 1}
+    kw.update(aux_scope="none", z_coeff=0.0)  # the MoE terms have their own deferred rule
+    with pytest.raises(ValueError, match="DSA indexer loss.*normalization='precount', or indexer_coeff=0"):
+        Trainer(TrainConfig(**kw))
+    assert Trainer(TrainConfig(**kw, indexer_coeff=0.0)).model_config.indexer_layer == 1

@@ -121,6 +121,15 @@ class Trainer:
         accounting (one per pipeline chunk under PP), the pipeline schedule and the optimizer."""
         cfg = cfg.resolved()  # validated copy with the derived values (the caller's config is not changed)
         self.cfg = cfg
+        self.model_config = get_config(cfg.model, **dict(cfg.model_overrides))
+        if cfg.normalization == "deferred" and self.model_config.indexer_layer is not None and cfg.indexer_coeff > 0:
+            # Its share c·Σ KL / Tq needs the step's global query-token count before the backward.
+            raise ValueError(
+                "the DSA indexer loss (model indexer_layer="
+                f"{self.model_config.indexer_layer}, indexer_coeff={cfg.indexer_coeff}) is normalized by the "
+                "step's global query-token count, which normalization='deferred' knows only after the "
+                "backward: use normalization='precount', or indexer_coeff=0"
+            )
         self.dims = parallel_dims(cfg) if dims is None else dims
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -130,7 +139,6 @@ class Trainer:
         self.cp_ctx = (
             ContextParallel(self.dims.cp_group, cfg.cp, self.dims.cp_rank, cfg.cp_zigzag) if cfg.cp > 1 else None
         )
-        self.model_config = get_config(cfg.model, **dict(cfg.model_overrides))
         self.raw = self._build_model()
         self.model = self._wrap_engine(LossForward(self.raw))
         self.corpus = build_corpus(cfg, self.model_config.vocab_size)
