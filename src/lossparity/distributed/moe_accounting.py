@@ -522,7 +522,12 @@ class MoEAccounting:
             self._flag(records, per_layer, mb)
             vec = torch.cat(parts) if len(parts) > 1 else parts[0]
             total = vec[0] + vec[2] if self._aux_on and self._z_on else vec[0]
-            self._logvec = vec.to(self.device, torch.float64) if self._logvec is None else self._logvec + vec
+            if self._logvec is None:
+                self._logvec = vec.to(self.device, torch.float64)
+            else:  # float64 += float32 promotes without a conversion kernel; a device move only if needed
+                self._logvec = self._logvec + (
+                    vec if vec.device == self._logvec.device else vec.to(self._logvec.device)
+                )
         inputs = ([r.probs for r in records] if plan.p_coef is not None else []) + (
             [r.logits for r in records] if plan.z_grad is not None else []
         )
