@@ -130,7 +130,7 @@ def _refused(rank: int, world: int, kw: dict) -> str:
     "kw, needle",
     [
         ({"dp": 2, "cp": 2}, "--dp × --cp × --tp × --pp = 2×2×1×1 = 4, but the world size is 2"),
-        ({"cp": 2, "aux_scope": "sequence"}, "cp=2 supports aux_scope global_lagged/none"),
+        ({"cp": 2, "aux_scope": "sequence", "mode": "per_document"}, "cp=2 does not combine aux_scope 'sequence'"),
         ({"tp": 2, "sp": True, "seq_len": 17}, "must be divisible by tp=2"),
         ({"tp": 2, "ep": 2}, "--ep=2"),
     ],
@@ -175,3 +175,25 @@ def test_resume_into_a_different_layout_continues_identically(tmp_path):
                 assert x == y or abs(x - y) <= 1e-10 * max(abs(y), 1e-300), (k, x, y)
         for n, got, want in r["params"]:
             assert torch.allclose(got, want, rtol=1e-10, atol=1e-13), n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides, reference",
+    [
+        ({"aux_scope": "micro_batch", "z_form": "microbatch"}, "K=2"),
+        ({"aux_scope": "sequence", "z_form": "global"}, "1x1"),
+        ({"aux_scope": "global_running", "z_form": "microbatch"}, "K=2"),
+    ],
+    ids=["micro_batch+z_microbatch", "sequence", "global_running"],
+)
+def test_per_microbatch_and_per_sequence_aux_forms_under_cp_and_sp_equal_one_process(overrides, reference):
+    # Before: context and sequence parallelism refused every aux form but the token-additive ones. The
+    # counts of a microbatch (or sequence) are now summed over the ranks holding pieces of its rows;
+    # each shard back-propagates its own scores. Reference: one process with the same microbatch size.
+    from lossparity.training.verify import format_table, run_verify
+
+    layouts = (parse_layout("C2xK2"), parse_layout("T2+SPxK2"))
+    report = run_verify(layouts, ("per_token", "per_sample"), steps=2, progress=False, overrides=overrides)
+    assert all(r["pass"] for r in report["rows"]), format_table(report)
+    assert {r["reference"] for r in report["rows"]} == {reference}  # b-dependent forms: the same b

@@ -447,18 +447,23 @@ def test_dense_pipeline_chunk_accepts_zero_log_layers():
     assert set(acc.logs()) == {"lm_loss", "tokens", "samples", "microbatches", "objective"}
 
 
-def test_context_parallel_allows_only_token_additive_forms():
+def test_context_parallel_refuses_only_documents_as_sequences():
+    # Before: only the token-additive forms were allowed; the per-microbatch and per-sequence ones now sum
+    # their counts over the row group (exactness: the context-parallel verify test of test_layouts.py).
     acc = _acc()
     acc.groups = dataclasses.replace(acc.groups, cp_size=2)
-    MoEAccounting(acc, L, E, TOPK, scope="global_lagged", z_coeff=BETA, z_form="global")
     for kwargs in (
+        {"scope": "global_lagged", "z_coeff": BETA, "z_form": "global"},
         {"scope": "micro_batch"},
         {"scope": "sequence"},
         {"scope": "global_running"},
         {"scope": "none", "z_coeff": BETA, "z_form": "microbatch"},
     ):
-        with pytest.raises(ValueError, match="context parallelism"):
-            MoEAccounting(acc, L, E, TOPK, **kwargs)
+        MoEAccounting(acc, L, E, TOPK, **kwargs)
+    acc = Accountant("per_document")
+    acc.groups = dataclasses.replace(acc.groups, cp_size=2)
+    with pytest.raises(ValueError, match="does not combine scope 'sequence' with mode 'per_document'"):
+        MoEAccounting(acc, L, E, TOPK, scope="sequence")
 
 
 def test_deferred_normalization_rules():

@@ -100,7 +100,10 @@ def test_atomic_save_keeps_previous_checkpoint_on_crash(tmp_path, monkeypatch):
         (["train", "--model", "huge"], "unknown model preset 'huge'"),
         (["verify", "--modes", "per_token,bogus"], "unknown mode 'bogus'"),
         (["train", "--cp", "2", "--seq-len", "30"], "seq_len=30 must be divisible by 4 for cp=2"),
-        (["train", "--cp", "2", "--aux-scope", "micro_batch"], "cp=2 supports aux_scope global_lagged/none"),
+        (
+            ["train", "--cp", "2", "--aux-scope", "sequence", "--mode", "per_document"],
+            "cp=2 does not combine aux_scope 'sequence' with mode 'per_document'",
+        ),
     ],
 )
 def test_bad_cli_input_exits_2(argv, message, capsys):

@@ -35,8 +35,12 @@ top-k counts) and the expert-load metrics ``max_vio``. ``end_step`` is part of t
 ``microbatch_loss`` has no host synchronization: token counts stay on the device and NaN/Inf router
 outputs or shares are device flags that ``acc.logs()`` raises, naming rank, microbatch and layer.
 Padding tokens are masked by products with the 0/1 valid mask: router outputs at padding positions
-must be finite, as those of a finite model are. Context parallelism: only the token-additive forms
-(``global_lagged``, global z) split exactly over sequence shards; the others are refused.
+must be finite, as those of a finite model are. Context and sequence parallelism: the token-additive
+forms (``global_lagged``, global z) split exactly over the shards of the rows; the per-microbatch and
+per-sequence ones (``micro_batch``, ``sequence``, the ``microbatch`` z form) sum their counts and token
+numbers over the ranks holding pieces of the same rows (``row_group``, one all-reduce per microbatch) and
+each shard back-propagates its own scores, whose terms add up to the whole set's; each shard logs ``1/R``
+of a set. ``sequence`` with ``per_document`` documents is refused there (documents are numbered on whole rows).
 
 Recompute safety: the losses are computed from the router records *returned* by the forward, which
 a checkpoint re-run never returns, and the routers' dispatch counters skip re-runs themselves.
@@ -299,14 +303,17 @@ class MoEAccounting:
                 "backward: use normalization='precount'"
             )
         sharded = acc.groups.cp_size > 1 or acc.groups.sequence_parallel
-        if sharded and ((aux_on and self.scope != "global_lagged") or (z_on and self.z_form != "global")):
-            # A context- or sequence-parallel rank holds a shard of every sequence: per-microbatch and
-            # per-sequence token sets span the shards, only the token-additive forms split exactly.
+        if sharded and aux_on and self.scope == "sequence" and acc.mode == "per_document":
+            # The sequences are then the documents, numbered on whole rows; a shard's local numbering differs.
             raise ValueError(
                 f"context parallelism (cp={acc.groups.cp_size}) or sequence parallelism "
-                f"(sp={acc.groups.sequence_parallel}) supports scope 'global_lagged' or 'none' and "
-                f"z_form 'global', got scope={self.scope!r}, z_form={self.z_form!r}"
+                f"(sp={acc.groups.sequence_parallel}) does not combine scope 'sequence' with mode "
+                "'per_document' (documents as sequences): use scope micro_batch, global_lagged or global_running"
             )
+        # The ranks holding pieces of the same rows: per-microbatch and per-sequence counts are summed over
+        # them (one all-reduce per microbatch, Megatron's tp×cp group), and each rank logs 1/R of a unit.
+        self._row_group = acc.groups.row_group
+        self._row_size = 1 if self._row_group is None else dist.get_world_size(self._row_group)
 
     def _set_layer_weights(self) -> None:
         w = torch.ones(self.L, dtype=torch.float64)
@@ -485,6 +492,7 @@ class MoEAccounting:
         if not (need_p or self._z_on):
             return torch.zeros((), dtype=dtype, device=ref.device)
         plan = _GradPlan()
+        self._tt_row: Tensor | None = None  # the microbatch's tokens over its row group, once reduced
         with torch.no_grad():
             v = valid.reshape(-1)
             v = v if v.dtype == torch.bool else v > 0
@@ -550,6 +558,15 @@ class MoEAccounting:
             return None
         return tt if self.acc.normalization == "deferred" else tt / max(self._count("tokens"), 1.0)
 
+    def _row_sum(self, *parts: Tensor) -> list[Tensor]:
+        """``parts`` summed over the row group (the ranks holding pieces of the same rows: context and
+        sequence parallelism) in one all-reduce; unchanged without such a group."""
+        if self._row_group is None:
+            return list(parts)
+        buf = torch.cat([p.reshape(-1) for p in parts])
+        dist.all_reduce(buf, group=self._row_group)
+        return [x.view(p.shape) for x, p in zip(buf.split([p.numel() for p in parts]), parts)]
+
     def _switch_weights(
         self, counts: Tensor, t_counts: Tensor | float, t_probs: Tensor | float | None = None
     ) -> Tensor:
@@ -597,8 +614,11 @@ class MoEAccounting:
         tokens = vf
         if self.scope == "micro_batch":
             assert sums is not None  # token sums are taken for this scope
-            psum, K = sums[: self.L], self._switch_weights(sums[self.L :], tt)  # A(X_mb) per layer
+            counts, tt_row = self._row_sum(sums[self.L :], tt.reshape(1))
+            self._tt_row = tt_row.reshape(())
+            psum, K = sums[: self.L], self._switch_weights(counts, self._tt_row)  # A(X_mb) per layer
             m = 1.0 / self._count("microbatches") if pre is None else pre
+            den = den / self._row_size
         elif (
             self.scope == "sequence"
             and self.acc.mode == "per_document"
@@ -609,11 +629,9 @@ class MoEAccounting:
             m = 1.0 / max(self._count("documents"), 1.0)
             den = den * self.acc.documents_of(seg)[1]
         elif self.scope == "sequence":
-            tokens = vf.view(b, s)
-            seq_sums = _token_sum(both.view(2 * self.L, b, s, self.E), tokens)  # [2L, b, E]
-            # Megatron folds the batch into the expert dim: every sequence gets the mean valid length.
-            n = (tt / b).expand(b) if self.megatron_quirks else tokens.sum(dim=1)  # tokens per sequence
-            psum, K, rows = seq_sums[: self.L], self._switch_weights(seq_sums[self.L :], n), (b, s)  # [L, b, E]
+            tokens, rows = vf.view(b, s), (b, s)
+            psum, K = self._sequence_sums(both, tokens, tt)  # [L, b, E]
+            den = den / self._row_size
             if self.megatron_quirks:  # Megatron's per-microbatch loss is the mean over its b sequences
                 m = 1.0 / (b * self._count("microbatches")) if pre is None else pre / b
                 log_scale = log_scale / b
@@ -648,6 +666,18 @@ class MoEAccounting:
             plan.set_scores(K, wl[:, 0], tokens, rows=rows, index=index)
         self._lb_den += den
         return pair, terms
+
+    def _sequence_sums(self, both: Tensor, tokens: Tensor, tt: Tensor) -> tuple[Tensor, Tensor]:
+        """Every row a sequence: ``(P [L, b, E], K [L, b, E])``, the counts and token numbers of each row
+        summed over its shards (the row group)."""
+        b, s = tokens.shape
+        seq_sums = _token_sum(both.view(2 * self.L, b, s, self.E), tokens)  # [2L, b, E]
+        counts, n, tt_row = self._row_sum(seq_sums[self.L :], tokens.sum(dim=1), tt.reshape(1))
+        self._tt_row = tt_row.reshape(())
+        if self.megatron_quirks:
+            # Megatron folds the batch into the expert dim: every sequence gets the mean valid length.
+            n = (self._tt_row / b).expand(b)
+        return seq_sums[: self.L], self._switch_weights(counts, n)
 
     def _document_sums(
         self, probs: Tensor, topk: Tensor, v: Tensor, seg: Tensor
@@ -717,8 +747,10 @@ class MoEAccounting:
             wz = self._pair(w_grad, self.z_coeff / max(self._count(ROUTER_TOKENS), 1.0), w_shown, 1.0 / self.log_layers)
             zsum, plan.z_grad = F_moe.router_z_loss_sums_and_grad(logits, vf, wz[:, 0])  # [L], [L, T, E]
             return zsum @ wz, zsum
-        # Megatron z_loss_func: mean over the microbatch's valid tokens, then over microbatches
-        mean = 1.0 / tt.clamp(min=1)
+        # Megatron z_loss_func: mean over the microbatch's valid tokens (of every shard of its rows), then
+        # over microbatches
+        tt_row = self._tt_row if self._tt_row is not None else self._row_sum(tt.reshape(1))[0].reshape(())
+        mean = 1.0 / tt_row.clamp(min=1)
         c = mean if pre is None else mean * pre
         wz = self._pair(
             w_grad,
@@ -727,7 +759,7 @@ class MoEAccounting:
             1.0 / self.log_layers,
         )
         zsum, plan.z_grad = F_moe.router_z_loss_sums_and_grad(logits, vf, wz[:, 0] * c)
-        self._z_den += self._den_frac
+        self._z_den += self._den_frac / self._row_size
         return (zsum @ wz) * torch.cat([c.reshape(1), mean.reshape(1)]), zsum
 
     # ---------------------------------------------------------------- end of step

@@ -204,12 +204,11 @@ class TrainConfig:
             parts = 2 * self.cp if self.cp_zigzag else self.cp
             if self.seq_len % parts:
                 raise ValueError(f"seq_len={self.seq_len} must be divisible by {parts} for cp={self.cp}")
-        if (self.cp > 1 or self.sp) and (self.aux_scope not in ("global_lagged", "none") or self.z_form != "global"):
+        if (self.cp > 1 or self.sp) and self.aux_scope == "sequence" and self.mode == "per_document":
             who = " with ".join(([f"cp={self.cp}"] if self.cp > 1 else []) + (["sp"] if self.sp else []))
             raise ValueError(
-                f"{who} supports aux_scope global_lagged/none and z_form global (got aux_scope="
-                f"{self.aux_scope!r}, z_form={self.z_form!r}): the other forms need the counts of whole "
-                "microbatches or sequences on every shard"
+                f"{who} does not combine aux_scope 'sequence' with mode 'per_document' (the documents are the "
+                "sequences then, numbered on whole rows): use aux_scope micro_batch, global_lagged or global_running"
             )
         if self.sp and (self.seq_len // self.cp) % self.tp:
             raise ValueError(
