@@ -464,6 +464,8 @@ def test_context_parallel_refuses_only_documents_as_sequences():
     acc.groups = dataclasses.replace(acc.groups, cp_size=2)
     with pytest.raises(ValueError, match="does not combine scope 'sequence' with mode 'per_document'"):
         MoEAccounting(acc, L, E, TOPK, scope="sequence")
+    with pytest.raises(ValueError, match="megatron_quirks=True is not reproduced under context parallelism"):
+        MoEAccounting(acc, L, E, TOPK, scope="micro_batch", megatron_quirks=True)
 
 
 def test_deferred_normalization_rules():

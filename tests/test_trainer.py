@@ -233,3 +233,14 @@ def test_sharded_checkpoint_resume_is_exact(tmp_path, engine, tp):
     out = spawn(_sharded_resume, 2, str(tmp_path), engine, tp, timeout_s=120)
     for r in out:
         assert r["params_equal"] and r["logs_equal"], r
+
+
+def test_megatron_quirks_under_cp_or_sp_are_refused_by_the_config():
+    # Megatron shards its MoE terms its own way (z coefficient / |TP×CP| on each shard's mean): the exact
+    # forms run under CP/SP, the quirks preset does not pretend to.
+    from lossparity.training.config import TrainConfig
+
+    for kw in ({"cp": 2}, {"tp": 2, "sp": True}):
+        with pytest.raises(ValueError, match="megatron_quirks is not reproduced with cp="):
+            TrainConfig(megatron_quirks=True, z_form="microbatch", **kw).validate()
+    TrainConfig(cp=2, megatron_quirks=True, aux_scope="none", z_coeff=0.0).validate()  # no MoE term: nothing to refuse

@@ -303,6 +303,14 @@ class MoEAccounting:
                 "backward: use normalization='precount'"
             )
         sharded = acc.groups.cp_size > 1 or acc.groups.sequence_parallel
+        if sharded and self.megatron_quirks and (aux_on or z_on):
+            # Megatron shards these terms its own way (z coefficient / |TP×CP| on each shard's own mean,
+            # per-token scaling by local counts): not reproduced.
+            raise ValueError(
+                f"megatron_quirks=True is not reproduced under context parallelism (cp={acc.groups.cp_size}) or "
+                f"sequence parallelism (sp={acc.groups.sequence_parallel}): Megatron divides the z-loss "
+                "coefficient by |TP×CP| on each shard's own mean; use the exact forms (megatron_quirks=False)"
+            )
         if sharded and aux_on and self.scope == "sequence" and acc.mode == "per_document":
             # The sequences are then the documents, numbered on whole rows; a shard's local numbering differs.
             raise ValueError(

@@ -204,6 +204,12 @@ class TrainConfig:
             parts = 2 * self.cp if self.cp_zigzag else self.cp
             if self.seq_len % parts:
                 raise ValueError(f"seq_len={self.seq_len} must be divisible by {parts} for cp={self.cp}")
+        moe_terms = (self.aux_scope != "none" and self.aux_coeff > 0) or self.z_coeff > 0
+        if (self.cp > 1 or self.sp) and self.megatron_quirks and moe_terms:
+            raise ValueError(
+                f"megatron_quirks is not reproduced with cp={self.cp}, sp={self.sp} (Megatron shards its MoE "
+                "terms its own way: z coefficient / |TP×CP| on each shard's mean): use the exact forms"
+            )
         if (self.cp > 1 or self.sp) and self.aux_scope == "sequence" and self.mode == "per_document":
             who = " with ".join(([f"cp={self.cp}"] if self.cp > 1 else []) + (["sp"] if self.sp else []))
             raise ValueError(
