@@ -226,3 +226,23 @@ def nan_on_rank1(rank: int, world: int):
     except (FloatingPointError, RuntimeError) as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def cp_peers_with_different_settings(rank: int, world: int):
+    """Two context-parallel peers (dp=1, cp=2: not compared by the data-parallel pre-count) built with
+    different MTP conventions: logs() raises the same message on both."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "cp"))
+    acc = lp.Accountant("per_token", mesh=mesh, mtp_depths=1, mtp_convention="own" if rank == 0 else "main")
+    mask = torch.ones(1, 4)
+    columns = torch.arange(4).tensor_split(world)[rank]
+    acc.begin_step([mask])
+    acc.lm_loss(torch.ones(1, 4)[:, columns], mask[:, columns], columns=columns)
+    acc.mtp_loss([torch.ones(1, 4)[:, columns]], [mask[:, columns]], columns=columns)
+    acc.finish_step()
+    try:
+        acc.logs()
+    except ValueError as e:
+        return str(e)
+    return "no error"

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from _dist_workers import mismatched_ranks, nan_on_rank1
+from _dist_workers import cp_peers_with_different_settings, mismatched_ranks, nan_on_rank1
 from _moe_workers import TOPK, E, FakeRouter, make_batch, records_for
 
 import lossparity as lp
@@ -263,6 +263,16 @@ def test_mismatched_ranks_stop_with_one_message_naming_the_field():
     nan = spawn(nan_on_rank1, 2, timeout_s=120)
     assert "FloatingPointError" in nan[1] and "rank 1, microbatch 1" in nan[1]
     assert "1 other rank(s) reported invalid values in this step (lm_nonfinite" in nan[0]
+
+
+def test_context_parallel_peers_with_different_settings_are_named_at_logs():
+    # Before: only data-parallel peers were compared (in the pre-count); context, tensor and pipeline peers
+    # built with different settings produced silently inconsistent numbers.
+    out = spawn(cp_peers_with_different_settings, 2, timeout_s=120)
+    for rank, message in enumerate(out):
+        mine = "'own'" if rank == 0 else "'main'"
+        assert "differs between the 2 ranks of the logging collective in mtp_convention" in message, message
+        assert f"(rank {rank} has mtp_convention={mine})" in message
 
 
 # ----------------------------------------------------------------------------- one home per formula

@@ -79,6 +79,8 @@ _UNIT_COUNTS = ("tokens", "samples", "documents", "microbatches")
 # Fixed length of the pre-count buffer: ranks must reduce buffers of one length even when their
 # configurations differ, so that the fingerprint can report the difference (a length mismatch aborts).
 _COUNT_CAPACITY = 256
+# Fingerprint fields that legitimately differ between pipeline stages (MoE layers per chunk, extra counts)
+_STAGE_FIELDS = ("moe", "counts")
 _MB_CODE = 4096  # device-check location code: microbatch * _MB_CODE + sub-location (MTP depth, MoE layer)
 
 # Built-in value checks: name -> (exception, message); the location is appended.
@@ -384,6 +386,12 @@ class Accountant:
             "moe": tuple(sorted((k, repr(v)) for k, v in self._fingerprint_extra.items())),
         }
 
+    def _world_fingerprint(self) -> list[float]:
+        """The fields every rank of the logging collective must share, whatever its pipeline stage or
+        context/tensor shard (the MoE and count fields may differ by stage: not compared there)."""
+        same = {k: v for k, v in self._fp_fields.items() if k not in _STAGE_FIELDS}
+        return fingerprint_values(same)
+
     def _count_layout(self, extra: Sequence[str]) -> Layout:
         lay = Layout()
         lay.add("fingerprint", fingerprint_slots())
@@ -512,6 +520,9 @@ class Accountant:
             self._sum_index: dict[tuple[str, ...], Tensor] = {}
         self._log_layout = layout
         self._acc = layout.zeros(self.device)
+        self._acc[layout.sl("world_fingerprint")] = torch.tensor(
+            self._world_fingerprint(), dtype=torch.float64, device=self.device
+        )
         self._device_checks = DeviceChecks(list(self._checks))
         self._step_ends = dict.fromkeys(self._step_ends, False)
         self._grad_factor: float | None = None
@@ -551,6 +562,8 @@ class Accountant:
         lay.add("objective")  # added contributions, replicated over TP
         lay.add("objective_local", local=True)  # added contributions distinct per TP rank
         lay.add("checks", len(self._checks), local=True)
+        # Every rank's (not only the data-parallel peers') layout-independent settings, compared at logs()
+        lay.add("world_fingerprint", fingerprint_slots(), local=True)
         return lay
 
     def global_count(self, name: str) -> float:
@@ -1045,6 +1058,20 @@ class Accountant:
                 )
             raise ProtocolError(f"logs() called too early: expected {self.expected_call()}")
 
+    def _check_world_fingerprint(self, reduced: list[float]) -> None:
+        """Raise on every rank when ranks of the logging collective (context, tensor or pipeline peers, which
+        the pre-count does not compare) were built with different settings."""
+        g = self.groups.log_group
+        n = 1 if g is None else dist.get_world_size(g)
+        bad = fingerprint_mismatch(reduced, n) if n > 1 else []
+        if bad:
+            mine = ", ".join(f"{f}={self._fp_fields.get(f, '...')!r}" for f in bad)
+            raise ValueError(
+                f"the accounting configuration differs between the {n} ranks of the logging collective in "
+                f"{', '.join(bad)} (rank {dist.get_rank() if dist.is_initialized() else 0} has {mine}): build "
+                "every rank's Accountant with the same arguments"
+            )
+
     def _reduce_logs(self) -> list[float]:
         lay = self._log_layout
         buf = self._acc
@@ -1070,6 +1097,7 @@ class Accountant:
         v = self._reduce_logs()
         self.state = StepState.IDLE
         lay = self._log_layout
+        self._check_world_fingerprint(v[lay.sl("world_fingerprint")])
         self._raise_checks(v[lay.sl("checks")])
         get = {name: v[lay.sl(name)] for name in lay.names()}
         S, ntok, nsamp, ndoc, nmb, lm_num = (
