@@ -540,14 +540,13 @@ class Accountant:
                 f"error); rank {self.groups.token_rank()} stops too"
             )
         n = self.groups.dp_size if reduced and self.groups.dp_group is not None else 1
-        bad = fingerprint_mismatch(values[lay.sl("fingerprint")], n)
-        if bad:
-            mine = ", ".join(f"{f}={self._fp_fields.get(f, '...')!r}" for f in bad)
-            raise ValueError(
-                f"the accounting configuration differs between the {n} data-parallel ranks in "
-                f"{', '.join(bad)} (rank {self.groups.token_rank()} has {mine}): build every rank's "
-                "Accountant and MoEAccounting with the same arguments and declare the same metrics"
-            )
+        self._raise_fingerprint(
+            values[lay.sl("fingerprint")],
+            n,
+            f"{n} data-parallel ranks",
+            self.groups.token_rank(),
+            "Accountant and MoEAccounting with the same arguments and declare the same metrics",
+        )
         self._host_counts = {name: values[lay.sl(name)] for name in lay.names() if name not in ("pad",)}
 
     def _make_log_layout(self) -> Layout:
@@ -1063,13 +1062,19 @@ class Accountant:
         the pre-count does not compare) were built with different settings."""
         g = self.groups.log_group
         n = 1 if g is None else dist.get_world_size(g)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self._raise_fingerprint(
+            reduced, n, f"{n} ranks of the logging collective", rank, "Accountant with the same arguments"
+        )
+
+    def _raise_fingerprint(self, reduced: Sequence[float], n: int, who: str, rank: int, fix: str) -> None:
+        """ValueError naming the fields whose fingerprints differ over the ``n`` ranks (none: nothing)."""
         bad = fingerprint_mismatch(reduced, n) if n > 1 else []
         if bad:
             mine = ", ".join(f"{f}={self._fp_fields.get(f, '...')!r}" for f in bad)
             raise ValueError(
-                f"the accounting configuration differs between the {n} ranks of the logging collective in "
-                f"{', '.join(bad)} (rank {dist.get_rank() if dist.is_initialized() else 0} has {mine}): build "
-                "every rank's Accountant with the same arguments"
+                f"the accounting configuration differs between the {who} in {', '.join(bad)} (rank {rank} "
+                f"has {mine}): build every rank's {fix}"
             )
 
     def _reduce_logs(self) -> list[float]:
