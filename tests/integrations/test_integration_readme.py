@@ -1,4 +1,4 @@
-"""The README's integration snippets run as written (each framework's section, executed in a namespace
+"""The integration snippets of docs/integrations.md run as written (each framework's section, executed in a namespace
 that provides the user's objects) and give the numbers of an independent naive computation."""
 
 from __future__ import annotations
@@ -10,17 +10,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
 
 
 def _snippet(title: str) -> str:
-    text = README.read_text()
+    text = PAGE.read_text()
     section = text[text.index(title + "\n") :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
 def _run(title: str, ns: dict) -> dict:
-    exec(compile(_snippet(title), f"README {title}", "exec"), ns)
+    exec(compile(_snippet(title), f"docs/integrations.md {title}", "exec"), ns)
     return ns
 
 
@@ -37,7 +37,7 @@ def test_hf_trainer_snippet(tmp_path):
     from _hf_common import RowDataset, naive_step1_objective, padded_rows, tiny_model, training_args
 
     ns = _run(
-        "### Hugging Face Trainer",
+        "## Hugging Face Trainer",
         {
             "model": tiny_model(),
             "args": training_args(str(tmp_path), 2, 4, steps=1),
@@ -48,6 +48,25 @@ def test_hf_trainer_snippet(tmp_path):
     assert "lm_loss" in ns["step1"]
 
 
+def test_readme_hf_snippet(tmp_path):
+    """The README's two-line HF example: the trainer it builds optimizes the per-sample objective."""
+    pytest.importorskip("transformers")
+    from _hf_common import RowDataset, naive_step1_objective, padded_rows, tiny_model, training_args
+
+    readme = PAGE.parents[1] / "README.md"
+    text = readme.read_text()
+    code = re.search(r"```python\n(.*?)```", text[text.index("## Plug into your trainer") :], re.S).group(1)
+    ns = {
+        "model": tiny_model(),
+        "args": training_args(str(tmp_path), 2, 4, steps=1),
+        "train_dataset": RowDataset(padded_rows()),
+    }
+    exec(compile(code, "README plug into your trainer", "exec"), ns)
+    ns["trainer"].train()
+    step1 = ns["trainer"].state.log_history[0]
+    assert step1["objective"] == pytest.approx(naive_step1_objective("per_sample", padded_rows()), rel=1e-5)
+
+
 def test_trl_snippet(tmp_path):
     pytest.importorskip("trl")
     import datasets
@@ -55,7 +74,7 @@ def test_trl_snippet(tmp_path):
     from _trl_common import examples, naive_mean_of_example_means, sft_args, tokenizer
 
     ns = _run(
-        "### TRL SFTTrainer",
+        "## TRL SFTTrainer",
         {
             "model": tiny_model(),
             "tokenizer": tokenizer(),
@@ -73,7 +92,7 @@ def test_megatron_snippet():
     g = torch.Generator().manual_seed(0)
     losses = torch.rand(3, 5, generator=g, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0, 0, 0], [0] * 5, [1, 1, 1, 1, 1]], dtype=torch.float64)
-    ns = _run("### Megatron-core", {"config": SimpleNamespace(calculate_per_token_loss=True)})
+    ns = _run("## Megatron-core", {"config": SimpleNamespace(calculate_per_token_loss=True)})
     batch = {"tokens": None, "labels": None, "loss_mask": mask}
     output, loss_func = ns["forward_step"](iter([batch]), lambda tokens, labels: losses)
     num, count, report = loss_func(output)
@@ -87,6 +106,6 @@ def test_torchtitan_snippet():
     from _titan_workers import titan_step
     from test_integration_torchtitan import _reference, _rel
 
-    ns = _run("### torchtitan", {})
+    ns = _run("## torchtitan", {})
     got = titan_step("per_sample", slice(0, 16), 4, cls=ns["LossParityTrainer"], install=ns["use_lossparity"])
     assert _rel(got, _reference("per_sample")) <= 1e-10

@@ -1,4 +1,4 @@
-"""The README's MaxText recipes run, print the documented values and match float64 NumPy and MaxText's formulas."""
+"""The MaxText recipes of docs/jax.md run, print the documented values, match float64 NumPy and MaxText."""
 
 from __future__ import annotations
 
@@ -15,29 +15,29 @@ import pytest
 
 from lossparity.jax import throw as lpj_throw
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "jax.md"
 
 
 def test_maxtext_recipe_runs_with_documented_output():
-    text = README.read_text()
-    section = text[text.index("### Drop-in recipe for a MaxText") :]
+    text = PAGE.read_text()
+    section = text[text.index("## Drop-in recipe for a MaxText") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, "README-maxtext-recipe", "exec"), {})
+        exec(compile(code, "docs-jax-maxtext-recipe", "exec"), {})
     lines = out.getvalue().split("\n")
     assert [round(float(x), 6) for x in lines[0].split()] == [2.0, 1.75, 2.375]
     assert round(float(lines[1]), 6) == 2.0
 
 
 def _run_block(header: str) -> tuple[dict, list[str]]:
-    text = README.read_text()
+    text = PAGE.read_text()
     code = re.search(r"```python\n(.*?)```", text[text.index(header) :], re.S).group(1)
     out, ns = io.StringIO(), {}
     previous = os.environ.get("XLA_FLAGS")
     try:
         with contextlib.redirect_stdout(out):
-            exec(compile(code, "README-maxtext-step", "exec"), ns)
+            exec(compile(code, "docs-jax-maxtext-step", "exec"), ns)
     finally:  # the block sets XLA_FLAGS for a fresh process; keep it out of later tests' subprocesses
         if previous is None:
             os.environ.pop("XLA_FLAGS", None)
@@ -59,9 +59,9 @@ def _naive_float64(params, batch):
 
 
 def test_maxtext_step_with_ga_and_mesh_matches_float64_and_maxtext_formulas():
-    header = "### MaxText-shaped training step"
+    header = "## MaxText-shaped training step"
     ns, lines = _run_block(header)
-    section = README.read_text()[README.read_text().index(header) :]
+    section = PAGE.read_text()[PAGE.read_text().index(header) :]
     documented = re.search(r"Output \(any `K`, any mesh\): `([\d. ]+)`.*?and `([\d. ]+)`", section, re.S)
     assert lines[0] == documented.group(1) and lines[1] == documented.group(2)
 
