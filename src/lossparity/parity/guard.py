@@ -238,6 +238,11 @@ class ParityGuard:
                 )
 
     @property
+    def name_map(self) -> Mapping[str, str] | None:
+        """The user name map applied to both logs."""
+        return self._rec.name_map
+
+    @property
     def candidate(self) -> Run:
         """Everything received so far, as a :class:`Run` (the restart rule applied)."""
         return self._rec.run()
