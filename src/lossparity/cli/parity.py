@@ -215,6 +215,9 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cand-step-base", type=int, default=None, help="candidate's first step number")
     parser.add_argument("--report", default=None, metavar="DIR", help="write summary.md and plots to DIR")
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    from .follow import add_follow_arguments  # --follow, --until, --idle, --poll (cli/follow.py)
+
+    add_follow_arguments(parser)
 
 
 def _load(args: argparse.Namespace, role: str) -> Run:
@@ -245,6 +248,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from ..parity.compare import compare_runs
     from ..parity.readers import LogParseError
     from ..parity.report import format_text, write_report
+
+    if getattr(args, "follow", False):
+        from .follow import cmd_follow
+
+        return cmd_follow(args)
 
     try:
         ref, cand = _load(args, "ref"), _load(args, "cand")

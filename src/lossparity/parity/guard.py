@@ -435,14 +435,18 @@ class ParityGuard:
         """Every compared metric has reached the reference's last point of it."""
         return bool(self._series) and all(s.x and s.last_cand_x >= s.ref_x[-1] for s in self._series.values())
 
-    def finish(self) -> CompareResult:
+    def finish(self, live: bool = False) -> CompareResult:
         """The offline verdict of everything received: :func:`compare_runs` (same options) of the reference
         and :attr:`candidate`. When it fails and no violation was found live (a ``span`` violation), its first
-        violation becomes :attr:`violation` and its report is written. Raises :class:`CompareInputError` as
-        ``compare`` does (nothing shared, no overlapping steps)."""
+        violation becomes :attr:`violation` and its report is written. ``live``: the run goes on (judged up
+        to a chosen step): reference steps after its last one are not missing, as for a log whose last line
+        is incomplete. Raises :class:`CompareInputError` as ``compare`` does (nothing shared, no overlapping
+        steps)."""
+        cand = self.candidate
+        cand.live = live
         result = compare_runs(
             self.ref,
-            self.candidate,
+            cand,
             tolerances=self._overrides or None,
             metrics=self.metrics,
             smooth=self.smooth,
