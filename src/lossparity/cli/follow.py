@@ -105,7 +105,7 @@ def cmd_follow(args: argparse.Namespace) -> int:
         payload = {"outcome": out.outcome, "last_step": out.last_step, "violation": v.to_dict() if v else None}
         print(json.dumps(payload, indent=2))
     elif v is not None:
-        _say(f"VIOLATION at step {v.step}: {v.message()}")
+        _say(f"stopped: first violation at step {v.step} ({v.metric})")
         if out.guard is not None and out.guard.report_files:
             _say(f"report: {out.guard.report_files[0]}")
     else:

@@ -110,8 +110,13 @@ class Verdict:
     def line(self) -> str:
         """One printable line: ``step 4: objective 2.07 vs 2.01 (rel 2.9e-02, tol rel 0.0002) FAIL``."""
         if self.new and self.violation is not None:
-            return f"step {self.step}: VIOLATION {self.violation.message()}"
-        body = "; ".join(c.text() for c in self.checks) or "no reference point"
+            return f"step {self.step}: VIOLATION {self.violation.detail()}"
+        if not self.checks:
+            return f"step {self.step}: no reference point"
+        # the first metric (the loss) and every failing point (allowed failures under rule="megatron")
+        shown = [c for i, c in enumerate(self.checks) if i == 0 or not c.ok or len(self.checks) <= 2]
+        more = len(self.checks) - len(shown)
+        body = "; ".join(c.text() for c in shown) + (f"; {more} more metrics ok" if more else "")
         return f"step {self.step}: {body}"
 
 

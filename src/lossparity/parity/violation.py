@@ -53,20 +53,26 @@ class Violation:
 
     @property
     def names(self) -> str:
-        """``objective (reference 'loss', candidate 'loss')``: the canonical name and both log names."""
-        ref = self.ref_name if self.ref_name == self.cand_name else f"{self.ref_name}' vs '{self.cand_name}"
+        """``objective (logged as 'loss'; reference 'lm loss')``: the canonical name and the logs' own names."""
         label = self.metric if self.metric == self.cand_metric else f"{self.metric}/{self.cand_metric}"
-        return f"{label} ('{ref}')"
+        parts = [f"logged as '{self.cand_name}'"] if self.cand_name != label else []
+        parts += [f"reference '{self.ref_name}'"] if self.ref_name not in (label, self.cand_name) else []
+        return f"{label} ({'; '.join(parts)})" if parts else label
 
-    def message(self) -> str:
-        """One line: step, metric, both values, the difference and the tolerance (or the missing steps)."""
+    def detail(self) -> str:
+        """The violation without its step: metric, both values, the difference and the tolerance (or the
+        missing steps)."""
         if self.ref is None or self.cand is None:
-            return f"step {self.step}: {self.names}: {self.reason}"
+            return f"{self.names}: {self.reason}"
         return (
-            f"step {self.step}: {self.names} = {self.cand:.7g}, reference {self.ref:.7g}: difference "
-            f"{self.cand - self.ref:+.4g} (relative {_rel_text(self.rel_diff)}) exceeds the tolerance {self.tolerance}"
+            f"{self.names} = {self.cand:.7g}, reference {self.ref:.7g}: difference {self.cand - self.ref:+.4g} "
+            f"(relative {_rel_text(self.rel_diff)}) exceeds the tolerance {self.tolerance}"
             + (f" ({self.failures} failing points > {self.allowed} allowed)" if self.allowed else "")
         )
+
+    def message(self) -> str:
+        """One line: ``step N: <detail>``."""
+        return f"step {self.step}: {self.detail()}"
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready form (non-finite numbers as the strings ``nan``/``inf``/``-inf``)."""

@@ -60,12 +60,11 @@ def make_guard(cfg: Any, rank: int = 0) -> Any:
 
 def parity_check(guard: Any, line: dict[str, Any], rank: int, save: Callable[[], str | None]) -> None:
     """Compare one step's log ``line``; on a stop call ``save()`` (the step's checkpoint; returns its folder)
-    and raise :class:`ParityStop`. Rank 0 prints the violation once on stderr."""
+    and raise :class:`ParityStop`. With ``warn`` rank 0 prints it once on stderr."""
     verdict = guard.update(int(line["step"]), {k: v for k, v in line.items() if k not in _NOT_COMPARED})
-    if verdict.new and rank == 0:
-        action = "stopping" if verdict.stop else "continuing (--on-violation warn)"
-        print(f"lossparity train: parity: {verdict.line()}; {action}", file=sys.stderr, flush=True)
+    if verdict.new and rank == 0 and not verdict.stop:  # a stop is reported once, by `lossparity train`'s exit
+        print(f"lossparity train: note: parity: {verdict.line()}; continuing (--on-violation warn)", file=sys.stderr)
     if verdict.stop:
         v = verdict.violation
         checkpoint = save()
-        raise ParityStop(v.step, v.metric, v.message(), checkpoint)
+        raise ParityStop(v.step, v.metric, v.detail(), checkpoint)
