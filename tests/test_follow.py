@@ -113,8 +113,10 @@ def test_follow_a_drifting_megatron_log_stops_at_the_first_violation(tmp_path):
     # the same verdict and first failing step as compare on the finished file
     offline = compare_runs(read_log(tmp_path / "ref.jsonl"), read_log(tmp_path / "cand.log"))
     assert not offline.passed and offline.metrics["lm_loss"].first_fail_step == 6
-    assert cli([str(tmp_path / "ref.jsonl"), str(tmp_path / "cand.log")]) == 1
+    assert cli([str(tmp_path / "ref.jsonl"), str(tmp_path / "cand.log"), "--report", str(tmp_path / "off")]) == 1
     report = json.loads((tmp_path / "rep" / "parity_report.json").read_text())
+    offline_report = json.loads((tmp_path / "off" / "parity_report.json").read_text())
+    assert {**offline_report, "on_violation": "stop"} == report  # the same report, live and offline
     assert report["step"] == 6 and report["cand_name"] == "lm loss"
     assert report["cand"] == float(f"{loss(6) * 1.03:.6E}") and report["ref"] == loss(6)
 
