@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from lossparity.cli import main
 
 STEPS = 4
@@ -34,9 +36,15 @@ def lines(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_train_against_a_reference_log(tmp_path, capsys):
-    golden = tmp_path / "golden"
-    assert main(["train", *ARGS, "--out", str(golden)]) == 0
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory) -> Path:
+    """An earlier one-rank run: its metrics.jsonl is the reference."""
+    out = tmp_path_factory.mktemp("golden") / "run"
+    assert main(["train", *ARGS, "--out", str(out)]) == 0
+    return out
+
+
+def test_train_against_a_reference_log(golden, tmp_path, capsys):
     ref = lines(golden)
     mega = megatron_log(ref, tmp_path / "megatron.log")
     for i, reference in enumerate((golden / "metrics.jsonl", mega)):
@@ -60,6 +68,20 @@ def test_train_against_a_reference_log(tmp_path, capsys):
     resumed = lines(out)
     assert [x["step"] for x in resumed] == list(range(1, STEPS + 1))
     assert [x["lm_loss"] for x in resumed] == [x["lm_loss"] for x in ref]  # the same run, bit for bit
+
+
+@pytest.mark.slow
+def test_two_data_parallel_ranks_stop_at_the_same_step(golden, tmp_path, capsys):
+    # the reference is a one-rank run: the two-rank run equals it within the tolerance (layout invariance) until
+    # the raised step; both ranks take the decision from the same collective log line and stop together
+    raised = megatron_log(lines(golden), tmp_path / "raised.log", raise_from=2)
+    out = tmp_path / "dp2"
+    code = main(["train", *ARGS, "--dp", "2", "--out", str(out), "--ckpt-interval", "100", "--reference", str(raised)])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "training stopped after step 2" in err and "lm_loss" in err
+    assert [x["step"] for x in lines(out)] == [1, 2] and list((out / "checkpoints").iterdir())
+    assert json.loads((out / "parity_report.json").read_text())["step"] == 2
 
 
 def test_bad_reference_is_an_input_error(tmp_path, capsys):
