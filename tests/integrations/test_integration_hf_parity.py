@@ -93,3 +93,22 @@ def test_loss_parity_trainer_against_its_own_earlier_run(tmp_path):
     assert second.state.global_step == STEPS and cb.guard.violation is None
     compared = {c.metric for v in cb.verdicts for c in v.checks}
     assert {"objective", "lm_loss"} <= compared
+
+
+def test_evaluation_and_summary_logs_are_not_steps(tmp_path):
+    from types import SimpleNamespace
+
+    from lossparity.integrations.hf import ParityCallback
+
+    ref = tmp_path / "ref.jsonl"
+    ref.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n')
+    cb = ParityCallback(str(ref), report_dir=tmp_path)
+    control = SimpleNamespace(should_training_stop=False, should_save=False)
+    state = SimpleNamespace(global_step=1, is_world_process_zero=True)
+    cb.on_log(None, state, control, logs={"eval_loss": 9.0, "epoch": 0.1})  # evaluation before training
+    cb.on_log(None, state, control, logs={"loss": 2.0, "learning_rate": 0.1, "epoch": 0.1})
+    state.global_step = 2
+    cb.on_log(None, state, control, logs={"train_runtime": 1.0, "train_loss": 9.0, "epoch": 0.2})
+    assert len(cb.verdicts) == 1 and cb.verdicts[0].ok and not control.should_training_stop
+    cb.on_log(None, state, control, logs={"loss": 1.6, "epoch": 0.2})  # rel 0.067 > 2e-4
+    assert control.should_training_stop and cb.stopped_at == 2 and (tmp_path / "parity_report.md").exists()

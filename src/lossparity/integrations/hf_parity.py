@@ -34,6 +34,7 @@ from . import require
 __all__ = ["ParityCallback"]
 
 _SUMMARY = ("train_runtime", "train_loss", "total_flos")  # the end-of-training summary log is not a step
+_EVAL = ("eval_", "predict_", "test_")
 
 
 class ParityCallback:
@@ -77,8 +78,8 @@ class ParityCallback:
         if not logs or any(k in logs for k in _SUMMARY):
             return control
         values = _one_name_per_metric(logs, self.guard.name_map)
-        if not values:
-            return control
+        if not any(not k.startswith(_EVAL) and k != "epoch" for k in values):
+            return control  # an evaluation log (eval_loss, ...) is not a training step
         verdict = self.guard.update(int(state.global_step), values)
         self.verdicts.append(verdict)
         if verdict.new and self.guard.write_report:
