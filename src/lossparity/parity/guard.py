@@ -266,7 +266,10 @@ class ParityGuard:
         """(Re)build the compared series when the candidate's metric names change; returns new pairs, whose
         points so far are then compared."""
         fresh = []
-        for rname, cname in self._pairs():
+        pairs = self._pairs()
+        for gone in set(self._series) - {r for r, _ in pairs}:  # a pairing the new names replace
+            del self._series[gone]
+        for rname, cname in pairs:
             s = self._series.get(rname)
             if s is not None and s.cand_name == cname:
                 continue
