@@ -105,9 +105,9 @@ def cmd_follow(args: argparse.Namespace) -> int:
         payload = {"outcome": out.outcome, "last_step": out.last_step, "violation": v.to_dict() if v else None}
         print(json.dumps(payload, indent=2))
     elif v is not None:
-        _say(f"stopped: first violation at step {v.step} ({v.metric})")
+        _say(f"VIOLATION: first at step {v.step} ({v.metric})")
         if out.guard is not None and out.guard.report_files:
             _say(f"report: {out.guard.report_files[0]}")
     else:
-        _say(f"PARITY: {out.last_step} steps followed, every compared point within tolerance")
+        _say(f"PARITY: followed to step {out.last_step}, every compared point within tolerance")
     return 1 if v is not None else 0
