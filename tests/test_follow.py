@@ -1,6 +1,7 @@
 """`lossparity compare REF CAND --follow` against a Megatron log that another process writes line by line (with
-pauses and a torn last line): the same verdict and first failing step as `compare` on the finished file, seen
-within a poll interval of the violating line's newline."""
+pauses and a torn last line): the same verdict and first failing step as `compare` on the finished file, reported
+before the writer goes on (the delay after the violating line's newline is printed, not asserted: no timed
+assertions in tests)."""
 
 from __future__ import annotations
 
@@ -32,11 +33,11 @@ def write_reference(path: Path) -> Path:
 
 
 WRITER = r"""
-import sys, time
+import os, sys, time
 sys.path.insert(0, sys.argv[4])
 from test_follow import TOTAL, loss
 from test_compare import megatron_line
-path, drift_from, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+path, drift_from, pause, go = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[5]
 with open(path, "a") as f:
     f.write("Megatron-LM training ...\n"); f.flush()
     for s in range(1, TOTAL + 1):
@@ -45,7 +46,11 @@ with open(path, "a") as f:
             f.write(line[:60]); f.flush(); time.sleep(4 * pause)
         f.write(line[60:] if s == drift_from else line); f.flush()
         print(s, time.monotonic(), flush=True)
-        time.sleep(10 * pause if s == drift_from else pause)
+        if s == drift_from:  # the next line comes only once the test has seen the follower's verdict
+            t0 = time.monotonic()
+            while not os.path.exists(go) and time.monotonic() - t0 < 120:
+                time.sleep(0.01)
+        time.sleep(pause)
 """
 
 
@@ -75,16 +80,20 @@ def follow(tmp_path: Path, drift_from: int, pause: float) -> tuple[int, list[tup
     )
     lines: list[tuple[float, str]] = []
 
+    go = tmp_path / "go"
+
     def collect() -> None:
         assert follower.stdout is not None
         for line in follower.stdout:
             lines.append((time.monotonic(), line.rstrip("\n")))
+            if "VIOLATION" in line:
+                go.touch()  # lets the writer go on: the verdict came before any later line existed
 
     reader = threading.Thread(target=collect)
     reader.start()
     tests_dir = str(Path(__file__).parent)
     writer = subprocess.run(
-        [sys.executable, "-c", WRITER, str(cand), str(drift_from), str(pause), tests_dir],
+        [sys.executable, "-c", WRITER, str(cand), str(drift_from), str(pause), tests_dir, str(go)],
         capture_output=True,
         text=True,
         env=env,
@@ -105,11 +114,10 @@ def test_follow_a_drifting_megatron_log_stops_at_the_first_violation(tmp_path):
     assert [t.split(":")[0] for t in texts[:5]] == [f"step {s}" for s in range(1, 6)]  # one line per step, in order
     hit = next(i for i, t in enumerate(texts) if "VIOLATION" in t)
     assert texts[hit].startswith("step 6: VIOLATION") and "lm_loss" in texts[hit]
-    assert not any(t.startswith("step 7") for t in texts)  # it stopped there
+    assert not any(t.startswith("step 7") for t in texts)  # it stopped there, before line 7 was written
     latency = lines[hit][0] - written[6]
-    # one poll interval, plus the start of a reader pass on a loaded machine
-    assert 0 <= latency < POLL + 1.0, latency
-    print(f"follow: violation at step 6 reported {latency:.3f} s after its newline (poll {POLL} s)")
+    assert latency >= 0  # the torn line was not compared before its newline
+    print(f"measured: follow reported the violation of step 6 {latency:.3f} s after its newline (poll {POLL} s)")
     # the same verdict and first failing step as compare on the finished file
     offline = compare_runs(read_log(tmp_path / "ref.jsonl"), read_log(tmp_path / "cand.log"))
     assert not offline.passed and offline.metrics["lm_loss"].first_fail_step == 6
@@ -139,3 +147,5 @@ def test_follow_gives_up_on_a_log_that_stops_growing(tmp_path, capsys):
     assert out.startswith("step 1:") and "gave up after 0.4 s without growth" in err and "step 2" in err
     assert cli([str(ref), str(cand), "--follow", "--poll", "0.05", "--idle", "1", "--until", "2"]) == 0
     assert cli([str(ref), str(cand), "--follow", "--window", "1:2"]) == 2
+    assert cli([str(ref), str(cand), "--until", "2"]) == 2
+    assert "--until needs --follow" in capsys.readouterr().err

@@ -59,6 +59,8 @@ def cmd_follow(args: argparse.Namespace) -> int:
     from ..parity.readers import LogParseError, Run
     from .parity import _error, _load
 
+    if not args.follow:
+        return _error("compare", args, "input error", ValueError("--until needs --follow"))
     for attr, flag in _NOT_WITH_FOLLOW:
         if getattr(args, attr, None) is not None:
             return _error("compare", args, "input error", ValueError(f"{flag} is not supported with --follow"))

@@ -251,8 +251,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from ..parity.readers import LogParseError
     from ..parity.report import format_text, write_report
 
-    if getattr(args, "follow", False):
-        from .follow import cmd_follow
+    if getattr(args, "follow", False) or getattr(args, "until", None) is not None:
+        from .follow import cmd_follow  # (which refuses --until without --follow)
 
         return cmd_follow(args)
 
