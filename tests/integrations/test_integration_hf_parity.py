@@ -112,3 +112,30 @@ def test_evaluation_and_summary_logs_are_not_steps(tmp_path):
     assert len(cb.verdicts) == 1 and cb.verdicts[0].ok and not control.should_training_stop
     cb.on_log(None, state, control, logs={"loss": 1.6, "epoch": 0.2})  # rel 0.067 > 2e-4
     assert control.should_training_stop and cb.stopped_at == 2 and (tmp_path / "parity_report.md").exists()
+
+
+@pytest.mark.slow
+def test_two_processes_stop_at_the_same_step(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lossparity.distributed.launch import free_port
+
+    here = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parents[1] / "src"), str(here)]), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2"]
+    cmd += [
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(here / "_hf_parity_worker.py"),
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["golden_losses"] == ranks[1]["golden_losses"]  # the same logs on both processes
+    for r in ranks:
+        assert r["global_step"] == 4 and r["stopped_at"] == 4 and r["verdict_steps"] == [1, 2, 3, 4]
+    assert json.loads((tmp_path / "report" / "parity_report.json").read_text())["step"] == 4
