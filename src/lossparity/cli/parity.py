@@ -17,6 +17,7 @@ from ..options import ALIGNS, MISSING_STEPS, MODE_INFO
 from ..parity.readers import FORMAT_ALIASES, FORMATS
 
 if TYPE_CHECKING:  # NumPy-based types, imported by the commands that use them
+    from ..parity.compare import CompareResult
     from ..parity.gap import GapReport
     from ..parity.readers import Run
 
@@ -215,6 +216,9 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cand-step-base", type=int, default=None, help="candidate's first step number")
     parser.add_argument("--report", default=None, metavar="DIR", help="write summary.md and plots to DIR")
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    from .follow import add_follow_arguments  # --follow, --until, --idle, --poll (cli/follow.py)
+
+    add_follow_arguments(parser)
 
 
 def _load(args: argparse.Namespace, role: str) -> Run:
@@ -240,11 +244,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
     (unreadable or unparseable log, bad option, unknown ``--tol``/``--metrics`` name, no shared metric, no
     overlapping steps). Prints a table, or with ``--json`` a JSON object (``{"error": ..., "exit_code": 2}``
     on input errors); errors go to stderr. With ``--report DIR`` writes ``summary.md`` and one PNG per
-    metric (a note on stderr when matplotlib is missing and plots are skipped).
+    metric (a note on stderr when matplotlib is missing and plots are skipped), and for a failing comparison
+    ``parity_report.md``/``.json`` with its first violation (as the live guard writes them).
     """
     from ..parity.compare import compare_runs
     from ..parity.readers import LogParseError
     from ..parity.report import format_text, write_report
+
+    if getattr(args, "follow", False) or getattr(args, "until", None) is not None:
+        from .follow import cmd_follow  # (which refuses --until without --follow)
+
+        return cmd_follow(args)
 
     try:
         ref, cand = _load(args, "ref"), _load(args, "cand")
@@ -269,8 +279,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
             return _error("compare", args, "cannot write the report", e)
         if files.plots_skipped:
             print(f"lossparity compare: note: plots skipped: {files.plots_skipped}", file=sys.stderr)
+        _write_violation(result, args.report)  # parity_report.md/.json, as the live guard writes them
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_text(result))
     return 0 if result.passed else 1
+
+
+def _write_violation(result: CompareResult, out_dir: str) -> None:
+    """The first violation of a failing comparison as ``parity_report.md``/``.json`` (nothing when it passes)."""
+    from ..parity.violation import violation_from_result, write_violation_report
+
+    v = violation_from_result(result)
+    if v is not None:
+        write_violation_report(
+            v, out_dir, ref_source=result.ref.source, cand_source=result.cand.source, on_violation="report"
+        )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -208,10 +208,12 @@ def _preflight(cfg) -> None:
     """Input errors that would otherwise surface in every rank: the model configuration and the data file
     (read once here, e.g. a binary file names its path)."""
     from ..model import get_config
+    from ..training.parity_stop import make_guard
     from ..training.rundir import check_run_dir
     from ..training.trainer import build_corpus
 
     resolved = cfg.resolved()
+    make_guard(resolved)  # --reference: read once here, so a bad log or tolerance is one input error
     model_config = get_config(resolved.model, **resolved.model_overrides)
     if cfg.data != "synthetic":
         build_corpus(resolved, model_config.vocab_size)
@@ -223,15 +225,22 @@ _INPUT_ERRORS = (UsageError, ValueError, TypeError, FileNotFoundError, IsADirect
 
 def cmd_train(args: argparse.Namespace) -> int:
     """``lossparity train``: exit 0 done, 2 an input error, 1 a failure of the run (one line each; the
-    traceback with ``--debug``)."""
+    traceback with ``--debug``), 3 stopped by ``--reference`` at a parity violation (checkpoint written)."""
     from ..distributed.launch import RankError
+    from ..training.parity_stop import PARITY_STOP_EXIT, ParityStop
     from ..training.trainer import run_training
 
     try:
         cfg = train_config_from_args(args)
         _preflight(cfg)
         history = run_training(cfg)
+    except ParityStop as e:  # --reference: stopped at the first violation, after its checkpoint
+        print(f"lossparity train: {e}", file=sys.stderr)
+        return PARITY_STOP_EXIT
     except RankError as e:
+        if e.failures and all(f.kind == "ParityStop" for f in e.failures):  # every rank stopped at the same step
+            print(f"lossparity train: {' '.join(e.failures[0].message.split())}", file=sys.stderr)
+            return PARITY_STOP_EXIT
         if args.debug:
             raise
         for line in e.summary_lines():

@@ -9,6 +9,8 @@ itself imports no framework):
   ``forward_step`` with ``calculate_per_token_loss=True`` (``pip install "lossparity[megatron]"``).
 - :mod:`lossparity.integrations.torchtitan`: ``LossParityLoss`` and ``precount_step``, the loss and
   step hook of a torchtitan trainer (``pip install "lossparity[torchtitan]"``).
+- The live parity guard (docs/parity-guard.md): ``hf.ParityCallback`` (:mod:`.hf_parity`),
+  :mod:`.titan_parity` ``ParityTitanMixin`` and :mod:`.megatron_parity` ``parity_check``.
 
 The semantics of every mode are those of docs/semantics.md §1; how each framework is made to optimize
 exactly the chosen objective for any layout is docs/semantics.md §3 (pre-counted normalizers for HF and

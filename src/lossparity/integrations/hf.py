@@ -38,6 +38,7 @@ from torch import Tensor
 from ..losses.modes import objective as _batch_objective
 from ..options import MODES, Mode, check_option
 from . import require
+from .hf_parity import ParityCallback as ParityCallback  # the live parity guard (hf_parity.py)
 
 __all__ = ["IGNORE_INDEX", "LossParityMixin", "LossParityTrainer", "shifted_labels", "segments_of"]  # noqa: F822
 

@@ -4,7 +4,8 @@
 ``trainer_state.json``, MaxText, torchtitan (console or loss export) or MindFormers log into a :class:`Run`
 of canonical metrics; ``compare_runs`` checks two runs against per-metric tolerances and returns a
 :class:`CompareResult`; ``format_text`` and ``write_report`` render it (text table; ``summary.md`` and
-plots). The command-line glue lives in :mod:`lossparity.cli.parity`.
+plots). ``ParityGuard`` applies the same rules step by step while a run trains (:mod:`.guard`). The
+command-line glue lives in :mod:`lossparity.cli.parity`.
 
 This package never imports torch. Its names are imported lazily, so that reading a log (``readers``) does
 not import NumPy, which only the comparison needs.
@@ -27,6 +28,9 @@ _EXPORTS = {
     "parse_tolerances": "compare",
     "step_ranges": "compare",
     "tolerance_for": "compare",
+    "ParityGuard": "guard",
+    "Verdict": "guard",
+    "Violation": "violation",
     "CANONICAL_METRICS": "names",
     "canonical_name": "names",
     "is_canonical": "names",

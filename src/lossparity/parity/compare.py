@@ -67,6 +67,7 @@ __all__ = [
     "MetricResult",
     "Tolerance",
     "compare_runs",
+    "judge_points",
     "megatron_allowed_failures",
     "moving_average",
     "parse_tolerances",
@@ -477,6 +478,23 @@ def _missing_violation(
     )
 
 
+def judge_points(r: np.ndarray, c: np.ndarray, tol: Tolerance) -> tuple[np.ndarray, np.ndarray]:
+    """Pass flags and relative differences of aligned (smoothed) points, the rule of the module docstring:
+    ``ok = |c - r| <= abs + rel·|r|`` for finite pairs, two non-finite values agree when both are NaN or the
+    same infinity; ``rel_diff = |c - r| / |r|`` (0 when equal, inf for ``r = 0 != c`` or a failing
+    non-finite pair). The one point judgement of :func:`compare_runs` and of the live
+    :class:`~lossparity.parity.guard.ParityGuard`."""
+    r = np.asarray(r, dtype=np.float64)
+    c = np.asarray(c, dtype=np.float64)
+    finite = np.isfinite(r) & np.isfinite(c)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        diff = np.abs(c - r)
+        ok = np.where(finite, diff <= tol.bound(r), (np.isnan(r) & np.isnan(c)) | (r == c))
+        rel = np.where(diff == 0, 0.0, diff / np.abs(r))
+    rel = np.where(finite, rel, np.where(ok, 0.0, np.inf))
+    return ok.astype(bool), rel
+
+
 def _compare_metric(
     names: tuple[str, str],
     ref: Run,
@@ -496,12 +514,7 @@ def _compare_metric(
     steps = np.array([rp[x][0] for x in xs], dtype=np.int64)
     r = moving_average(np.array([rp[x][1] for x in xs], dtype=np.float64), smooth)
     c = moving_average(np.array([cp[x][1] for x in xs], dtype=np.float64), smooth)
-    finite = np.isfinite(r) & np.isfinite(c)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        diff = np.abs(c - r)
-        ok = np.where(finite, diff <= tol.bound(r), (np.isnan(r) & np.isnan(c)) | (r == c))
-        rel = np.where(diff == 0, 0.0, diff / np.abs(r))
-    rel = np.where(finite, rel, np.where(ok, 0.0, np.inf))
+    ok, rel = judge_points(r, c, tol)
     missing_cand, missing_ref = sorted(set(rp) - set(cp)), sorted(set(cp) - set(rp))
     unit = "step" if align == "step" else "sample count"
     return MetricResult(

@@ -59,6 +59,7 @@ OPTION_CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES,
     "engine": ENGINES,
     "loss_impl": LOSS_IMPLS,
+    "on_violation": ("stop", "warn"),
 }
 
 # The byte-level tokenizer's vocabulary: 256 bytes + 3 special ids (training/data.py ByteTokenizer).
@@ -162,6 +163,10 @@ class TrainConfig:
     device: str = _f(
         "cpu", "cpu, or cuda for single-process runs on the current GPU (multi-rank runs use NCCL's device)", "layout"
     )
+    # the live parity guard (training/parity_stop.py)
+    reference: str | None = _f(None, "reference log to compare every step with (any `compare` format)", "run")
+    tol: str = _f("", "tolerances of --reference, as compare --tol: NAME=REL[,NAME=rel:x+abs:y]", "run")
+    on_violation: str = _f("stop", "--reference violation: stop (checkpoint, exit 3) or warn", "run")
 
     # ------------------------------------------------------------------ checks (never mutate)
     def validate(self) -> None:

@@ -49,6 +49,7 @@ from .config import TrainConfig
 from .data import Batch, Corpus, JsonlCorpus, SyntheticCorpus, TextFileCorpus, global_batch, split_batch
 from .forward import LossForward, head_loss_fn, head_weights, indexer_share
 from .grads import clip_grad_norm, sum_replicated_grads_over_tp
+from .parity_stop import make_guard, parity_check
 from .pipeline import PipelineRunner
 from .rundir import prepare_run_dir
 from .runlog import MetricsLog
@@ -524,6 +525,14 @@ class Trainer:
             if self.world > 1:
                 dist.barrier()
 
+    def _save_now(self, writer: MetricsLog | None, ckpt_dir: str | None) -> str | None:
+        """The checkpoint of the current step (after its metrics are durable); its folder, or ``None``."""
+        if not ckpt_dir:
+            return None
+        self._sync_run_logs(writer)
+        self.save(ckpt_dir)
+        return ckpt_dir
+
     def fit(self, steps: int | None = None, crash_after: int | None = None) -> list[dict[str, Any]]:
         """Train until ``steps`` (default ``cfg.steps``) optimizer steps are done; logs, checkpoints and
         resumes as configured. ``crash_after`` (tests) raises after that many steps of this call."""
@@ -553,6 +562,7 @@ class Trainer:
             )
         interval = IntervalMean()
         done = 0
+        guard = make_guard(cfg, self.rank)  # --reference: the live parity guard (training/parity_stop.py)
         try:
             while self.step < total:
                 line = self.train_step()
@@ -562,6 +572,8 @@ class Trainer:
                 interval.update(line)
                 if writer:
                     writer.write(line)
+                if guard is not None:
+                    parity_check(guard, line, self.rank, lambda: self._save_now(writer, ckpt_dir))
                 if self.step % cfg.log_interval == 0 or self.step == total:
                     if self.rank == 0 and cfg.progress:
                         _progress(self.step, total, interval.compute())
