@@ -41,6 +41,11 @@ EXECUTED = {
         "import os",
     ): "tests/jax/test_jax_readme.py::test_maxtext_step_with_ga_and_mesh_matches_float64_and_maxtext_formulas",
     ("docs/jax.md", "import jax"): "tests/jax/test_jax_readme.py::test_maxtext_recipe_runs_with_documented_output",
+    # "*": one test runs every python block of the page
+    (
+        "docs/parity-guard.md",
+        "*",
+    ): "tests/test_parity_guard_doc.py::test_python_blocks_run_and_print_what_the_page_shows",
 }
 
 
@@ -62,11 +67,14 @@ def test_every_python_block_is_executed_by_a_test():
         (page, b.split("\n", 1)[0])
         for page in pages
         for b in python_blocks(page)
-        if (page, b.split("\n", 1)[0]) not in EXECUTED
+        if (page, b.split("\n", 1)[0]) not in EXECUTED and (page, "*") not in EXECUTED
     ]
     assert not unlisted, f"python blocks that no test executes (add a test and list it in EXECUTED): {unlisted}"
     for (page, first), test in EXECUTED.items():
-        block(page, first)  # still there, once
+        if first == "*":
+            assert python_blocks(page), f"{page} has no python block"
+        else:
+            block(page, first)  # still there, once
         path, name = test.split("::")
         assert f"def {name}(" in (ROOT / path).read_text(), f"{test} does not exist"
 
