@@ -20,7 +20,10 @@ Semantics (all functions below follow them):
 - **Verdict.** A metric passes when its number of failing points is ``<= allowed``, where
   ``allowed = 0``, or with ``megatron_rule=True`` Megatron-LM's functional-test rule
   ``allowed = min(max(n // 100, 1), 50)`` for ``n > 1`` compared points (``0`` for ``n = 1``).
-  The comparison passes when every compared metric passes (and the missing-steps rule holds).
+  The comparison passes when every compared metric passes (and the missing-steps rule holds), and, with
+  the default metrics, when a loss (``lm_loss`` or ``objective``, possibly paired across frameworks) was
+  compared: a verdict must rest on a loss, so a comparison of only ``lr`` or ``grad_norm`` fails and names
+  the metrics each run has (:attr:`CompareResult.no_loss`).
 - **Default metrics.** Without ``metrics``, every canonical metric (see :mod:`.names`) that both
   runs have is compared; other shared names are listed as not compared. **Cross-framework pairing:**
   when one run has ``lm_loss`` but no ``objective`` and the other ``objective`` but no ``lm_loss``
@@ -353,6 +356,8 @@ class CompareResult:
     """All metrics of one comparison; ``passed`` when every compared metric passes.
 
     ``notes``: decisions taken on the user's behalf (a cross-framework pairing), one sentence each.
+    ``no_loss``: with the default metrics, why no loss was compared (what each run has); the comparison
+    then fails whatever the other metrics say.
     """
 
     ref: Run
@@ -366,10 +371,11 @@ class CompareResult:
     not_compared: list[str] = field(default_factory=list)
     missing_steps: str = "span"
     notes: list[str] = field(default_factory=list)
+    no_loss: str | None = None
 
     @property
     def passed(self) -> bool:
-        return all(m.passed for m in self.metrics.values())
+        return self.no_loss is None and all(m.passed for m in self.metrics.values())
 
     @property
     def violations(self) -> list[MetricResult]:
@@ -404,6 +410,7 @@ class CompareResult:
             "skipped": dict(self.skipped),
             "not_compared": list(self.not_compared),
             "notes": list(self.notes),
+            "no_loss": self.no_loss,
         }
 
 
@@ -551,6 +558,26 @@ def _loss_pairing(ref: Run, cand: Run) -> tuple[tuple[str, str], str] | None:
     return None
 
 
+LOSS_METRICS = ("lm_loss", "objective")
+
+
+def _no_loss_reason(ref: Run, cand: Run) -> str:
+    """Why no loss was compared: the metrics of each run, and the hint to map an unrecognized loss name."""
+
+    def has(run: Run) -> str:
+        names = ", ".join(sorted(run.metrics)) or "no metric"
+        losses = [m for m in LOSS_METRICS if m in run.metrics]
+        return f"{names}" + ("" if losses else " (no lm_loss or objective)")
+
+    unknown = sorted(m for run in (ref, cand) for m in run.metrics if "loss" in m and not is_canonical(m))
+    hint = (
+        f"; if {', '.join(repr(u) for u in unknown)} is a loss, map it, e.g. --name-map {unknown[0]}=objective"
+        if unknown
+        else ""
+    )
+    return f"no loss compared: the reference has {has(ref)}; the candidate has {has(cand)}{hint}"
+
+
 def _default_pairs(ref: Run, cand: Run) -> tuple[list[tuple[str, str]], list[str], list[str]]:
     """Default ``(ref name, cand name)`` pairs, the shared non-canonical names, and pairing notes."""
     shared = set(ref.metrics) & set(cand.metrics)
@@ -572,6 +599,12 @@ def _requested_pairs(ref: Run, cand: Run, metrics: Sequence[str]) -> list[tuple[
                 f"metrics: {m!r} is not in the {' and '.join(missing)} run; available: ref has "
                 f"{', '.join(sorted(ref.metrics)) or 'none'}; cand has {', '.join(sorted(cand.metrics)) or 'none'}"
             )
+        for role, run in (("ref", ref), ("cand", cand)):
+            if m in run.unreadable:
+                raise CompareInputError(
+                    f"metrics: {m!r} of the {role} run {run.source} has values that are not one number "
+                    f"(first at {run.unreadable[m]}); they cannot be compared"
+                )
     return [(m, m) for m in wanted]
 
 
@@ -681,6 +714,10 @@ def compare_runs(
             "the candidate log ends with an incomplete line (still being written): reference "
             "steps after its last complete step are reported, not failed"
         )
+    if metrics is None and not any(p in result.metrics for p in LOSS_METRICS):
+        result.no_loss = _no_loss_reason(ref, cand)
+    elif metrics is not None and not any(p in result.metrics for p in LOSS_METRICS):
+        result.notes.append(f"no loss among the requested metrics: the verdict covers {', '.join(result.metrics)} only")
     if not result.metrics:
         raise CompareInputError(
             f"no overlapping {align}s for any shared metric "

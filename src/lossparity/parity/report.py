@@ -65,6 +65,8 @@ def format_text(result: CompareResult) -> str:
     lines = [f"lossparity compare: {'PARITY' if result.passed else 'VIOLATION'}"]
     for role, run in (("ref", result.ref), ("cand", result.cand)):
         lines.append(f"  {role:<4} {run.source} ({run.format}, first step {run.step_base})")
+    if result.no_loss:
+        lines.append(f"  FAIL: {result.no_loss}")
     head = (
         "metric",
         "tolerance",
@@ -147,6 +149,8 @@ def summary_markdown(result: CompareResult, plots: dict[str, Path], plots_skippe
             f"{_fmt(m.ref[w])} | {_fmt(m.cand[w])} | {_missing_cell(m)} | {'ok' if m.passed else '**FAIL**'} |"
         )
     out.append("")
+    if result.no_loss:
+        out.append(f"- **FAIL**: {result.no_loss}")
     for m in result.metrics.values():
         if m.missing_violation:
             out.append(f"- `{m.metric}` fails the missing-steps rule ({result.missing_steps}): {m.missing_violation}")
