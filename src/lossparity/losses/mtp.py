@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..options import MTP_CONVENTIONS, MTPConvention, check_option
+from ._checks import check_int, check_int_tensor, check_same_shape, check_tensor
 from .modes import check_mode, numerator, objective
 from .stats import check_inputs
 
@@ -77,8 +78,11 @@ def _shift_left(x: Tensor, k: int, fill: int | float) -> Tensor:
 def roll_mask(mask: Tensor, segment_ids: Tensor | None, k: int) -> Tensor:
     """The depth-``k`` loss mask: ``w_k[i,t] = w[i,t+k]`` when ``t+k`` is inside row ``i`` and (with
     ``segment_ids``) in the same document as ``t``, else 0. Works on ``[B, S]`` or ``[S]``."""
-    if k < 0:
-        raise ValueError(f"MTP depth k must be >= 0, got {k}")
+    check_tensor("mask", mask, dims=(1, 2), shape_text="[B, S] or [S]")
+    check_int("k", k, minimum=0)
+    if segment_ids is not None:
+        check_int_tensor("segment_ids", segment_ids)
+        check_same_shape("segment_ids", segment_ids, "mask", mask)
     if k == 0:
         return mask
     w = _shift_left(mask, k, 0)
@@ -94,8 +98,12 @@ def roll_mtp(
     """Labels and mask of MTP depth ``k`` (semantics §4): both rolled left by ``k`` within each row and each
     document; rolled-out positions get ``ignore_index`` and mask 0. Raises if ``k`` is not smaller than
     the sequence length (the depth would have no position at all)."""
+    check_int_tensor("labels", labels, dims=(1, 2), shape_text="[B, S] or [S]")
+    check_tensor("mask", mask)
     if labels.shape != mask.shape:
         raise ValueError(f"labels shape {tuple(labels.shape)} does not match mask shape {tuple(mask.shape)}")
+    check_int("k", k, minimum=0)
+    check_int("ignore_index", ignore_index)
     if k >= labels.shape[-1]:
         raise ValueError(f"MTP depth k={k} must be smaller than the sequence length {labels.shape[-1]}")
     w = roll_mask(mask, segment_ids, k)
