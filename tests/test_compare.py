@@ -525,7 +525,7 @@ def test_candidate_that_stops_early_is_a_violation_by_default(tmp_path, capsys):
     cand = write_jsonl(tmp_path / "cand.jsonl", ten_steps(stop=6).metrics)
     assert cli([str(ref), str(cand)]) == 1
     out = capsys.readouterr().out
-    assert "VIOLATION" in out and "4/0" in out and "candidate lacks reference points 7-10" in out
+    assert "VIOLATION" in out and "4/0" in out and "the candidate lacks 4 reference steps (7-10)" in out
 
 
 def test_interior_gaps_fail_only_with_require_all_steps():
@@ -533,7 +533,7 @@ def test_interior_gaps_fail_only_with_require_all_steps():
     assert compare_runs(ten_steps(), gappy).passed  # reported, not failed
     assert compare_runs(ten_steps(), gappy).metrics["lm_loss"].missing_cand == [4.0, 5.0]
     strict = compare_runs(ten_steps(), gappy, missing_steps="all")
-    assert not strict.passed and "lacks reference steps 4-5" in strict.metrics["lm_loss"].missing_violation
+    assert not strict.passed and "lacks 2 reference steps (4-5)" in strict.metrics["lm_loss"].missing_violation
     # a candidate that logs every 5 steps is sparser, not truncated
     sparse = make_run({"lm_loss": {s: loss_curve(s) for s in (1, 6)}})
     assert compare_runs(ten_steps(), sparse).passed

@@ -707,7 +707,8 @@ def test_hf_eval_predict_and_summary_entries():
     assert_series(run.metrics["objective"], {10: 1.25, 20: 1.0})
     assert_series(run.metrics["eval_loss"], {10: 1.1})
     assert "predict_loss" not in run.metrics and "train_loss" not in run.metrics
-    assert "1 evaluation entries without a step ignored" in run.notes
+    what = "(predict_* metrics, e.g. predict_loss: evaluation results, not training steps)"
+    assert f"1 evaluation entries without a step ignored {what}" in run.notes
 
 
 @pytest.mark.parametrize(

@@ -73,6 +73,7 @@ __all__ = [
     "megatron_allowed_failures",
     "moving_average",
     "parse_tolerances",
+    "describe_points",
     "step_ranges",
     "tolerance_for",
 ]
@@ -224,19 +225,44 @@ def _num(v: float) -> float | str:
     return v if math.isfinite(v) else ("nan" if math.isnan(v) else ("inf" if v > 0 else "-inf"))
 
 
-def step_ranges(xs: Sequence[float]) -> str:
-    """Compact text of sorted points: ``"3, 7-10, 14"`` (consecutive integers joined), ``"-"`` when empty."""
-    out: list[str] = []
-    vals = sorted(xs)
+def _progressions(vals: list[float]) -> list[tuple[float, float, float, int]]:
+    """Sorted points cut greedily into arithmetic runs ``(first, last, spacing, count)``: a run of 3 or more
+    equally spaced points (or of 2 consecutive integers) is one entry, any other point its own entry."""
+    out: list[tuple[float, float, float, int]] = []
     i = 0
     while i < len(vals):
         j = i
-        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
-            j += 1
-        lo, hi = f"{vals[i]:g}", f"{vals[j]:g}"
-        out.append(lo if i == j else f"{lo}-{hi}")
+        if i + 1 < len(vals):
+            d = vals[i + 1] - vals[i]
+            while j + 1 < len(vals) and vals[j + 1] - vals[j] == d:
+                j += 1
+            if j - i < 2 and d != 1:  # two points that are not consecutive integers: no pattern
+                j = i
+        out.append((vals[i], vals[j], vals[j] - vals[j - 1] if j > i else 0.0, j - i + 1))
         i = j + 1
-    return ", ".join(out) if out else "-"
+    return out
+
+
+def step_ranges(xs: Sequence[float], limit: int | None = None) -> str:
+    """Compact text of points: ``"3, 7-10, 14"`` (consecutive integers joined), ``"15-2790 every 15"``
+    (3 or more equally spaced points), ``"-"`` when empty. With ``limit``, at most that many parts are
+    written: the first ones, ``...``, and the last one."""
+    parts = []
+    for lo, hi, d, n in _progressions(sorted(xs)):
+        if n == 1:
+            parts.append(f"{lo:g}")
+        elif d == 1:
+            parts.append(f"{lo:g}-{hi:g}")
+        else:
+            parts.append(f"{lo:g}-{hi:g} every {d:g}")
+    if limit is not None and len(parts) > limit:
+        parts = [*parts[: max(limit - 1, 1)], f"... ({len(parts) - limit} more)", parts[-1]]
+    return ", ".join(parts) if parts else "-"
+
+
+def describe_points(xs: Sequence[float], unit: str = "step", limit: int = 4) -> str:
+    """``"187 steps (15-2790 every 15)"``: the count, and the points as :func:`step_ranges` with ``limit``."""
+    return f"{len(xs)} {unit}{'' if len(xs) == 1 else 's'} ({step_ranges(xs, limit)})"
 
 
 @dataclass
@@ -466,7 +492,7 @@ def _missing_violation(
     if not missing or rule == "ignore":
         return None
     if rule == "all":
-        return f"the candidate lacks reference {unit}s {step_ranges(missing)} (--missing-steps all)"
+        return f"the candidate lacks {describe_points(missing, 'reference ' + unit)} (--missing-steps all)"
     gaps = sorted(b - a for a, b in zip(cand_x, cand_x[1:]))
     spacing = gaps[len(gaps) // 2] if gaps else 0.0
     early = [x for x in missing if x <= cand_x[0] - spacing]
@@ -479,7 +505,7 @@ def _missing_violation(
     if not parts:
         return None
     return (
-        f"the candidate {' and '.join(parts)}: reference {unit}s {step_ranges(early + late)} are not compared "
+        f"the candidate {' and '.join(parts)}; not compared: {describe_points(early + late, 'reference ' + unit)} "
         "(compare a part with --window, or --missing-steps ignore)"
     )
 
