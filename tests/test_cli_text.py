@@ -154,3 +154,27 @@ def test_compare_console_fits_a_screen_on_every_pair_of_real_logs():
             too_long.append((a, b, len(text.splitlines()), len(text)))
         assert code in (0, 1, 2) and "Traceback" not in text
     assert not too_long
+
+
+# ---------------------------------------------------------------------------------------------------
+# verify: a legend after the table
+
+
+def test_verify_prints_a_legend_of_its_columns_and_references(monkeypatch):
+    import lossparity.training.verify as verify
+
+    diffs = {c: 0.0 for c in ("objective", "lm_loss", "logs", "grad_norm", "params", "bias")}
+    rows = [
+        {"layout": "D2", "mode": "per_token", "reference": "1x1", "diffs": diffs, "pass": True},
+        {"layout": "D2", "mode": "per_microbatch", "reference": "K=4", "diffs": diffs, "pass": True},
+        {"layout": "C2", "mode": "per_token", "reference": "1x1/no-indexer", "diffs": diffs, "pass": True},
+    ]
+    report = {"rows": rows, "tolerance": 1e-10, "wall_s": 1.0, "steps": 2, "layout_wall_s": {}, "config": {}}
+    monkeypatch.setattr(verify, "run_verify", lambda *a, **k: report)  # the table's text, not the runs
+    code, out, _ = run_cli(["verify", "--layouts", "D2"])
+    assert code == 0
+    legend = " ".join(out.split("PASS (tolerance")[1].split())
+    assert "logs = every other logged metric" in legend and "PASS: every cell <= 1e-10" in legend
+    assert "vs: 1x1 = the same model in one process without gradient accumulation" in legend
+    assert "K=4 = one process accumulating that many microbatches of the layout's microbatch size" in legend
+    assert "/no-indexer" in legend
