@@ -93,6 +93,13 @@ def test_compare_names_the_skipped_steps_that_decide_the_verdict():
     assert "steps flagged skipped/NaN by the logs: 10 (both logs), 30 (candidate only)" in text
     assert "  lr: its first failure, step 30, is flagged skipped/NaN (candidate only)" in text
     assert "lm_loss:" not in text.split("steps flagged")[1]  # lm_loss passes: nothing to explain
+    # the lr schedule lags one step later: the failure follows the step only the candidate skipped
+    cand.metrics["lr"] = {s: 1e-4 * (s if s < 40 else s - 1) for s in steps}
+    text = format_text(compare_runs(ref, cand))
+    assert "  lr: fails from step 40, after step 30 that only one log flags as skipped/NaN (candidate only)" in text
+    # a reference format that never reports skipped iterations (no flag at all) explains nothing
+    ref.skipped_steps = set()
+    assert "fails from step 40, after" not in format_text(compare_runs(ref, cand))
 
 
 def test_notes_that_differ_only_in_their_line_are_joined():

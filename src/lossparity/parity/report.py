@@ -164,12 +164,15 @@ def _flagged_lines(result: CompareResult) -> list[str]:
     roles = _flag_roles(result)
     if not roles or result.align != "step":
         return []
+    # a step flagged by one log only explains later failures when both logs report skipped iterations (a log
+    # format that never reports them, such as an HF trainer state, flags nothing)
+    both_report = bool(result.ref.skipped_steps) and bool(result.cand.skipped_steps)
     lines = []
     for m in result.metrics.values():
         first = m.first_fail_step
         if m.passed or first is None:
             continue
-        lone = [s for s, r in sorted(roles.items()) if r != "both logs" and s <= first]
+        lone = [s for s, r in sorted(roles.items()) if r != "both logs" and s <= first] if both_report else []
         if first in roles:
             lines.append(f"  {m.metric}: its first failure, step {first}, is flagged skipped/NaN ({roles[first]})")
         elif lone:
