@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import lossparity
-from lossparity.losses.cross_entropy import naive_cross_entropy
+from lossparity.losses.cross_entropy import default_tiling, naive_cross_entropy
+from lossparity.losses.fused_cross_entropy import fused_tiling
 from lossparity.losses.modes import Normalizers, count_normalizers
-from lossparity.losses.mtp import roll_mask
+from lossparity.losses.mtp import mtp_numerator, mtp_objective, roll_mask
 from lossparity.losses.token_weights import mtp_token_weights
 
 H = torch.randn(6, 4, dtype=torch.float64)
@@ -67,6 +68,16 @@ CASES = [
     (lambda: lossparity.roll_mtp(LABELS, MASK, SEG.float(), 1), TypeError, r"segment_ids must be an integer tensor"),
     (lambda: lossparity.roll_mtp(LABELS, "mask", None, 1), TypeError, r"mask must be a torch\.Tensor, got 'mask'"),
     (lambda: roll_mask(MASK, None, "1"), TypeError, r"k must be an int, got '1'"),
+    (lambda: mtp_numerator("per_token", LOSS, [MASK]), TypeError, r"losses must be a sequence of tensors"),
+    (lambda: mtp_numerator("per_token", [LOSS], [MASK.tolist()]), TypeError, r"masks\[0\] must be a torch\.Tensor"),
+    (lambda: mtp_numerator("per_token", [LOSS], [MASK, MASK]), ValueError, r"1 losses, 2 masks"),
+    (lambda: mtp_objective("per_token", [LOSS], [MASK], [1]), TypeError, r"main_mask must be a torch\.Tensor"),
+    (lambda: mtp_objective("per_token", [LOSS], [MASK], MASK, weight="0.3"), TypeError, r"weight must be a real"),
+    # tiling helpers
+    (lambda: default_tiling(10.0), TypeError, r"vocab_size must be an int, got 10\.0"),
+    (lambda: default_tiling(10, chunk_size=0), ValueError, r"chunk_size must be an int >= 1, got 0"),
+    (lambda: fused_tiling(6, 10, 4.5), TypeError, r"hidden_size must be an int, got 4\.5"),
+    (lambda: fused_tiling(6, 10, 4, vocab_chunk_size=-1), ValueError, r"vocab_chunk_size must be an int >= 1"),
     # token weights
     (lambda: lossparity.token_weights("per_token", MASK.tolist()), TypeError, r"mask must be a torch\.Tensor \[b, S\]"),
     (lambda: lossparity.token_weights("per_token", torch.ones(2, 2, 2)), ValueError, r"mask must be \[b, S\] or \[S\]"),

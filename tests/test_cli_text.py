@@ -185,3 +185,19 @@ def test_verify_prints_a_legend_of_its_columns_and_references(monkeypatch):
     assert "vs: 1x1 = the same model in one process without gradient accumulation" in legend
     assert "K=4 = one process accumulating that many microbatches of the layout's microbatch size" in legend
     assert "/no-indexer" in legend
+
+
+# ---------------------------------------------------------------------------------------------------
+# the documentation page of this output runs as written
+
+
+def test_cli_output_page_code_blocks_run(capsys):
+    import re
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "cli-output.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    assert blocks
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"cli-output.md block {i}", "exec"), {})
+    out = capsys.readouterr().out
+    assert "FAIL: no loss compared: the reference has lm_loss, lr; the candidate has lr, train_loss" in out

@@ -57,6 +57,9 @@ def default_tiling(
     so that a tile holds about ``TILE_ELEMS = 8 Mi`` logits (32 MiB in float32): with neither given,
     ``vocab_chunk = min(V, 8192)`` and ``chunk = TILE_ELEMS // vocab_chunk`` (1024 tokens for
     ``V >= 8192``); with only one given, the other is ``max(1, TILE_ELEMS // given)``."""
+    check_int("vocab_size", vocab_size, minimum=1)
+    check_int("chunk_size", chunk_size, minimum=1, optional=True)
+    check_int("vocab_chunk_size", vocab_chunk_size, minimum=1, optional=True)
     if vocab_chunk_size is None:
         vocab_chunk_size = TILE_VOCAB if chunk_size is None else max(1, TILE_ELEMS // chunk_size)
     vocab_chunk_size = min(vocab_chunk_size, vocab_size)

@@ -108,6 +108,11 @@ def fused_tiling(
     ``v`` is a multiple of 128 and at most ``V``. On a GPU the whole vocabulary is one sub-tile. A
     value given by the caller is kept (capped at ``T`` and ``V``).
     """
+    check_int("tokens", tokens, minimum=0)
+    check_int("vocab", vocab, minimum=1)
+    check_int("hidden_size", hidden_size, minimum=1)
+    check_int("chunk_size", chunk_size, minimum=1, optional=True)
+    check_int("vocab_chunk_size", vocab_chunk_size, minimum=1, optional=True)
     if chunk_size is None:
         limit = max(1, int(TILE_FRACTION_OF_GRAD_W * hidden_size))
         chunk_size = max(MIN_TILE_TOKENS, 1 << (limit.bit_length() - 1))

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ..options import MTP_CONVENTIONS, MTPConvention, check_option
-from ._checks import check_int, check_int_tensor, check_same_shape, check_tensor
+from ._checks import check_int, check_int_tensor, check_real, check_same_shape, check_tensor, describe
 from .modes import check_mode, numerator, objective
 from .stats import check_inputs
 
@@ -111,6 +111,19 @@ def roll_mtp(
     return lab, w
 
 
+def _check_depths(losses: Sequence[Tensor], masks: Sequence[Tensor]) -> None:
+    """``losses`` and ``masks``: sequences of tensors (not one tensor), one of each per MTP depth, at least one."""
+    for name, seq in (("losses", losses), ("masks", masks)):
+        if isinstance(seq, Tensor) or not isinstance(seq, Sequence):
+            raise TypeError(f"{name} must be a sequence of tensors (one per MTP depth), got {describe(seq)}")
+        for k, x in enumerate(seq):
+            check_tensor(f"{name}[{k}]", x)
+    if len(losses) != len(masks) or not losses:
+        raise ValueError(
+            f"need one mask per MTP depth and at least one depth: {len(losses)} losses, {len(masks)} masks"
+        )
+
+
 def mtp_numerator(
     mode: str,
     losses: Sequence[Tensor],
@@ -131,10 +144,7 @@ def mtp_numerator(
     """
     check_mode(mode)
     check_convention(convention)
-    if len(losses) != len(masks) or not losses:
-        raise ValueError(
-            f"need one mask per MTP depth and at least one depth: {len(losses)} losses, {len(masks)} masks"
-        )
+    _check_depths(losses, masks)
     if convention == "pooled":
         loss = torch.cat([x if x.dim() == 2 else x.unsqueeze(0) for x in losses], dim=-1)
         mask = torch.cat([x if x.dim() == 2 else x.unsqueeze(0) for x in masks], dim=-1)
@@ -167,6 +177,9 @@ def mtp_objective(
     ``λ·(1/Dm)·Σ_k J_k`` (``own``/``main``) or ``λ·J_pooled`` (``pooled``).
     """
     check_convention(convention)
+    _check_depths(losses, masks)
+    check_tensor("main_mask", main_mask)
+    check_real("weight", weight)
     for k, (x, w) in enumerate(zip(losses, masks), start=1):
         check_inputs(x, w, segment_ids, where=f"MTP depth {k}")
     if convention == "pooled":
