@@ -97,6 +97,9 @@ def test_compare_names_the_skipped_steps_that_decide_the_verdict():
     cand.metrics["lr"] = {s: 1e-4 * (s if s < 40 else s - 1) for s in steps}
     text = format_text(compare_runs(ref, cand))
     assert "  lr: fails from step 40, after step 30 that only one log flags as skipped/NaN (candidate only)" in text
+    from lossparity.parity.report import summary_markdown
+
+    assert "- lr: fails from step 40, after step 30" in summary_markdown(compare_runs(ref, cand), {}, "test")
     # a reference format that never reports skipped iterations (no flag at all) explains nothing
     ref.skipped_steps = set()
     assert "fails from step 40, after" not in format_text(compare_runs(ref, cand))

@@ -253,6 +253,7 @@ def summary_markdown(result: CompareResult, plots: dict[str, Path], plots_skippe
     out.append("")
     if result.no_loss:
         out.append(f"- **FAIL**: {result.no_loss}")
+    out += [f"- {line.strip()}" for line in _flagged_lines(result)]
     for m in result.metrics.values():
         if m.missing_violation:
             out.append(f"- `{m.metric}` fails the missing-steps rule ({result.missing_steps}): {m.missing_violation}")
