@@ -595,7 +595,7 @@ def _no_loss_reason(ref: Run, cand: Run) -> str:
         losses = [m for m in LOSS_METRICS if m in run.metrics]
         return f"{names}" + ("" if losses else " (no lm_loss or objective)")
 
-    unknown = sorted(m for run in (ref, cand) for m in run.metrics if "loss" in m and not is_canonical(m))
+    unknown = sorted({m for run in (ref, cand) for m in run.metrics if "loss" in m and not is_canonical(m)})
     hint = (
         f"; if {', '.join(repr(u) for u in unknown)} is a loss, map it, e.g. --name-map {unknown[0]}=objective"
         if unknown
