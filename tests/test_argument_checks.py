@@ -139,3 +139,11 @@ def test_good_arguments_still_work():
     assert lab[0].tolist() == [1, 2, 3, 4, -100] and w[0].tolist() == [1, 1, 1, 1, 0]
     assert lossparity.token_weights("sample_sum_norm", MASK, fixed_length=5, denominator=2).max().item() == 0.1
     assert lossparity.denominator("per_sample", NORMS) == 2.0
+
+
+def test_roll_mask_accepts_the_same_rows_as_s_and_1_s():
+    # the accountant rolls a [1, S] view of a microbatch given as [S] with that microbatch's [S] segment ids
+    seg = torch.tensor([1, 1, 2, 2, 2])
+    assert roll_mask(torch.ones(1, 5), seg, 1).tolist() == [[1.0, 0.0, 1.0, 1.0, 0.0]]
+    with pytest.raises(ValueError, match=r"segment_ids must have the shape of mask \(2, 5\), got shape \(10,\)"):
+        roll_mask(torch.ones(2, 5), torch.ones(10, dtype=torch.long), 1)

@@ -82,6 +82,10 @@ def roll_mask(mask: Tensor, segment_ids: Tensor | None, k: int) -> Tensor:
     check_int("k", k, minimum=0)
     if segment_ids is not None:
         check_int_tensor("segment_ids", segment_ids)
+        if segment_ids.shape != mask.shape and (
+            segment_ids.numel() == mask.numel() and segment_ids.shape[-1:] == mask.shape[-1:]
+        ):
+            segment_ids = segment_ids.reshape(mask.shape)  # the same rows, one of them as [S] and [1, S]
         check_same_shape("segment_ids", segment_ids, "mask", mask)
     if k == 0:
         return mask
