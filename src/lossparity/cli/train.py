@@ -251,9 +251,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"lossparity train: error: {_one_line(e)}", file=sys.stderr)
         return 2 if isinstance(e, _INPUT_ERRORS) else 1
     if history:
+        from ..training.trainer import objective_parts
+
         last = history[-1]
+        lm, obj = last.get("lm_loss"), last.get("objective")
         print(
-            f"done: {len(history)} steps, last lm_loss {last.get('lm_loss')}, objective {last.get('objective')}"
+            f"done: {len(history)} steps, last lm_loss {'-' if lm is None else f'{lm:.6g}'}, objective "
+            f"{'-' if obj is None else f'{obj:.6g}'}{objective_parts(last)}"
             + (f"; logs in {cfg.out}" if cfg.out else "")
         )
     return 0
