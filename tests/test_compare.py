@@ -329,6 +329,43 @@ def cli(argv: list[str]) -> int:
     return cmd_compare(parser.parse_args(argv))
 
 
+def test_no_loss_compared_is_a_violation_naming_each_side(tmp_path, capsys):
+    # issue 26 item 1: a candidate with only lr and an unrecognized train_loss used to pass on lr alone
+    ref = write_jsonl(tmp_path / "ref.jsonl", {"lm_loss": {1: 2.5, 2: 2.4}, "lr": {1: 0.1, 2: 0.1}})
+    cand = write_jsonl(tmp_path / "cand.jsonl", {"train_loss": {1: 2.5, 2: 2.4}, "lr": {1: 0.1, 2: 0.1}})
+    assert cli([str(ref), str(cand)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("lossparity compare: VIOLATION") and "PARITY" not in out
+    assert "the reference has lm_loss, lr;" in out
+    assert "the candidate has lr, train_loss (no lm_loss or objective)" in out
+    assert "--name-map train_loss=objective" in out
+    assert cli([str(ref), str(cand), "--json"]) == 1
+    assert "no loss compared" in json.loads(capsys.readouterr().out)["no_loss"]
+    # the hint works: the mapped name is paired with the reference's lm_loss
+    assert cli([str(ref), str(cand), "--cand-name-map", "train_loss=objective"]) == 0
+    # asking for lr alone is the user's choice: it passes, and the note says no loss was compared
+    res = compare_runs(read_log(ref), read_log(cand), metrics=["lr"])
+    assert res.passed and any("no loss among the requested metrics" in n for n in res.notes)
+
+
+def test_metrics_naming_an_array_valued_field_exits_2_naming_its_line(tmp_path, capsys):
+    # issue 26 item 2: the array values are skipped when nobody asks; asking for the metric is an input error
+    prefix = "2025-04-07 15:34:27,308 - INFO - { Epoch:[  1/  1], "
+    log = tmp_path / "mf.log"
+    log.write_text(
+        prefix
+        + "step:[    1/   2], loss: 10.649, lr: 0.0, global_norm: [1 31049]\n"
+        + prefix
+        + "step:[    2/   2], loss: 10.633, lr: 1e-05, global_norm: 10.57\n"
+    )
+    assert cli([str(log), str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "objective" in out and "not one number skipped (first at line 1" in out
+    assert cli([str(log), str(log), "--metrics", "grad_norm"]) == 2
+    err = capsys.readouterr().err
+    assert "'grad_norm'" in err and "mf.log" in err and "line 1: 'global_norm: [1 31049]'" in err
+
+
 def test_cli_exit_codes_and_json(tmp_path, capsys):
     ref = write_jsonl(tmp_path / "ref.jsonl", base_metrics())
     drift = base_metrics()
@@ -488,7 +525,7 @@ def test_candidate_that_stops_early_is_a_violation_by_default(tmp_path, capsys):
     cand = write_jsonl(tmp_path / "cand.jsonl", ten_steps(stop=6).metrics)
     assert cli([str(ref), str(cand)]) == 1
     out = capsys.readouterr().out
-    assert "VIOLATION" in out and "4/0" in out and "candidate lacks reference points 7-10" in out
+    assert "VIOLATION" in out and "4/0" in out and "the candidate lacks 4 reference steps (7-10)" in out
 
 
 def test_interior_gaps_fail_only_with_require_all_steps():
@@ -496,7 +533,7 @@ def test_interior_gaps_fail_only_with_require_all_steps():
     assert compare_runs(ten_steps(), gappy).passed  # reported, not failed
     assert compare_runs(ten_steps(), gappy).metrics["lm_loss"].missing_cand == [4.0, 5.0]
     strict = compare_runs(ten_steps(), gappy, missing_steps="all")
-    assert not strict.passed and "lacks reference steps 4-5" in strict.metrics["lm_loss"].missing_violation
+    assert not strict.passed and "lacks 2 reference steps (4-5)" in strict.metrics["lm_loss"].missing_violation
     # a candidate that logs every 5 steps is sparser, not truncated
     sparse = make_run({"lm_loss": {s: loss_curve(s) for s in (1, 6)}})
     assert compare_runs(ten_steps(), sparse).passed
@@ -636,6 +673,7 @@ REAL_DRIFT = {
     "megatron_mixtral_issue756_excerpt.log": "lm_loss",
     "megatron_moe_ep1_clean_2024.log": "lm_loss",
     "megatron_moe_ep2_terminal_wrapped.log": "lm_loss",
+    "mindformers_llama2_13b_docs.log": "objective",
     "mindformers_llama3_1_8b_skip_docs.log": "grad_norm",
     "torchtitan_llama3_debug_h200_10steps.log": "objective",
     "torchtitan_losscompare_llama3_cuda.txt": "objective",
@@ -681,6 +719,16 @@ def test_real_megatron_log_drift_written_into_the_file(tmp_path):
     drifted.write_text("".join(out))
     res = compare_runs(read_log(src), read_log(drifted), metrics=["lm_loss"])
     assert res.metrics["lm_loss"].first_fail_step == 1100 and res.metrics["lm_loss"].n_failed == 10
+
+
+@needs_real
+def test_real_mindformers_docs_log_compares_every_loss_and_rejects_grad_norm(capsys):
+    log = str(REAL / "mindformers_llama2_13b_docs.log")
+    assert cli([log, log]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"objective +rel 0.0002 +5 ", out) and "'global_norm' (grad_norm)" in out
+    assert cli([log, log, "--metrics", "grad_norm"]) == 2
+    assert "line 1: 'global_norm: [1 31049]'" in capsys.readouterr().err
 
 
 # format -> a loss number (the middle match in the file): its first decimal digit is replaced by the letter O

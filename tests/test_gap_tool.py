@@ -18,6 +18,7 @@ from lossparity.parity.gap import (
     NOT_COMPUTABLE,
     bootstrap_gaps,
     compute_gap,
+    format_table,
     summarize,
 )
 from lossparity.parity.sample_dump import (
@@ -270,6 +271,11 @@ def test_summary_blocks_are_means_of_steps() -> None:
     assert blocks[0]["gap"] == pytest.approx((rep.steps[0].gap + rep.steps[1].gap) / 2, abs=1e-15)
     assert blocks[2]["ci_low"] == pytest.approx(rep.steps[4].ci_low, abs=1e-15)
     assert blocks[0]["samples"] == 32
+
+
+def test_table_says_why_gap_and_covariance_columns_agree() -> None:
+    text = format_table(compute_gap(_random_dump(1, steps=2), bootstrap=0))
+    assert "agree by the identity per_token − per_sample = Cov(n,l)/mean(n)" in text
 
 
 def _write_dump(d: Path, dump: dict) -> None:

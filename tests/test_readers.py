@@ -20,6 +20,7 @@ from lossparity.parity import (
     parse_name_map,
     read_log,
 )
+from lossparity.parity._record import is_number_array
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
 
@@ -592,9 +593,15 @@ def test_megatron_terminal_wrapped_lines_are_joined():
         (
             "mindformers",
             "- INFO - { Epoch:[  1/  2], step:[    1/   19], loss: 10.649, lr: 0.0, overflow cond: False, "
-            "loss_scale: 1.0, global_norm: [1 31049], train_throughput_per_npu: 2.896T\n",
+            "loss_scale: 1.0, global_norm: [1 31O49], train_throughput_per_npu: 2.896T\n",
             1,
-            "'global_norm', got '[1 31049]'",
+            "'global_norm', got '[1 31O49]'",
+        ),
+        (
+            "mindformers",
+            "- INFO - { Epoch:[  1/  2], step:[    1/   19], loss: [10.649 3], lr: 0.0, overflow cond: False\n",
+            1,
+            "'loss', got '[10.649 3]'",
         ),
         (
             "megatron",
@@ -609,7 +616,8 @@ def test_megatron_terminal_wrapped_lines_are_joined():
     ],
 )
 def test_incomplete_numbers_are_errors_naming_file_and_line(tmp_path, fmt, text, line, needle):
-    # defect 2: before, 4.6O72 was cut to 4.6 and [1 31049] read as 1.0
+    # defect 2: before, 4.6O72 was cut to 4.6 and [1 31049] read as 1.0 (an array outside a loss field is now
+    # skipped with a note: test_array_valued_field_is_skipped_with_a_note)
     log = tmp_path / "bad.log"
     log.write_text(text)
     with pytest.raises(LogParseError) as e:
@@ -620,6 +628,37 @@ def test_incomplete_numbers_are_errors_naming_file_and_line(tmp_path, fmt, text,
 def test_decorated_console_fields_still_read(tmp_path):
     run = read_log(LOGS / "torchtitan.log")  # memory: 18.42GiB(19.39%), tps: 1,234, mfu: 7.22%
     assert run.metrics["tps"][1] == 1234.0 and run.metrics["memory"][1] == 18.42 and run.metrics["mfu"][1] == 7.22
+
+
+_MF_PREFIX = "2025-04-07 15:34:27,308 - [mindformers/core/callback/callback.py:529] - INFO - "
+
+
+def test_array_valued_field_is_skipped_with_a_note(tmp_path):
+    # issue 26 item 2: MindFormers' documentation log prints global_norm as an array on its first two steps;
+    # before, the whole log was rejected although every loss was readable
+    log = tmp_path / "mf.log"
+    log.write_text(
+        _MF_PREFIX
+        + "{ Epoch:[  1/  2], step:[    1/   3], loss: 10.649, lr: 0.0, global_norm: [1 31049]\n"
+        + _MF_PREFIX
+        + "{ Epoch:[  1/  2], step:[    2/   3], loss: 10.633, lr: 1e-05, global_norm: [1, 508834]\n"
+        + _MF_PREFIX
+        + "{ Epoch:[  1/  2], step:[    3/   3], loss: 9.673, lr: 9e-06, global_norm [10.579812]\n"
+    )
+    run = read_log(log)
+    assert run.metrics["objective"] == {1: 10.649, 2: 10.633, 3: 9.673}
+    assert run.metrics["lr"] == {1: 0.0, 2: 1e-05, 3: 9e-06}
+    assert run.metrics["grad_norm"] == {3: 10.579812}
+    assert run.unreadable == {"grad_norm": "line 1: 'global_norm: [1 31049]'"}
+    assert any("'global_norm' (grad_norm): 2 value(s) that are not one number skipped" in n for n in run.notes)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("[1 31049]", True), ("[0.5, 2]", True), (" [1e-3 nan 4] ", True), ("[4.56]", False), ("[1 31O49]", False)],
+)
+def test_is_number_array(text, expected):
+    assert is_number_array(text) is expected
 
 
 def test_hf_string_loss_is_an_error(tmp_path):
@@ -668,7 +707,8 @@ def test_hf_eval_predict_and_summary_entries():
     assert_series(run.metrics["objective"], {10: 1.25, 20: 1.0})
     assert_series(run.metrics["eval_loss"], {10: 1.1})
     assert "predict_loss" not in run.metrics and "train_loss" not in run.metrics
-    assert "1 evaluation entries without a step ignored" in run.notes
+    what = "(predict_* metrics, e.g. predict_loss: evaluation results, not training steps)"
+    assert f"1 evaluation entries without a step ignored {what}" in run.notes
 
 
 @pytest.mark.parametrize(
@@ -743,7 +783,7 @@ REAL_EXPECTED: dict[str, tuple] = {
     "megatron_mixtral_issue756_excerpt.log": ("megatron", "load_balancing_loss", 6, 29, 45, 1),
     "megatron_moe_ep1_clean_2024.log": ("megatron", "lm_loss", 5, 2, 6, 1),
     "megatron_moe_ep2_terminal_wrapped.log": ("megatron", "load_balancing_loss", 5, 1, 5, 1),
-    "mindformers_llama2_13b_docs.log": ("error", "mindformers", "_docs.log:1: expected a number for 'global_norm'"),
+    "mindformers_llama2_13b_docs.log": ("mindformers", "objective", 5, 1, 5, 1),
     "mindformers_llama3_1_8b_skip_docs.log": ("mindformers", "grad_norm", 2, 1, 2, 1),
     "torchtitan_llama3_debug_h200_10steps.log": ("torchtitan", "objective", 10, 1, 10, 1),
     "torchtitan_losscompare_llama3_cuda.txt": ("torchtitan_losses", "objective", 100, 1, 100, 1),

@@ -57,6 +57,16 @@ def _probability(text: str) -> float:
     return v
 
 
+def _log_format(text: str) -> str:
+    """argparse type: a log format name or alias (:data:`FORMATS`, :data:`FORMAT_ALIASES`); an unknown name is
+    an error listing the valid names once."""
+    key = text.strip().lower()
+    key = FORMAT_ALIASES.get(key, key)
+    if key not in FORMATS:
+        raise argparse.ArgumentTypeError(f"unknown log format {text!r}; valid: {', '.join(FORMATS)}")
+    return key
+
+
 def _parse_window(text: str) -> tuple[float | None, float | None]:
     sep = ":" if ":" in text else ","
     lo, s, hi = text.partition(sep)
@@ -172,12 +182,17 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     ``--missing-steps span|all|ignore`` (``--require-all-steps`` = ``all``), ``--align step|samples``,
     ``--ref-gbs/--cand-gbs``, ``--ref-step-base/--cand-step-base``, ``--report DIR``, ``--json``.
     """
-    fmts = sorted([*FORMATS, *FORMAT_ALIASES])
     parser.add_argument("ref", help="reference log (file or TensorBoard directory)")
     parser.add_argument("cand", help="candidate log (file or TensorBoard directory)")
-    parser.add_argument("--format", dest="fmt", choices=fmts, help="format of both logs (default: detect)")
-    parser.add_argument("--ref-format", choices=fmts, help="format of the reference log")
-    parser.add_argument("--cand-format", choices=fmts, help="format of the candidate log")
+    parser.add_argument(
+        "--format",
+        dest="fmt",
+        type=_log_format,
+        metavar="FORMAT",
+        help=f"format of both logs (default: detect): {', '.join(FORMATS)}",
+    )
+    parser.add_argument("--ref-format", type=_log_format, metavar="FORMAT", help="format of the reference log")
+    parser.add_argument("--cand-format", type=_log_format, metavar="FORMAT", help="format of the candidate log")
     parser.add_argument("--name-map", default="", help="raw=canonical,... for both logs")
     parser.add_argument("--ref-name-map", default="", help="raw=canonical,... for the reference log")
     parser.add_argument("--cand-name-map", default="", help="raw=canonical,... for the candidate log")
@@ -270,6 +285,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             align=args.align,
             missing_steps=args.missing_steps,
         )
+    except FileNotFoundError as e:
+        return _error("compare", args, "error", e)
     except (OSError, ImportError, ValueError) as e:  # LogParseError and CompareInputError are ValueErrors
         return _error("compare", args, "log error" if isinstance(e, (LogParseError, OSError)) else "input error", e)
     if args.report:
@@ -277,6 +294,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             files = write_report(result, args.report)
         except OSError as e:
             return _error("compare", args, "cannot write the report", e)
+        plots = f" and {len(files.plots)} plot(s)" if files.plots else ""
+        print(f"lossparity compare: report written to {files.summary}{plots}", file=sys.stderr)
         if files.plots_skipped:
             print(f"lossparity compare: note: plots skipped: {files.plots_skipped}", file=sys.stderr)
         _write_violation(result, args.report)  # parity_report.md/.json, as the live guard writes them
@@ -329,9 +348,10 @@ def add_gap_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drift-metric", default="objective", help="logged metric compared by --compare-drift")
     parser.add_argument(
         "--log-format",
-        choices=sorted([*FORMATS, *FORMAT_ALIASES]),
+        type=_log_format,
+        metavar="FORMAT",
         default=None,
-        help="format of both drift logs (default: detect)",
+        help=f"format of both drift logs (default: detect): {', '.join(FORMATS)}",
     )
 
 

@@ -23,7 +23,14 @@ from typing import Any
 
 from ._common import UsageError
 
-__all__ = ["cmd_train", "cmd_verify", "add_train_args", "train_config_from_args", "load_config_file"]
+__all__ = [
+    "cmd_train",
+    "cmd_verify",
+    "add_train_args",
+    "train_config_from_args",
+    "load_config_file",
+    "verify_legend",
+]
 
 _SKIP_FLAGS = ("model_overrides",)  # given as --set FIELD=VALUE
 
@@ -253,12 +260,38 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"lossparity train: error: {_one_line(e)}", file=sys.stderr)
         return 2 if isinstance(e, _INPUT_ERRORS) else 1
     if history:
+        from ..training.trainer import objective_parts
+
         last = history[-1]
+        lm, obj = last.get("lm_loss"), last.get("objective")
         print(
-            f"done: {len(history)} steps, last lm_loss {last.get('lm_loss')}, objective {last.get('objective')}"
+            f"done: {len(history)} steps, last lm_loss {'-' if lm is None else f'{lm:.6g}'}, objective "
+            f"{'-' if obj is None else f'{obj:.6g}'}{objective_parts(last)}"
             + (f"; logs in {cfg.out}" if cfg.out else "")
         )
     return 0
+
+
+def verify_legend(report: dict[str, Any]) -> str:
+    """What the verify table's columns and its ``vs`` references mean (printed after the table)."""
+    refs = {r["reference"] for r in report["rows"]}
+    lines = [
+        "columns: each cell is the largest relative difference, over all steps, between the layout's run and its "
+        "reference run (vs): objective and lm_loss as logged; logs = every other logged metric (MTP, aux and "
+        "z-losses, counts); grad_norm; params = every parameter after the last step; bias = the expert biases "
+        f"(aux-loss-free balancing). PASS: every cell <= {report['tolerance']:g}.",
+        "vs: 1x1 = the same model in one process without gradient accumulation",
+    ]
+    ks = sorted({r.split("/")[0] for r in refs if r.startswith("K=")})
+    if ks:
+        lines[-1] += (
+            f"; {', '.join(ks)} = one process accumulating that many microbatches of the layout's microbatch size "
+            "(per_microbatch and the microbatch-dependent MoE scopes depend on it, so the layout is compared "
+            "with the same microbatch size)"
+        )
+    if any(r.endswith("/no-indexer") for r in refs):
+        lines[-1] += "; /no-indexer = the reference without the DeepSeek indexer, as the layout"
+    return "\n".join(lines)
 
 
 def _one_line(e: BaseException) -> str:
@@ -307,6 +340,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     )
     report = run_verify(layouts, modes, steps=steps, overrides=overrides)
     print(format_table(report))
+    print(verify_legend(report))
     if args.json:
         write_json(report, args.json)
     return 0 if all(r["pass"] for r in report["rows"]) else 1

@@ -1095,7 +1095,10 @@ class Accountant:
 
         ``lm_loss = S/Ntok`` (``None`` when ``Ntok = 0``), ``objective = J`` (language model plus MTP plus
         added auxiliary contributions), ``tokens``, ``samples``, ``microbatches``, ``documents`` (packed),
-        ``mtp_<k>_loss`` and every declared metric. Ends the step. Raises the step's failed value checks
+        ``mtp_<k>_loss`` and every declared metric; when ``J`` is more than ``lm_loss`` (MTP, added terms or
+        another mode than ``per_token``) also its parts, ``J = objective_lm + mtp_weight·objective_mtp +
+        objective_aux`` (the mode's LM term, the MTP term before ``λ``, the added MoE/indexer terms). Ends the
+        step. Raises the step's failed value checks
         (NaN/Inf losses, masks that differ from ``begin_step``'s) on every rank, naming rank and microbatch.
         """
         self._check_logs_order()
@@ -1118,14 +1121,19 @@ class Accountant:
             out["documents"] = ndoc
         counts = {"tokens": ntok, "samples": nsamp, "microbatches": nmb, "documents": ndoc}
         main_den = max(counts[_DEN_KEY[self.mode]], 1.0)
-        objective = lm_num / main_den
+        lm_term = objective = lm_num / main_den
         if self.mtp_depths:
             objective += self._mtp_logs(get, out, main_den, nmb)
         for name, (reduce, _) in self._metrics.items():
             num, den = get[f"metric:{name}"]
             out[name] = num if reduce == "sum" else ratio_or_none(num, den)
-        objective += get["objective"][0] + get["objective_local"][0]
+        added = get["objective"][0] + get["objective_local"][0]
+        objective += added
         out["objective"] = objective
+        if self.mtp_depths or added or self.mode != "per_token":
+            # J's parts, so that a reader sees what the objective is made of (semantics §2)
+            out["objective_lm"] = lm_term
+            out["objective_aux"] = added
         return out
 
     def _mtp_logs(
@@ -1146,6 +1154,7 @@ class Accountant:
                 term += d[3] / den
             term /= self.mtp_depths
         out["mtp_weight"] = self.mtp_weight
+        out["objective_mtp"] = term  # J's MTP part before λ
         return self.mtp_weight * term
 
 

@@ -36,6 +36,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._checks import check_int, check_real, check_tensor
+
 __all__ = ["chunked_cross_entropy", "naive_cross_entropy", "default_tiling"]
 
 # A logits tile holds about TILE_ELEMS values (32 MiB in float32). Measured on a 2-core AVX-512 CPU: a
@@ -55,6 +57,9 @@ def default_tiling(
     so that a tile holds about ``TILE_ELEMS = 8 Mi`` logits (32 MiB in float32): with neither given,
     ``vocab_chunk = min(V, 8192)`` and ``chunk = TILE_ELEMS // vocab_chunk`` (1024 tokens for
     ``V >= 8192``); with only one given, the other is ``max(1, TILE_ELEMS // given)``."""
+    check_int("vocab_size", vocab_size, minimum=1)
+    check_int("chunk_size", chunk_size, minimum=1, optional=True)
+    check_int("vocab_chunk_size", vocab_chunk_size, minimum=1, optional=True)
     if vocab_chunk_size is None:
         vocab_chunk_size = TILE_VOCAB if chunk_size is None else max(1, TILE_ELEMS // chunk_size)
     vocab_chunk_size = min(vocab_chunk_size, vocab_size)
@@ -77,6 +82,16 @@ def _check_inputs(
     vocab_chunk_size: int | None,
     vocab_size: int | None = None,
 ) -> None:
+    """Argument checks of the cross-entropy functions: kinds and shapes first (no host synchronization);
+    the labels' range is a value check (one host synchronization, before any tile is formed)."""
+    check_tensor("hidden", hidden, shape_text="[T, H] or [B, S, H]")
+    check_tensor("weight", weight, shape_text="[V, H]")
+    check_tensor("labels", labels, shape_text="[T] or [B, S]")
+    check_int("ignore_index", ignore_index)
+    check_int("chunk_size", chunk_size, minimum=1, optional=True)
+    check_int("vocab_chunk_size", vocab_chunk_size, minimum=1, optional=True)
+    check_real("z_loss_coeff", z_loss_coeff, minimum=0)
+    check_int("vocab_size", vocab_size, minimum=1, optional=True)
     if not hidden.is_floating_point() or hidden.dim() not in (2, 3):
         raise ValueError(
             f"hidden must be a floating-point [T, H] or [B, S, H] tensor, got {hidden.dtype} "
@@ -105,12 +120,6 @@ def _check_inputs(
             f"hidden, weight and labels must be on one device, got hidden on {hidden.device}, "
             f"weight on {weight.device}, labels on {labels.device}"
         )
-    if chunk_size is not None and chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
-    if vocab_chunk_size is not None and vocab_chunk_size <= 0:
-        raise ValueError(f"vocab_chunk_size must be a positive number of vocabulary rows, got {vocab_chunk_size}")
-    if not (math.isfinite(z_loss_coeff) and z_loss_coeff >= 0):
-        raise ValueError(f"z_loss_coeff must be a finite number >= 0, got {z_loss_coeff}")
     vocab = weight.shape[0] if vocab_size is None else vocab_size
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
     if bool(bad.any()):
@@ -271,6 +280,7 @@ def chunked_cross_entropy(
     """
     if vocab_parallel_group is not None and vocab_size is None:
         raise ValueError("vocab_parallel_group needs vocab_size (the rows of the whole output head)")
+    check_int("vocab_start", vocab_start, minimum=0)
     _check_inputs(hidden, weight, labels, ignore_index, chunk_size, z_loss_coeff, vocab_chunk_size, vocab_size)
     out_shape = labels.shape
     hidden2d = hidden.reshape(-1, hidden.shape[-1])

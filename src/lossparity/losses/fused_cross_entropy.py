@@ -53,6 +53,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
+from ._checks import check_float_tensor, check_int
 from .cross_entropy import _check_inputs, _compute_dtype
 
 __all__ = ["fused_linear_cross_entropy", "fused_tiling"]
@@ -107,6 +108,11 @@ def fused_tiling(
     ``v`` is a multiple of 128 and at most ``V``. On a GPU the whole vocabulary is one sub-tile. A
     value given by the caller is kept (capped at ``T`` and ``V``).
     """
+    check_int("tokens", tokens, minimum=0)
+    check_int("vocab", vocab, minimum=1)
+    check_int("hidden_size", hidden_size, minimum=1)
+    check_int("chunk_size", chunk_size, minimum=1, optional=True)
+    check_int("vocab_chunk_size", vocab_chunk_size, minimum=1, optional=True)
     if chunk_size is None:
         limit = max(1, int(TILE_FRACTION_OF_GRAD_W * hidden_size))
         chunk_size = max(MIN_TILE_TOKENS, 1 << (limit.bit_length() - 1))
@@ -259,9 +265,7 @@ def _scatter_rows(dh: Tensor | None, idx: Tensor | None, hidden: Tensor) -> Tens
 
 
 def _check_weights(token_weights: Tensor, labels: Tensor) -> None:
-    if not isinstance(token_weights, Tensor) or not token_weights.is_floating_point():
-        dtype = getattr(token_weights, "dtype", type(token_weights).__name__)
-        raise TypeError(f"token_weights must be a floating-point tensor, got {dtype}")
+    check_float_tensor("token_weights", token_weights)
     if tuple(token_weights.shape) != tuple(labels.shape):
         raise ValueError(
             f"token_weights shape {tuple(token_weights.shape)} does not match labels shape {tuple(labels.shape)}"
@@ -301,6 +305,7 @@ def fused_linear_cross_entropy(
     """
     if vocab_parallel_group is not None and vocab_size is None:
         raise ValueError("vocab_parallel_group needs vocab_size (the rows of the whole output head)")
+    check_int("vocab_start", vocab_start, minimum=0)
     _check_inputs(hidden, weight, labels, ignore_index, chunk_size, z_loss_coeff, vocab_chunk_size, vocab_size)
     _check_weights(token_weights, labels)
     out_shape = labels.shape

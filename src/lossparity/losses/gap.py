@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ._checks import check_tensor
+
 __all__ = ["GapResult", "estimator_gap"]
 
 
@@ -39,6 +41,8 @@ def estimator_gap(sample_sums: Tensor, sample_counts: Tensor) -> GapResult:
     formula), so that their agreement is a check, not a tautology. With ``Ntok = 0`` the per-token
     mean is 0 (semantics §1) and the covariance side is reported as 0 as well.
     """
+    check_tensor("sample_sums", sample_sums)
+    check_tensor("sample_counts", sample_counts)
     s = sample_sums.detach().to(torch.float64).flatten()
     n = sample_counts.detach().to(torch.float64).flatten()
     if s.shape != n.shape:

@@ -27,7 +27,8 @@ from torch import Tensor
 
 from ..options import MODE_INFO as _MODE_INFO
 from ..options import Mode
-from .stats import document_stats, masked_token_sum, sample_stats
+from ._checks import check_int, check_int_tensor, check_tensor, describe
+from .stats import check_inputs, document_stats, masked_token_sum, sample_stats
 
 __all__ = [
     "DENOMINATOR_KEY",
@@ -86,6 +87,10 @@ class Normalizers:
     documents: int
     microbatches: int
 
+    def __post_init__(self) -> None:
+        for name in ("tokens", "samples", "documents", "microbatches"):
+            check_int(f"Normalizers.{name}", getattr(self, name), minimum=0)
+
     def __add__(self, other: Normalizers) -> Normalizers:
         return Normalizers(
             self.tokens + other.tokens,
@@ -97,6 +102,9 @@ class Normalizers:
 
 def count_normalizers(mask: Tensor, segment_ids: Tensor | None = None) -> Normalizers:
     """Normalizers of one microbatch ``[b, S]``: token count, sample count ``b``, documents, 1 microbatch."""
+    check_tensor("mask", mask, dims=(1, 2), shape_text="[b, S] or [S]")
+    if segment_ids is not None:
+        check_int_tensor("segment_ids", segment_ids)
     w = mask if mask.dim() == 2 else mask.unsqueeze(0)
     docs = 0
     if segment_ids is not None:
@@ -110,6 +118,9 @@ def denominator(mode: str, norms: Normalizers, fixed_length: int | None = None) 
     """The global denominator of ``mode`` (see module table): ``max(Ntok,1)``, ``N``, ``Ndoc``, ``D·K``
     or (``sample_sum_norm``) ``N·L``. Returns 1.0 for an empty count so that an empty batch gives J=0."""
     check_mode(mode)
+    if not isinstance(norms, Normalizers):
+        raise TypeError(f"norms must be a Normalizers, got {describe(norms)}")
+    check_int("fixed_length", fixed_length, optional=True)
     if mode == "per_token":
         return float(max(norms.tokens, 1))
     value = getattr(norms, DENOMINATOR_KEY[mode])
@@ -150,6 +161,22 @@ def unit_count_map(
     return n[doc].view_as(w)
 
 
+def _check_arguments(
+    mode: str, per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor | None, fixed_length: int | None
+) -> None:
+    """Kinds and shapes of a mode's inputs (no host synchronization: the values are not scanned here);
+    ``segment_ids`` must have the loss's shape when ``per_document`` uses it."""
+    check_inputs(
+        per_token_loss,
+        mask,
+        segment_ids if mode == "per_document" else None,
+        check_finite=False,
+        check_mask_values=False,
+        check_segment_values=False,
+    )
+    check_int("fixed_length", fixed_length, optional=True)
+
+
 def numerator(
     mode: str,
     per_token_loss: Tensor,
@@ -171,6 +198,9 @@ def numerator(
     caller beforehand, so that this call has no host synchronization.
     """
     check_mode(mode)
+    _check_arguments(mode, per_token_loss, mask, segment_ids if unit_counts is None else None, fixed_length)
+    if unit_counts is not None:
+        check_tensor("unit_counts", unit_counts)
     if unit_counts is not None and mode in _UNIT_MODES:
         if unit_counts.shape != mask.shape:
             raise ValueError(f"unit_counts shape {tuple(unit_counts.shape)} does not match mask {tuple(mask.shape)}")
@@ -212,6 +242,8 @@ def objective(
     ``Σ_mb numerator(mb) / denominator``, but computed directly from the formula.
     """
     check_mode(mode)
+    _check_arguments(mode, per_token_loss, mask, segment_ids, fixed_length)
+    check_int("microbatch_size", microbatch_size, optional=True)
     loss = per_token_loss if per_token_loss.dim() == 2 else per_token_loss.unsqueeze(0)
     w = mask if mask.dim() == 2 else mask.unsqueeze(0)
     n_rows = loss.shape[0]

@@ -21,6 +21,8 @@ from torch import Tensor
 
 from ..options import SCORE_FUNCTIONS as _SCORE_FUNCTIONS
 from ..options import ScoreFunction, check_option
+from ._checks import check_float_tensor as _check_float_tensor
+from ._checks import check_tensor as _check_tensor
 
 __all__ = [
     "SCORE_FUNCTIONS",
@@ -55,19 +57,6 @@ _SIGMOID_EPS = 1e-20
 def _wide(x: Tensor) -> Tensor:
     """``x`` in at least float32 (float64 stays float64)."""
     return x if x.dtype == torch.float64 else x.float()
-
-
-def _check_tensor(name: str, x: object) -> Tensor:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    return x
-
-
-def _check_float_tensor(name: str, x: object) -> Tensor:
-    x = _check_tensor(name, x)
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
-    return x
 
 
 def _check_nonneg(name: str, value: float | Tensor) -> None:

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..options import MTP_CONVENTIONS, MTPConvention, check_option
+from ._checks import check_int, check_int_tensor, check_real, check_same_shape, check_tensor, describe
 from .modes import check_mode, numerator, objective
 from .stats import check_inputs
 
@@ -77,8 +78,15 @@ def _shift_left(x: Tensor, k: int, fill: int | float) -> Tensor:
 def roll_mask(mask: Tensor, segment_ids: Tensor | None, k: int) -> Tensor:
     """The depth-``k`` loss mask: ``w_k[i,t] = w[i,t+k]`` when ``t+k`` is inside row ``i`` and (with
     ``segment_ids``) in the same document as ``t``, else 0. Works on ``[B, S]`` or ``[S]``."""
-    if k < 0:
-        raise ValueError(f"MTP depth k must be >= 0, got {k}")
+    check_tensor("mask", mask, dims=(1, 2), shape_text="[B, S] or [S]")
+    check_int("k", k, minimum=0)
+    if segment_ids is not None:
+        check_int_tensor("segment_ids", segment_ids)
+        if segment_ids.shape != mask.shape and (
+            segment_ids.numel() == mask.numel() and segment_ids.shape[-1:] == mask.shape[-1:]
+        ):
+            segment_ids = segment_ids.reshape(mask.shape)  # the same rows, one of them as [S] and [1, S]
+        check_same_shape("segment_ids", segment_ids, "mask", mask)
     if k == 0:
         return mask
     w = _shift_left(mask, k, 0)
@@ -94,13 +102,30 @@ def roll_mtp(
     """Labels and mask of MTP depth ``k`` (semantics §4): both rolled left by ``k`` within each row and each
     document; rolled-out positions get ``ignore_index`` and mask 0. Raises if ``k`` is not smaller than
     the sequence length (the depth would have no position at all)."""
+    check_int_tensor("labels", labels, dims=(1, 2), shape_text="[B, S] or [S]")
+    check_tensor("mask", mask)
     if labels.shape != mask.shape:
         raise ValueError(f"labels shape {tuple(labels.shape)} does not match mask shape {tuple(mask.shape)}")
+    check_int("k", k, minimum=0)
+    check_int("ignore_index", ignore_index)
     if k >= labels.shape[-1]:
         raise ValueError(f"MTP depth k={k} must be smaller than the sequence length {labels.shape[-1]}")
     w = roll_mask(mask, segment_ids, k)
     lab = torch.where(w > 0, _shift_left(labels, k, ignore_index), torch.full_like(labels, ignore_index))
     return lab, w
+
+
+def _check_depths(losses: Sequence[Tensor], masks: Sequence[Tensor]) -> None:
+    """``losses`` and ``masks``: sequences of tensors (not one tensor), one of each per MTP depth, at least one."""
+    for name, seq in (("losses", losses), ("masks", masks)):
+        if isinstance(seq, Tensor) or not isinstance(seq, Sequence):
+            raise TypeError(f"{name} must be a sequence of tensors (one per MTP depth), got {describe(seq)}")
+        for k, x in enumerate(seq):
+            check_tensor(f"{name}[{k}]", x)
+    if len(losses) != len(masks) or not losses:
+        raise ValueError(
+            f"need one mask per MTP depth and at least one depth: {len(losses)} losses, {len(masks)} masks"
+        )
 
 
 def mtp_numerator(
@@ -123,10 +148,7 @@ def mtp_numerator(
     """
     check_mode(mode)
     check_convention(convention)
-    if len(losses) != len(masks) or not losses:
-        raise ValueError(
-            f"need one mask per MTP depth and at least one depth: {len(losses)} losses, {len(masks)} masks"
-        )
+    _check_depths(losses, masks)
     if convention == "pooled":
         loss = torch.cat([x if x.dim() == 2 else x.unsqueeze(0) for x in losses], dim=-1)
         mask = torch.cat([x if x.dim() == 2 else x.unsqueeze(0) for x in masks], dim=-1)
@@ -159,6 +181,9 @@ def mtp_objective(
     ``λ·(1/Dm)·Σ_k J_k`` (``own``/``main``) or ``λ·J_pooled`` (``pooled``).
     """
     check_convention(convention)
+    _check_depths(losses, masks)
+    check_tensor("main_mask", main_mask)
+    check_real("weight", weight)
     for k, (x, w) in enumerate(zip(losses, masks), start=1):
         check_inputs(x, w, segment_ids, where=f"MTP depth {k}")
     if convention == "pooled":

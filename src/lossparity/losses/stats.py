@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._checks import describe
+
 __all__ = ["check_inputs", "sample_stats", "document_stats", "rows_documents", "count_documents", "masked_token_sum"]
 
 
@@ -34,9 +36,9 @@ def check_inputs(
     """
     loc = f" ({where})" if where else ""
     if not isinstance(per_token_loss, Tensor):
-        raise TypeError(f"per_token_loss must be a torch.Tensor, got {type(per_token_loss).__name__}{loc}")
+        raise TypeError(f"per_token_loss must be a torch.Tensor, got {describe(per_token_loss)}{loc}")
     if not isinstance(mask, Tensor):
-        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}{loc}")
+        raise TypeError(f"mask must be a torch.Tensor, got {describe(mask)}{loc}")
     if per_token_loss.dim() not in (1, 2):
         raise ValueError(f"per_token_loss must be [batch, seq] or [seq], got shape {tuple(per_token_loss.shape)}{loc}")
     if mask.shape != per_token_loss.shape:
@@ -81,6 +83,7 @@ def sample_stats(per_token_loss: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     counts below 2**24 in float32). Masked positions contribute exactly 0 even if the loss there is
     non-finite-free garbage, because the product is taken with the 0/1 mask.
     """
+    check_inputs(per_token_loss, mask, check_finite=False, check_mask_values=False, check_segment_values=False)
     l2, w2 = _as_2d(per_token_loss), _as_2d(mask).to(per_token_loss.dtype)
     # torch.where rather than a product: a masked position holding Inf must not give NaN.
     s = torch.where(w2 > 0, l2, torch.zeros_like(l2)).sum(dim=-1)
@@ -143,6 +146,9 @@ def document_stats(
     ``documents``: the ``rows_documents(segment_ids)`` of a caller that numbered and validated them
     already (the accountant, at ``begin_step``): no host synchronization then.
     """
+    check_inputs(
+        per_token_loss, mask, segment_ids, check_finite=False, check_mask_values=False, check_segment_values=False
+    )
     l2, w2 = _as_2d(per_token_loss), _as_2d(mask).to(per_token_loss.dtype)
     doc, ndoc = rows_documents(segment_ids) if documents is None else documents
     if documents is None and bool(((doc < 0) & (w2 > 0)).any()):

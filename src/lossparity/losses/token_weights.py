@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ._checks import check_int, check_int_tensor, check_real, check_tensor, describe
 from .modes import check_mode, unit_count_map
 from .mtp import check_convention
 
@@ -48,10 +49,13 @@ def token_weights(
     parallelism, else from these rows), ``mask / (L · denominator)`` for ``sample_sum_norm`` and
     ``mask / denominator`` otherwise. ``mask`` is ``[b, S]`` or ``[S]`` of 0/1."""
     check_mode(mode)
-    if not isinstance(mask, Tensor) or mask.dim() not in (1, 2):
-        raise ValueError(f"mask must be a [b, S] or [S] tensor, got {getattr(mask, 'shape', type(mask).__name__)}")
-    if not denominator > 0:
-        raise ValueError(f"denominator must be > 0, got {denominator}")
+    check_tensor("mask", mask, dims=(1, 2), shape_text="[b, S] or [S]")
+    check_real("denominator", denominator, positive=True)
+    check_int("fixed_length", fixed_length, optional=True)
+    if segment_ids is not None:  # its shape is checked where it is used (per_document, from these rows)
+        check_int_tensor("segment_ids", segment_ids)
+    if unit_counts is not None:
+        check_tensor("unit_counts", unit_counts)
     w = mask.to(torch.float64)
     if mode == "sample_sum_norm":
         if fixed_length is None or fixed_length <= 0:
@@ -99,8 +103,19 @@ def mtp_token_weights(
     microbatch pools its counts over the depths), split back per depth. ``unit_counts[k]``: see
     :func:`token_weights` (``own``/``main`` only)."""
     check_convention(convention)
+    if isinstance(masks, Tensor) or not isinstance(masks, Sequence):
+        raise TypeError(f"masks must be a sequence of tensors (one per MTP depth), got {describe(masks)}")
     if not masks:
         raise ValueError("mtp_token_weights needs the mask of at least one MTP depth")
+    for k, m in enumerate(masks):
+        check_tensor(f"masks[{k}]", m, dims=(1, 2), shape_text="[b, S] or [S]")
+    check_real("scale", scale)
+    if segment_ids is not None:
+        check_int_tensor("segment_ids", segment_ids)
+    if isinstance(denominators, Tensor) or not isinstance(denominators, Sequence):
+        raise TypeError(f"denominators must be a sequence of numbers (one per MTP depth), got {describe(denominators)}")
+    if not denominators:
+        raise ValueError("denominators must hold at least one number, got an empty sequence")
     if convention == "pooled":
         masks2 = [m if m.dim() == 2 else m.unsqueeze(0) for m in masks]
         seg = (

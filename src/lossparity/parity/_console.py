@@ -3,7 +3,9 @@
 Every reader follows the conventions of :mod:`lossparity.parity.readers`. Numbers of canonical metrics
 (and of any ``*loss*`` field) must be complete plain numbers (:func:`~._record.to_number`), otherwise the
 line is an error naming file:line; other fields may carry a unit, a percent sign or thousands separators
-(:func:`~._record.decorated_number`) and are ignored when they are not numbers at all. A last line without
+(:func:`~._record.decorated_number`) and are ignored when they are not numbers at all. A bracketed array of
+numbers in a canonical field that is not a loss (MindFormers' ``global_norm: [1 31049]``) is skipped with a
+note and listed in ``Run.unreadable``. A last line without
 a newline (a log still being written) is ignored with a note, as is a Megatron metric line that does not
 end with ``|`` and is not continued on the next line (Megatron ends every complete metric line with
 ``|``); a Megatron line hard-wrapped by a terminal is joined with its continuation lines.
@@ -13,7 +15,16 @@ from __future__ import annotations
 
 import re
 
-from ._record import LogParseError, Recorder, decorated_number, int_step, lines, to_float, to_number
+from ._record import (
+    LogParseError,
+    Recorder,
+    decorated_number,
+    int_step,
+    is_number_array,
+    lines,
+    to_float,
+    to_number,
+)
 
 __all__ = [
     "MEG_START_RE",
@@ -31,9 +42,16 @@ __all__ = [
 
 
 def _put_field(rec: Recorder, path: str, ln: int, step: int, key: str, text: str) -> None:
-    """Record one ``key: text`` field: strict for canonical/loss fields, decorated numbers otherwise."""
+    """Record one ``key: text`` field: strict for canonical/loss fields, decorated numbers otherwise.
+
+    A bracketed array (``global_norm: [1 31049]``, visibly not one number) in a field that is not a loss is
+    skipped with a note (:meth:`Recorder.skip_array`); in a loss field, as any other non-number there, it
+    is an error naming file:line."""
     if rec.strict(key):
         value = to_number(text)
+        if value is None and "loss" not in key.lower() and is_number_array(text):
+            rec.skip_array(key, text.strip(), ln)
+            return
         if value is None:
             raise LogParseError(path, ln, f"a number for {key!r}, got {text.strip()!r}")
     else:

@@ -21,6 +21,7 @@ __all__ = [
     "to_float",
     "to_number",
     "decorated_number",
+    "is_number_array",
     "json_number",
     "int_step",
     "lines",
@@ -50,7 +51,9 @@ class Run:
     ``step`` when the log states it. ``raw_names[name]`` is the name in the log. ``notes`` says what the
     reader ignored or decided on the user's behalf (an incomplete last line, joined wrapped lines,
     evaluation entries, a detected step base), one sentence each. ``live``: the log's last line was
-    incomplete, i.e. the log is probably still being written.
+    incomplete, i.e. the log is probably still being written. ``unreadable[name]`` says where a metric's
+    value was visibly not one number (a bracketed array such as MindFormers' ``global_norm: [1 31049]``):
+    those values were skipped with a note, and asking to compare that metric is an input error.
     """
 
     source: str
@@ -65,6 +68,7 @@ class Run:
     raw_names: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     live: bool = False
+    unreadable: dict[str, str] = field(default_factory=dict)
 
     def steps(self) -> list[int]:
         """Sorted union of the steps at which any metric has a value."""
@@ -111,6 +115,7 @@ class Recorder:
         self.live = False
         self._last_step: int | None = None
         self._last_by_metric: dict[str, int] = {}
+        self.unreadable: dict[str, tuple[str, int]] = {}  # name -> (first "line N: 'raw: text'", count)
 
     def note(self, text: str) -> None:
         """Record one sentence for ``Run.notes`` (said once)."""
@@ -128,6 +133,15 @@ class Recorder:
             if last
             else f"{where} {ln} ignored: incomplete ({why}; the job was probably killed while writing it)"
         )
+
+    def skip_array(self, raw: str, text: str, line: int) -> None:
+        """Skip a value that is visibly not one number (a bracketed array) of a field that is not a loss; it is
+        said in a note and in ``Run.unreadable`` (comparing that metric is then an input error)."""
+        name = self.name(raw, line)
+        if name is None:
+            return
+        first, count = self.unreadable.get(name, (f"line {line}: '{raw}: {text}'", 0))
+        self.unreadable[name] = (first, count + 1)
 
     def begin(self, step: int) -> None:
         """Start a record at ``step``; a step below the last one read is a restart."""
@@ -196,6 +210,12 @@ class Recorder:
 
     def run(self) -> Run:
         """The collected :class:`Run` (series sorted by step, empty metrics left out)."""
+        for name, (first, count) in self.unreadable.items():
+            raw = self.raw_names.get(name, name)
+            self.note(
+                f"{raw!r} ({name}): {count} value(s) that are not one number skipped (first at {first}); "
+                "the other fields of those lines were read"
+            )
         return Run(
             source=self.path,
             format=self.fmt,
@@ -209,6 +229,7 @@ class Recorder:
             raw_names={k: v for k, v in self.raw_names.items() if self.metrics.get(k)},
             notes=list(self.notes),
             live=self.live,
+            unreadable={k: first for k, (first, _) in self.unreadable.items()},
         )
 
 
@@ -248,6 +269,19 @@ def to_number(text: str) -> float | None:
     if t.startswith("[") and t.endswith("]"):
         t = t[1:-1]
     return to_float(t)
+
+
+_ARRAY_RE = re.compile(r"^\[\s*[^\[\],\s]+(?:\s*,?\s+|\s*,\s*)[^\[\]]*\]$")
+
+
+def is_number_array(text: str) -> bool:
+    """Whether ``text`` is visibly several numbers in one pair of brackets (``[1 31049]``, ``[0.5, 2]``): a
+    value that is not one number, as opposed to a corrupted number (``4.6O72``, ``[4.6O72]``)."""
+    t = text.strip()
+    if not _ARRAY_RE.match(t):
+        return False
+    parts = [p for p in re.split(r"[\s,]+", t[1:-1]) if p]
+    return len(parts) >= 2 and all(to_float(p) is not None for p in parts)
 
 
 def decorated_number(text: str) -> float | None:

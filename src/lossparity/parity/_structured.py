@@ -311,6 +311,7 @@ def read_hf_trainer_state(path: str, rec: Recorder) -> None:
     if not isinstance(history, list):
         raise LogParseError(path, None, "a JSON object with a 'log_history' list")
     ignored: dict[str, int] = {}
+    eval_keys: set[str] = set()
     for i, entry in enumerate(history):
         where = f"log_history[{i}]"
         if not isinstance(entry, dict):
@@ -319,6 +320,7 @@ def read_hf_trainer_state(path: str, rec: Recorder) -> None:
         step = int_step(entry.get("step"))
         if kind == "summary" or (kind == "eval" and step is None):
             ignored[kind] = ignored.get(kind, 0) + 1
+            eval_keys.update(k for k in entry if kind == "eval" and k.startswith(_HF_EVAL_PREFIXES))
             continue
         if step is None:
             raise LogParseError(path, None, f"an integer 'step', got {entry.get('step')!r}", where=where)
@@ -328,8 +330,14 @@ def read_hf_trainer_state(path: str, rec: Recorder) -> None:
             if value is not None:
                 rec.put(key, step, value)
     for kind, n in ignored.items():
-        what = "evaluation entries without a step" if kind == "eval" else "end-of-training summary entries"
-        rec.note(f"{n} {what} ignored")
+        if kind == "eval":
+            prefixes = sorted({p + "*" for p in _HF_EVAL_PREFIXES for k in eval_keys if k.startswith(p)})
+            rec.note(
+                f"{n} evaluation entries without a step ignored ({', '.join(prefixes)} metrics, e.g. "
+                f"{min(eval_keys)}: evaluation results, not training steps)"
+            )
+        else:
+            rec.note(f"{n} end-of-training summary entries ignored (train_runtime etc.: totals of the whole run)")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -20,7 +20,10 @@ Semantics (all functions below follow them):
 - **Verdict.** A metric passes when its number of failing points is ``<= allowed``, where
   ``allowed = 0``, or with ``megatron_rule=True`` Megatron-LM's functional-test rule
   ``allowed = min(max(n // 100, 1), 50)`` for ``n > 1`` compared points (``0`` for ``n = 1``).
-  The comparison passes when every compared metric passes (and the missing-steps rule holds).
+  The comparison passes when every compared metric passes (and the missing-steps rule holds), and, with
+  the default metrics, when a loss (``lm_loss`` or ``objective``, possibly paired across frameworks) was
+  compared: a verdict must rest on a loss, so a comparison of only ``lr`` or ``grad_norm`` fails and names
+  the metrics each run has (:attr:`CompareResult.no_loss`).
 - **Default metrics.** Without ``metrics``, every canonical metric (see :mod:`.names`) that both
   runs have is compared; other shared names are listed as not compared. **Cross-framework pairing:**
   when one run has ``lm_loss`` but no ``objective`` and the other ``objective`` but no ``lm_loss``
@@ -71,6 +74,7 @@ __all__ = [
     "megatron_allowed_failures",
     "moving_average",
     "parse_tolerances",
+    "describe_points",
     "step_ranges",
     "tolerance_for",
 ]
@@ -222,19 +226,44 @@ def _num(v: float) -> float | str:
     return v if math.isfinite(v) else ("nan" if math.isnan(v) else ("inf" if v > 0 else "-inf"))
 
 
-def step_ranges(xs: Sequence[float]) -> str:
-    """Compact text of sorted points: ``"3, 7-10, 14"`` (consecutive integers joined), ``"-"`` when empty."""
-    out: list[str] = []
-    vals = sorted(xs)
+def _progressions(vals: list[float]) -> list[tuple[float, float, float, int]]:
+    """Sorted points cut greedily into arithmetic runs ``(first, last, spacing, count)``: a run of 3 or more
+    equally spaced points (or of 2 consecutive integers) is one entry, any other point its own entry."""
+    out: list[tuple[float, float, float, int]] = []
     i = 0
     while i < len(vals):
         j = i
-        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
-            j += 1
-        lo, hi = f"{vals[i]:g}", f"{vals[j]:g}"
-        out.append(lo if i == j else f"{lo}-{hi}")
+        if i + 1 < len(vals):
+            d = vals[i + 1] - vals[i]
+            while j + 1 < len(vals) and vals[j + 1] - vals[j] == d:
+                j += 1
+            if j - i < 2 and d != 1:  # two points that are not consecutive integers: no pattern
+                j = i
+        out.append((vals[i], vals[j], vals[j] - vals[j - 1] if j > i else 0.0, j - i + 1))
         i = j + 1
-    return ", ".join(out) if out else "-"
+    return out
+
+
+def step_ranges(xs: Sequence[float], limit: int | None = None) -> str:
+    """Compact text of points: ``"3, 7-10, 14"`` (consecutive integers joined), ``"15-2790 every 15"``
+    (3 or more equally spaced points), ``"-"`` when empty. With ``limit``, at most that many parts are
+    written: the first ones, ``...``, and the last one."""
+    parts = []
+    for lo, hi, d, n in _progressions(sorted(xs)):
+        if n == 1:
+            parts.append(f"{lo:g}")
+        elif d == 1:
+            parts.append(f"{lo:g}-{hi:g}")
+        else:
+            parts.append(f"{lo:g}-{hi:g} every {d:g}")
+    if limit is not None and len(parts) > limit:
+        parts = [*parts[: max(limit - 1, 1)], f"... ({len(parts) - limit} more)", parts[-1]]
+    return ", ".join(parts) if parts else "-"
+
+
+def describe_points(xs: Sequence[float], unit: str = "step", limit: int = 4) -> str:
+    """``"187 steps (15-2790 every 15)"``: the count, and the points as :func:`step_ranges` with ``limit``."""
+    return f"{len(xs)} {unit}{'' if len(xs) == 1 else 's'} ({step_ranges(xs, limit)})"
 
 
 @dataclass
@@ -354,6 +383,8 @@ class CompareResult:
     """All metrics of one comparison; ``passed`` when every compared metric passes.
 
     ``notes``: decisions taken on the user's behalf (a cross-framework pairing), one sentence each.
+    ``no_loss``: with the default metrics, why no loss was compared (what each run has); the comparison
+    then fails whatever the other metrics say.
     """
 
     ref: Run
@@ -367,10 +398,11 @@ class CompareResult:
     not_compared: list[str] = field(default_factory=list)
     missing_steps: str = "span"
     notes: list[str] = field(default_factory=list)
+    no_loss: str | None = None
 
     @property
     def passed(self) -> bool:
-        return all(m.passed for m in self.metrics.values())
+        return self.no_loss is None and all(m.passed for m in self.metrics.values())
 
     @property
     def violations(self) -> list[MetricResult]:
@@ -405,6 +437,7 @@ class CompareResult:
             "skipped": dict(self.skipped),
             "not_compared": list(self.not_compared),
             "notes": list(self.notes),
+            "no_loss": self.no_loss,
         }
 
 
@@ -460,7 +493,7 @@ def _missing_violation(
     if not missing or rule == "ignore":
         return None
     if rule == "all":
-        return f"the candidate lacks reference {unit}s {step_ranges(missing)} (--missing-steps all)"
+        return f"the candidate lacks {describe_points(missing, 'reference ' + unit)} (--missing-steps all)"
     gaps = sorted(b - a for a, b in zip(cand_x, cand_x[1:]))
     spacing = gaps[len(gaps) // 2] if gaps else 0.0
     early = [x for x in missing if x <= cand_x[0] - spacing]
@@ -473,7 +506,7 @@ def _missing_violation(
     if not parts:
         return None
     return (
-        f"the candidate {' and '.join(parts)}: reference {unit}s {step_ranges(early + late)} are not compared "
+        f"the candidate {' and '.join(parts)}; not compared: {describe_points(early + late, 'reference ' + unit)} "
         "(compare a part with --window, or --missing-steps ignore)"
     )
 
@@ -564,6 +597,26 @@ def _loss_pairing(ref: Run, cand: Run) -> tuple[tuple[str, str], str] | None:
     return None
 
 
+LOSS_METRICS = ("lm_loss", "objective")
+
+
+def _no_loss_reason(ref: Run, cand: Run) -> str:
+    """Why no loss was compared: the metrics of each run, and the hint to map an unrecognized loss name."""
+
+    def has(run: Run) -> str:
+        names = ", ".join(sorted(run.metrics)) or "no metric"
+        losses = [m for m in LOSS_METRICS if m in run.metrics]
+        return f"{names}" + ("" if losses else " (no lm_loss or objective)")
+
+    unknown = sorted({m for run in (ref, cand) for m in run.metrics if "loss" in m and not is_canonical(m)})
+    hint = (
+        f"; if {', '.join(repr(u) for u in unknown)} is a loss, map it, e.g. --name-map {unknown[0]}=objective"
+        if unknown
+        else ""
+    )
+    return f"no loss compared: the reference has {has(ref)}; the candidate has {has(cand)}{hint}"
+
+
 def _default_pairs(ref: Run, cand: Run) -> tuple[list[tuple[str, str]], list[str], list[str]]:
     """Default ``(ref name, cand name)`` pairs, the shared non-canonical names, and pairing notes."""
     shared = set(ref.metrics) & set(cand.metrics)
@@ -585,6 +638,12 @@ def _requested_pairs(ref: Run, cand: Run, metrics: Sequence[str]) -> list[tuple[
                 f"metrics: {m!r} is not in the {' and '.join(missing)} run; available: ref has "
                 f"{', '.join(sorted(ref.metrics)) or 'none'}; cand has {', '.join(sorted(cand.metrics)) or 'none'}"
             )
+        for role, run in (("ref", ref), ("cand", cand)):
+            if m in run.unreadable:
+                raise CompareInputError(
+                    f"metrics: {m!r} of the {role} run {run.source} has values that are not one number "
+                    f"(first at {run.unreadable[m]}); they cannot be compared"
+                )
     return [(m, m) for m in wanted]
 
 
@@ -694,6 +753,10 @@ def compare_runs(
             "the candidate log ends with an incomplete line (still being written): reference "
             "steps after its last complete step are reported, not failed"
         )
+    if metrics is None and not any(p in result.metrics for p in LOSS_METRICS):
+        result.no_loss = _no_loss_reason(ref, cand)
+    elif metrics is not None and not any(p in result.metrics for p in LOSS_METRICS):
+        result.notes.append(f"no loss among the requested metrics: the verdict covers {', '.join(result.metrics)} only")
     if not result.metrics:
         raise CompareInputError(
             f"no overlapping {align}s for any shared metric "

@@ -518,6 +518,10 @@ def format_table(report: GapReport, every: int = 1) -> str:
         f"mean Cov(n,l)/mean(n) {ov['mean_cov_term']:.6g}, max |gap − Cov/mean| "
         f"{ov['max_decomposition_error']:.3g}"
     )
+    lines.append(
+        "  (gap and Cov(n,l)/mean(n) agree by the identity per_token − per_sample = Cov(n,l)/mean(n), n_i the "
+        "tokens and l_i the mean loss of sample i; both are computed separately, so their agreement checks the dump)"
+    )
     lines += [f"  {k}: {why}" for k, why in NOT_COMPUTABLE.items()]
     lines += [f"  note: {x}" for x in report.notes]
     if report.missing:

@@ -217,7 +217,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     """
     p = os.fspath(path)
     if not os.path.exists(p):
-        raise FileNotFoundError(f"path: log {p} does not exist")
+        raise FileNotFoundError(f"the log {p} does not exist")
     if os.path.isdir(p):
         if _structured.event_files(p):
             return "tensorboard"
@@ -256,7 +256,7 @@ def read_log(
     """
     p = os.fspath(path)
     if not os.path.exists(p):
-        raise FileNotFoundError(f"path: log {p} does not exist")
+        raise FileNotFoundError(f"the log {p} does not exist")
     key = detect_format(p) if fmt is None else _normalize_format(fmt)
     rec = Recorder(p, key, name_map, step_base=_STEP_BASE.get(key, 1))
     _READERS[key](p, rec)

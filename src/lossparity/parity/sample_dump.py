@@ -254,7 +254,8 @@ def find_dump(path: str | os.PathLike[str]) -> str:
             return candidate
     raise FileNotFoundError(
         f"no sample dump in {p}: expected samples_rank<r>.bin files (and {META_FILE}) there or in "
-        f"{os.path.join(p, DUMP_SUBDIR)}, or an .npz file"
+        f"{os.path.join(p, DUMP_SUBDIR)}, or an .npz file (a run writes them with `lossparity train "
+        "--dump-samples`)"
     )
 
 

@@ -95,7 +95,7 @@ class TrainConfig:
 
     model: str = _f("tiny", "model preset: tiny, small, medium, 100m")
     model_overrides: dict[str, Any] = _f(dict, "ModelConfig field overrides (CLI: --set FIELD=VALUE)")
-    mode: Mode = _f("per_token", "objective mode (docs/semantics.md §1)")
+    mode: Mode = _f("per_token", "objective mode (the table: lossparity modes)")
     normalization: Normalization = _f(
         "precount",
         "precount: normalizers counted before the step; deferred: "
@@ -131,9 +131,9 @@ class TrainConfig:
     mtp_weight: float = _f(0.3, "MTP lambda until --mtp-switch-step")
     mtp_weight_after: float = _f(0.1, "MTP lambda from --mtp-switch-step on")
     mtp_switch_step: int | None = _f(None, "step at which lambda switches (DeepSeek-V3)")
-    mtp_convention: MTPConvention = _f("own", "MTP denominator convention (docs/semantics.md §4)")
+    mtp_convention: MTPConvention = _f("own", "MTP denominator convention (semantics of multi-token prediction)")
     mtp_log_estimator: MTPLogEstimator = _f("token_mean", "estimator of the logged MTP losses")
-    aux_scope: AuxScope = _f("global_lagged", "MoE load-balancing loss scope (docs/semantics.md §5)")
+    aux_scope: AuxScope = _f("global_lagged", "MoE load-balancing loss scope (semantics of MoE aux losses)")
     aux_coeff: float = _f(1e-2, "load-balancing loss coefficient alpha")
     z_coeff: float = _f(1e-3, "router z-loss coefficient beta")
     z_form: ZForm = _f("global", "router z-loss form")

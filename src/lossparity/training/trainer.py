@@ -601,11 +601,36 @@ def _progress(step: int, total: int, means: dict[str, float]) -> None:
     bar = "#" * filled + "." * (width - filled)
     loss = means.get("lm_loss")
     text = f"[{bar}] step {step}/{total}  lm_loss {loss:.4f}" if loss is not None else f"[{bar}] step {step}/{total}"
-    text += f"  objective {means.get('objective', float('nan')):.4f}  tok/s {means.get('tokens_per_s', 0):.0f}"
+    text += f"  objective {means.get('objective', float('nan')):.4f}{objective_parts(means)}"
+    text += f"  tok/s {means.get('tokens_per_s', 0):.0f}"
     if sys.stdout.isatty():
         print("\r" + text, end="", flush=True)
     else:
         print(text, flush=True)
+
+
+def objective_parts(logs: dict[str, float]) -> str:
+    """`` = lm 5.5496 + 0.3·mtp 5.5211 + aux+z 0.0238``: the parts of the objective the accountant logs
+    (``objective_lm``, ``mtp_weight·objective_mtp``, ``objective_aux``), or ``""`` when it logs none (the
+    objective is then the LM loss itself)."""
+    if "objective_lm" not in logs:
+        return ""
+    text = f" = lm {logs['objective_lm']:.4f}"
+    if "objective_mtp" in logs:
+        text += f" + {logs.get('mtp_weight', float('nan')):g}·mtp {logs['objective_mtp']:.4f}"
+    if logs.get("objective_aux"):
+        # which added terms there are: MoE load balancing, router z-loss, DeepSeek indexer
+        kinds = [
+            k
+            for k, present in (
+                ("aux", any("load_balancing_loss" in n for n in logs)),
+                ("z", "z_loss" in logs),
+                ("indexer", "indexer_loss" in logs),
+            )
+            if present
+        ]
+        text += f" + {'+'.join(kinds) or 'aux'} {logs['objective_aux']:.4f}"
+    return text
 
 
 def _train_entry(rank: int, world: int, cfg: TrainConfig) -> list[dict[str, Any]]:
