@@ -207,8 +207,10 @@ def objective(
 ) -> jax.Array:
     """The objective ``J`` of docs/semantics.md §1 on a whole global batch ``[N, S]``, from the formula.
 
-    ``per_token``: ``S / max(Ntok, 1)``, computed as one reduction ``Σ(w·l) / max(Σ w, 1)`` so that it is
-    bit-identical to the usual ``sum(xent·mask) / sum(mask)``. ``per_sample``: ``(1/N) Σ_i s_i/max(n_i,1)``.
+    ``per_token``: ``S / max(Ntok, 1)``, computed as one reduction ``Σ(w·l) / max(Σ w, 1)``, the same
+    formula as the usual ``sum(xent·mask) / sum(mask)``; equal to it up to rounding, not guaranteed
+    bit-identical (XLA picks the summation order per program: in float32 the two can differ in the last
+    bit). ``per_sample``: ``(1/N) Σ_i s_i/max(n_i,1)``.
     ``per_microbatch``: consecutive blocks of ``microbatch_size`` rows (required; rank ``d``, microbatch
     ``k`` = block ``d·K + k``), ``(1/(D·K)) Σ_mb s_mb/max(n_mb,1)``. ``per_document``:
     ``(1/max(Ndoc,1)) Σ_j s_j/max(n_j,1)``. ``sample_sum``: ``(1/N) Σ_i s_i``. ``sample_sum_norm``:
