@@ -481,9 +481,14 @@ def test_max_violation():
 
 
 def test_public_alias_module():
+    import lossparity
+    from lossparity.distributed.moe_accounting import MoEAccounting
+
     assert moe_alias.switch_load_balancing_loss is moe.switch_load_balancing_loss
+    assert moe_alias.__all__ == moe.__all__  # one list of public MoE names, in losses.moe
     for name in moe.__all__:
         assert getattr(moe_alias, name) is getattr(moe, name)
+    assert lossparity.MoEAccounting is MoEAccounting and "MoEAccounting" in lossparity.__all__
 
 
 # ---------------------------------------------------------------------------------------------------

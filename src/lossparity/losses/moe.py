@@ -7,6 +7,8 @@ scores of the *local* tokens, counts are at the level the scope needs (reduced o
 caller). Notation: ``E`` routed experts, top-``k`` routing, ``p[x,e]`` router scores, ``c_e`` tokens
 whose plain top-k contains ``e``, ``T`` tokens in the scope.
 
+Public path: ``lossparity.moe`` re-exports this module's ``__all__``; import the formulas from there.
+
 Masks: ``padding_mask`` is ``True`` at padding positions (Megatron ``z_loss_func`` convention); padded
 tokens neither count nor carry probability.
 """

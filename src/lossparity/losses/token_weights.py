@@ -16,6 +16,12 @@ Every mode's microbatch share is linear in the per-token losses, ``numerator(mb)
 the table's global denominator is the ``denominator`` argument; pass 1 for the raw numerator, as the
 ``deferred`` normalization back-propagates). This lets a fused output layer form the exact gradient of
 the objective during its forward (:func:`lossparity.losses.fused_cross_entropy.fused_linear_cross_entropy`).
+
+Two entry points, one formula: :func:`token_weights` here (also ``lossparity.token_weights``) takes the
+mode, the counts and the denominator explicitly; ``Accountant.token_weights(mask, segment_ids)`` is its
+accountant-bound form, which fills them in from the step (the mode, the pre-counted denominator or 1
+under deferred normalization, the whole-row unit counts under context parallelism) and calls this
+function.
 """
 
 from __future__ import annotations
