@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import lossparity as lp
 from lossparity.losses.logchannel import IntervalMean, ratio_or_none
-from lossparity.losses.modes import count_normalizers, denominator
+from lossparity.losses.modes import Normalizers, count_normalizers, denominator
 
 # Hand-worked example (see the comments for the arithmetic).
 #   A: l=[1,2,3] w=[1,1,1] -> s=6 n=3 mean 2      segments [1,1,2]: docs (A,1) 3/2, (A,2) 3/1
@@ -132,11 +132,14 @@ def _naive_float64(mode, loss, mask, seg, b, L):
         vals = [sum(s[i : i + b]) / max(sum(n[i : i + b]), 1) for i in range(0, rows, b)]
         return sum(vals) / len(vals)
     if mode == "per_document":
-        docs = {}
+        docs = {}  # a document is a run of equal non-zero ids in a row (semantics §0): key (row, run start)
         for i in range(rows):
+            start = 0
             for t in range(loss.shape[1]):
+                if t == 0 or seg[i, t] != seg[i, t - 1]:
+                    start = t
                 if seg[i, t] > 0:
-                    d = docs.setdefault((i, int(seg[i, t])), [0.0, 0.0])
+                    d = docs.setdefault((i, start), [0.0, 0.0])
                     d[0] += float(loss[i, t] * mask[i, t])
                     d[1] += float(mask[i, t])
         return sum(a / max(c, 1) for a, c in docs.values()) / max(len(docs), 1)
@@ -201,9 +204,19 @@ def test_log_helpers():
     assert m.compute() == {"lm_loss": 3.0, "x": 1.0} and m.skipped == 1
 
 
+def test_denominator_refuses_fixed_length_in_both_ports():
+    # the L of sample_sum_norm is divided in the numerator; the JAX port raised, torch silently ignored it
+    norms = Normalizers(tokens=6, samples=2, documents=0, microbatches=1)
+    with pytest.raises(ValueError, match="denominator takes no fixed_length"):
+        denominator("sample_sum_norm", norms, fixed_length=3)
+    assert denominator("sample_sum_norm", norms) == 2.0
+
+
 def test_count_documents_matches_numbering():
     from lossparity.losses.stats import count_documents, rows_documents
 
     seg = torch.tensor([[1, 1, 2, 0], [0, 0, 0, 0], [3, 3, 1, 1], [2, 0, 2, 5]])
-    assert count_documents(seg) == rows_documents(seg)[1] == 2 + 0 + 2 + 2
+    # runs of equal non-zero ids: [1,1][2] | none | [3,3][1,1] | [2][2][5] (padding splits the two 2s)
+    assert count_documents(seg) == rows_documents(seg)[1] == 2 + 0 + 2 + 3
+    assert rows_documents(seg)[0].tolist() == [[0, 0, 1, -1], [-1] * 4, [2, 2, 3, 3], [4, -1, 5, 6]]
     assert count_documents(torch.zeros(0, 3, dtype=torch.long)) == 0

@@ -481,9 +481,14 @@ def test_max_violation():
 
 
 def test_public_alias_module():
+    import lossparity
+    from lossparity.distributed.moe_accounting import MoEAccounting
+
     assert moe_alias.switch_load_balancing_loss is moe.switch_load_balancing_loss
+    assert moe_alias.__all__ == moe.__all__  # one list of public MoE names, in losses.moe
     for name in moe.__all__:
         assert getattr(moe_alias, name) is getattr(moe, name)
+    assert lossparity.MoEAccounting is MoEAccounting and "MoEAccounting" in lossparity.__all__
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -531,3 +536,15 @@ def test_router_z_loss_sums_and_grad_match_autograd_of_the_plain_formula(offset)
     torch.testing.assert_close(z, plain.detach(), rtol=1e-13, atol=0)
     torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-300)
     torch.testing.assert_close(z, moe.router_z_loss_sums(logits.detach(), weights=w), rtol=1e-13, atol=0)
+
+
+def test_router_z_loss_sums_takes_padding_mask_and_names_the_old_keyword():
+    # [[ln 2 ln 2] -> lse = ln(2·2)... ] by hand: logits [0, 0] -> lse = ln 2; [ln 3, 0] -> lse = ln 4
+    logits = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0], [float("nan"), 0.0]], dtype=torch.float64)
+    pad = torch.tensor([False, False, True])  # True = padding: the NaN row never reaches the sum
+    want = math.log(2.0) ** 2 + math.log(4.0) ** 2
+    assert float(moe.router_z_loss_sums(logits, padding_mask=pad)) == pytest.approx(want, rel=1e-15)
+    with pytest.raises(TypeError, match="padding_mask=~valid"):
+        moe.router_z_loss_sums(logits, valid=~pad)
+    with pytest.raises(TypeError):  # positional masks are refused: the old positional meant the opposite
+        moe.router_z_loss_sums(logits, ~pad)  # type: ignore[misc]

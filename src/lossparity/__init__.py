@@ -2,8 +2,10 @@
 
 Layout of the package (a formula of docs/semantics.md lives in exactly one place):
 
-- ``lossparity.losses``: pure semantics on tensors, no process groups (modes, statistics, MTP, MoE
-  auxiliary losses, indexer loss, chunked cross-entropy, estimator gap, log estimators).
+- ``lossparity.losses``: pure semantics on tensors, no process groups (the mode table, modes, statistics,
+  MTP, MoE auxiliary losses, indexer loss, chunked cross-entropy, estimator gap, log estimators).
+- ``lossparity.moe``: the public path of the MoE auxiliary-loss formulas (a re-export of
+  ``lossparity.losses.moe``, their implementation).
 - ``lossparity.distributed``: process-group plumbing: the :class:`Accountant`, MoE accounting, groups.
 - ``lossparity.model`` / ``lossparity.training``: the reference MoE+MTP GPT and its trainer.
 - ``lossparity.parity``: log readers, ``compare``, ``gap``, framework presets; ``lossparity.cli``.
@@ -22,6 +24,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Accountant": "lossparity.distributed.accountant",
+    "MoEAccounting": "lossparity.distributed.moe_accounting",
     "ParallelDims": "lossparity.distributed.parallel_dims",
     "ProtocolError": "lossparity.distributed.protocol",
     "MODES": "lossparity.losses.modes",

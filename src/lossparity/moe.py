@@ -1,39 +1,12 @@
-"""Public alias of :mod:`lossparity.losses.moe` (``lossparity.moe.switch_load_balancing_loss`` etc.)."""
+"""The MoE auxiliary-loss formulas (docs/semantics.md §5): the public path, ``lossparity.moe``.
 
-from lossparity.losses.moe import (
-    SCORE_FUNCTIONS,
-    expert_bias_update,
-    max_violation,
-    router_probs,
-    router_scores,
-    router_z_loss,
-    router_z_loss_sum,
-    router_z_loss_sums,
-    router_z_loss_sums_and_grad,
-    sequence_load_balancing_loss,
-    sequence_tokens_per_expert,
-    switch_load_balancing_loss,
-    switch_load_balancing_terms,
-    switch_load_balancing_weights,
-    tokens_per_expert,
-    topk_routing_map,
-)
+Every name is that of :mod:`lossparity.losses.moe`, where the formulas are implemented (the library's
+own modules import them from there, inside the ``losses`` layer); this module re-exports that module's
+``__all__`` unchanged, so that the list of public MoE functions has one home. Import them from here:
+``from lossparity.moe import switch_load_balancing_loss``.
+"""
 
-__all__ = [
-    "SCORE_FUNCTIONS",
-    "expert_bias_update",
-    "max_violation",
-    "router_probs",
-    "router_scores",
-    "router_z_loss",
-    "router_z_loss_sum",
-    "router_z_loss_sums",
-    "router_z_loss_sums_and_grad",
-    "sequence_load_balancing_loss",
-    "sequence_tokens_per_expert",
-    "switch_load_balancing_loss",
-    "switch_load_balancing_terms",
-    "switch_load_balancing_weights",
-    "tokens_per_expert",
-    "topk_routing_map",
-]
+from lossparity.losses import moe as _impl
+from lossparity.losses.moe import *  # noqa: F403 (the public names, listed once in losses.moe.__all__)
+
+__all__ = list(_impl.__all__)

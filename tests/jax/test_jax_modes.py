@@ -10,7 +10,7 @@ import torch
 
 import lossparity.jax as lj
 from lossparity.jax.gap import estimator_gap
-from lossparity.jax.stats import document_count
+from lossparity.jax.stats import count_documents
 from lossparity.losses import gap as tgap
 from lossparity.losses import modes as tmodes
 from lossparity.losses import stats as tstats
@@ -82,22 +82,24 @@ def test_sample_and_document_stats_match_torch(batch):
     tds, tdn = tstats.document_stats(torch.tensor(loss), torch.tensor(mask), torch.tensor(seg))
     ds, dn, present = jax.jit(lj.document_stats)(jnp.asarray(loss), jnp.asarray(mask), jnp.asarray(seg))
     present = np.asarray(present)
-    assert present.sum() == tds.numel() == int(document_count(jnp.asarray(seg)))
+    assert present.sum() == tds.numel() == int(count_documents(jnp.asarray(seg)))
     close(np.asarray(ds)[present], tds.numpy(), 1e-12)  # same order: row, then id
     np.testing.assert_array_equal(np.asarray(dn)[present], tdn.numpy())
     assert not np.asarray(ds)[~present].any() and not np.asarray(dn)[~present].any()
 
 
 def test_document_stats_non_contiguous_ids_and_num_segments():
-    # ids need not be contiguous or start at 1: a document is a (row, id) pair; id 5 needs 5 slots.
+    # ids need not be contiguous or start at 1; a document is a run of equal non-zero ids in a row, so
+    # row 0 [5, 2, 5, pad] holds 3 documents [1], [2], [3] (the two 5s are separate runs); ids must lie
+    # in [0, num_segments]: id 5 needs num_segments >= 5.
     loss = jnp.asarray([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
     mask = jnp.ones((2, 4))
     seg = jnp.asarray([[5, 2, 5, 0], [3, 3, 3, 3]])
     with pytest.raises(ValueError, match="num_segments=4"):
         lj.document_stats(loss, mask.at[0, 3].set(0), seg)
     s, n, present = lj.document_stats(loss, mask.at[0, 3].set(0), seg, num_segments=5)
-    assert np.asarray(s)[np.asarray(present)].tolist() == [2.0, 4.0, 26.0]
-    assert np.asarray(n)[np.asarray(present)].tolist() == [1.0, 2.0, 4.0]
+    assert np.asarray(s)[np.asarray(present)].tolist() == [1.0, 2.0, 3.0, 26.0]
+    assert np.asarray(n)[np.asarray(present)].tolist() == [1.0, 1.0, 1.0, 4.0]
 
 
 # RFC-0032 test plan, case 1: hand-worked per-sample mean with a zero-token sample.

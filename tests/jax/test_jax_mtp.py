@@ -128,7 +128,7 @@ def _decompositions(losses, masks, main_mask, seg):
     for mode in ("per_token", "per_sample", "per_document"):
         for conv in lj.CONVENTIONS:
             want = lj.mtp_objective(mode, losses, masks, main_mask, convention=conv, segment_ids=seg)
-            dens = jmtp.mtp_denominators(mode, depth_norms, main_norms, convention=conv)
+            dens = jmtp.mtp_denominators(mode, conv, main_norms, depth_norms)
             total = 0.0
             for rows in (slice(0, 3), slice(3, 8)):
                 nums = jmtp.mtp_numerator(
@@ -166,3 +166,18 @@ def test_mtp_log_losses(batch):
     assert float(value) == 0.0 and not bool(valid)
     with pytest.raises(ValueError, match="unknown mtp_convention 'mean'"):
         lj.mtp_objective("per_token", [jnp.ones((1, 2))], [jnp.ones((1, 2))], jnp.ones((1, 2)), convention="mean")
+
+
+def test_mtp_denominators_takes_the_argument_order_of_the_torch_port():
+    from lossparity.losses.mtp import mtp_denominators as torch_dens
+
+    mask = jnp.asarray([[1, 1, 1, 0], [1, 1, 0, 0]])
+    main = lj.count_normalizers(mask)  # Ntok = 5
+    depths = [lj.count_normalizers(jnp.asarray([[1, 1, 0, 0], [1, 0, 0, 0]])), lj.count_normalizers(mask * 0)]
+    got = [float(d) for d in jmtp.mtp_denominators("per_token", "own", main, depths)]
+    assert got == torch_dens("per_token", "own", 5.0, [3.0, 0.0]) == [3.0, 1.0]
+    assert [float(d) for d in jmtp.mtp_denominators("per_token", "pooled", main, depths)] == [3.0]
+    with pytest.raises(TypeError, match="convention second"):
+        jmtp.mtp_denominators("per_token", depths, main, depths)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):  # the old call (mode, depth_norms, main_norms, convention=...)
+        jmtp.mtp_denominators("per_token", depths, main, convention="own")  # type: ignore[call-arg]

@@ -3,8 +3,10 @@
 The semantics never name a process group; this module maps a layout onto groups once, so that the
 accountant and the trackers can ask for *roles* instead of hard-coding groups:
 
-- ``token_group``: the ranks that hold distinct tokens of the step (DP × CP). Log sums, router counts
-  and gradients are summed over it.
+- ``token_group``: the ranks that hold distinct tokens of the step: DP × CP, and × TP under sequence
+  parallelism. Log sums and router counts are summed over it.
+- ``grad_group``: DP × CP, the replicas of the non-expert parameters, whose gradients are summed (TP
+  ranks hold shards, not replicas; expert gradients are reduced over ``edp_group``).
 - ``dp_group``: the data-parallel ranks (distinct rows). Normalizers are pre-counted over it from the
   *whole rows* of each rank's microbatches (context-parallel peers hold the same rows).
 - ``grad_size`` = DP × CP: the factor by which an averaging gradient engine divides gradients.

@@ -7,8 +7,9 @@ itself imports no framework):
   ``transformers.Trainer`` and TRL trainers (``pip install "lossparity[hf]"``, TRL: ``"lossparity[trl]"``).
 - :mod:`lossparity.integrations.megatron`: ``LossFunc``, the ``loss_func`` of a megatron-core
   ``forward_step`` with ``calculate_per_token_loss=True`` (``pip install "lossparity[megatron]"``).
-- :mod:`lossparity.integrations.torchtitan`: ``LossParityLoss`` and ``precount_step``, the loss and
-  step hook of a torchtitan trainer (``pip install "lossparity[torchtitan]"``).
+- :mod:`lossparity.integrations.torchtitan`: ``LossParityLoss`` (with its step hook
+  ``LossParityLoss.precount``) and ``LossParityTitanMixin``, which calls the hook from a torchtitan
+  ``Trainer.train_step`` (``pip install "lossparity[torchtitan]"``).
 - The live parity guard (docs/parity-guard.md): ``hf.ParityCallback`` (:mod:`.hf_parity`),
   :mod:`.titan_parity` ``ParityTitanMixin`` and :mod:`.megatron_parity` ``parity_check``.
 

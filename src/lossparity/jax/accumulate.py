@@ -19,7 +19,7 @@ from ..options import NORMALIZATIONS, check_option
 from ._checks import poison, value_check
 from .logchannel import ratio_or_missing
 from .modes import Normalizers, check_mode, denominator, require_microbatch_size, unit_sum
-from .stats import _static_checks, document_count, resolve_num_segments
+from .stats import _static_checks, count_documents, resolve_num_segments
 
 __all__ = ["NORMALIZATIONS", "split_microbatches", "accumulate_gradients"]
 
@@ -137,7 +137,7 @@ def _step_normalizers(mask, doc_ids, num_segments, groups: int) -> Normalizers:
     docs = (
         jnp.zeros((), tokens.dtype)
         if doc_ids is None
-        else document_count(doc_ids.reshape(k * b, s), num_segments=num_segments).astype(tokens.dtype)
+        else count_documents(doc_ids.reshape(k * b, s), num_segments=num_segments).astype(tokens.dtype)
     )
     return Normalizers(tokens, one * (k * b), docs, one * groups)
 

@@ -4,18 +4,13 @@ Same decomposition and names as the PyTorch ``lossparity.losses.modes``: every m
 ``J = Σ_mb numerator(mb) / denominator``, a per-microbatch numerator from that microbatch's own sample
 or document statistics and one global denominator that is pre-counted from the masks.
 
-| mode             | numerator of one microbatch         | denominator   |
-|------------------|-------------------------------------|---------------|
-| per_token        | Σ_i s_i                             | max(Ntok, 1)  |
-| per_sample       | Σ_i s_i / max(n_i, 1)               | N             |
-| per_microbatch   | Σ_mb' s_mb' / max(n_mb', 1)         | D·K           |
-| per_document     | Σ_j s_j / max(n_j, 1)               | Ndoc          |
-| sample_sum       | Σ_i s_i                             | N             |
-| sample_sum_norm  | Σ_i s_i / L                         | N             |
+The modes (unit, reduction, count, empty-unit rule) and the definition of a document come from the
+torch-free table :mod:`lossparity.losses.mode_table`, shared with the PyTorch port, the integrations and
+the log tools; ``per_microbatch``'s numerator here sums ``s_mb' / max(n_mb', 1)`` over the microbatches
+``mb'`` of ``microbatch_size`` rows inside its input.
 
-(``mb'``: the microbatches of ``microbatch_size`` rows inside the numerator's input.) All functions are
-pure and ``jit``-able on global arrays; ``mode``, ``num_segments``, ``microbatch_size`` and
-``fixed_length`` are static Python values; mode names come from ``lossparity.options``.
+All functions are pure and ``jit``-able on global arrays; ``mode``, ``num_segments``, ``microbatch_size``
+and ``fixed_length`` are static Python values; mode names come from ``lossparity.options``.
 
 One rule for ``per_microbatch``'s group size: the one-microbatch functions (:func:`numerator`,
 :func:`count_normalizers`) read ``microbatch_size=None`` as "the input is one microbatch", as the
@@ -35,9 +30,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ..losses.mode_table import MODE_TABLE, check_fixed_length, check_no_fixed_length, mode_spec, reduce_units
 from ..options import MODES, Mode, check_option
 from ._checks import check_positive_int, poison
-from .stats import _as_2d, _masked_sums, document_count, document_sums, prepare, resolve_num_segments
+from .stats import _as_2d, _masked_sums, count_documents, document_sums, prepare, resolve_num_segments
 
 __all__ = [
     "MODES",
@@ -49,14 +45,7 @@ __all__ = [
     "objective",
 ]
 
-_DENOMINATOR_KEY = {
-    "per_token": "tokens",
-    "per_sample": "samples",
-    "per_microbatch": "microbatches",
-    "per_document": "documents",
-    "sample_sum": "samples",
-    "sample_sum_norm": "samples",
-}
+_DENOMINATOR_KEY: dict[str, str] = {m: spec.count for m, spec in MODE_TABLE.items()}
 
 
 def check_mode(mode: str) -> Mode:
@@ -118,7 +107,7 @@ def count_normalizers(
     docs = (
         jnp.zeros((), tokens.dtype)
         if segment_ids is None
-        else document_count(segment_ids, num_segments=num_segments).astype(tokens.dtype)
+        else count_documents(segment_ids, num_segments=num_segments).astype(tokens.dtype)
     )
     mbs = 1 if microbatch_size is None else rows // microbatch_size
     return Normalizers(tokens, one * rows, docs, one * mbs)
@@ -128,27 +117,10 @@ def denominator(mode: str, norms: Normalizers, fixed_length: int | None = None) 
     """The global denominator of ``mode`` (module table): ``max(count, 1)`` of ``Ntok``, ``N``, ``Ndoc``
     or ``D·K``; the ``max`` only turns an empty count into 1 so that an empty batch gives ``J = 0``.
     ``sample_sum_norm``'s ``L`` is divided in :func:`numerator`, so its denominator is ``N``: passing
-    ``fixed_length`` here raises instead of being silently ignored (the parameter exists only so that
-    a call written for the PyTorch signature gets this explanation)."""
+    ``fixed_length`` here raises instead of being silently ignored, as in the PyTorch port."""
     check_mode(mode)
-    if fixed_length is not None:
-        raise ValueError(
-            f"denominator takes no fixed_length (got {fixed_length!r}): the L of 'sample_sum_norm' is divided "
-            "in numerator(..., fixed_length=L), and the denominator of every mode is a plain count"
-        )
+    check_no_fixed_length(fixed_length)
     return jnp.maximum(jnp.asarray(getattr(norms, _DENOMINATOR_KEY[mode])), 1)
-
-
-def _check_fixed_length(fixed_length: int | None) -> int:
-    if isinstance(fixed_length, bool) or not isinstance(fixed_length, (int, float)) or fixed_length <= 0:
-        raise ValueError(f"mode 'sample_sum_norm' needs fixed_length > 0 (the L of Dr. GRPO), got {fixed_length!r}")
-    return fixed_length
-
-
-def _per_microbatch_sum(s: jax.Array, n: jax.Array, microbatch_size: int) -> jax.Array:
-    s_mb = s.reshape(-1, microbatch_size).sum(axis=-1)
-    n_mb = n.reshape(-1, microbatch_size).sum(axis=-1)
-    return (s_mb / jnp.maximum(n_mb, 1)).sum()
 
 
 def unit_sum(
@@ -164,21 +136,20 @@ def unit_sum(
 ) -> jax.Array:
     """The numerator of ``mode`` from validated ``[B, S]`` inputs (``bearing = mask != 0``, ``bad`` the
     traced poison flag or None): ``Σ_units s_u / max(n_u, 1)``, or the plain or ``L``-scaled sum."""
-    if mode == "per_document":
+    spec = mode_spec(mode)
+    if spec.unit == "document":
         if seg is None:
             raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
         s, n, _ = document_sums(loss, bearing, seg, resolve_num_segments(seg, num_segments))
-        return (s / jnp.maximum(poison(n, bad), 1)).sum()
-    s, n = _masked_sums(loss, bearing)
-    n = poison(n, bad)
-    if mode in ("per_token", "sample_sum"):
-        return poison(s.sum(), bad)
-    if mode == "per_sample":
-        return (s / jnp.maximum(n, 1)).sum()
-    if mode == "per_microbatch":
-        # the callers pass a validated size: this only narrows the type (and names a missing size)
-        return _per_microbatch_sum(s, n, require_microbatch_size(microbatch_size, int(s.shape[0]), "unit_sum"))
-    return poison(s.sum(), bad) / _check_fixed_length(fixed_length)
+    else:
+        s, n = _masked_sums(loss, bearing)
+        if spec.unit == "microbatch":
+            # the callers pass a validated size: this only narrows the type (and names a missing size)
+            size = require_microbatch_size(microbatch_size, int(s.shape[0]), "unit_sum")
+            s, n = s.reshape(-1, size).sum(axis=-1), n.reshape(-1, size).sum(axis=-1)
+    if spec.reduction == "sum_over_length":
+        check_fixed_length(fixed_length)
+    return reduce_units(mode, poison(s, bad) if not spec.per_unit else s, poison(n, bad), fixed_length=fixed_length)
 
 
 def numerator(
@@ -236,8 +207,10 @@ def objective(
 ) -> jax.Array:
     """The objective ``J`` of docs/semantics.md §1 on a whole global batch ``[N, S]``, from the formula.
 
-    ``per_token``: ``S / max(Ntok, 1)``, computed as one reduction ``Σ(w·l) / max(Σ w, 1)`` so that it is
-    bit-identical to the usual ``sum(xent·mask) / sum(mask)``. ``per_sample``: ``(1/N) Σ_i s_i/max(n_i,1)``.
+    ``per_token``: ``S / max(Ntok, 1)``, computed as one reduction ``Σ(w·l) / max(Σ w, 1)``, the same
+    formula as the usual ``sum(xent·mask) / sum(mask)``; equal to it up to rounding, not guaranteed
+    bit-identical (XLA picks the summation order per program: in float32 the two can differ in the last
+    bit). ``per_sample``: ``(1/N) Σ_i s_i/max(n_i,1)``.
     ``per_microbatch``: consecutive blocks of ``microbatch_size`` rows (required; rank ``d``, microbatch
     ``k`` = block ``d·K + k``), ``(1/(D·K)) Σ_mb s_mb/max(n_mb,1)``. ``per_document``:
     ``(1/max(Ndoc,1)) Σ_j s_j/max(n_j,1)``. ``sample_sum``: ``(1/N) Σ_i s_i``. ``sample_sum_norm``:
@@ -258,5 +231,5 @@ def objective(
     )
     if mode == "per_document":
         assert seg2 is not None  # prepare returns the segment ids it was given (checked above)
-        return num / jnp.maximum(document_count(seg2, num_segments=num_segments), 1)
+        return num / jnp.maximum(count_documents(seg2, num_segments=num_segments), 1)
     return num / (rows // size if mode == "per_microbatch" else max(rows, 1))

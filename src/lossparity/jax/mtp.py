@@ -35,7 +35,7 @@ from .modes import (
     objective,
     require_microbatch_size,
 )
-from .stats import _as_2d, check_inputs, sample_stats
+from .stats import _as_2d, check_inputs, document_index, sample_stats
 
 __all__ = [
     "CONVENTIONS",
@@ -72,7 +72,8 @@ def _check_depth(k) -> int:
 
 def roll_mask(mask: jax.Array, segment_ids: jax.Array | None, k: int) -> jax.Array:
     """The depth-``k`` loss mask: ``w_k[i,t] = w[i,t+k]`` when ``t+k`` is inside row ``i`` and (with
-    ``segment_ids``) ``seg[i,t+k] == seg[i,t] > 0``, else 0. ``[B, S]`` or ``[S]``; ``k`` is static."""
+    ``segment_ids``) in the same document as ``t`` (the same run of non-zero ids), else 0. ``[B, S]`` or
+    ``[S]``; ``k`` is static."""
     _check_depth(k)
     if k == 0:
         return mask
@@ -82,7 +83,8 @@ def roll_mask(mask: jax.Array, segment_ids: jax.Array | None, k: int) -> jax.Arr
             raise ValueError(
                 f"segment_ids shape {tuple(segment_ids.shape)} does not match mask shape {tuple(mask.shape)}"
             )
-        same = (_shift_left(segment_ids, k, -1) == segment_ids) & (segment_ids > 0)
+        doc = document_index(jnp, segment_ids)  # same document = same run of ids (semantics §0)
+        same = (_shift_left(doc, k, -1) == doc) & (doc > 0)
         w = jnp.where(same, w, jnp.zeros_like(w))
     return w
 
@@ -113,10 +115,15 @@ def _depths(losses: Sequence[jax.Array] | jax.Array, masks: Sequence[jax.Array] 
 
 
 def _pool(losses: list[jax.Array], masks: list[jax.Array], segment_ids: jax.Array | None):
-    # Concatenating the depths along the sequence axis makes each row (and each (row, id) document)
-    # pool its sums and counts over the depths, which is exactly the pooled convention.
-    seg = None if segment_ids is None else jnp.concatenate([_as_2d(segment_ids)] * len(losses), axis=-1)
-    return jnp.concatenate(losses, axis=-1), jnp.concatenate(masks, axis=-1), seg
+    # The depths interleaved along the sequence axis (the copies of a position side by side, as the torch
+    # pool_depths): each row, document (a run of ids) and microbatch stays one piece and pools its sums
+    # and counts over the depths, which is exactly the pooled convention.
+    def interleave(xs: list[jax.Array]) -> jax.Array:
+        stacked = jnp.stack(xs, axis=-1)
+        return stacked.reshape(*stacked.shape[:-2], -1)
+
+    seg = None if segment_ids is None else jnp.repeat(_as_2d(segment_ids), len(losses), axis=-1)
+    return interleave(losses), interleave(masks), seg
 
 
 def mtp_numerator(
@@ -134,7 +141,7 @@ def mtp_numerator(
 
     ``losses[k-1]``, ``masks[k-1]``: depth ``k``'s per-token losses and rolled mask ``[b, S]`` (a list or
     a stacked ``[Dm, b, S]`` array). ``own``/``main``: one :func:`numerator` per depth. ``pooled``: a
-    one-element list, the numerator of all depths concatenated along the sequence axis.
+    one-element list, the numerator of all depths pooled along the sequence axis (interleaved).
     """
     mode = check_mode(mode)
     convention = check_convention(convention)
@@ -157,18 +164,25 @@ def mtp_numerator(
 
 
 def mtp_denominators(
-    mode: str,
-    depth_norms: Sequence[Normalizers],
-    main_norms: Normalizers,
-    *,
-    convention: str = "own",
+    mode: str, convention: str, main_norms: Normalizers, depth_norms: Sequence[Normalizers]
 ) -> list[jax.Array]:
-    """Global denominators matching :func:`mtp_numerator`'s list. ``depth_norms[k-1]`` are depth ``k``'s
-    step normalizers (from its rolled masks), ``main_norms`` the main loss's. ``own``: each depth's own
-    :func:`denominator`; ``main``: ``per_token`` uses ``max(Ntok_main, 1)``; ``pooled``: one denominator
-    of the depths' normalizers summed (``per_token``: ``max(Σ_k Ntok_k, 1)``; counts of rows, documents
-    and microbatches are those of one depth, since pooling keeps them)."""
+    """Global denominators matching :func:`mtp_numerator`'s list (docs/semantics.md §4); the arguments in
+    the order of the PyTorch ``lossparity.losses.mtp.mtp_denominators(mode, convention, main_denominator,
+    depth_tokens)``, which takes the counts already reduced to floats.
+
+    ``main_norms``: the main loss's step normalizers; ``depth_norms[k-1]``: depth ``k``'s (from its rolled
+    masks). ``own``: each depth's own :func:`denominator`; ``main``: ``per_token`` uses
+    ``max(Ntok_main, 1)``; ``pooled``: one denominator of the depths' normalizers summed (``per_token``:
+    ``max(Σ_k Ntok_k, 1)``; counts of rows, documents and microbatches are those of one depth, since
+    pooling keeps them). Every other mode divides each depth by the main loss's denominator (its rows,
+    documents and microbatches are those of the main loss)."""
     mode = check_mode(mode)
+    if not isinstance(convention, str):
+        raise TypeError(
+            f"convention: mtp_denominators(mode, convention, main_norms, depth_norms) takes the convention "
+            f"second (the order of the PyTorch port), got {type(convention).__name__}; the older order was "
+            "(mode, depth_norms, main_norms, convention=...)"
+        )
     convention = check_convention(convention)
     if not depth_norms:
         raise ValueError("depth_norms must hold one Normalizers per MTP depth, got none")

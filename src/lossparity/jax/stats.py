@@ -19,6 +19,7 @@ __all__ = [
     "check_inputs",
     "sample_stats",
     "document_stats",
+    "count_documents",
     "document_count",
     "resolve_num_segments",
     "prepare",
@@ -54,6 +55,15 @@ def _static_checks(per_token_loss, mask, segment_ids, at: str) -> None:
             )
 
 
+def document_index(xp, segment_ids):  # noqa: ANN001, ANN201 (NumPy or jax.numpy, as value_check passes)
+    """The document number of every position within its row, 1, 2, ... (0 at padding), along the last
+    axis: a document is a maximal run of equal non-zero ids (docs/semantics.md §0,
+    ``lossparity.losses.mode_table.document_starts``), so ``[1, 1, 2, 2, 1, 1]`` gives ``[1, 1, 2, 2, 3, 3]``."""
+    prev = xp.concatenate([xp.zeros_like(segment_ids[..., :1]), segment_ids[..., :-1]], axis=-1)
+    starts = (segment_ids != 0) & (segment_ids != prev)
+    return xp.where(segment_ids != 0, xp.cumsum(starts, axis=-1), 0)
+
+
 def _mask_check(mask, where: str) -> jax.Array | None:
     return value_check(
         ValueError, "mask values must be 0 or 1, found {}", lambda xp, w: (w != 0) & (w != 1), (mask,), where=where
@@ -68,6 +78,7 @@ def _segment_checks(mask, segment_ids, m: int, where: str) -> tuple[jax.Array | 
         (segment_ids,),
         where=where,
     )
+    # padding first: a loss token at id 0 also splits a run, and that is the error to name
     padding = value_check(
         ValueError,
         "mask has a loss-bearing token at segment_ids == 0 (padding)",
@@ -76,7 +87,16 @@ def _segment_checks(mask, segment_ids, m: int, where: str) -> tuple[jax.Array | 
         shown=None,
         where=where,
     )
-    return in_range, padding
+    runs = value_check(
+        ValueError,
+        f"segment_ids: a row holds more than num_segments={m} documents (runs of equal non-zero ids); "
+        "the first extra one starts",
+        lambda xp, s: document_index(xp, s) > m,
+        (segment_ids,),
+        shown=None,
+        where=where,
+    )
+    return in_range, runs, padding
 
 
 def _finite_check(per_token_loss, mask, where: str) -> jax.Array | None:
@@ -196,15 +216,16 @@ def document_stats(
     num_segments: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per-document sums, counts and presence for packed rows, in ``[B, M]`` slots (``M = num_segments``,
-    default ``S``): slot ``(i, j)`` is the document with segment id ``j + 1`` in row ``i``.
+    default ``S``): slot ``(i, j)`` is the ``(j+1)``-th document of row ``i``.
 
-    A document is a distinct non-zero ``(row, segment_id)`` pair (0 = padding, MaxText's
-    ``*_segmentation`` convention); ids must lie in ``[0, M]``. Returns ``(s, n, present)`` with
-    ``s[i,j] = Σ_{t: seg=j+1} w·l``, ``n[i,j] = Σ_{t: seg=j+1} w`` and ``present[i,j]`` true when the id
-    occurs in the row (a document without loss-bearing tokens still exists and counts in ``Ndoc``).
-    ``s[present]`` lists the documents in the order of the PyTorch ``document_stats`` (row, then id).
-    A 1-D input is one row. Ids outside ``[0, M]`` or a loss-bearing token at id 0 raise eagerly and
-    under :func:`checked`; in an unchecked traced program they make ``s`` and ``n`` NaN.
+    A document is a maximal run of equal non-zero segment ids within a row (0 = padding;
+    docs/semantics.md §0): ``[1, 1, 2, 2, 1, 1]`` holds 3. Ids must lie in ``[0, M]`` and a row may hold at
+    most ``M`` documents. Returns ``(s, n, present)`` with ``s[i,j] = Σ_{t in doc} w·l``,
+    ``n[i,j] = Σ_{t in doc} w`` and ``present[i,j]`` true when row ``i`` has a ``(j+1)``-th document (a
+    document without loss-bearing tokens still exists and counts in ``Ndoc``). ``s[present]`` lists the
+    documents in the order of the PyTorch ``document_stats`` (row, then position). A 1-D input is one
+    row. Ids outside ``[0, M]``, more than ``M`` documents in a row or a loss-bearing token at id 0 raise
+    eagerly and under :func:`checked`; in an unchecked traced program they make ``s`` and ``n`` NaN.
     """
     m = resolve_num_segments(segment_ids, num_segments)
     loss, bearing, seg, bad = prepare(per_token_loss, mask, segment_ids, num_segments=m)
@@ -217,25 +238,25 @@ def document_sums(
     loss: jax.Array, bearing: jax.Array, seg: jax.Array, m: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`document_stats` of already validated ``[B, S]`` inputs (``bearing`` boolean)."""
-    s = _segment_sum_rows(jnp.where(bearing, loss, jnp.zeros_like(loss)), seg, m)
-    n = _segment_sum_rows(bearing.astype(loss.dtype), seg, m)
-    present = _segment_sum_rows((seg > 0).astype(jnp.int32), seg, m) > 0
+    doc = document_index(jnp, seg)
+    s = _segment_sum_rows(jnp.where(bearing, loss, jnp.zeros_like(loss)), doc, m)
+    n = _segment_sum_rows(bearing.astype(loss.dtype), doc, m)
+    present = _segment_sum_rows((doc > 0).astype(jnp.int32), doc, m) > 0
     return s, n, present
 
 
-def document_count(segment_ids: jax.Array, *, num_segments: int | None = None) -> jax.Array:
-    """``Ndoc``: the number of distinct non-zero ``(row, segment_id)`` pairs, as an integer array.
-    Ids outside ``[0, num_segments]`` raise eagerly and under :func:`checked`; an unchecked traced
-    program cannot flag them in an integer count (they are not counted)."""
+def count_documents(segment_ids: jax.Array, *, num_segments: int | None = None) -> jax.Array:
+    """``Ndoc``: the number of documents (runs of equal non-zero ids within a row, :func:`document_stats`),
+    as an integer array. Ids outside ``[0, num_segments]`` or more than ``num_segments`` documents in a
+    row raise eagerly and under :func:`checked`; an unchecked traced program cannot flag them in an
+    integer count (documents past the ``num_segments``-th of a row are not counted)."""
     if not hasattr(segment_ids, "dtype") or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise TypeError(f"segment_ids must be an integer array, got {getattr(segment_ids, 'dtype', None)}")
     m = resolve_num_segments(segment_ids, num_segments)
-    value_check(
-        ValueError,
-        f"segment_ids must lie in [0, num_segments={m}] (0 = padding), found {{}}",
-        lambda xp, s: (s < 0) | (s > m),
-        (segment_ids,),
-    )
-    seg = _as_2d(segment_ids)
-    present = _segment_sum_rows((seg > 0).astype(jnp.int32), seg, m) > 0
-    return present.sum()
+    _segment_checks(jnp.zeros(segment_ids.shape, jnp.int32), segment_ids, m, "")
+    doc = document_index(jnp, _as_2d(segment_ids))
+    starts = (doc > 0) & (doc <= m) & (doc != jnp.pad(doc[:, :-1], ((0, 0), (1, 0))))
+    return starts.sum()
+
+
+document_count = count_documents  # the name before the two ports were aligned (torch: count_documents)

@@ -2,19 +2,14 @@
 
 Every mode is written as ``J = Σ_mb numerator(mb) / denominator``: a per-microbatch *numerator*
 computed from that microbatch's own sample/document statistics, and one *global denominator*
-(``Ntok``, ``N``, ``Ndoc``, ``D·K`` or ``N·L``) that can be pre-counted from the masks before the first
+(``Ntok``, ``N``, ``Ndoc`` or ``D·K``) that can be pre-counted from the masks before the first
 forward (pre-counted normalizers) or summed as microbatches pass (deferred normalization). This
 decomposition is what makes every mode layout-invariant: numerators only need rows, which are never
 split across microbatches, and the denominator is a global count.
 
-| mode             | numerator of one microbatch         | denominator   |
-|------------------|-------------------------------------|---------------|
-| per_token        | Σ_i s_i                             | max(Ntok, 1)  |
-| per_sample       | Σ_i s_i / max(n_i, 1)               | N             |
-| per_microbatch   | Σ_i s_i / max(Σ_i n_i, 1)           | D·K           |
-| per_document     | Σ_j s_j / max(n_j, 1)               | Ndoc          |
-| sample_sum       | Σ_i s_i                             | N             |
-| sample_sum_norm  | Σ_i s_i / L                         | N             |
+The table of the modes (unit, numerator, denominator, empty-unit rule) and the definition of a
+document live in :mod:`lossparity.losses.mode_table`, shared with the token weights, the integrations,
+the JAX port and the log tools; this module computes the units' statistics with torch and applies it.
 """
 
 from __future__ import annotations
@@ -26,9 +21,11 @@ import torch
 from torch import Tensor
 
 from ..options import MODE_INFO as _MODE_INFO
+from ..options import MODES as _MODES
 from ..options import Mode
 from ._checks import check_int, check_int_tensor, check_tensor, describe
-from .stats import check_inputs, document_stats, masked_token_sum, sample_stats
+from .mode_table import MODE_TABLE, check_no_fixed_length, mode_spec, reduce_units
+from .stats import check_inputs, document_stats, masked_token_sum, rows_documents, sample_stats
 
 __all__ = [
     "DENOMINATOR_KEY",
@@ -43,27 +40,13 @@ __all__ = [
     "objective",
 ]
 
-MODES: tuple[Mode, ...] = (
-    "per_token",
-    "per_sample",
-    "per_microbatch",
-    "per_document",
-    "sample_sum",
-    "sample_sum_norm",
-)
+MODES: tuple[Mode, ...] = _MODES
 
 # mode -> (formula, frameworks whose objective it matches): one torch-free home in options.py.
 MODE_INFO: Mapping[Mode, tuple[str, str]] = _MODE_INFO
 
 # Which global count (a field of Normalizers) divides each mode's numerators.
-DENOMINATOR_KEY: Mapping[str, str] = {
-    "per_token": "tokens",
-    "per_sample": "samples",
-    "per_microbatch": "microbatches",
-    "per_document": "documents",
-    "sample_sum": "samples",
-    "sample_sum_norm": "samples",
-}
+DENOMINATOR_KEY: Mapping[str, str] = {m: spec.count for m, spec in MODE_TABLE.items()}
 
 
 def check_mode(mode: str) -> str:
@@ -106,28 +89,24 @@ def count_normalizers(mask: Tensor, segment_ids: Tensor | None = None) -> Normal
     if segment_ids is not None:
         check_int_tensor("segment_ids", segment_ids)
     w = mask if mask.dim() == 2 else mask.unsqueeze(0)
-    docs = 0
-    if segment_ids is not None:
-        from .stats import rows_documents
-
-        docs = rows_documents(segment_ids)[1]
+    docs = 0 if segment_ids is None else rows_documents(segment_ids)[1]
     return Normalizers(int(w.sum().item()), int(w.shape[0]), docs, 1)
 
 
 def denominator(mode: str, norms: Normalizers, fixed_length: int | None = None) -> float:
-    """The global denominator of ``mode`` (see module table): ``max(Ntok,1)``, ``N``, ``Ndoc``, ``D·K``
-    or (``sample_sum_norm``) ``N·L``. Returns 1.0 for an empty count so that an empty batch gives J=0."""
+    """The global denominator of ``mode`` (``mode_table``): ``max(count, 1)`` of ``Ntok``, ``N``, ``Ndoc``
+    or ``D·K``; the ``max`` turns an empty count into 1 so that an empty batch gives ``J = 0``.
+    ``sample_sum_norm``'s ``L`` is divided in :func:`numerator`, so its denominator is ``N``: passing
+    ``fixed_length`` raises (as in the JAX port) instead of being silently ignored."""
     check_mode(mode)
     if not isinstance(norms, Normalizers):
         raise TypeError(f"norms must be a Normalizers, got {describe(norms)}")
-    check_int("fixed_length", fixed_length, optional=True)
-    if mode == "per_token":
-        return float(max(norms.tokens, 1))
-    value = getattr(norms, DENOMINATOR_KEY[mode])
-    return float(max(value, 1))
+    check_no_fixed_length(fixed_length)
+    return float(max(getattr(norms, mode_spec(mode).count), 1))
 
 
-_UNIT_MODES = ("per_sample", "per_document", "per_microbatch")
+def _per_unit(mode: str) -> bool:
+    return mode_spec(mode).per_unit
 
 
 def unit_count_map(
@@ -144,7 +123,7 @@ def unit_count_map(
     ``begin_step``), which spares the numbering's host synchronization.
     """
     check_mode(mode)
-    if mode not in _UNIT_MODES:
+    if not _per_unit(mode):
         return None
     w = (mask if mask.dim() == 2 else mask.unsqueeze(0)).to(torch.float64)
     if mode == "per_sample":
@@ -153,8 +132,6 @@ def unit_count_map(
         return w.sum().expand_as(w)
     if segment_ids is None:
         raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
-    from .stats import rows_documents
-
     doc, ndoc = rows_documents(segment_ids) if documents is None else documents
     doc = doc.to(w.device).clamp(min=0)
     n = torch.zeros(max(ndoc, 1), dtype=torch.float64, device=w.device).index_add(0, doc.flatten(), w.flatten())
@@ -201,28 +178,31 @@ def numerator(
     _check_arguments(mode, per_token_loss, mask, segment_ids if unit_counts is None else None, fixed_length)
     if unit_counts is not None:
         check_tensor("unit_counts", unit_counts)
-    if unit_counts is not None and mode in _UNIT_MODES:
+    if unit_counts is not None and _per_unit(mode):
         if unit_counts.shape != mask.shape:
             raise ValueError(f"unit_counts shape {tuple(unit_counts.shape)} does not match mask {tuple(mask.shape)}")
         loss = per_token_loss
         per_pos = torch.where(mask > 0, loss / unit_counts.to(loss.dtype).clamp(min=1), torch.zeros_like(loss))
         return per_pos.sum()
-    if mode == "per_document":
+    s, n = _unit_stats(mode, per_token_loss, mask, segment_ids, documents)
+    return reduce_units(mode, s, n, fixed_length=fixed_length)
+
+
+def _unit_stats(
+    mode: str, loss: Tensor, mask: Tensor, segment_ids: Tensor | None, documents: tuple[Tensor, int] | None
+) -> tuple[Tensor, Tensor]:
+    """``(s, n)`` of the units of ``mode`` in one microbatch (``mode_table``): per document, per sample,
+    the whole microbatch, or (the summing modes) the masked total, summed as ``F.cross_entropy`` does."""
+    unit = mode_spec(mode).unit
+    if unit == "document":
         if segment_ids is None:
             raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
-        s, n = document_stats(per_token_loss, mask, segment_ids, documents=documents)
-        return (s / n.clamp(min=1)).sum()
-    if mode in ("per_token", "sample_sum"):
-        return masked_token_sum(per_token_loss, mask)
-    s, n = sample_stats(per_token_loss, mask)
-    if mode == "per_sample":
-        return (s / n.clamp(min=1)).sum()
-    if mode == "per_microbatch":
-        return s.sum() / n.sum().clamp(min=1)
-    # sample_sum_norm
-    if fixed_length is None or fixed_length <= 0:
-        raise ValueError(f"mode 'sample_sum_norm' needs fixed_length > 0 (the L of Dr. GRPO), got {fixed_length}")
-    return s.sum() / fixed_length
+        return document_stats(loss, mask, segment_ids, documents=documents)
+    if not _per_unit(mode):
+        total = masked_token_sum(loss, mask)
+        return total, total.new_ones(())
+    s, n = sample_stats(loss, mask)
+    return (s.sum(), n.sum()) if unit == "microbatch" else (s, n)
 
 
 def objective(
@@ -262,7 +242,7 @@ def objective(
     if mode == "per_document":
         if segment_ids is None:
             raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
-        s, n = document_stats(loss, w, segment_ids)
-        return (s / n.clamp(min=1)).sum() / max(s.numel(), 1)
+        docs = rows_documents(segment_ids)
+        return numerator(mode, loss, w, segment_ids=segment_ids, documents=docs) / max(docs[1], 1)
     num = numerator(mode, loss, w, fixed_length=fixed_length)
     return num / max(n_rows, 1)

@@ -7,6 +7,8 @@ scores of the *local* tokens, counts are at the level the scope needs (reduced o
 caller). Notation: ``E`` routed experts, top-``k`` routing, ``p[x,e]`` router scores, ``c_e`` tokens
 whose plain top-k contains ``e``, ``T`` tokens in the scope.
 
+Public path: ``lossparity.moe`` re-exports this module's ``__all__``; import the formulas from there.
+
 Masks: ``padding_mask`` is ``True`` at padding positions (Megatron ``z_loss_func`` convention); padded
 tokens neither count nor carry probability.
 """
@@ -433,25 +435,38 @@ def router_z_loss_sum(logits: Tensor, padding_mask: Tensor | None = None) -> tup
     _check_scores("logits", logits)
     pm = _check_padding_mask(padding_mask, logits.shape[:-1], "logits")
     x = _wide(logits).reshape(-1, logits.shape[-1])
-    total = router_z_loss_sums(x, None if pm is None else ~pm.reshape(-1))
+    total = router_z_loss_sums(x, padding_mask=None if pm is None else pm.reshape(-1))
     if pm is None:
         return total, torch.tensor(x.shape[0], dtype=torch.int64, device=x.device)
     return total, (~pm).sum(dtype=torch.int64)
 
 
-def router_z_loss_sums(logits: Tensor, valid: Tensor | None = None, *, weights: Tensor | None = None) -> Tensor:
-    """``Σ_x valid[x]·logsumexp(logits[..., x, :])²`` over the token dim (second to last): the one home of
-    the z-loss term (semantics §5), for one layer ``[T, E]`` or stacked layers ``[L, T, E]`` (→ ``[L]``).
+def router_z_loss_sums(
+    logits: Tensor,
+    *,
+    padding_mask: Tensor | None = None,
+    weights: Tensor | None = None,
+    valid: Tensor | None = None,
+) -> Tensor:
+    """``Σ_{x not padding} logsumexp(logits[..., x, :])²`` over the token dim (second to last): the one home
+    of the z-loss term (semantics §5), for one layer ``[T, E]`` or stacked layers ``[L, T, E]`` (→ ``[L]``).
 
-    ``valid [T]`` (bool) selects the tokens; invalid rows never reach the sum (``where``, so a NaN in a
-    padding row does not leak). ``weights [T]`` (0/1 floats) instead multiplies (one matrix-vector product,
-    the training path: padding rows must then be finite). No validation, no host sync.
+    ``padding_mask [T]`` (bool, ``True`` = padding, as every function of this module) drops tokens; padding
+    rows never reach the sum (``where``, so a NaN in a padding row does not leak). ``weights [T]`` (0/1
+    floats, 1 = keep) instead multiplies (one matrix-vector product, the training path: padding rows must
+    then be finite). ``valid`` is the removed keyword of the opposite convention: passing it raises.
+    No validation, no host sync.
     """
+    if valid is not None:
+        raise TypeError(
+            "router_z_loss_sums: 'valid' (True = keep) was replaced by padding_mask (True = padding, the "
+            "convention of every lossparity.moe function): pass padding_mask=~valid"
+        )
     lse2 = torch.logsumexp(logits, dim=-1).square()
     if weights is not None:
         return lse2 @ weights
-    if valid is not None:
-        lse2 = torch.where(valid, lse2, torch.zeros_like(lse2))
+    if padding_mask is not None:
+        lse2 = torch.where(padding_mask, torch.zeros_like(lse2), lse2)
     return lse2.sum(dim=-1)
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from ..options import MTP_CONVENTIONS, MTPConvention, check_option
 from ._checks import check_int, check_int_tensor, check_real, check_same_shape, check_tensor, describe
 from .modes import check_mode, numerator, objective
-from .stats import check_inputs
+from .stats import check_inputs, document_ids
 
 __all__ = [
     "CONVENTIONS",
@@ -49,7 +49,8 @@ def check_convention(convention: str) -> MTPConvention:
 
 def mtp_denominators(mode: str, convention: str, main_denominator: float, depth_tokens: Sequence[float]) -> list[float]:
     """The global denominators of the MTP term's numerators (semantics §4), one place for the accountant's
-    gradient shares and its logs.
+    gradient shares and its logs. Same argument order as the JAX ``mtp_denominators(mode, convention,
+    main_norms, depth_norms)``, which takes the step's ``Normalizers`` instead of reduced counts.
 
     ``own``/``main``: one per depth; ``own`` with ``per_token`` divides depth ``k`` by ``max(Ntok_k, 1)``,
     every other case by the main loss's denominator ``main_denominator`` (already ``max(·, 1)``).
@@ -66,6 +67,22 @@ def mtp_denominators(mode: str, convention: str, main_denominator: float, depth_
 def mtp_scale(weight: float, convention: str, depths: int) -> float:
     """The factor of the summed per-depth terms: ``λ/Dm`` (``own``/``main``), ``λ`` (``pooled``)."""
     return weight / (1 if convention == "pooled" else depths)
+
+
+def pool_depths(xs: Sequence[Tensor]) -> Tensor:
+    """The depths' ``[b, S]`` (or ``[S]``) tensors pooled into one ``[b, S·Dm]``, interleaved: the ``Dm``
+    copies of a position sit next to each other (``out[i, t·Dm + k-1] = xs[k-1][i, t]``), so that every
+    row, document (a run of ids, semantics §0) and microbatch keeps one contiguous piece and pools its
+    sums and counts over the depths. Segment ids are pooled with :func:`pool_ids`."""
+    x2 = [x if x.dim() == 2 else x.unsqueeze(0) for x in xs]
+    return torch.stack(x2, dim=-1).flatten(-2)
+
+
+def pool_ids(ids: Tensor, depths: int) -> Tensor:
+    """Segment ids (or document indices) of :func:`pool_depths`' layout: each position repeated ``depths``
+    times in place."""
+    ids2 = ids if ids.dim() == 2 else ids.unsqueeze(0)
+    return ids2.repeat_interleave(depths, dim=-1)
 
 
 def _shift_left(x: Tensor, k: int, fill: int | float) -> Tensor:
@@ -91,7 +108,8 @@ def roll_mask(mask: Tensor, segment_ids: Tensor | None, k: int) -> Tensor:
         return mask
     w = _shift_left(mask, k, 0)
     if segment_ids is not None:
-        same = (_shift_left(segment_ids, k, -1) == segment_ids) & (segment_ids > 0)
+        doc = document_ids(segment_ids)  # same document = same run of ids (semantics §0), not the same id
+        same = (_shift_left(doc, k, -1) == doc) & (doc > 0)
         w = torch.where(same, w, torch.zeros_like(w))
     return w
 
@@ -142,19 +160,18 @@ def mtp_numerator(
 
     ``own``/``main``: one numerator per depth, each the mode's numerator (:func:`numerator`) of that
     depth's per-token losses and rolled mask. ``pooled``: a one-element list holding the numerator of
-    the depths pooled: the per-token losses of all depths concatenated along the sequence axis, so that
-    each sample (document, microbatch) pools its sums and counts over the depths. ``documents``: the
+    the depths pooled (:func:`pool_depths`), so that each sample (document, microbatch) pools its sums
+    and counts over the depths. ``documents``: the
     ``rows_documents(segment_ids)`` of the microbatch, validated by the caller (no host sync).
     """
     check_mode(mode)
     check_convention(convention)
     _check_depths(losses, masks)
     if convention == "pooled":
-        loss = torch.cat([x if x.dim() == 2 else x.unsqueeze(0) for x in losses], dim=-1)
-        mask = torch.cat([x if x.dim() == 2 else x.unsqueeze(0) for x in masks], dim=-1)
-        seg = None if segment_ids is None else torch.cat([segment_ids] * len(losses), dim=-1)
-        # The same (row, segment id) pairs, hence the same document numbering, repeated per depth.
-        docs = None if documents is None else (torch.cat([documents[0]] * len(losses), dim=-1), documents[1])
+        loss, mask = pool_depths(losses), pool_depths(masks)
+        seg = None if segment_ids is None else pool_ids(segment_ids, len(losses))
+        # The same documents, hence the same numbering, each position repeated per depth.
+        docs = None if documents is None else (pool_ids(documents[0], len(losses)), documents[1])
         return [numerator(mode, loss, mask, segment_ids=seg, fixed_length=fixed_length, documents=docs)]
     return [
         numerator(mode, x, w, segment_ids=segment_ids, fixed_length=fixed_length, documents=documents)
@@ -187,7 +204,7 @@ def mtp_objective(
     for k, (x, w) in enumerate(zip(losses, masks), start=1):
         check_inputs(x, w, segment_ids, where=f"MTP depth {k}")
     if convention == "pooled":
-        seg = None if segment_ids is None else torch.cat([segment_ids] * len(losses), dim=-1)
+        seg = None if segment_ids is None else pool_ids(segment_ids, len(losses))
         if mode == "per_token":
             # a Tensor for one or more depths (for none, sum would be the int 0: not a valid MTP input)
             s = cast(Tensor, sum((x * w).sum() for x, w in zip(losses, masks)))
@@ -195,8 +212,8 @@ def mtp_objective(
             return weight * s / max(float(n), 1.0)
         return weight * objective(
             mode,
-            torch.cat(list(losses), dim=-1),
-            torch.cat(list(masks), dim=-1),
+            pool_depths(losses),
+            pool_depths(masks),
             segment_ids=seg,
             microbatch_size=microbatch_size,
             fixed_length=fixed_length,

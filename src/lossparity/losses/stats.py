@@ -12,7 +12,17 @@ from torch import Tensor
 
 from ._checks import describe
 
-__all__ = ["check_inputs", "sample_stats", "document_stats", "rows_documents", "count_documents", "masked_token_sum"]
+__all__ = [
+    "check_inputs",
+    "sample_stats",
+    "document_starts",
+    "document_ids",
+    "document_stats",
+    "document_sums",
+    "rows_documents",
+    "count_documents",
+    "masked_token_sum",
+]
 
 
 def check_inputs(
@@ -104,35 +114,67 @@ def masked_token_sum(per_token_loss: Tensor, mask: Tensor) -> Tensor:
     return F.nll_loss(-flat, target, reduction="sum", ignore_index=-100)
 
 
-def rows_documents(segment_ids: Tensor) -> tuple[Tensor, int]:
-    """Map every position to a document index of the batch: documents are the distinct non-zero
-    ``(row, segment_id)`` pairs, numbered in order of first appearance (row-major).
-
-    Returns ``(doc_index [B,S] with -1 at padding positions (segment id 0), num_documents)``.
-    A document with no loss-bearing token still exists (and counts in ``Ndoc``, semantics §1).
-    """
+def document_starts(segment_ids: Tensor) -> Tensor:
+    """``True`` where a document starts (semantics §0): at a non-zero segment id that differs from its
+    left neighbour in the row, or sits in column 0. A document is a maximal run of equal non-zero ids
+    within a row, so ``[1, 1, 2, 2, 1, 1]`` holds 3 documents; id 0 is padding. ``[B, S]`` or ``[S]``."""
     seg = _as_2d(segment_ids).long()
-    b, s = seg.shape
-    key = torch.arange(b, device=seg.device).unsqueeze(1) * (int(seg.max().item()) + 1 if seg.numel() else 1) + seg
-    key = torch.where(seg > 0, key, torch.full_like(key, -1))
-    valid = key >= 0
-    if not bool(valid.any()):
-        return torch.full_like(key, -1), 0
-    uniq, inverse = torch.unique(key[valid], sorted=True, return_inverse=True)
-    doc = torch.full_like(key, -1)
-    doc[valid] = inverse
-    return doc, int(uniq.numel())
+    prev = F.pad(seg[:, :-1], (1, 0), value=0)
+    return (seg != 0) & (seg != prev)
+
+
+def document_ids(segment_ids: Tensor) -> Tensor:
+    """The document number of every position within its row, ``1, 2, ...`` (0 at padding), documents as
+    in :func:`document_starts`: ``[1, 1, 2, 2, 1, 1]`` gives ``[1, 1, 2, 2, 3, 3]``. Two positions of a
+    row belong to the same document iff their numbers are equal and non-zero (attention masks and MTP
+    shifts compare these, never the raw ids). Same shape as ``segment_ids``."""
+    starts = document_starts(segment_ids).view(segment_ids.shape)
+    return torch.where(segment_ids != 0, starts.long().cumsum(-1), torch.zeros_like(segment_ids, dtype=torch.long))
+
+
+def _document_index(segment_ids: Tensor) -> Tensor:
+    """Document index of every position of the batch, row-major in order of appearance; -1 at padding."""
+    seg = _as_2d(segment_ids).long()
+    index = document_starts(seg).flatten().cumsum(0).view_as(seg) - 1
+    return torch.where(seg != 0, index, torch.full_like(index, -1))
+
+
+def rows_documents(segment_ids: Tensor) -> tuple[Tensor, int]:
+    """Map every position to a document index of the batch (documents as in :func:`document_starts`),
+    numbered row-major in order of appearance.
+
+    Returns ``(doc_index [B,S] with -1 at padding positions (segment id 0), num_documents)``; the count
+    is read to the host (one synchronization). A document with no loss-bearing token still exists (and
+    counts in ``Ndoc``, semantics §1).
+    """
+    return _document_index(segment_ids), count_documents(segment_ids)
 
 
 def count_documents(segment_ids: Tensor) -> int:
-    """Number of documents ``Ndoc`` of a batch: distinct non-zero ``(row, segment_id)`` pairs (the count of
-    :func:`rows_documents`, without numbering them: one scatter instead of a sort)."""
-    seg = _as_2d(segment_ids).long()
-    if seg.numel() == 0:
+    """Number of documents ``Ndoc`` of a batch (runs of :func:`document_starts`), read to the host."""
+    if segment_ids.numel() == 0:
         return 0
-    present = torch.zeros(seg.shape[0], int(seg.max()) + 1, dtype=torch.bool, device=seg.device)
-    present.scatter_(1, seg, True)
-    return int(present[:, 1:].sum())
+    return int(document_starts(segment_ids).sum())
+
+
+def document_sums(per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-document sums and counts of ``[b, S]`` packed rows without a host synchronization (for hot
+    paths: the integrations' loss functions). Documents as in :func:`document_starts`.
+
+    Returns ``(s, n, ndoc)``: ``s[j] = Σ_{t∈j} w·l``, ``n[j] = Σ_{t∈j} w`` in ``b·S`` slots (slot ``j`` is
+    document ``j`` of :func:`rows_documents`; unused slots hold 0) and the document count ``ndoc`` as a
+    0-dim ``torch.int`` tensor. A loss-bearing token at segment id 0 fails (asynchronously on a GPU).
+    """
+    seg = segment_ids.view_as(per_token_loss).long()
+    w = mask.to(per_token_loss.dtype)
+    torch._assert_async(~((seg == 0) & (w > 0)).any(), "segment_ids: loss-bearing token at segment id 0 (padding)")
+    inside = (seg != 0).flatten()
+    slot = _document_index(seg).flatten().clamp(min=0)
+    contrib = torch.where(inside & (w.flatten() > 0), per_token_loss.flatten(), per_token_loss.new_zeros(()))
+    zeros = per_token_loss.new_zeros(seg.numel())
+    s = zeros.index_add(0, slot, contrib)
+    n = zeros.index_add(0, slot, torch.where(inside, w.flatten(), torch.zeros_like(contrib)))
+    return s, n, document_starts(seg).sum().to(torch.int)
 
 
 def document_stats(
@@ -140,8 +182,8 @@ def document_stats(
 ) -> tuple[Tensor, Tensor]:
     """Per-document sums and counts for packed rows: ``s_j = Σ_{t in doc j} w·l``, ``n_j = Σ w``.
 
-    A document is a distinct non-zero ``(row, segment_id)`` pair (segment id 0 marks padding, the
-    MaxText ``*_segmentation`` convention). Returns ``(s [Ndoc], n [Ndoc])`` ordered by row, then id.
+    A document is a maximal run of equal non-zero segment ids within a row (:func:`document_starts`;
+    segment id 0 marks padding). Returns ``(s [Ndoc], n [Ndoc])`` ordered by row, then position.
     Loss-bearing tokens at segment id 0 are rejected: they would belong to no document.
     ``documents``: the ``rows_documents(segment_ids)`` of a caller that numbered and validated them
     already (the accountant, at ``begin_step``): no host synchronization then.

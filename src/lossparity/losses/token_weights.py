@@ -12,9 +12,16 @@ Every mode's microbatch share is linear in the per-token losses, ``numerator(mb)
 | sample_sum       | 1 / N                                                    |
 | sample_sum_norm  | 1 / (N · L)                                              |
 
-(the table's global denominator is the ``denominator`` argument; pass 1 for the raw numerator, as the
+(the modes themselves — unit, reduction, count — are read from :mod:`lossparity.losses.mode_table`;
+the table's global denominator is the ``denominator`` argument; pass 1 for the raw numerator, as the
 ``deferred`` normalization back-propagates). This lets a fused output layer form the exact gradient of
 the objective during its forward (:func:`lossparity.losses.fused_cross_entropy.fused_linear_cross_entropy`).
+
+Two entry points, one formula: :func:`token_weights` here (also ``lossparity.token_weights``) takes the
+mode, the counts and the denominator explicitly; ``Accountant.token_weights(mask, segment_ids)`` is its
+accountant-bound form, which fills them in from the step (the mode, the pre-counted denominator or 1
+under deferred normalization, the whole-row unit counts under context parallelism) and calls this
+function.
 """
 
 from __future__ import annotations
@@ -25,12 +32,11 @@ import torch
 from torch import Tensor
 
 from ._checks import check_int, check_int_tensor, check_real, check_tensor, describe
+from .mode_table import check_fixed_length, mode_spec
 from .modes import check_mode, unit_count_map
-from .mtp import check_convention
+from .mtp import check_convention, pool_depths, pool_ids
 
 __all__ = ["token_weights", "mtp_token_weights"]
-
-_UNIT_MODES = ("per_sample", "per_document", "per_microbatch")
 
 
 def token_weights(
@@ -57,11 +63,10 @@ def token_weights(
     if unit_counts is not None:
         check_tensor("unit_counts", unit_counts)
     w = mask.to(torch.float64)
-    if mode == "sample_sum_norm":
-        if fixed_length is None or fixed_length <= 0:
-            raise ValueError(f"mode 'sample_sum_norm' needs fixed_length > 0 (the L of Dr. GRPO), got {fixed_length}")
-        return w / (fixed_length * denominator)
-    if mode not in _UNIT_MODES:
+    reduction = mode_spec(mode).reduction
+    if reduction == "sum_over_length":
+        return w / (check_fixed_length(fixed_length) * denominator)
+    if reduction == "sum":
         return w / denominator
     if unit_counts is None:
         _check_documents(mode, w, segment_ids)
@@ -99,8 +104,8 @@ def mtp_token_weights(
     """Per-depth weights of the MTP term's microbatch share ``scale · Σ_k numerator_k / den_k``
     (:func:`lossparity.losses.mtp.mtp_numerator`): ``own``/``main``: depth ``k`` gets
     ``scale · token_weights(mode, masks[k], denominator=denominators[k])``; ``pooled``: one denominator,
-    and the weights of the depths' masks concatenated along the sequence (each sample, document or
-    microbatch pools its counts over the depths), split back per depth. ``unit_counts[k]``: see
+    and the weights of the depths' masks pooled by :func:`lossparity.losses.mtp.pool_depths` (each sample,
+    document or microbatch pools its counts over the depths), split back per depth. ``unit_counts[k]``: see
     :func:`token_weights` (``own``/``main`` only)."""
     check_convention(convention)
     if isinstance(masks, Tensor) or not isinstance(masks, Sequence):
@@ -117,16 +122,12 @@ def mtp_token_weights(
     if not denominators:
         raise ValueError("denominators must hold at least one number, got an empty sequence")
     if convention == "pooled":
-        masks2 = [m if m.dim() == 2 else m.unsqueeze(0) for m in masks]
-        seg = (
-            None
-            if segment_ids is None
-            else torch.cat([segment_ids if segment_ids.dim() == 2 else segment_ids.unsqueeze(0)] * len(masks), dim=-1)
-        )
+        seg = None if segment_ids is None else pool_ids(segment_ids, len(masks))
         pooled = token_weights(
-            mode, torch.cat(masks2, dim=-1), segment_ids=seg, fixed_length=fixed_length, denominator=denominators[0]
+            mode, pool_depths(masks), segment_ids=seg, fixed_length=fixed_length, denominator=denominators[0]
         )
-        return [scale * part.view_as(m) for part, m in zip(pooled.split([m.shape[-1] for m in masks2], dim=-1), masks)]
+        parts = pooled.unflatten(-1, (-1, len(masks))).unbind(-1)  # undo pool_depths' interleaving
+        return [scale * part.reshape(m.shape) for part, m in zip(parts, masks)]
     if len(denominators) != len(masks):
         raise ValueError(f"need one denominator per MTP depth: {len(denominators)} for {len(masks)} depths")
     counts = list(unit_counts) if unit_counts is not None else [None] * len(masks)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..losses.stats import document_ids
 from .rope import apply_rope, rope_cos_sin
 from .sequence_parallel import sp_gather, sp_shard
 
@@ -28,13 +29,16 @@ __all__ = ["attention_mask", "Attention", "Indexer"]
 
 def attention_mask(segment_ids: Tensor | None, seq_len: int, device: torch.device | None = None) -> Tensor:
     """Boolean mask ``[B, 1, S, S]`` (``[1, 1, S, S]`` without segment ids):
-    ``m[b, 0, t, s] = (s <= t) and (seg[b, t] == seg[b, s])``."""
+    ``m[b, 0, t, s] = (s <= t) and doc[b, t] == doc[b, s]`` with ``doc = document_ids(seg)``: a query
+    sees the keys of its own document, a maximal run of equal ids (docs/semantics.md §0); padding
+    positions (id 0) see the padding before them."""
     if segment_ids is not None:
         device = segment_ids.device
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
     if segment_ids is None:
         return causal[None, None]
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    doc = document_ids(segment_ids)
+    same = doc[:, :, None] == doc[:, None, :]
     return (causal[None] & same)[:, None]
 
 

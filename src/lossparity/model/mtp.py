@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..losses.stats import document_ids
 from .block import Block
 from .config import ModelConfig
 from .norm import RMSNorm
@@ -22,7 +23,8 @@ __all__ = ["shift_tokens", "MTPModule"]
 
 def shift_tokens(tokens: Tensor, k: int, segment_ids: Tensor | None = None) -> Tensor:
     """Tokens rolled left by ``k`` within each row and document: ``out[b, t] = tokens[b, t + k]`` when
-    ``t + k < S`` and (with ``segment_ids``) ``seg[b, t + k] == seg[b, t]``, else 0 (those positions'
+    ``t + k < S`` and (with ``segment_ids``) ``t + k`` lies in the document of ``t`` (the same run of
+    ids, docs/semantics.md §0), else 0 (those positions'
     labels are masked by the loss code)."""
     if k < 0:
         raise ValueError(f"MTP shift k must be >= 0, got {k}")
@@ -33,7 +35,8 @@ def shift_tokens(tokens: Tensor, k: int, segment_ids: Tensor | None = None) -> T
     out[..., : S - k] = tokens[..., k:]
     if segment_ids is not None:
         same = torch.zeros_like(tokens, dtype=torch.bool)
-        same[..., : S - k] = segment_ids[..., k:] == segment_ids[..., : S - k]
+        doc = document_ids(segment_ids)
+        same[..., : S - k] = doc[..., k:] == doc[..., : S - k]
         out = torch.where(same, out, torch.zeros_like(out))
     return out
 

@@ -10,6 +10,7 @@ loss sums ``s_i``, ``l_i = s_i / max(n_i, 1)``, ``N`` samples, ``Ntok = Σ n_i``
     sample_sum_norm = S / (N · L)
     gap             = per_token − per_sample = Cov(n, l) / mean(n)     (population covariance)
 
+The formulas are those of the mode table (:mod:`lossparity.losses.mode_table`), applied to NumPy arrays.
 ``per_document`` is not a function of per-sample data (a row's ``(n, s)`` does not say how they split
 over its documents) and is reported as not computable.
 
@@ -33,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from ..losses.mode_table import mode_spec, reduce_units
 from .compare import step_ranges
 from .sample_dump import StepSamples
 
@@ -74,25 +76,27 @@ def step_mode_values(
     ``N``); ``sample_sum_norm`` needs ``fixed_length`` (``None`` otherwise)."""
     n = np.asarray(n, dtype=np.float64)
     s = np.asarray(s, dtype=np.float64)
-    N = n.size
-    if N == 0:
+    if n.size == 0:
         raise ValueError("a step needs at least one sample")
-    S = float(s.sum())
-    l = s / np.maximum(n, 1.0)
-    out: dict[str, float | None] = {
-        "per_token": S / max(float(n.sum()), 1.0),
-        "per_sample": float(l.mean()),
-        "per_microbatch": None,
-        "sample_sum": S / N,
-        "sample_sum_norm": None,
-    }
-    if microbatch_size is not None and microbatch_size > 0 and N % microbatch_size == 0:
-        blk_s = s.reshape(-1, microbatch_size).sum(axis=1)
-        blk_n = n.reshape(-1, microbatch_size).sum(axis=1)
-        out["per_microbatch"] = float((blk_s / np.maximum(blk_n, 1.0)).mean())
-    if fixed_length is not None and fixed_length > 0:
-        out["sample_sum_norm"] = S / (N * fixed_length)
-    return out
+    return {mode: _mode_value(mode, n, s, microbatch_size, fixed_length) for mode in _MODE_COLUMNS}
+
+
+def _mode_value(
+    mode: str, n: np.ndarray, s: np.ndarray, microbatch_size: int | None, fixed_length: int | None
+) -> float | None:
+    """One mode of the table from per-sample ``(n, s)``: the units' sums and counts (samples, or blocks of
+    ``microbatch_size`` rows), the table's reduction, divided by ``max(count, 1)``; ``None`` when the
+    step does not determine it (no dividing ``microbatch_size``, no ``fixed_length``)."""
+    spec = mode_spec(mode)
+    N = n.size
+    if spec.reduction == "sum_over_length" and (fixed_length is None or fixed_length <= 0):
+        return None
+    if spec.unit == "microbatch":
+        if microbatch_size is None or microbatch_size <= 0 or N % microbatch_size:
+            return None
+        s, n = s.reshape(-1, microbatch_size).sum(axis=1), n.reshape(-1, microbatch_size).sum(axis=1)
+    count = {"tokens": float(n.sum()), "samples": N, "microbatches": n.size}[spec.count]
+    return float(reduce_units(mode, s, n, fixed_length=fixed_length)) / max(count, 1)
 
 
 def covariance_gap(n: np.ndarray, s: np.ndarray) -> tuple[float, float, float]:
