@@ -117,7 +117,7 @@ CASES = [
         r"microbatch_size must be an int or None, got 1\.0",
     ),
     (lambda: lossparity.denominator("per_token", {"tokens": 3}), TypeError, r"norms must be a Normalizers, got dict"),
-    (lambda: lossparity.denominator("sample_sum_norm", NORMS, "5"), TypeError, r"fixed_length must be an int or None"),
+    (lambda: lossparity.denominator("sample_sum_norm", NORMS, "5"), ValueError, r"denominator takes no fixed_length"),
     (lambda: Normalizers(tokens=2.5, samples=1, documents=0, microbatches=1), TypeError, r"Normalizers\.tokens must"),
     (lambda: Normalizers(tokens=3, samples=-1, documents=0, microbatches=1), ValueError, r"Normalizers\.samples must"),
     (lambda: count_normalizers([[1, 1]]), TypeError, r"mask must be a torch\.Tensor \[b, S\] or \[S\], got list"),
