@@ -1,0 +1,237 @@
+"""Real megatron-core ``GPTModel`` (local spec, 2 MoE layers + MTP depth 1, 4 experts top-2, hidden 32,
+sequence 32, float64) trained for two steps by Megatron's ``forward_backward_no_pipelining`` and
+``finalize_model_grads`` on CPU gloo ranks (run by spawn; must be importable by the children).
+
+CPU bridges (test-only; the library never patches Megatron), each standing in for a CUDA-only call:
+``device="cuda"`` allocations → CPU, ``torch.cuda.current_device`` → ``"cpu"``, ``Tensor.cuda`` /
+``pin_memory`` → identity, the tensor-parallel RNG tracker's ``fork``/``add`` and the CUDA RNG state
+save/restore → no-ops (dropout is 0, so no random stream is used), ``moe_utils.te_general_gemm`` → None.
+Megatron's ``DistributedDataParallel`` allocates CUDA buffers: :class:`CPUDDP` provides what
+``finalize_model_grads`` calls on it, with its reduction: the gradients summed over DP×CP, then multiplied
+by ``1/(dp·cp)`` when ``calculate_per_token_loss=False`` (Megatron's ``gradient_scaling_factor``).
+The torch LayerNorm refuses sequence parallelism: built with SP off, its weights are then marked
+``sequence_parallel`` (what ``finalize_model_grads`` all-reduces over TP).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+V, S, H, E, TOPK = 64, 32, 32, 4, 2
+ALPHA, BETA, LAM = 0.01, 0.001, 0.3
+
+
+def install_cpu_bridges() -> None:
+    """The CPU stand-ins of the module docstring (idempotent)."""
+    import megatron.core.tensor_parallel.random as mrand
+    from megatron.core.transformer.moe import moe_utils
+
+    if getattr(torch, "_lp_bridged", False):
+        return
+    for name in ["zeros", "empty", "ones", "tensor", "arange", "full"]:
+        real = getattr(torch, name)
+
+        def wrap(*a, _f=real, **k):
+            if "cuda" in str(k.get("device", "")):
+                k["device"] = "cpu"
+            return _f(*a, **k)
+
+        setattr(torch, name, wrap)
+    torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.Tensor.pin_memory = lambda self, *a, **k: self
+    mrand.CudaRNGStatesTracker.fork = lambda self, name="model-parallel-rng": contextlib.nullcontext()
+    mrand.CudaRNGStatesTracker.add = lambda self, name, seed: None
+    mrand._set_cuda_rng_state = lambda *a, **k: None
+    mrand._get_cuda_rng_state = lambda *a, **k: torch.zeros(1)
+    torch.cuda.get_rng_state = lambda *a, **k: torch.zeros(1)
+    torch.cuda.set_rng_state = lambda *a, **k: None
+    moe_utils.te_general_gemm = None
+    torch._lp_bridged = True
+
+
+class CPUDDP(nn.Module):
+    """What ``finalize_model_grads`` calls on Megatron's DDP wrapper (module docstring)."""
+
+    def __init__(self, module, config):
+        super().__init__()
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        self.module, self.config = module, config
+        self.ddp_config = DistributedDataParallelConfig()
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def set_input_tensor(self, t):
+        self.module.set_input_tensor(t)
+
+    def finish_grad_sync(self, force_all_reduce=False):
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+        for p in self.module.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
+                if not self.config.calculate_per_token_loss:
+                    p.grad.mul_(1.0 / dist.get_world_size(group))
+
+    def scale_gradients(self, scaling):
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scaling)
+
+    def zero_grad_buffer(self):
+        for p in self.module.parameters():
+            p.grad = None
+
+
+def make_config(tp=1, cp=1, per_token=True, recompute=None, **over):
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(
+        num_layers=2,
+        hidden_size=H,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        moe_ffn_hidden_size=16,
+        num_moe_experts=E,
+        moe_router_topk=TOPK,
+        moe_aux_loss_coeff=ALPHA,
+        moe_z_loss_coeff=BETA,
+        moe_router_load_balancing_type="aux_loss",
+        moe_token_dispatcher_type="allgather",
+        mtp_num_layers=1,
+        mtp_loss_scaling_factor=LAM,
+        calculate_per_token_loss=per_token,
+        params_dtype=torch.float64,
+        pipeline_dtype=torch.float64,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        sequence_parallel=False,
+        finalize_model_grads_func=finalize_model_grads,
+    )
+    if recompute == "full":
+        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute == "selective":
+        kw.update(recompute_granularity="selective", recompute_modules=["moe", "core_attn"])
+    kw.update(over)
+    return TransformerConfig(**kw)
+
+
+def build_model(config, tp):
+    """GPTModel, float64, the same weights for every layout (same seed, CPU master init then split)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    torch.manual_seed(1234)
+    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
+    mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=V,
+        max_sequence_length=S,
+        mtp_block_spec=mtp,
+        position_embedding_type="rope",
+    )
+    gpt.double()
+    if tp > 1:  # torch LayerNorm refuses SP: built with SP off, marked SP now (module docstring)
+        config.sequence_parallel = True
+        for m in gpt.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                for p in m.parameters():
+                    p.sequence_parallel = True
+            if hasattr(m, "sequence_parallel"):
+                m.sequence_parallel = True
+    return CPUDDP(gpt, config)
+
+
+def global_batch(step, n_rows=8):
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, V, (n_rows, S), generator=g)
+    labels = torch.randint(0, V, (n_rows, S), generator=g)
+    lengths = torch.randint(S // 4, S + 1, (n_rows,), generator=g)
+    pos = torch.arange(S)[None, :]
+    mask = (pos < lengths[:, None]).double()
+    cut = torch.randint(2, S - 2, (n_rows, 1), generator=g)
+    seg = torch.where(pos < cut, 1, 2)
+    return tokens, labels, mask, seg
+
+
+def _forward_step(loss_fn, data_iterator, model):
+    tokens, pos, labels, mask, seg = next(data_iterator)
+    out = model(tokens, pos, None, labels=labels, loss_mask=mask)
+    return out, partial(loss_fn, mask, segment_ids=seg)
+
+
+def full_grad(p, tp_group):
+    """The parameter's gradient of the whole (un-split) weight: TP shards gathered along partition_dim."""
+    g = p.grad if p.grad is not None else torch.zeros_like(p)
+    if getattr(p, "tensor_model_parallel", False) and dist.get_world_size(tp_group) > 1:
+        parts = [torch.empty_like(g) for _ in range(dist.get_world_size(tp_group))]
+        dist.all_gather(parts, g.contiguous(), group=tp_group)
+        return torch.cat(parts, dim=p.partition_dim)
+    return g.clone()
+
+
+def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2):
+    """For each case ``(mode, scope, per_token, recompute)``: two steps of Megatron's schedule with
+    MoETerms; returns ``{case: [(logs, {name: full grad}), ...per step]}`` of this rank."""
+    install_cpu_bridges()
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    try:
+        return {case: _run_case(rank, world, tp, *case, n_rows=n_rows, mbs=mbs, steps=steps) for case in cases}
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _run_case(rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs, steps):
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import schedules
+
+    from lossparity.integrations.megatron import LossFunc, MoETerms
+
+    config = make_config(tp=tp, per_token=per_token, recompute=recompute)
+    model = build_model(config, tp)
+    terms = MoETerms([model], config, aux_scope=scope)
+    loss_fn = LossFunc(mode, config=config, terms=terms)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    per_rank = n_rows // dp
+    num_mbs = per_rank // mbs
+    out = []
+    for step in range(steps):
+        tokens, labels, mask, seg = global_batch(step, n_rows)
+        rows = [slice(dp_rank * per_rank + k * mbs, dp_rank * per_rank + (k + 1) * mbs) for k in range(num_mbs)]
+        pos = torch.arange(S)[None, :].expand(mbs, -1)
+
+        data = [(tokens[r], pos, labels[r], mask[r], seg[r]) for r in rows]
+        terms.begin_step([d[3] for d in data], segment_ids=[d[4] for d in data])
+        schedules.forward_backward_no_pipelining(
+            forward_step_func=partial(_forward_step, loss_fn),
+            data_iterator=iter(data),
+            model=[model],
+            num_microbatches=num_mbs,
+            seq_length=S,
+            micro_batch_size=mbs,
+        )
+        # (the schedule itself calls config.finalize_model_grads_func with the summed counts)
+        logs = terms.end_step()
+        tp_group = ps.get_tensor_model_parallel_group()
+        grads = {n: full_grad(p, tp_group) for n, p in model.module.named_parameters()}
+        biases = [m.expert_bias.clone() for m in model.modules() if getattr(m, "expert_bias", None) is not None]
+        out.append((logs, grads, biases))
+        model.zero_grad_buffer()
+    return out
