@@ -9,8 +9,8 @@ save/restore → no-ops (dropout is 0, so no random stream is used), ``moe_utils
 Megatron's ``DistributedDataParallel`` allocates CUDA buffers: :class:`CPUDDP` provides what
 ``finalize_model_grads`` calls on it, with its reduction: the gradients summed over DP×CP, then multiplied
 by ``1/(dp·cp)`` when ``calculate_per_token_loss=False`` (Megatron's ``gradient_scaling_factor``).
-The torch LayerNorm refuses sequence parallelism: built with SP off, its weights are then marked
-``sequence_parallel`` (what ``finalize_model_grads`` all-reduces over TP).
+The torch LayerNorm wrapper refuses sequence parallelism: the bridge builds the same ``torch.nn.LayerNorm``
+and marks its weights ``sequence_parallel`` (what ``finalize_model_grads`` all-reduces over TP).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ ALPHA, BETA, LAM = 0.01, 0.001, 0.3
 def install_cpu_bridges() -> None:
     """The CPU stand-ins of the module docstring (idempotent)."""
     import megatron.core.tensor_parallel.random as mrand
+    from megatron.core.transformer import torch_norm
     from megatron.core.transformer.moe import moe_utils
 
     if getattr(torch, "_lp_bridged", False):
@@ -52,7 +53,16 @@ def install_cpu_bridges() -> None:
     torch.cuda.get_rng_state = lambda *a, **k: torch.zeros(1)
     torch.cuda.set_rng_state = lambda *a, **k: None
     moe_utils.te_general_gemm = None
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(_torch_norm_with_sp)
     torch._lp_bridged = True
+
+
+def _torch_norm_with_sp(cls, config, hidden_size, eps=1e-5, **unused):
+    """torch LayerNorm, its weights marked sequence-parallel (torch_norm refuses SP outright)."""
+    norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+    for p in norm.parameters():
+        p.sequence_parallel = config.sequence_parallel
+    return norm
 
 
 class CPUDDP(nn.Module):
@@ -118,7 +128,7 @@ def make_config(tp=1, cp=1, per_token=True, recompute=None, **over):
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         context_parallel_size=cp,
-        sequence_parallel=False,
+        sequence_parallel=tp > 1,
         finalize_model_grads_func=finalize_model_grads,
     )
     if recompute == "full":
@@ -146,14 +156,6 @@ def build_model(config, tp):
         position_embedding_type="rope",
     )
     gpt.double()
-    if tp > 1:  # torch LayerNorm refuses SP: built with SP off, marked SP now (module docstring)
-        config.sequence_parallel = True
-        for m in gpt.modules():
-            if isinstance(m, torch.nn.LayerNorm):
-                for p in m.parameters():
-                    p.sequence_parallel = True
-            if hasattr(m, "sequence_parallel"):
-                m.sequence_parallel = True
     return CPUDDP(gpt, config)
 
 
@@ -185,7 +187,7 @@ def full_grad(p, tp_group):
     return g.clone()
 
 
-def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2):
+def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=False, bad=False):
     """For each case ``(mode, scope, per_token, recompute)``: two steps of Megatron's schedule with
     MoETerms; returns ``{case: [(logs, {name: full grad}), ...per step]}`` of this rank."""
     install_cpu_bridges()
@@ -193,7 +195,12 @@ def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2):
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     try:
-        return {case: _run_case(rank, world, tp, *case, n_rows=n_rows, mbs=mbs, steps=steps) for case in cases}
+        res = {case: _run_case(rank, world, tp, *case, n_rows=n_rows, mbs=mbs, steps=steps) for case in cases}
+        if naive:
+            res["naive"] = {case: naive_reference(case, n_rows, mbs, steps) for case in cases}
+        if bad:
+            res["bad"] = bad_inputs()
+        return res
     finally:
         ps.destroy_model_parallel()
 
@@ -235,3 +242,127 @@ def _run_case(rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs
         out.append((logs, grads, biases))
         model.zero_grad_buffer()
     return out
+
+
+def naive_reference(case, n_rows=8, mbs=2, steps=2):
+    """The objective J of docs/semantics.md §4-§5 written out by hand on the whole global batch in one
+    forward (Megatron's per-token cross-entropy for the main loss; MTP cross-entropy, router softmax,
+    top-k counts, Switch and z terms in float64 loops here), back-propagated once. Megatron's own terms
+    are switched off on the config. Returns ``[(J, logs, {name: grad})]`` per step."""
+    import torch.nn.functional as F
+
+    mode, scope, _, _ = case
+    config = make_config()
+    model = build_model(config, 1).module
+    config.moe_aux_loss_coeff, config.moe_z_loss_coeff, config.mtp_loss_scaling_factor = 0.0, None, 0.0
+    routers = [m for m in model.modules() if type(m).__name__ == "TopKRouter"]
+    seen, mtp_logits = {}, []
+
+    def keep_input(mod, args, output):
+        seen[id(mod)] = args[0]
+
+    def keep_logits(mod, args, output):
+        mtp_logits.append(output[0])
+
+    hooks = [r.register_forward_hook(keep_input) for r in routers]
+    hooks.append(model.output_layer.register_forward_hook(keep_logits))
+    frac_prev = [torch.full((E,), TOPK / E, dtype=torch.float64) for _ in routers]
+    out = []
+    for step in range(steps):
+        seen.clear()
+        mtp_logits.clear()
+        tokens, labels, mask, seg = global_batch(step, n_rows)
+        pos = torch.arange(S)[None, :].expand(n_rows, -1)
+        loss = model(tokens, pos, None, labels=labels, loss_mask=mask).double()
+        # MTP depth 1: labels and mask rolled left by one inside the row (and document for per_document)
+        lab1 = torch.cat([labels[:, 1:], torch.zeros_like(labels[:, :1])], dim=1)
+        w1 = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
+        if mode == "per_document":
+            w1 = w1 * (torch.cat([seg[:, 1:], torch.zeros_like(seg[:, :1])], dim=1) == seg)
+        lg = mtp_logits[0].transpose(0, 1).double()
+        loss1 = F.cross_entropy(lg.reshape(-1, V), lab1.reshape(-1), reduction="none").view(n_rows, S)
+        J = _naive_mode(mode, loss, mask, seg) + LAM * _naive_mode(mode, loss1, w1, seg)
+        aux_logs, z_logs, fracs = [], [], []
+        for li, r in enumerate(routers):
+            h = seen[id(r)]  # [S, n_rows, H]
+            logits = (h @ r.weight.T).double()  # [S, n_rows, E]
+            p = logits.softmax(-1)
+            top = torch.zeros_like(p).scatter(-1, p.topk(TOPK, dim=-1).indices, 1.0)
+            fracs.append(top.sum((0, 1)) / (S * n_rows))
+            if scope == "micro_batch":
+                terms = []
+                for r0 in range(0, n_rows, mbs):
+                    c, pp, t = top[:, r0 : r0 + mbs].sum((0, 1)), p[:, r0 : r0 + mbs].sum((0, 1)), S * mbs
+                    terms.append(ALPHA * E / (TOPK * t * t) * (c * pp).sum())
+                a = torch.stack(terms).mean()
+            else:
+                a = ALPHA * E / TOPK * (frac_prev[li] * p.sum((0, 1))).sum() / (S * n_rows)
+            z = torch.logsumexp(logits, -1).square().sum() / (S * n_rows)
+            J = J + a + BETA * z
+            aux_logs.append(float(a) / ALPHA)
+            z_logs.append(float(z))
+        frac_prev = fracs
+        model.zero_grad()
+        J.backward()
+        logs = {
+            "lm_loss": float((loss * mask).sum() / mask.sum()),
+            "mtp_1_loss": float((loss1 * w1).sum() / w1.sum()),
+            "objective": float(J),
+            "z_loss": sum(z_logs) / len(z_logs),
+            ("load_balancing_loss" if scope == "micro_batch" else "global_load_balancing_loss"): sum(aux_logs)
+            / len(aux_logs),
+        }
+        out.append((logs, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    for h in hooks:
+        h.remove()
+    return out
+
+
+def _naive_mode(mode, loss, mask, seg):
+    if mode == "per_token":
+        return (loss * mask).sum() / mask.sum()
+    terms = []
+    for i in range(loss.shape[0]):
+        ids = seg[i].unique().tolist() if mode == "per_document" else [None]
+        for d in ids:
+            w = mask[i] if d is None else mask[i] * (seg[i] == d)
+            terms.append((loss[i] * w).sum() / max(float(w.sum()), 1.0))
+    return torch.stack(terms).mean()
+
+
+def bad_inputs():
+    """The errors MoETerms raises on this rank for bad input (each before any collective)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    from lossparity.integrations.megatron import LossFunc, MoETerms
+
+    config = make_config()
+    model = build_model(config, 1)
+    errors = []
+    for call in [
+        lambda: MoETerms([torch.nn.Linear(2, 2)], make_config()),
+        lambda: MoETerms([model], make_config(), aux_scope="sequence"),
+        lambda: MoETerms([model], config).end_step(),
+    ]:
+        try:
+            call()
+            errors.append(None)
+        except (ValueError, RuntimeError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    terms = MoETerms([model], config, aux_scope="micro_batch")
+    loss_fn = LossFunc("per_token", config=config, terms=terms)
+    tokens, labels, mask, seg = global_batch(0, 2)
+    pos = torch.arange(S)[None, :].expand(2, -1)
+    try:  # Megatron's schedule without terms.begin_step: the first router forward refuses
+        schedules.forward_backward_no_pipelining(
+            forward_step_func=partial(_forward_step, loss_fn),
+            data_iterator=iter([(tokens, pos, labels, mask, seg)]),
+            model=[model],
+            num_microbatches=1,
+            seq_length=S,
+            micro_batch_size=2,
+        )
+        errors.append(None)
+    except RuntimeError as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+    return errors
