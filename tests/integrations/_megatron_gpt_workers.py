@@ -366,3 +366,80 @@ def bad_inputs():
     except RuntimeError as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
     return errors
+
+
+def _megatron_loss(loss_mask, output_tensor):
+    """pretrain_gpt.py's loss_func: (Σ masked loss, token count, report)."""
+    loss = output_tensor.view(-1).double()
+    mask = loss_mask.view(-1).double()
+    s, n = (loss * mask).sum(), mask.sum()
+    return s, n.to(torch.int), {"lm loss": torch.stack([s.detach(), n])}
+
+
+def run_megatron_own(rank, world, tp, cases, n_rows=8, steps=2):
+    """Megatron's own MoE/MTP terms (no MoETerms) next to MoETerms on the same layout. ``cases`` are
+    ``(system, scope, per_token, mbs)`` with system "megatron" or "lossparity" (mode per_token); returns
+    per case the last step's ``(logs, {name: full grad})`` of this rank (Megatron's logs as its
+    training loop prints them: ``track_moe_metrics`` / ``track_mtp_metrics`` with loss scale 1/M)."""
+    install_cpu_bridges()
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    try:
+        out = {}
+        for system, scope, per_token, mbs in cases:
+            if system == "lossparity":
+                res = _run_case(
+                    rank, world, tp, "per_token", scope, per_token, None, n_rows=n_rows, mbs=mbs, steps=steps
+                )
+                out[(system, scope, per_token, mbs)] = res[-1][:2]
+            else:
+                out[(system, scope, per_token, mbs)] = _own_case(tp, scope, per_token, mbs, n_rows, steps)
+        return out
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _own_case(tp, scope, per_token, mbs, n_rows, steps):
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, track_moe_metrics
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    kind = {"micro_batch": "aux_loss", "global": "global_aux_loss"}[scope]
+    config = make_config(tp=tp, per_token=per_token, moe_router_load_balancing_type=kind)
+    model = build_model(config, tp)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    per_rank = n_rows // dp
+    num_mbs = per_rank // mbs
+    for step in range(steps):
+        clear_aux_losses_tracker()
+        tokens, labels, mask, seg = global_batch(step, n_rows)
+        rows = [slice(dp_rank * per_rank + k * mbs, dp_rank * per_rank + (k + 1) * mbs) for k in range(num_mbs)]
+        pos = torch.arange(S)[None, :].expand(mbs, -1)
+        data = [(tokens[r], pos, labels[r], mask[r], seg[r]) for r in rows]
+        reports = schedules.forward_backward_no_pipelining(
+            forward_step_func=_own_forward_step,
+            data_iterator=iter(data),
+            model=[model],
+            num_microbatches=num_mbs,
+            seq_length=S,
+            micro_batch_size=mbs,
+        )
+        logs = {}
+        track_moe_metrics(1.0 / num_mbs, step, total_loss_dict=logs, num_layers=2, mtp_num_layers=1)
+        MTPLossLoggingHelper.track_mtp_metrics(1.0 / num_mbs, step, None, None, logs)
+        val = torch.stack([r["lm loss"] for r in reports]).sum(0)
+        dist.all_reduce(val, group=ps.get_data_parallel_group(with_context_parallel=True))
+        logs = {k: float(v) for k, v in logs.items()}
+        logs["lm loss"] = float(val[0] / val[1])
+        tp_group = ps.get_tensor_model_parallel_group()
+        grads = {n: full_grad(p, tp_group) for n, p in model.module.named_parameters()}
+        if step < steps - 1:
+            model.zero_grad_buffer()
+    return logs, grads
+
+
+def _own_forward_step(data_iterator, model):
+    tokens, pos, labels, mask, seg = next(data_iterator)
+    return model(tokens, pos, None, labels=labels, loss_mask=mask), partial(_megatron_loss, mask)
