@@ -6,7 +6,10 @@ sequence 32, float64), 8 rows per global batch, two steps of ``forward_backward_
 layout the second step's logged values and gradients are compared with the same system on one rank
 (micro-batch size 2); the table prints the largest relative difference over ranks.
 
-    PYTHONPATH=src python -m benchmarks.megatron_moe_parity
+    PYTHONPATH=src python -m benchmarks.megatron_moe_parity [--layouts DP2,TP2+SP,CP2,TP2+SP×CP2]
+
+Context parallelism uses the harness's test attention (keys and values all-gathered over CP), since
+Megatron's own CP attention needs Transformer Engine.
 """
 
 from __future__ import annotations
@@ -65,10 +68,14 @@ def main() -> None:
     from lossparity.distributed.launch import spawn
 
     flags = (True, False)
+    # (world, tp, cp) of each layout; ``--layouts CP2,...`` runs a subset (the one-rank reference always)
+    all_layouts = {"DP2": (2, 1, 1), "TP2+SP": (2, 2, 1), "CP2": (2, 1, 2), "TP2+SP×CP2": (4, 2, 2)}
+    chosen = sys.argv[sys.argv.index("--layouts") + 1].split(",") if "--layouts" in sys.argv else list(all_layouts)
     one = spawn(run_megatron_own, 1, 1, _cases(flags, 2) + _cases((True,), 1), timeout_s=900)
     layouts = {
-        "DP2": spawn(run_megatron_own, 2, 1, _cases(flags, 2), timeout_s=900),
-        "TP2+SP": spawn(run_megatron_own, 2, 2, _cases(flags, 2), timeout_s=900),
+        name: spawn(run_megatron_own, world, tp, _cases(flags, 2), 8, 2, cp, timeout_s=900)
+        for name, (world, tp, cp) in all_layouts.items()
+        if name in chosen
     }
     print(
         "| layout vs 1 rank | system | scope | per-token loss | aux log | z_loss log | z_loss ranks disagree "

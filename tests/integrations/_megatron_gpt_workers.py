@@ -40,6 +40,7 @@ def install_cpu_bridges() -> None:
         def wrap(*a, _f=real, **k):
             if "cuda" in str(k.get("device", "")):
                 k["device"] = "cpu"
+            k.pop("pin_memory", None)
             return _f(*a, **k)
 
         setattr(torch, name, wrap)
@@ -101,6 +102,73 @@ class CPUDDP(nn.Module):
             p.grad = None
 
 
+class _GatherFromCP(torch.autograd.Function):
+    """All-gather along the sequence dim over CP; backward sums the full gradient and keeps the own part."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(dist.get_world_size(ctx.group), dim=0)[dist.get_rank(ctx.group)], None
+
+
+def cp_positions(rank, cp, seq):
+    """Global positions of CP rank ``rank``'s tokens: chunks ``rank`` and ``2cp-1-rank`` of ``2cp``."""
+    c = seq // (2 * cp)
+    return torch.cat(
+        [torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)]
+    )
+
+
+def cp_shard(x, rank, cp):
+    """This CP rank's part of ``[b, S]`` rows (Megatron's get_batch_on_this_cp_rank layout)."""
+    return x[:, cp_positions(rank, cp, x.shape[1])]
+
+
+class CPGatherAttention(nn.Module):
+    """Causal dot-product attention for context parallelism without Transformer Engine (test-only):
+    keys and values are all-gathered over the CP group, the causal mask uses global positions."""
+
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+    ):
+        super().__init__()
+        self.config = config
+        self.scale = softmax_scale or (config.kv_channels**-0.5)
+
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
+        from megatron.core import parallel_state as ps
+
+        group, cp = ps.get_context_parallel_group(), ps.get_context_parallel_world_size()
+        seq = query.shape[0] * cp
+        k, v = _GatherFromCP.apply(key, group), _GatherFromCP.apply(value, group)
+        q_pos = cp_positions(ps.get_context_parallel_rank(), cp, seq)
+        k_pos = torch.cat([cp_positions(r, cp, seq) for r in range(cp)])
+        rep = query.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        scores = torch.einsum("sbhd,tbhd->bhst", query, k) * self.scale
+        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        ctx = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), v)
+        return ctx.reshape(ctx.shape[0], ctx.shape[1], -1)
+
+
 def make_config(tp=1, cp=1, per_token=True, recompute=None, **over):
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -146,6 +214,8 @@ def build_model(config, tp):
 
     torch.manual_seed(1234)
     spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
+    if config.context_parallel_size > 1:  # Megatron's own CP attention needs Transformer Engine
+        spec.submodules.self_attention.submodules.core_attention = CPGatherAttention
     mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
     gpt = GPTModel(
         config=config,
@@ -187,15 +257,15 @@ def full_grad(p, tp_group):
     return g.clone()
 
 
-def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=False, bad=False):
+def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=False, bad=False, cp=1):
     """For each case ``(mode, scope, per_token, recompute)``: two steps of Megatron's schedule with
     MoETerms; returns ``{case: [(logs, {name: full grad}), ...per step]}`` of this rank."""
     install_cpu_bridges()
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
     try:
-        res = {case: _run_case(rank, world, tp, *case, n_rows=n_rows, mbs=mbs, steps=steps) for case in cases}
+        res = {case: _run_case(rank, world, tp, *case, n_rows=n_rows, mbs=mbs, steps=steps, cp=cp) for case in cases}
         if naive:
             res["naive"] = {case: naive_reference(case, n_rows, mbs, steps) for case in cases}
         if bad:
@@ -205,16 +275,31 @@ def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=False, ba
         ps.destroy_model_parallel()
 
 
-def _run_case(rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs, steps):
+def _doc_namespace():
+    """The python block of docs/megatron.md, executed (what a pretrain_gpt.py-style script would hold)."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "megatron.md").read_text()
+    ns: dict = {}
+    exec(compile(re.search(r"```python\n(.*?)```", text, re.S).group(1), "docs/megatron.md", "exec"), ns)
+    return ns
+
+
+def _run_case(rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs, steps, cp=1):
+    """``recompute="doc"``: no recompute, the step driven by the functions of docs/megatron.md."""
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import schedules
 
     from lossparity.integrations.megatron import LossFunc, MoETerms
 
-    config = make_config(tp=tp, per_token=per_token, recompute=recompute)
+    doc = _doc_namespace() if recompute == "doc" else None
+    config = make_config(tp=tp, cp=cp, per_token=per_token, recompute=None if doc else recompute)
     model = build_model(config, tp)
-    terms = MoETerms([model], config, aux_scope=scope)
-    loss_fn = LossFunc(mode, config=config, terms=terms)
+    if doc:
+        terms, loss_fn = doc["build_loss"]([model], config, mode, scope)
+    else:
+        terms = MoETerms([model], config, aux_scope=scope)
+        loss_fn = LossFunc(mode, config=config, terms=terms)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per_rank = n_rows // dp
     num_mbs = per_rank // mbs
@@ -223,25 +308,44 @@ def _run_case(rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs
         tokens, labels, mask, seg = global_batch(step, n_rows)
         rows = [slice(dp_rank * per_rank + k * mbs, dp_rank * per_rank + (k + 1) * mbs) for k in range(num_mbs)]
         pos = torch.arange(S)[None, :].expand(mbs, -1)
-
-        data = [(tokens[r], pos, labels[r], mask[r], seg[r]) for r in rows]
-        terms.begin_step([d[3] for d in data], segment_ids=[d[4] for d in data])
-        schedules.forward_backward_no_pipelining(
-            forward_step_func=partial(_forward_step, loss_fn),
-            data_iterator=iter(data),
-            model=[model],
-            num_microbatches=num_mbs,
-            seq_length=S,
-            micro_batch_size=mbs,
-        )
-        # (the schedule itself calls config.finalize_model_grads_func with the summed counts)
-        logs = terms.end_step()
+        if cp > 1:
+            cp_rank = ps.get_context_parallel_rank()
+            tokens, labels, mask, seg, pos = (cp_shard(x, cp_rank, cp) for x in (tokens, labels, mask, seg, pos))
+        if doc:
+            batches = [
+                {
+                    "tokens": tokens[r],
+                    "position_ids": pos,
+                    "labels": labels[r],
+                    "loss_mask": mask[r],
+                    "segment_ids": seg[r],
+                }
+                for r in rows
+            ]
+            logs = doc["train_step"]([model], terms, loss_fn, batches, S, mbs)
+        else:
+            logs = _step(terms, loss_fn, model, [(tokens[r], pos, labels[r], mask[r], seg[r]) for r in rows], mbs)
         tp_group = ps.get_tensor_model_parallel_group()
         grads = {n: full_grad(p, tp_group) for n, p in model.module.named_parameters()}
         biases = [m.expert_bias.clone() for m in model.modules() if getattr(m, "expert_bias", None) is not None]
         out.append((logs, grads, biases))
         model.zero_grad_buffer()
     return out
+
+
+def _step(terms, loss_fn, model, data, mbs):
+    from megatron.core.pipeline_parallel import schedules
+
+    terms.begin_step([d[3] for d in data], segment_ids=[d[4] for d in data])
+    schedules.forward_backward_no_pipelining(
+        forward_step_func=partial(_forward_step, loss_fn),
+        data_iterator=iter(data),
+        model=[model],
+        num_microbatches=len(data),
+        seq_length=S,
+        micro_batch_size=mbs,
+    )  # (the schedule itself calls config.finalize_model_grads_func with the summed counts)
+    return terms.end_step()
 
 
 def naive_reference(case, n_rows=8, mbs=2, steps=2):
@@ -299,7 +403,7 @@ def naive_reference(case, n_rows=8, mbs=2, steps=2):
                 a = ALPHA * E / TOPK * (frac_prev[li] * p.sum((0, 1))).sum() / (S * n_rows)
             z = torch.logsumexp(logits, -1).square().sum() / (S * n_rows)
             J = J + a + BETA * z
-            aux_logs.append(float(a) / ALPHA)
+            aux_logs.append(float(a.detach()) / ALPHA)
             z_logs.append(float(z))
         frac_prev = fracs
         model.zero_grad()
@@ -376,7 +480,7 @@ def _megatron_loss(loss_mask, output_tensor):
     return s, n.to(torch.int), {"lm loss": torch.stack([s.detach(), n])}
 
 
-def run_megatron_own(rank, world, tp, cases, n_rows=8, steps=2):
+def run_megatron_own(rank, world, tp, cases, n_rows=8, steps=2, cp=1):
     """Megatron's own MoE/MTP terms (no MoETerms) next to MoETerms on the same layout. ``cases`` are
     ``(system, scope, per_token, mbs)`` with system "megatron" or "lossparity" (mode per_token); returns
     per case the last step's ``(logs, {name: full grad})`` of this rank (Megatron's logs as its
@@ -384,30 +488,30 @@ def run_megatron_own(rank, world, tp, cases, n_rows=8, steps=2):
     install_cpu_bridges()
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
     try:
         out = {}
         for system, scope, per_token, mbs in cases:
             if system == "lossparity":
                 res = _run_case(
-                    rank, world, tp, "per_token", scope, per_token, None, n_rows=n_rows, mbs=mbs, steps=steps
+                    rank, world, tp, "per_token", scope, per_token, None, n_rows=n_rows, mbs=mbs, steps=steps, cp=cp
                 )
                 out[(system, scope, per_token, mbs)] = res[-1][:2]
             else:
-                out[(system, scope, per_token, mbs)] = _own_case(tp, scope, per_token, mbs, n_rows, steps)
+                out[(system, scope, per_token, mbs)] = _own_case(tp, scope, per_token, mbs, n_rows, steps, cp)
         return out
     finally:
         ps.destroy_model_parallel()
 
 
-def _own_case(tp, scope, per_token, mbs, n_rows, steps):
+def _own_case(tp, scope, per_token, mbs, n_rows, steps, cp=1):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, track_moe_metrics
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     kind = {"micro_batch": "aux_loss", "global": "global_aux_loss"}[scope]
-    config = make_config(tp=tp, per_token=per_token, moe_router_load_balancing_type=kind)
+    config = make_config(tp=tp, cp=cp, per_token=per_token, moe_router_load_balancing_type=kind)
     model = build_model(config, tp)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per_rank = n_rows // dp
@@ -417,6 +521,9 @@ def _own_case(tp, scope, per_token, mbs, n_rows, steps):
         tokens, labels, mask, seg = global_batch(step, n_rows)
         rows = [slice(dp_rank * per_rank + k * mbs, dp_rank * per_rank + (k + 1) * mbs) for k in range(num_mbs)]
         pos = torch.arange(S)[None, :].expand(mbs, -1)
+        if cp > 1:
+            cp_rank = ps.get_context_parallel_rank()
+            tokens, labels, mask, seg, pos = (cp_shard(x, cp_rank, cp) for x in (tokens, labels, mask, seg, pos))
         data = [(tokens[r], pos, labels[r], mask[r], seg[r]) for r in rows]
         reports = schedules.forward_backward_no_pipelining(
             forward_step_func=_own_forward_step,

@@ -20,15 +20,18 @@ from lossparity.distributed.launch import spawn  # noqa: E402
 TOL = 1e-6
 # (mode, aux_scope, calculate_per_token_loss, recompute)
 CASES = [("per_document", "micro_batch", False, "full"), ("per_sample", "global_lagged", True, "selective")]
+# the python block of docs/megatron.md drives this one (no recompute)
+DOC_CASE = ("per_token", "micro_batch", True, "doc")
+CP_CASE = ("per_token", "micro_batch", False, "full")  # context parallelism: per_token only
 
 
 def _rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-300))
 
 
-def _check(results, naive, layout):
-    for case in CASES:
-        for step, (want_logs, want_grads) in enumerate(naive[case]):
+def _check(results, naive, layout, cases):
+    for case in cases:
+        for step, (want_logs, want_grads) in enumerate(naive[case[:2]]):  # naive: by (mode, scope)
             first_logs = results[0][case][step][0]
             for rank, res in enumerate(results):
                 logs, grads, _ = res[case][step]
@@ -42,12 +45,14 @@ def _check(results, naive, layout):
 
 
 @pytest.mark.slow
-def test_moe_terms_dp2_and_tp2_sp_give_the_objective_gradients_and_logs():
-    dp2 = spawn(run_layout, 2, 1, CASES, 8, 2, 2, True, True, timeout_s=600)
-    naive = dp2[0]["naive"]
-    _check(dp2, naive, "DP2")
+def test_moe_terms_dp2_tp2_sp_cp2_give_the_objective_gradients_and_logs():
+    dp2 = spawn(run_layout, 2, 1, [*CASES, DOC_CASE], 8, 2, 2, True, True, timeout_s=600)
+    naive = {case[:2]: res for case, res in dp2[0]["naive"].items()}
+    _check(dp2, naive, "DP2", [*CASES, DOC_CASE])
     tp2 = spawn(run_layout, 2, 2, CASES, 8, 2, 2, timeout_s=600)
-    _check(tp2, naive, "TP2+SP")
+    _check(tp2, naive, "TP2+SP", CASES)
+    cp2 = spawn(run_layout, 2, 1, [CP_CASE], 8, 2, 2, False, False, 2, timeout_s=600)
+    _check(cp2, naive, "CP2", [CP_CASE])
     for rank in range(2):
         bad = dp2[rank]["bad"]
         assert "model: no MoE layer" in bad[0]

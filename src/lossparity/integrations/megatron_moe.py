@@ -122,6 +122,8 @@ class MoETerms:
         self.score_function = config.moe_router_score_function
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.dp, self.cp = ps.get_data_parallel_world_size(), ps.get_context_parallel_world_size()
+        self.cp_rank = ps.get_context_parallel_rank()
+        self.cp_group = ps.get_context_parallel_group() if self.cp > 1 else None
         self.row_group = ps.get_tensor_and_context_parallel_group() if self._row_size(ps) > 1 else None
         # Megatron's own application is replaced: zero its coefficients (routers share this config).
         for cfg in {id(c): c for c in [config] + [r.config for r in self.routers]}.values():
@@ -160,8 +162,6 @@ class MoETerms:
                 "config.pipeline_model_parallel_size > 1: MoETerms supports one pipeline stage "
                 "(the logs' layer layout and the MTP stage are per stage)"
             )
-        if ps.get_context_parallel_world_size() > 1 and int(getattr(config, "mtp_num_layers", 0) or 0):
-            raise ValueError("config.context_parallel_size > 1 with mtp_num_layers: MTP under CP is not supported")
         if ps.get_tensor_model_parallel_world_size() > 1 and not config.sequence_parallel:
             raise ValueError("config.sequence_parallel: MoE with tensor parallelism needs sequence parallelism")
 
@@ -200,7 +200,10 @@ class MoETerms:
             stats[1] += w.sum()
             stats[2] += w.numel()
             for k in range(1, self.depths + 1):
-                stats[2 + k] += roll_mask(w, s if self.mode == "per_document" else None, k).sum()
+                if self.cp > 1:  # per_token only: a row loses its first k mask positions (on CP rank 0)
+                    stats[2 + k] += w.sum() - (w[:, :k].sum() if self.cp_rank == 0 else 0.0)
+                else:
+                    stats[2 + k] += roll_mask(w, s if self.mode == "per_document" else None, k).sum()
         if self.tp_rank != 0:  # TP ranks hold the same rows: count them once
             stats.zero_()
         dist.all_reduce(stats)
@@ -305,11 +308,18 @@ class MoETerms:
         model: Any = self._gpt[0]
         labels = self._labels
         share = loss.new_zeros(())
+        rolled, w_k = labels, mask
         for k, logits in enumerate(self._mtp_logits, start=1):
-            rolled = torch.zeros_like(labels)
-            rolled[:, : labels.shape[1] - k] = labels[:, k:]
+            if self.cp_group is not None:  # the rows are split over CP: Megatron's own CP-aware roll
+                from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+                rolled = roll_tensor(rolled, shifts=-1, dims=-1, cp_group=self.cp_group)[0]
+                w_k = roll_tensor(w_k, shifts=-1, dims=-1, cp_group=self.cp_group)[0]
+            else:
+                rolled = torch.zeros_like(labels)
+                rolled[:, : labels.shape[1] - k] = labels[:, k:]
+                w_k = roll_mask(mask, segment_ids if mode == "per_document" else None, k)
             loss_k = model.compute_language_model_loss(rolled, logits).view_as(loss)
-            w_k = roll_mask(mask, segment_ids if mode == "per_document" else None, k)
             num_k, _ = mode_numerator(mode, loss_k, w_k, segment_ids, self.fixed_length)
             share = share + num_k * (self.lam / self.depths / self._mtp_den[k - 1])
             self._acc[1 + 2 * k - 1] += own * (loss_k.detach() * w_k).sum().to(torch.float64)
