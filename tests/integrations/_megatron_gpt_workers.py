@@ -442,19 +442,22 @@ def bad_inputs():
 
     config = make_config()
     model = build_model(config, 1)
-    errors = []
+    errors, kept = [], {}
     for call in [
         lambda: MoETerms([torch.nn.Linear(2, 2)], make_config()),
         lambda: MoETerms([model], make_config(), aux_scope="sequence"),
-        lambda: MoETerms([model], config).end_step(),
+        lambda: MoETerms([model], config, aux_scope="micro_batch"),
+        lambda: kept["terms"].end_step(),
+        lambda: MoETerms([model], config),
     ]:
         try:
-            call()
+            made = call()
+            if isinstance(made, MoETerms):
+                kept["terms"] = made
             errors.append(None)
         except (ValueError, RuntimeError) as exc:
             errors.append(f"{type(exc).__name__}: {exc}")
-    terms = MoETerms([model], config, aux_scope="micro_batch")
-    loss_fn = LossFunc("per_token", config=config, terms=terms)
+    loss_fn = LossFunc("per_token", config=config, terms=kept["terms"])
     tokens, labels, mask, seg = global_batch(0, 2)
     pos = torch.arange(S)[None, :].expand(2, -1)
     try:  # Megatron's schedule without terms.begin_step: the first router forward refuses

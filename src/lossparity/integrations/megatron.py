@@ -111,7 +111,7 @@ class LossFunc:
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """``(numerator, count, report)`` of this microbatch (class docstring)."""
         loss, mask = self._check(loss_mask, output_tensor, segment_ids)
-        if self.terms is not None:
+        if self.terms is not None and torch.is_grad_enabled():  # (evaluation: the plain LM numerator below)
             share, num, s_tok = self.terms.loss_share(self.mode, loss, mask, segment_ids)
             one = torch.ones((), dtype=torch.int, device=loss.device)
             n_tok = mask.sum().to(s_tok.dtype)

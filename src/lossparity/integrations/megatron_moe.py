@@ -127,6 +127,7 @@ class MoETerms:
         self.row_group = ps.get_tensor_and_context_parallel_group() if self._row_size(ps) > 1 else None
         # Megatron's own application is replaced: zero its coefficients (routers share this config).
         for cfg in {id(c): c for c in [config] + [r.config for r in self.routers]}.values():
+            cfg._lossparity_moe_terms = True
             cfg.moe_aux_loss_coeff = 0.0
             cfg.moe_z_loss_coeff = None
             if self.depths:
@@ -147,6 +148,12 @@ class MoETerms:
         self._mtp_logits: list[Tensor] = []
         self._labels: Tensor | None = None
 
+    def remove(self) -> None:
+        """Remove the forward hooks (Megatron's coefficients stay zero on the config)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
     # ------------------------------------------------------------------ configuration
     @staticmethod
     def _row_size(ps: Any) -> int:
@@ -155,8 +162,13 @@ class MoETerms:
     def _check_config(self, config: Any, ps: Any) -> None:
         if isinstance(getattr(config, "moe_aux_loss_coeff", 0.0), (list, tuple)):
             raise ValueError("config.moe_aux_loss_coeff: a list (several aux types) is not supported by MoETerms")
-        if getattr(config, "moe_input_jitter_eps", None):
-            raise ValueError("config.moe_input_jitter_eps: input jitter makes the router logits unreproducible")
+        if getattr(config, "moe_input_jitter_eps", None) or getattr(config, "moe_router_force_load_balancing", False):
+            raise ValueError(
+                "config.moe_input_jitter_eps / moe_router_force_load_balancing: the router logits would not be "
+                "reproducible from the router input"
+            )
+        if any(getattr(c, "_lossparity_moe_terms", False) for c in [config] + [r.config for r in self.routers]):
+            raise ValueError("config: its MoE/MTP coefficients were already taken over by another MoETerms")
         if ps.get_pipeline_model_parallel_world_size() > 1:
             raise ValueError(
                 "config.pipeline_model_parallel_size > 1: MoETerms supports one pipeline stage "
@@ -235,6 +247,8 @@ class MoETerms:
         if not (router.training and torch.is_grad_enabled()):
             return None  # evaluation, or the no-grad first pass of a recompute: the re-run records
         self._require_begun(f"router of layer {router.layer_number}")
+        if (len(args) > 1 and args[1] is not None) or kwargs.get("padding_mask") is not None:
+            raise ValueError(f"padding_mask: router of layer {router.layer_number}: MoETerms counts every token")
         from megatron.core.transformer.moe.moe_utils import router_gating_linear
 
         hidden = args[0] if args else kwargs["input"]
