@@ -29,7 +29,10 @@ summed returned counts, 1 per microbatch here) or averages them over ``dp·cp`` 
 loss by ``M`` (``False``). The language-model and MTP shares are returned by ``LossFunc`` multiplied by
 ``R``; the router shares are attached to the router's output (as Megatron's ``MoEAuxLossAutoScaler``
 does) with the weight ``R`` or ``dp·cp``; so the step's gradient is ``∇J`` for either flag, any
-micro-batch size, number of microbatches and data/tensor-sequence layout. A forward without gradients
+micro-batch size, number of microbatches and data, tensor-sequence and context-parallel layout
+(context parallelism: mode ``per_token``; MTP labels rolled with Megatron's CP-aware ``roll_tensor``).
+The ``micro_batch`` scope under TP-SP or CP all-reduces each router forward's counts over the ranks
+holding the microbatch's shards (as Megatron does). A forward without gradients
 (the first pass of a reentrant recompute, evaluation) records nothing: the recomputed forward, which
 back-propagates, records the terms once.
 
@@ -50,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..losses.moe import max_violation, router_scores, switch_load_balancing_weights
+from ..losses.moe import max_violation, router_scores, router_z_loss_sums, switch_load_balancing_weights
 from ..losses.mtp import mtp_denominators, roll_mask
 from ._common import mode_numerator, unit_count
 
@@ -273,7 +276,7 @@ class MoETerms:
             aux = (weights * sums).sum() / (self.dp * self.num_microbatches)
         else:
             aux = sums.sum() * 0.0
-        z_sum = torch.logsumexp(logits, dim=-1).square().sum() / self._tokens
+        z_sum = router_z_loss_sums(logits) / self._tokens
         term = aux + self.beta * z_sum
         base = 2 + 2 * self.depths
         acc = self._acc
