@@ -287,13 +287,18 @@ def _doc_namespace():
 
 
 def _run_case(rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs, steps, cp=1):
-    """``recompute="doc"``: no recompute, the step driven by the functions of docs/megatron.md."""
+    """``recompute="doc"``: no recompute, the step driven by the functions of docs/megatron.md;
+    ``"bias"``: sigmoid router with aux-loss-free expert biases."""
     from megatron.core import parallel_state as ps
 
     from lossparity.integrations.megatron import LossFunc, MoETerms
 
     doc = _doc_namespace() if recompute == "doc" else None
-    config = make_config(tp=tp, cp=cp, per_token=per_token, recompute=None if doc else recompute)
+    # "bias": aux-loss-free expert biases (sigmoid scores), updated by Megatron's finalize_model_grads
+    over = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True) if recompute == "bias" else {}
+    config = make_config(
+        tp=tp, cp=cp, per_token=per_token, recompute=recompute if recompute in ("full", "selective") else None, **over
+    )
     model = build_model(config, tp)
     if doc:
         terms, loss_fn = doc["build_loss"]([model], config, mode, scope)

@@ -10,6 +10,7 @@ The tolerance 1e-6 is the float32 floor of Megatron's cross-entropy (measured ~1
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("megatron.core")
 
@@ -23,6 +24,8 @@ CASES = [("per_document", "micro_batch", False, "full"), ("per_sample", "global_
 # the python block of docs/megatron.md drives this one (no recompute)
 DOC_CASE = ("per_token", "micro_batch", True, "doc")
 CP_CASE = ("per_token", "micro_batch", False, "full")  # context parallelism: per_token only
+# sigmoid router with aux-loss-free expert biases (Megatron's own update): compared across layouts
+BIAS_CASE = ("per_token", "global_lagged", True, "bias")
 
 
 def _rel(a, b) -> float:
@@ -44,15 +47,32 @@ def _check(results, naive, layout, cases):
                 assert set(logs) == set(want_logs) | {"max_vio"}
 
 
+def _check_bias(layouts):
+    """Expert biases identical on every rank of every layout after two steps (and moved); gradients
+    and logs equal across layouts."""
+    ref_logs, ref_grads, ref_biases = layouts["DP2"][0][BIAS_CASE][-1]
+    assert len(ref_biases) == 3 and all(b.abs().max() > 0 for b in ref_biases)  # 2 MoE layers + MTP
+    for layout, results in layouts.items():
+        for rank, res in enumerate(results):
+            logs, grads, biases = res[BIAS_CASE][-1]
+            assert all(torch.equal(b, r) for b, r in zip(biases, ref_biases, strict=True)), (layout, rank)
+            worst = max(_rel(grads[n], ref_grads[n]) for n in ref_grads)
+            print(f"measured: expert-bias case {layout} rank {rank} vs DP2: worst gradient rel diff {worst:.1e}")
+            assert worst <= TOL, (layout, rank, worst)
+            for key, want in ref_logs.items():
+                assert logs[key] == pytest.approx(want, rel=TOL, abs=1e-12), (layout, key)
+
+
 @pytest.mark.slow
 def test_moe_terms_dp2_tp2_sp_cp2_give_the_objective_gradients_and_logs():
-    dp2 = spawn(run_layout, 2, 1, [*CASES, DOC_CASE], 8, 2, 2, True, True, timeout_s=600)
+    dp2 = spawn(run_layout, 2, 1, [*CASES, DOC_CASE, BIAS_CASE], 8, 2, 2, True, True, timeout_s=600)
     naive = {case[:2]: res for case, res in dp2[0]["naive"].items()}
     _check(dp2, naive, "DP2", [*CASES, DOC_CASE])
-    tp2 = spawn(run_layout, 2, 2, CASES, 8, 2, 2, timeout_s=600)
+    tp2 = spawn(run_layout, 2, 2, [*CASES, BIAS_CASE], 8, 2, 2, timeout_s=600)
     _check(tp2, naive, "TP2+SP", CASES)
-    cp2 = spawn(run_layout, 2, 1, [CP_CASE], 8, 2, 2, False, False, 2, timeout_s=600)
+    cp2 = spawn(run_layout, 2, 1, [CP_CASE, BIAS_CASE], 8, 2, 2, False, False, 2, timeout_s=600)
     _check(cp2, naive, "CP2", [CP_CASE])
+    _check_bias({"DP2": dp2, "TP2+SP": tp2, "CP2": cp2})
     for rank in range(2):
         bad = dp2[rank]["bad"]
         assert "model: no MoE layer" in bad[0]
