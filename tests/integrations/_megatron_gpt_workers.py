@@ -275,6 +275,12 @@ def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=False, ba
         ps.destroy_model_parallel()
 
 
+def run_layouts(rank, world, plan):
+    """Several layouts in the same processes (one start-up): ``plan`` is a list of ``(tp, cp, cases)``;
+    returns one :func:`run_layout` result per entry."""
+    return [run_layout(rank, world, tp, cases, cp=cp) for tp, cp, cases in plan]
+
+
 def _doc_namespace():
     """The python block of docs/megatron.md, executed (what a pretrain_gpt.py-style script would hold)."""
     import pathlib

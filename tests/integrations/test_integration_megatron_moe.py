@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from _megatron_gpt_workers import run_layout  # noqa: E402
+from _megatron_gpt_workers import run_layout, run_layouts  # noqa: E402
 
 from lossparity.distributed.launch import spawn  # noqa: E402
 
@@ -68,9 +68,10 @@ def test_moe_terms_dp2_tp2_sp_cp2_give_the_objective_gradients_and_logs():
     dp2 = spawn(run_layout, 2, 1, [*CASES, DOC_CASE, BIAS_CASE], 8, 2, 2, True, True, timeout_s=600)
     naive = {case[:2]: res for case, res in dp2[0]["naive"].items()}
     _check(dp2, naive, "DP2", [*CASES, DOC_CASE])
-    tp2 = spawn(run_layout, 2, 2, [*CASES, BIAS_CASE], 8, 2, 2, timeout_s=600)
+    # TP2+SP then CP2 in the same two processes (one start-up)
+    both = spawn(run_layouts, 2, [(2, 1, [*CASES, BIAS_CASE]), (1, 2, [CP_CASE, BIAS_CASE])], timeout_s=600)
+    tp2, cp2 = [r[0] for r in both], [r[1] for r in both]
     _check(tp2, naive, "TP2+SP", CASES)
-    cp2 = spawn(run_layout, 2, 1, [CP_CASE, BIAS_CASE], 8, 2, 2, False, False, 2, timeout_s=600)
     _check(cp2, naive, "CP2", [CP_CASE])
     _check_bias({"DP2": dp2, "TP2+SP": tp2, "CP2": cp2})
     for rank in range(2):
