@@ -53,6 +53,7 @@ def install_cpu_bridges() -> None:
     mrand._get_cuda_rng_state = lambda *a, **k: torch.zeros(1)
     torch.cuda.get_rng_state = lambda *a, **k: torch.zeros(1)
     torch.cuda.set_rng_state = lambda *a, **k: None
+    torch.cuda.synchronize = lambda *a, **k: None  # pipelined schedules only (p2p_communication)
     moe_utils.te_general_gemm = None
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(_torch_norm_with_sp)
     torch._lp_bridged = True
@@ -207,8 +208,9 @@ def make_config(tp=1, cp=1, per_token=True, recompute=None, **over):
     return TransformerConfig(**kw)
 
 
-def build_model(config, tp):
-    """GPTModel, float64, the same weights for every layout (same seed, CPU master init then split)."""
+def build_model(config, tp, full_state=None):
+    """GPTModel, float64, the same weights for every layout (same seed, CPU master init then split).
+    Pipeline stages: this stage's part, its weights copied from ``full_state`` (the one-stage model's)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -216,7 +218,10 @@ def build_model(config, tp):
     spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
     if config.context_parallel_size > 1:  # Megatron's own CP attention needs Transformer Engine
         spec.submodules.self_attention.submodules.core_attention = CPGatherAttention
-    mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+    from megatron.core import parallel_state as ps
+
+    pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if post else None
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -224,9 +229,26 @@ def build_model(config, tp):
         max_sequence_length=S,
         mtp_block_spec=mtp,
         position_embedding_type="rope",
+        pre_process=pre,
+        post_process=post,
     )
     gpt.double()
+    if full_state is not None:
+        with torch.no_grad():
+            for name, p in gpt.named_parameters():
+                p.copy_(full_state[global_name(name)])
     return CPUDDP(gpt, config)
+
+
+def global_name(name):
+    """The one-stage model's name of this pipeline stage's parameter (decoder layers are numbered per stage)."""
+    import re
+
+    from megatron.core import parallel_state as ps
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    offset = ps.get_pipeline_model_parallel_rank() * (2 // pp)
+    return re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + offset}.", name)
 
 
 def global_batch(step, n_rows=8):
@@ -257,15 +279,25 @@ def full_grad(p, tp_group):
     return g.clone()
 
 
-def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=False, bad=False, cp=1):
+def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=False, bad=False, cp=1, pp=1):
     """For each case ``(mode, scope, per_token, recompute)``: two steps of Megatron's schedule with
     MoETerms; returns ``{case: [(logs, {name: full grad}), ...per step]}`` of this rank."""
     install_cpu_bridges()
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    full = None
+    if pp > 1:  # the one-stage model's weights, which every stage copies its part of
+        ps.initialize_model_parallel()
+        full = {n: p.detach().clone() for n, p in build_model(make_config(), 1).module.named_parameters()}
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, context_parallel_size=cp, pipeline_model_parallel_size=pp
+    )
     try:
-        res = {case: _run_case(rank, world, tp, *case, n_rows=n_rows, mbs=mbs, steps=steps, cp=cp) for case in cases}
+        res = {
+            case: _run_case(rank, world, tp, *case, n_rows=n_rows, mbs=mbs, steps=steps, cp=cp, pp=pp, full=full)
+            for case in cases
+        }
         if naive:
             res["naive"] = {case: naive_reference(case, n_rows, mbs, steps) for case in cases}
         if bad:
@@ -276,9 +308,9 @@ def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=False, ba
 
 
 def run_layouts(rank, world, plan):
-    """Several layouts in the same processes (one start-up): ``plan`` is a list of ``(tp, cp, cases)``;
+    """Several layouts in the same processes (one start-up): ``plan`` is a list of ``(tp, cp, pp, cases)``;
     returns one :func:`run_layout` result per entry."""
-    return [run_layout(rank, world, tp, cases, cp=cp) for tp, cp, cases in plan]
+    return [run_layout(rank, world, tp, cases, cp=cp, pp=pp) for tp, cp, pp, cases in plan]
 
 
 def _doc_namespace():
@@ -292,7 +324,7 @@ def _doc_namespace():
     return ns
 
 
-def _run_case(rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs, steps, cp=1):
+def _run_case(rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs, steps, cp=1, pp=1, full=None):
     """``recompute="doc"``: no recompute, the step driven by the functions of docs/megatron.md;
     ``"bias"``: sigmoid router with aux-loss-free expert biases."""
     from megatron.core import parallel_state as ps
@@ -302,10 +334,12 @@ def _run_case(rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs
     doc = _doc_namespace() if recompute == "doc" else None
     # "bias": aux-loss-free expert biases (sigmoid scores), updated by Megatron's finalize_model_grads
     over = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True) if recompute == "bias" else {}
+    if pp > 1:
+        over["pipeline_model_parallel_size"] = pp
     config = make_config(
         tp=tp, cp=cp, per_token=per_token, recompute=recompute if recompute in ("full", "selective") else None, **over
     )
-    model = build_model(config, tp)
+    model = build_model(config, tp, full)
     if doc:
         terms, loss_fn = doc["build_loss"]([model], config, mode, scope)
     else:
@@ -337,7 +371,7 @@ def _run_case(rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs
         else:
             logs = _step(terms, loss_fn, model, [(tokens[r], pos, labels[r], mask[r], seg[r]) for r in rows], mbs)
         tp_group = ps.get_tensor_model_parallel_group()
-        grads = {n: full_grad(p, tp_group) for n, p in model.module.named_parameters()}
+        grads = {global_name(n): full_grad(p, tp_group) for n, p in model.module.named_parameters()}
         biases = [m.expert_bias.clone() for m in model.modules() if getattr(m, "expert_bias", None) is not None]
         out.append((logs, grads, biases))
         model.zero_grad_buffer()
@@ -345,10 +379,10 @@ def _run_case(rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs
 
 
 def _step(terms, loss_fn, model, data, mbs):
-    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     terms.begin_step([d[3] for d in data], segment_ids=[d[4] for d in data])
-    schedules.forward_backward_no_pipelining(
+    get_forward_backward_func()(
         forward_step_func=partial(_forward_step, loss_fn),
         data_iterator=iter(data),
         model=[model],

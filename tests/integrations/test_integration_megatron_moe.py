@@ -24,6 +24,7 @@ CASES = [("per_document", "micro_batch", False, "full"), ("per_sample", "global_
 # the python block of docs/megatron.md drives this one (no recompute)
 DOC_CASE = ("per_token", "micro_batch", True, "doc")
 CP_CASE = ("per_token", "micro_batch", False, "full")  # context parallelism: per_token only
+PP_CASE = ("per_document", "micro_batch", True, "selective")  # pipeline: one MoE layer per stage, MTP last
 # sigmoid router with aux-loss-free expert biases (Megatron's own update): compared across layouts
 BIAS_CASE = ("per_token", "global_lagged", True, "bias")
 
@@ -36,9 +37,11 @@ def _check(results, naive, layout, cases):
     for case in cases:
         for step, (want_logs, want_grads) in enumerate(naive[case[:2]]):  # naive: by (mode, scope)
             first_logs = results[0][case][step][0]
+            # every parameter is compared on every rank holding it (pipeline stages hold parts)
+            assert set().union(*(res[case][step][1] for res in results)) == set(want_grads)
             for rank, res in enumerate(results):
                 logs, grads, _ = res[case][step]
-                worst = max(_rel(grads[n], want_grads[n]) for n in want_grads)
+                worst = max(_rel(grads[n], want_grads[n]) for n in grads)
                 print(f"measured: {layout} {case} step {step} rank {rank}: worst gradient rel diff {worst:.1e}")
                 assert worst <= TOL, (layout, case, step, rank, worst)
                 assert logs == first_logs  # identical on every rank
@@ -64,14 +67,16 @@ def _check_bias(layouts):
 
 
 @pytest.mark.slow
-def test_moe_terms_dp2_tp2_sp_cp2_give_the_objective_gradients_and_logs():
+def test_moe_terms_dp2_tp2_sp_cp2_pp2_give_the_objective_gradients_and_logs():
     dp2 = spawn(run_layout, 2, 1, [*CASES, DOC_CASE, BIAS_CASE], 8, 2, 2, True, True, timeout_s=600)
     naive = {case[:2]: res for case, res in dp2[0]["naive"].items()}
     _check(dp2, naive, "DP2", [*CASES, DOC_CASE])
-    # TP2+SP then CP2 in the same two processes (one start-up)
-    both = spawn(run_layouts, 2, [(2, 1, [*CASES, BIAS_CASE]), (1, 2, [CP_CASE, BIAS_CASE])], timeout_s=600)
-    tp2, cp2 = [r[0] for r in both], [r[1] for r in both]
+    # TP2+SP, CP2 and PP2 in the same two processes (one start-up)
+    plan = [(2, 1, 1, [*CASES, BIAS_CASE]), (1, 2, 1, [CP_CASE, BIAS_CASE]), (1, 1, 2, [PP_CASE])]
+    both = spawn(run_layouts, 2, plan, timeout_s=600)
+    tp2, cp2, pp2 = ([r[i] for r in both] for i in range(3))
     _check(tp2, naive, "TP2+SP", CASES)
+    _check(pp2, naive, "PP2", [PP_CASE])
     _check(cp2, naive, "CP2", [CP_CASE])
     _check_bias({"DP2": dp2, "TP2+SP": tp2, "CP2": cp2})
     for rank in range(2):

@@ -30,7 +30,8 @@ loss by ``M`` (``False``). The language-model and MTP shares are returned by ``L
 ``R``; the router shares are attached to the router's output (as Megatron's ``MoEAuxLossAutoScaler``
 does) with the weight ``R`` or ``dp·cp``; so the step's gradient is ``∇J`` for either flag, any
 micro-batch size, number of microbatches and data, tensor-sequence and context-parallel layout
-(context parallelism: mode ``per_token``; MTP labels rolled with Megatron's CP-aware ``roll_tensor``).
+(context parallelism: mode ``per_token``; MTP labels rolled with Megatron's CP-aware ``roll_tensor``)
+and pipeline stages (the MoE layers are numbered over the whole model once, at construction).
 The ``micro_batch`` scope under TP-SP or CP all-reduces each router forward's counts over the ranks
 holding the microbatch's shards (as Megatron does). A forward without gradients
 (the first pass of a reentrant recompute, evaluation) records nothing: the recomputed forward, which
@@ -135,8 +136,10 @@ class MoETerms:
             cfg.moe_z_loss_coeff = None
             if self.depths:
                 cfg.mtp_loss_scaling_factor = 0.0
-        self._slot = {id(r): i for i, r in enumerate(self.routers)}
-        n_layers = len(self.routers)
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self._slot, self.n_layers = self._slots(chunks, TopKRouter, ps.get_pipeline_model_parallel_world_size())
+        n_layers = self.n_layers
         self._frac_prev = torch.full((n_layers, self.num_experts), self.topk / self.num_experts, dtype=torch.float64)
         self.mode: str | None = None
         self.fixed_length: int | None = None
@@ -150,6 +153,23 @@ class MoETerms:
                 self._handles.append(out_layer.register_forward_hook(self._output_hook))
         self._mtp_logits: list[Tensor] = []
         self._labels: Tensor | None = None
+
+    @staticmethod
+    def _slots(chunks: list[torch.nn.Module], router_cls: Any, pp: int) -> tuple[dict[int, int], int]:
+        """A slot per MoE layer of the whole model, the same on every rank: with pipeline stages, the
+        routers' (MTP?, global layer number) keys are gathered once over the world."""
+        local = [
+            (id(m), ("mtp" in name.split("."), int(m.layer_number)))
+            for c in chunks
+            for name, m in c.named_modules()
+            if isinstance(m, router_cls)
+        ]
+        if pp == 1:
+            return {rid: i for i, (rid, _) in enumerate(local)}, len(local)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, [key for _, key in local])
+        keys = sorted({tuple(k) for ks in gathered for k in ks})
+        return {rid: keys.index(key) for rid, key in local}, len(keys)
 
     def remove(self) -> None:
         """Remove the forward hooks (Megatron's coefficients stay zero on the config)."""
@@ -172,11 +192,6 @@ class MoETerms:
             )
         if any(getattr(c, "_lossparity_moe_terms", False) for c in [config] + [r.config for r in self.routers]):
             raise ValueError("config: its MoE/MTP coefficients were already taken over by another MoETerms")
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            raise ValueError(
-                "config.pipeline_model_parallel_size > 1: MoETerms supports one pipeline stage "
-                "(the logs' layer layout and the MTP stage are per stage)"
-            )
         if ps.get_tensor_model_parallel_world_size() > 1 and not config.sequence_parallel:
             raise ValueError("config.sequence_parallel: MoE with tensor parallelism needs sequence parallelism")
 
@@ -219,7 +234,7 @@ class MoETerms:
                     stats[2 + k] += w.sum() - (w[:, :k].sum() if self.cp_rank == 0 else 0.0)
                 else:
                     stats[2 + k] += roll_mask(w, s if self.mode == "per_document" else None, k).sum()
-        if self.tp_rank != 0:  # TP ranks hold the same rows: count them once
+        if self.tp_rank != 0 or self.pp_rank != 0:  # TP ranks and PP stages hold the same rows: count once
             stats.zero_()
         dist.all_reduce(stats)
         units, ntok, self._tokens = (float(x) for x in stats[:3].tolist())
@@ -231,7 +246,7 @@ class MoETerms:
         r = self.num_microbatches * self.dp * self.cp
         self.loss_weight = float(r)
         self.router_weight = float(r if self.config.calculate_per_token_loss else self.dp * self.cp)
-        n_layers, e = len(self.routers), self.num_experts
+        n_layers, e = self.n_layers, self.num_experts
         dev = masks[0].device
         self._frac_prev = self._frac_prev.to(dev)
         self._lagged_k = switch_load_balancing_weights(
@@ -258,7 +273,7 @@ class MoETerms:
         dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, hidden.dtype)
         logits = router_gating_linear(hidden, router.weight, router.bias, dtype).reshape(-1, self.num_experts)
         probs_out, routing_map = output
-        slot, e, n_layers = self._slot[id(router)], self.num_experts, len(self.routers)
+        slot, e, n_layers = self._slot[id(router)], self.num_experts, self.n_layers
         _, p = router_scores(logits, self.score_function)
         top = torch.zeros_like(p, dtype=torch.bool).scatter(-1, torch.topk(p.detach(), self.topk).indices, True)
         counts = top.sum(dim=0).to(torch.float64)
@@ -349,7 +364,7 @@ class MoETerms:
         """The step's logs (module docstring), identical on every rank: one all-reduce over the world.
         Also stores this step's global top-k fractions for the next ``global_lagged`` step."""
         self._require_begun("terms.end_step")
-        if self._loss_calls != self.num_microbatches:
+        if self._loss_calls != (self.num_microbatches if self.last_stage else 0):
             self._begun = False
             raise RuntimeError(
                 f"terms.end_step: LossFunc ran {self._loss_calls} times for {self.num_microbatches} microbatch masks"
@@ -357,7 +372,7 @@ class MoETerms:
         acc = self._acc
         dist.all_reduce(acc)
         self._begun = False
-        n_layers, e, d = len(self.routers), self.num_experts, self.depths
+        n_layers, e, d = self.n_layers, self.num_experts, self.depths
         base = 2 + 2 * d
         aux_l, z_l = acc[base : base + n_layers], acc[base + n_layers : base + 2 * n_layers]
         top = acc[base + 2 * n_layers : base + 2 * n_layers + n_layers * e].view(n_layers, e)
