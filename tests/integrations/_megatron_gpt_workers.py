@@ -285,11 +285,7 @@ def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=False, ba
     install_cpu_bridges()
     from megatron.core import parallel_state as ps
 
-    full = None
-    if pp > 1:  # the one-stage model's weights, which every stage copies its part of
-        ps.initialize_model_parallel()
-        full = {n: p.detach().clone() for n, p in build_model(make_config(), 1).module.named_parameters()}
-        ps.destroy_model_parallel()
+    full = _full_state() if pp > 1 else None
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, context_parallel_size=cp, pipeline_model_parallel_size=pp
     )
@@ -305,6 +301,16 @@ def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=False, ba
         return res
     finally:
         ps.destroy_model_parallel()
+
+
+def _full_state():
+    """The one-stage model's weights, which every pipeline stage copies its part of."""
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel()
+    full = {n: p.detach().clone() for n, p in build_model(make_config(), 1).module.named_parameters()}
+    ps.destroy_model_parallel()
+    return full
 
 
 def run_layouts(rank, world, plan):
@@ -528,7 +534,7 @@ def _megatron_loss(loss_mask, output_tensor):
     return s, n.to(torch.int), {"lm loss": torch.stack([s.detach(), n])}
 
 
-def run_megatron_own(rank, world, tp, cases, n_rows=8, steps=2, cp=1):
+def run_megatron_own(rank, world, tp, cases, n_rows=8, steps=2, cp=1, pp=1):
     """Megatron's own MoE/MTP terms (no MoETerms) next to MoETerms on the same layout. ``cases`` are
     ``(system, scope, per_token, mbs)`` with system "megatron" or "lossparity" (mode per_token); returns
     per case the last step's ``(logs, {name: full grad})`` of this rank (Megatron's logs as its
@@ -536,31 +542,48 @@ def run_megatron_own(rank, world, tp, cases, n_rows=8, steps=2, cp=1):
     install_cpu_bridges()
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    full = _full_state() if pp > 1 else None
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, context_parallel_size=cp, pipeline_model_parallel_size=pp
+    )
     try:
         out = {}
         for system, scope, per_token, mbs in cases:
             if system == "lossparity":
                 res = _run_case(
-                    rank, world, tp, "per_token", scope, per_token, None, n_rows=n_rows, mbs=mbs, steps=steps, cp=cp
+                    rank,
+                    world,
+                    tp,
+                    "per_token",
+                    scope,
+                    per_token,
+                    None,
+                    n_rows=n_rows,
+                    mbs=mbs,
+                    steps=steps,
+                    cp=cp,
+                    pp=pp,
+                    full=full,
                 )
                 out[(system, scope, per_token, mbs)] = res[-1][:2]
             else:
-                out[(system, scope, per_token, mbs)] = _own_case(tp, scope, per_token, mbs, n_rows, steps, cp)
+                out[(system, scope, per_token, mbs)] = _own_case(tp, scope, per_token, mbs, n_rows, steps, cp, pp, full)
         return out
     finally:
         ps.destroy_model_parallel()
 
 
-def _own_case(tp, scope, per_token, mbs, n_rows, steps, cp=1):
+def _own_case(tp, scope, per_token, mbs, n_rows, steps, cp=1, pp=1, full=None):
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, track_moe_metrics
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     kind = {"micro_batch": "aux_loss", "global": "global_aux_loss"}[scope]
-    config = make_config(tp=tp, cp=cp, per_token=per_token, moe_router_load_balancing_type=kind)
-    model = build_model(config, tp)
+    config = make_config(
+        tp=tp, cp=cp, per_token=per_token, moe_router_load_balancing_type=kind, pipeline_model_parallel_size=pp
+    )
+    model = build_model(config, tp, full)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per_rank = n_rows // dp
     num_mbs = per_rank // mbs
@@ -573,7 +596,7 @@ def _own_case(tp, scope, per_token, mbs, n_rows, steps, cp=1):
             cp_rank = ps.get_context_parallel_rank()
             tokens, labels, mask, seg, pos = (cp_shard(x, cp_rank, cp) for x in (tokens, labels, mask, seg, pos))
         data = [(tokens[r], pos, labels[r], mask[r], seg[r]) for r in rows]
-        reports = schedules.forward_backward_no_pipelining(
+        reports = get_forward_backward_func()(
             forward_step_func=_own_forward_step,
             data_iterator=iter(data),
             model=[model],
@@ -584,12 +607,13 @@ def _own_case(tp, scope, per_token, mbs, n_rows, steps, cp=1):
         logs = {}
         track_moe_metrics(1.0 / num_mbs, step, total_loss_dict=logs, num_layers=2, mtp_num_layers=1)
         MTPLossLoggingHelper.track_mtp_metrics(1.0 / num_mbs, step, None, None, logs)
-        val = torch.stack([r["lm loss"] for r in reports]).sum(0)
-        dist.all_reduce(val, group=ps.get_data_parallel_group(with_context_parallel=True))
         logs = {k: float(v) for k, v in logs.items()}
-        logs["lm loss"] = float(val[0] / val[1])
+        if reports:  # the last pipeline stage
+            val = torch.stack([r["lm loss"] for r in reports]).sum(0)
+            dist.all_reduce(val, group=ps.get_data_parallel_group(with_context_parallel=True))
+            logs["lm loss"] = float(val[0] / val[1])
         tp_group = ps.get_tensor_model_parallel_group()
-        grads = {n: full_grad(p, tp_group) for n, p in model.module.named_parameters()}
+        grads = {global_name(n): full_grad(p, tp_group) for n, p in model.module.named_parameters()}
         if step < steps - 1:
             model.zero_grad_buffer()
     return logs, grads

@@ -116,7 +116,9 @@ class MoETerms:
         chunks = _chunks(model)
         self.routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
         self._check_config(config, ps)
-        if not self.routers:
+        # (with pipeline stages one collective: a stage without MoE layers is fine, a model without any is not)
+        self._slot, self.n_layers = self._slots(chunks, TopKRouter, ps.get_pipeline_model_parallel_world_size())
+        if not self.n_layers:
             raise ValueError("model: no MoE layer (megatron TopKRouter) found; MoETerms needs a MoE model")
         self.alpha = float(config.moe_aux_loss_coeff or 0.0) if aux_scope != "none" else 0.0
         self.beta = float(config.moe_z_loss_coeff or 0.0)
@@ -138,7 +140,6 @@ class MoETerms:
                 cfg.mtp_loss_scaling_factor = 0.0
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
-        self._slot, self.n_layers = self._slots(chunks, TopKRouter, ps.get_pipeline_model_parallel_world_size())
         n_layers = self.n_layers
         self._frac_prev = torch.full((n_layers, self.num_experts), self.topk / self.num_experts, dtype=torch.float64)
         self.mode: str | None = None
