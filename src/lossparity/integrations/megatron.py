@@ -41,8 +41,9 @@ from ..losses.stats import masked_token_sum
 from ..options import MODES, Mode, check_option
 from . import require
 from ._common import document_sums, mode_numerator
+from .megatron_moe import MoETerms
 
-__all__ = ["LossFunc", "document_sums"]
+__all__ = ["LossFunc", "MoETerms", "document_sums"]
 
 
 class LossFunc:
@@ -61,15 +62,30 @@ class LossFunc:
         config: the model's megatron ``TransformerConfig``/``ModelParallelConfig``; when given, a
             ``calculate_per_token_loss=False`` config is rejected here.
         fixed_length: the ``L`` of ``sample_sum_norm``.
+        terms: a :class:`MoETerms` of the same model: the loss then also carries the MTP terms, is
+            normalized by the global counts of ``terms.begin_step`` and returns the count 1, so any
+            ``calculate_per_token_loss`` is exact (see :mod:`lossparity.integrations.megatron_moe`).
     """
 
-    def __init__(self, mode: Mode = "per_sample", *, config: Any = None, fixed_length: int | None = None) -> None:
+    def __init__(
+        self,
+        mode: Mode = "per_sample",
+        *,
+        config: Any = None,
+        fixed_length: int | None = None,
+        terms: MoETerms | None = None,
+    ) -> None:
         require("megatron.core", "megatron")
         self.mode: Mode = check_option("mode", mode, MODES)
         if mode == "sample_sum_norm" and (fixed_length is None or fixed_length <= 0):
             raise ValueError(f"fixed_length: mode 'sample_sum_norm' needs fixed_length > 0, got {fixed_length}")
         self.fixed_length = fixed_length
-        if config is not None:
+        self.terms = terms
+        if terms is not None:
+            if not isinstance(terms, MoETerms):
+                raise TypeError(f"terms: expected a MoETerms, got {type(terms).__name__}")
+            terms.bind(self.mode, fixed_length)
+        elif config is not None:
             self.check_config(config)
             # Under context parallelism each rank sees a shard of every row: unit counts (n_i, n_j, b) would
             # be shard-local and Megatron sums the counts over DP×CP, so only per_token stays exact.
@@ -95,6 +111,12 @@ class LossFunc:
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """``(numerator, count, report)`` of this microbatch (class docstring)."""
         loss, mask = self._check(loss_mask, output_tensor, segment_ids)
+        if self.terms is not None and torch.is_grad_enabled():  # (evaluation: the plain LM numerator below)
+            share, num, s_tok = self.terms.loss_share(self.mode, loss, mask, segment_ids)
+            one = torch.ones((), dtype=torch.int, device=loss.device)
+            n_tok = mask.sum().to(s_tok.dtype)
+            report = {"lm loss": torch.stack([s_tok, n_tok]), "objective": torch.stack([share.detach(), n_tok * 0 + 1])}
+            return share, one, report
         num, count = self._numerator(loss, mask, segment_ids)
         s_tok = masked_token_sum(loss.detach(), mask)
         n_tok = mask.sum().to(loss.dtype)
