@@ -190,9 +190,20 @@ def _cast_router_scores(model: nn.Module) -> None:
             module.register_forward_hook(hook)
 
 
+def _quiet_transformers() -> None:
+    """No progress bars or info lines of transformers in verify's table (its warnings stay)."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def _build(spec: ModelSpec, layout: Layout) -> nn.Module:
     from .user_models import build_hf_model, import_target
 
+    _quiet_transformers()
     dtype = _dtype(spec)
     if spec.hf_config is None:
         try:
@@ -375,9 +386,17 @@ def _run_mode(rank: int, spec: ModelSpec, layout: Layout, mode: str, steps: int)
     return {"history": history, "params": params}
 
 
-def _run_layout(rank: int, world: int, spec: ModelSpec, layout: Layout, modes: list[str], steps: int) -> Any:
+def _run_layouts(rank: int, world: int, spec: ModelSpec, layouts: list[Layout], modes: list[str], steps: int) -> Any:
+    """Every mode of every layout (all of ``world`` ranks) in one set of processes: ``{name: {mode: record}}``
+    on rank 0 (records hold full tensors, identical on every rank), with each layout's wall time."""
     torch.set_num_threads(1)
-    out = {mode: _run_mode(rank, spec, layout, mode, steps) for mode in modes}
+    out = {}
+    for layout in layouts:
+        t = time.perf_counter()
+        out[layout.name] = (
+            {mode: _run_mode(rank, spec, layout, mode, steps) for mode in modes},
+            time.perf_counter() - t,
+        )
     return out if rank == 0 else None
 
 
@@ -414,21 +433,27 @@ def run_verify_hf(
         if any(lay.tp > 1 for lay in layouts) and spec.hf_config is not None:
             from .user_models import build_hf_model
 
+            _quiet_transformers()
             model: Any = build_hf_model(spec.hf_config, spec.seed, _dtype(spec))
             model.save_pretrained(tmp)
             spec = dataclasses.replace(spec, tp_dir=tmp)
 
+        # Every run needed (the layouts and their references), one set of processes per world size.
+        needed = {lay.name: lay for lay in layouts}
+        for lay in layouts:
+            for mode in modes:
+                needed.setdefault(_reference(lay, mode, spec).name, _reference(lay, mode, spec))
+        for world in sorted({lay.dp * lay.tp for lay in needed.values()}):
+            group = [lay for lay in needed.values() if lay.dp * lay.tp == world]
+            if progress:
+                names = ", ".join(lay.name for lay in group)
+                print(f"  running {names} ({len(modes)} modes, {world} process(es))...", flush=True)
+            args = (spec, group, list(modes), steps)
+            done = _run_layouts(0, 1, *args) if world == 1 else spawn(_run_layouts, world, *args, timeout_s=900)[0]
+            for name, (record, wall) in done.items():
+                results[name], walls[name] = record, wall
+
         def run(layout: Layout) -> Any:
-            if layout.name not in results:
-                if progress:
-                    print(f"  running layout {layout.name} ({len(modes)} modes)...", flush=True)
-                t1 = time.perf_counter()
-                world = layout.dp * layout.tp
-                args = (spec, layout, list(modes), steps)
-                results[layout.name] = (
-                    _run_layout(0, 1, *args) if world == 1 else spawn(_run_layout, world, *args, timeout_s=600)[0]
-                )
-                walls[layout.name] = time.perf_counter() - t1
             return results[layout.name]
 
         rows = []

@@ -1,0 +1,88 @@
+"""``lossparity verify --hf`` / ``--model``: the CI subset (K=2, D2, T2 on tiny Llama and Mixtral), the ``hf``
+scope failing with its reason, bad input (exit 2, one line), and the docs page's ``--model`` example.
+
+The full matrix (docs/verify-your-model.md) is ``scripts/verify_hf_matrix.sh``, run by hand. The expected
+values of each row are the single-process run of the same model: verify compares layouts, so each row is an
+independent computation of the same float64 quantities (one microbatch, one process, no wrapper)."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from lossparity.cli import main  # noqa: E402
+
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "verify-your-model.md"
+
+
+@pytest.mark.parametrize("model", ["llama", "mixtral"])
+def test_ci_subset_passes(model, capsys):
+    code = main(["verify", "--hf", model, "--layouts", "K=2,D2,T2", "--modes", "per_token,per_document"])
+    out = capsys.readouterr().out
+    print(out)
+    rows = [line for line in out.splitlines() if line.startswith("| ") and " | 1x1 | " in line]
+    assert code == 0 and len(rows) == 6 and all(line.endswith("PASS |") for line in rows), out
+    assert ("aux_loss" in out) == (model == "mixtral")  # dense models have no aux column
+
+
+def test_hf_scope_fails_and_says_why(capsys):
+    code = main(["verify", "--hf", "mixtral", "--aux-scope", "hf", "--layouts", "K=2", "--modes", "per_token"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "| K=2 | per_token | 1x1 |" not in out or "FAIL" in out
+    line = next(x for x in out.splitlines() if x.startswith("FAIL K=2 per_token"))
+    assert "objective at step 1" in line and "once per microbatch: 2 times" in line
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--hf", "no_such_family"], "--hf: unknown model_type 'no_such_family'"),
+        (["--hf", "missing_dir/config.json"], "--hf: missing_dir/config.json does not exist"),
+        (["--hf", "llama", "--hf-set", "no_field=1"], "--hf-set: LlamaConfig has no field 'no_field'"),
+        (["--hf", "llama", "--layouts", "C2"], "layout 'C2' cannot run: C: context parallelism"),
+        (["--hf", "gpt2", "--layouts", "T2"], "layout 'T2' cannot run: T: GPT2Config has no tensor-parallel plan"),
+        (["--model", "no_such_pkg.mod:build"], "--model: cannot import 'no_such_pkg.mod:build'"),
+        (["--model", "torch.nn:Linear"], "--model: torch.nn:Linear(seed, dtype) failed"),
+        (["--model", "torch.nn:Identity"], "--model: torch.nn:Identity failed on input_ids"),
+        (["--model", "builtins:slice"], "--model: builtins:slice returned slice, not a torch.nn.Module"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
+    assert main(["verify", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def _blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+
+
+def test_docs_model_example_runs(tmp_path, monkeypatch, capsys):
+    module, check = _blocks()
+    (tmp_path / "my_lm.py").write_text(module)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    exec(compile(check, "docs-verify-your-model", "exec"), {})
+    out = capsys.readouterr().out
+    assert "4/4 PASS" in out, out
+    sys.modules.pop("my_lm", None)
+
+
+def test_model_returning_no_logits_is_bad_input(tmp_path, monkeypatch, capsys):
+    (tmp_path / "bad_lm.py").write_text(
+        "import torch\n"
+        "class Flat(torch.nn.Module):\n"
+        "    def forward(self, input_ids, position_ids=None):\n"
+        "        return input_ids.flatten().double()  # [b·S]: no logits\n"
+        "def flat(seed, dtype):\n"
+        "    return Flat()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["verify", "--model", "bad_lm:flat", "--layouts", "K=2"]) == 2
+    assert "--model: bad_lm:flat returned no [b, S, V] logits" in capsys.readouterr().err
+    sys.modules.pop("bad_lm", None)
