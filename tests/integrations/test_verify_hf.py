@@ -69,7 +69,7 @@ def test_docs_model_example_runs(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(tmp_path))
     exec(compile(check, "docs-verify-your-model", "exec"), {})
     out = capsys.readouterr().out
-    assert "4/4 PASS" in out, out
+    assert "6/6 PASS" in out, out
     sys.modules.pop("my_lm", None)
 
 

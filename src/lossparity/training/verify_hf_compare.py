@@ -60,21 +60,28 @@ def compare_runs(
 
 def format_hf_table(report: dict[str, Any], title: str) -> str:
     """The report as a Markdown table (layout × quantity → max relative difference) and its failing rows."""
-    cols = [c for c in ("objective", "lm_loss", "aux_loss", "grad_norm", "params") if c in report["rows"][0]["diffs"]]
-    lines = [title, "", "| layout | mode | vs | " + " | ".join(cols) + " | result |", "|" + "---|" * (len(cols) + 4)]
+    present = {c for r in report["rows"] for c in r["diffs"]}
+    cols = [c for c in ("objective", "lm_loss", "aux_loss", "grad_norm", "params") if c in present]
+    lines = ([title, ""] if title else []) + ["| layout | mode | vs | " + " | ".join(cols) + " | result |"]
+    lines.append("|" + "---|" * (len(cols) + 4))
     for r in report["rows"]:
-        cells = " | ".join(f"{r['diffs'][c]:.1e}" for c in cols)
-        lines.append(
-            f"| {r['layout']} | {r['mode']} | {r['reference']} | {cells} | {'PASS' if r['pass'] else 'FAIL'} |"
-        )
-    n_pass = sum(r["pass"] for r in report["rows"])
+        cells = " | ".join(f"{r['diffs'][c]:.1e}" if c in r["diffs"] else "—" for c in cols)
+        result = "n/a" if r["reference"] == "itself" else "PASS" if r["pass"] else "FAIL"
+        lines.append(f"| {r['layout']} | {r['mode']} | {r['reference']} | {cells} | {result} |")
+    compared = [r for r in report["rows"] if r["reference"] != "itself"]
+    n_pass = sum(r["pass"] for r in compared)
     lines.append(
-        f"\n{n_pass}/{len(report['rows'])} PASS (tolerance {report['tolerance']:g} relative, "
+        f"\n{n_pass}/{len(compared)} PASS (tolerance {report['tolerance']:g} relative, "
         f"{report['steps']} steps each, wall {report['wall_s']:.1f} s)"
     )
     for r in report["rows"]:
         if not r["pass"]:
             lines.append(f"FAIL {r['layout']} {r['mode']}: first difference: {r['first']}")
+    if len(compared) < len(report["rows"]):
+        lines.append(
+            "n/a: the quantity depends on the microbatch size (per_microbatch, aux_scope micro_batch) and no other "
+            "layout here has this one's; compare D·K = n layouts with K=n"
+        )
     walls = report.get("layout_wall_s") or {}
     if walls:
         lines.append("wall per layout (all modes): " + ", ".join(f"{k} {v:.1f} s" for k, v in walls.items()))
