@@ -18,6 +18,7 @@ model's own tensor-parallel plan), ``+recompute`` (gradient checkpointing) and t
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import tempfile
 import time
@@ -41,6 +42,7 @@ __all__ = [
     "parse_hf_layouts",
     "probe_model",
     "run_verify_hf",
+    "run_verify_hf_many",
     "synthetic_batch",
 ]
 
@@ -390,17 +392,17 @@ def _run_mode(rank: int, spec: ModelSpec, layout: Layout, mode: str, steps: int)
     return {"history": history, "params": params}
 
 
-def _run_layouts(rank: int, world: int, spec: ModelSpec, layouts: list[Layout], modes: list[str], steps: int) -> Any:
-    """Every mode of every layout (all of ``world`` ranks) in one set of processes: ``{name: {mode: record}}``
-    on rank 0 (records hold full tensors, identical on every rank), with each layout's wall time."""
+def _run_jobs(
+    rank: int, world: int, specs: list[ModelSpec], jobs: list[tuple[int, Layout]], modes: list[str], steps: int
+) -> Any:
+    """Every mode of every job ``(model index, layout)`` (all of ``world`` ranks) in one set of processes:
+    ``{(index, layout name): ({mode: record}, wall seconds)}`` on rank 0 (records hold full tensors)."""
     torch.set_num_threads(1)
     out = {}
-    for layout in layouts:
+    for i, layout in jobs:
         t = time.perf_counter()
-        out[layout.name] = (
-            {mode: _run_mode(rank, spec, layout, mode, steps) for mode in modes},
-            time.perf_counter() - t,
-        )
+        runs = {mode: _run_mode(rank, specs[i], layout, mode, steps) for mode in modes}
+        out[(i, layout.name)] = (runs, time.perf_counter() - t)
     return out if rank == 0 else None
 
 
@@ -421,60 +423,94 @@ def run_verify_hf(
     steps: int = 2,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Run every (layout, mode) and compare each with its reference; the report of :func:`format_hf_table`."""
+    """Run every (layout, mode) and compare each with its reference; the report of :func:`format_hf_table`:
+    ``{"rows": [{layout, mode, reference, diffs, pass, first}], "tolerance", "steps", "wall_s", ...}``."""
+    return run_verify_hf_many([spec], layouts, modes, steps=steps, progress=progress)[0]
+
+
+def run_verify_hf_many(
+    specs: list[ModelSpec],
+    layouts: tuple[Layout, ...],
+    modes: tuple[str, ...] = ("per_token", "per_sample", "per_document"),
+    *,
+    steps: int = 2,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """:func:`run_verify_hf` of several models, sharing one set of processes per world size (the start of
+    the processes dominates the wall time of small models); one report per model."""
     from ..distributed.launch import spawn
 
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"--modes: unknown mode {mode!r}; valid: {', '.join(MODES)}")
-    for layout in layouts:
-        check_hf_layout(layout, spec)
-    t0 = time.perf_counter()
-    tol = 1e-10 if spec.dtype == "float64" else 1e-5
-    results: dict[str, Any] = {}
-    walls: dict[str, float] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        if any(lay.tp > 1 for lay in layouts) and spec.hf_config is not None:
-            from .user_models import build_hf_model
-
-            _quiet_transformers()
-            model: Any = build_hf_model(spec.hf_config, spec.seed, _dtype(spec))
-            model.save_pretrained(tmp)
-            spec = dataclasses.replace(spec, tp_dir=tmp)
-
-        # Every run needed (the layouts and their references), one set of processes per world size.
-        needed = {lay.name: lay for lay in layouts}
-        for lay in layouts:
-            for mode in modes:
-                needed.setdefault(_reference(lay, mode, spec).name, _reference(lay, mode, spec))
-        for world in sorted({lay.dp * lay.tp for lay in needed.values()}):
-            group = [lay for lay in needed.values() if lay.dp * lay.tp == world]
-            if progress:
-                names = ", ".join(lay.name for lay in group)
-                print(f"  running {names} ({len(modes)} modes, {world} process(es))...", flush=True)
-            args = (spec, group, list(modes), steps)
-            done = _run_layouts(0, 1, *args) if world == 1 else spawn(_run_layouts, world, *args, timeout_s=900)[0]
-            for name, (record, wall) in done.items():
-                results[name], walls[name] = record, wall
-
-        def run(layout: Layout) -> Any:
-            return results[layout.name]
-
-        rows = []
+    for spec in specs:
         for layout in layouts:
-            for mode in modes:
-                ref = _reference(layout, mode, spec)
-                if ref.name == layout.name:  # a quantity of this microbatch size: no other layout to compare
-                    rows.append({"layout": layout.name, "mode": mode, "reference": "itself", "pass": True, "diffs": {}})
-                    continue
-                verdict = compare_runs(run(layout)[mode], run(ref)[mode], tol, hf_scope=_hf_note(spec, layout))
-                rows.append({"layout": layout.name, "mode": mode, "reference": ref.name, **verdict})
+            check_hf_layout(layout, spec)
+    t0 = time.perf_counter()
+    results: dict[tuple[int, str], Any] = {}
+    walls: dict[tuple[int, str], float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        specs = [_with_tp_dir(spec, layouts, os.path.join(tmp, str(i))) for i, spec in enumerate(specs)]
+        # Every run needed (the layouts and their references), one set of processes per world size.
+        needed: dict[tuple[int, str], Layout] = {}
+        for i, spec in enumerate(specs):
+            for lay in layouts:
+                needed[(i, lay.name)] = lay
+                for mode in modes:
+                    ref = _reference(lay, mode, spec)
+                    needed.setdefault((i, ref.name), ref)
+        for world in sorted({lay.dp * lay.tp for lay in needed.values()}):
+            jobs = [(i, lay) for (i, _), lay in needed.items() if lay.dp * lay.tp == world]
+            if progress:
+                names = ", ".join(dict.fromkeys(lay.name for _, lay in jobs))
+                print(f"  running {names} ({len(modes)} modes, {world} process(es))...", flush=True)
+            args = (specs, jobs, list(modes), steps)
+            done = _run_jobs(0, 1, *args) if world == 1 else spawn(_run_jobs, world, *args, timeout_s=900)[0]
+            for key, (record, wall) in done.items():
+                results[key], walls[key] = record, wall
+    wall = time.perf_counter() - t0
+    return [_report(i, spec, layouts, modes, steps, results, walls, wall) for i, spec in enumerate(specs)]
+
+
+def _with_tp_dir(spec: ModelSpec, layouts: tuple[Layout, ...], path: str) -> ModelSpec:
+    """An HF model run under ``T``: its random initialization saved for ``from_pretrained`` with a TP plan."""
+    if not any(lay.tp > 1 for lay in layouts) or spec.hf_config is None:
+        return spec
+    from .user_models import build_hf_model
+
+    _quiet_transformers()
+    model: Any = build_hf_model(spec.hf_config, spec.seed, _dtype(spec))
+    model.save_pretrained(path)
+    return dataclasses.replace(spec, tp_dir=path)
+
+
+def _report(
+    i: int,
+    spec: ModelSpec,
+    layouts: tuple[Layout, ...],
+    modes: tuple[str, ...],
+    steps: int,
+    results: dict[tuple[int, str], Any],
+    walls: dict[tuple[int, str], float],
+    wall: float,
+) -> dict[str, Any]:
+    tol = 1e-10 if spec.dtype == "float64" else 1e-5
+    rows = []
+    for layout in layouts:
+        for mode in modes:
+            ref = _reference(layout, mode, spec)
+            if ref.name == layout.name:  # a quantity of this microbatch size: no other layout to compare
+                rows.append({"layout": layout.name, "mode": mode, "reference": "itself", "pass": True, "diffs": {}})
+                continue
+            run, ref_run = results[(i, layout.name)][mode], results[(i, ref.name)][mode]
+            verdict = compare_runs(run, ref_run, tol, hf_scope=_hf_note(spec, layout))
+            rows.append({"layout": layout.name, "mode": mode, "reference": ref.name, **verdict})
     return {
         "rows": rows,
         "tolerance": tol,
         "steps": steps,
-        "wall_s": time.perf_counter() - t0,
-        "layout_wall_s": walls,
+        "wall_s": wall,
+        "layout_wall_s": {name: w for (j, name), w in walls.items() if j == i},
         "moe": spec.moe is not None,
     }
 
