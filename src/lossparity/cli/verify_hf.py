@@ -60,10 +60,24 @@ def _spec(args: argparse.Namespace) -> Any:
     return probe_model(spec)
 
 
+def _run(spec: Any, layouts: Any, modes: tuple[str, ...], steps: int) -> Any:
+    """:func:`run_verify_hf`; a run that fails on a rank (the model cannot run a layout: its forward or
+    backward raised there) becomes one line naming the rank and the error."""
+    from ..distributed.launch import RankError
+    from ..training.verify_hf import run_verify_hf
+
+    try:
+        return run_verify_hf(spec, layouts, modes, steps=steps)
+    except RankError as e:
+        first = e.failures[0] if e.failures else None
+        what = f"rank {first.rank}: {first.kind}: {first.message}" if first else str(e).splitlines()[0]
+        raise ValueError(f"{spec.name} could not run every layout ({what})") from None
+
+
 def cmd_verify_hf(args: argparse.Namespace) -> int:
     """``verify --hf`` / ``--model``: the layout-invariance table of the user's model; exit 1 on any FAIL."""
     from ..training.verify import write_json
-    from ..training.verify_hf import HF_AUX_SCOPES, parse_hf_layouts, run_verify_hf
+    from ..training.verify_hf import HF_AUX_SCOPES, parse_hf_layouts
     from ..training.verify_hf_compare import format_hf_table
 
     if args.hf is not None and args.model is not None:
@@ -87,7 +101,7 @@ def cmd_verify_hf(args: argparse.Namespace) -> int:
             + (f", MoE aux_scope {spec.aux_scope}" if spec.moe else "")
         )
         print(title, flush=True)
-        report = run_verify_hf(spec, layouts, modes, steps=steps)
+        report = _run(spec, layouts, modes, steps)
     except ValueError as e:
         raise UsageError(" ".join(str(e).split())) from None
     print(format_hf_table(report, ""))
