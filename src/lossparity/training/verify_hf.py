@@ -376,6 +376,7 @@ def _run_mode(rank: int, spec: ModelSpec, layout: Layout, mode: str, steps: int)
     dp_rank = rank if layout.tp == 1 else 0
     rows_per_rank = N_ROWS // layout.dp
     history, aux = [], _AuxState()
+    grads: list[dict[str, Tensor]] = []
     for step in range(steps):
         rows = synthetic_batch(step, spec.vocab, spec.packed, spec.seed)
         mine = {key: v[dp_rank * rows_per_rank : (dp_rank + 1) * rows_per_rank] for key, v in rows.items()}
@@ -383,13 +384,18 @@ def _run_mode(rank: int, spec: ModelSpec, layout: Layout, mode: str, steps: int)
         logs = acc.logs()
         if aux.local is not None:
             aux.prev, aux.local = aux.local.tolist(), None
-        grads = [_full(p.grad) for p in model.parameters() if p.grad is not None]
-        logs["grad_norm"] = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))  # type: ignore[arg-type]
+        # Full gradients (DTensor shards gathered; an expert no token reached has none: zeros).
+        step_grads = {
+            n: _full(p.grad).detach().clone() if p.grad is not None else torch.zeros(_full(p.detach()).shape)
+            for n, p in model.named_parameters()
+        }
+        logs["grad_norm"] = float(torch.sqrt(sum((g.double() ** 2).sum() for g in step_grads.values())))  # type: ignore[arg-type]
         history.append({k: v for k, v in logs.items() if k in ("objective", "lm_loss", "aux_loss", "grad_norm")})
+        grads.append(step_grads)
         opt.step()
         opt.zero_grad(set_to_none=True)
     params = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
-    return {"history": history, "params": params}
+    return {"history": history, "grads": grads, "params": params}
 
 
 def _run_jobs(
