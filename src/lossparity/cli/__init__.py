@@ -17,6 +17,7 @@ from typing import Any
 from ..options import LOSS_IMPLS
 from ._common import UsageError
 from .parity import add_compare_arguments, add_gap_arguments, add_modes_arguments, cmd_compare, cmd_gap, cmd_modes
+from .verify_hf import add_verify_hf_arguments
 
 __all__ = ["main", "build_parser", "UsageError"]
 
@@ -39,6 +40,15 @@ def _train_glue(name: str) -> Callable[[argparse.Namespace], Any]:
         return getattr(train, name)(args)
 
     return run
+
+
+def _verify_glue(args: argparse.Namespace) -> Any:
+    """``verify`` of the user's own model (``--hf``/``--model``), else of the tiny reference model."""
+    if args.hf is not None or args.model is not None:
+        from .verify_hf import cmd_verify_hf
+
+        return cmd_verify_hf(args)
+    return _train_glue("cmd_verify")(args)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -92,7 +102,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="output-layer cross-entropy of the runs (default fused)",
     )
     v.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
-    v.set_defaults(func=_train_glue("cmd_verify"))
+    add_verify_hf_arguments(v)
+    v.set_defaults(func=_verify_glue)
 
     c = sub.add_parser("compare", help="compare two training logs for loss parity")
     add_compare_arguments(c)

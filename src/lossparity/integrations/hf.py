@@ -13,9 +13,12 @@ token mean ``S/Ntok``) and ``objective`` (``J``); HF's own ``loss`` is ``J`` too
 
 Packed rows: ``per_document`` takes the documents from a ``segment_ids`` column (0 = padding) or, as
 TRL's padding-free collator emits, from ``position_ids`` restarting at 0 (positions where
-``attention_mask`` is 0 are padding). MoE models returning ``aux_loss`` (``output_router_logits``)
-keep their auxiliary term as the model defines it, ``router_aux_loss_coef · aux_loss`` of each
-microbatch, added once per step: weighted ``1/(D·K)`` (the mean over the step's microbatches).
+``attention_mask`` is 0 are padding). MoE models run with ``output_router_logits`` keep their
+auxiliary term ``router_aux_loss_coef · aux``, in the scope ``aux_scope`` (docs/semantics.md §5):
+``global_lagged`` (default, layout-invariant: transformers' ``load_balancing_loss_func`` on the whole
+global batch, with the expert fractions of the previous step), ``micro_batch`` (each microbatch's own
+``aux_loss`` weighted ``1/(D·K)``) or ``hf`` (each microbatch's ``aux_loss`` added unweighted, as
+``transformers.Trainer`` does: ``D·K`` times per step).
 
 Usage (two lines changed in an existing script)::
 
@@ -35,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..losses.hf_aux import hf_lagged_aux, hf_router_sums
 from ..losses.modes import objective as _batch_objective
 from ..options import MODES, Mode, check_option
 from . import require
@@ -45,6 +49,8 @@ __all__ = ["IGNORE_INDEX", "LossParityMixin", "LossParityTrainer", "shifted_labe
 IGNORE_INDEX = -100  # the label HF causal-LM losses and Trainer's num_items_in_batch ignore
 _LOSS_ONLY_KEYS = ("labels", "shift_labels", "segment_ids")  # columns the model's forward must not see
 _BAD = "lossparity_bad_input"  # extra count: a rank flags invalid input inside the pre-count all-reduce
+HF_AUX_SCOPES = ("global_lagged", "micro_batch", "hf")  # aux_scope of LossParityMixin (semantics §5)
+_ROWS, _PREV_ROWS = "lossparity_aux_rows", "lossparity_aux_prev_rows"  # extra counts of global_lagged
 
 
 def shifted_labels(batch: Mapping[str, Any], shift: bool = True) -> Tensor:
@@ -87,7 +93,21 @@ class LossParityMixin:
 
     Extra constructor keywords: ``loss_mode`` (a mode of docs/semantics.md §1, default ``per_sample``),
     ``fixed_length`` (the ``L`` of ``sample_sum_norm``), ``allow_empty_steps`` (default False: a step
-    whose labels are all ``-100`` on every rank raises, since it is almost always a data bug).
+    whose labels are all ``-100`` on every rank raises, since it is almost always a data bug),
+    ``aux_scope`` (MoE models with ``output_router_logits``, docs/semantics.md §5; ``E`` experts,
+    ``c = router_aux_loss_coef``):
+
+    - ``global_lagged`` (default): ``c · E · Σ_e f_e · P_e / R`` with ``P_e`` the attention-mask weighted
+      softmax scores of all MoE layers summed over the step's global batch, ``R`` its rows (layers ×
+      non-padding tokens) and ``f_e = c_e / R'`` the fractions of top-k assignments of the *previous*
+      step's global batch (``k/E`` in the first step), computed in float64 from ``router_logits``. Each
+      microbatch back-propagates its share; the fractions ride in the pre-count all-reduce of the next
+      step (no further collective). Invariant under ``D``, ``K`` and the microbatch size.
+    - ``micro_batch``: ``c · aux(mb) / (D·K)`` with ``aux(mb)`` the model's own ``aux_loss``.
+    - ``hf``: ``c · aux(mb)`` for every microbatch, as ``transformers.Trainer`` adds it (``D·K`` times).
+
+    The logged ``aux_loss`` is the term's value: the global value (``global_lagged``), or the mean of
+    the microbatches' ``aux_loss`` (``micro_batch``, ``hf``).
 
     Bad input (no labels, ``per_document`` without segment ids or position ids, all labels ignored, a
     model output without ``logits``) raises ``ValueError`` naming the argument before the first optimizer
@@ -105,6 +125,7 @@ class LossParityMixin:
         loss_mode: Mode = "per_sample",
         fixed_length: int | None = None,
         allow_empty_steps: bool = False,
+        aux_scope: str = "global_lagged",
         **kwargs: Any,
     ) -> None:
         transformers = require("transformers", "hf")
@@ -118,6 +139,10 @@ class LossParityMixin:
             raise ValueError(f"fixed_length: loss_mode 'sample_sum_norm' needs fixed_length > 0, got {fixed_length}")
         self.lp_fixed_length = fixed_length
         self.lp_allow_empty_steps = allow_empty_steps
+        self.lp_aux_scope = check_option("aux_scope", aux_scope, HF_AUX_SCOPES)
+        self._lp_aux_local: Tensor | None = None  # [E + 1]: this rank's counts c_e and rows R of the step
+        self._lp_aux_prev: list[float] | None = None  # the previous step's local counts and rows (host)
+        self._lp_att: Tensor | None = None
         self._lp_acc: Any = None
         self._lp_left = 0  # microbatches of the current step not yet seen by compute_loss
         self._lp_open = False  # a step was begun and not yet closed (finish_step + logs)
@@ -195,7 +220,8 @@ class LossParityMixin:
             error = e
             masks = [torch.zeros(1, 1)]
             segs = [torch.ones(1, 1, dtype=torch.long)] if self.loss_mode == "per_document" else None
-        acc.begin_step(masks, segs, extra_counts={_BAD: float(error is not None)})
+        extra = {_BAD: float(error is not None), **self._lp_aux_counts(batches)}
+        acc.begin_step(masks, segs, extra_counts=extra)
         if error is not None:
             raise error
         if acc.global_count(_BAD) > 0:
@@ -211,6 +237,8 @@ class LossParityMixin:
         self._lp_left, self._lp_open = len(masks), True
         self._lp_mbs = acc.global_count("microbatches")
         self._lp_factor = float(getattr(self.accelerator, "num_processes", 1))  # type: ignore[attr-defined]
+        if _ROWS in extra:
+            self._lp_aux_start(acc)
 
     # ------------------------------------------------------------------ loss
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Tensor:
@@ -224,6 +252,8 @@ class LossParityMixin:
             self._lp_open = False
             self._lp_acc.finish_step()
             self._lp_step_logs.append(self._lp_acc.logs())
+            if self._lp_aux_local is not None:  # global_lagged: this step's counts, pre-counted with the next step
+                self._lp_aux_prev, self._lp_aux_local = self._lp_aux_local.tolist(), None
         return loss
 
     def compute_loss(
@@ -237,6 +267,7 @@ class LossParityMixin:
             # As TRL does: no KV cache in a loss forward (it also keeps HF's packed-sequence attention mask on).
             fwd.setdefault("use_cache", False)
         outputs = model(**fwd)
+        self._lp_att = fwd.get("attention_mask")  # the rows transformers' aux term weights (HF's convention)
         logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None)
         if not isinstance(logits, Tensor):
             raise ValueError(
@@ -266,16 +297,76 @@ class LossParityMixin:
     def _lp_train_share(self, per_token: Tensor, mask: Tensor, seg: Tensor | None, outputs: Any) -> Tensor:
         acc = self._lp_acc
         loss = acc.lm_loss(per_token, mask, seg)
-        aux = getattr(outputs, "aux_loss", None)
         coef = self._lp_aux_coef()
-        if aux is not None and coef is not None:
-            # The model's own term, coef·aux(mb), once per step: the mean over the step's D·K microbatches.
-            share = coef * aux.to(loss.dtype) / self._lp_mbs
-            acc.add_objective(share.detach())
-            acc.record("aux_loss", aux.detach())
-            loss = loss + share
+        if coef is not None:
+            loss = loss + self._lp_aux_share(outputs, coef, loss.dtype)
         self._lp_left -= 1
         return loss * self._lp_factor
+
+    # ------------------------------------------------------------------ MoE auxiliary term
+    def _lp_moe_shape(self) -> tuple[int, int]:
+        """``(E, k)``: routed experts and top-k of the model's config (the HF MoE families' field names)."""
+        config = self.model.config
+        e = next(
+            (v for key in ("num_local_experts", "num_experts") if isinstance(v := getattr(config, key, None), int)), 0
+        )
+        k = getattr(config, "num_experts_per_tok", None)
+        if e <= 0 or not isinstance(k, int) or not 1 <= k <= e:
+            raise ValueError(
+                "aux_scope: 'global_lagged' needs the model config's expert count (num_local_experts or "
+                f"num_experts) and num_experts_per_tok; got {e} and {k} (use aux_scope='micro_batch')"
+            )
+        return e, k
+
+    def _lp_aux_counts(self, batches: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+        """Pre-count entries of ``global_lagged``: this step's local non-padding tokens (the rows of the
+        scores) and the previous step's local expert counts ``c_e`` and rows ``R'`` (zeros in the first step)."""
+        if self.lp_aux_scope != "global_lagged" or self._lp_aux_coef() is None:
+            return {}
+        n, _ = self._lp_moe_shape()
+        tokens = 0.0
+        for batch in batches:  # once per step, where the labels are read to the host anyway
+            att, ids = batch.get("attention_mask"), batch.get("input_ids")
+            if isinstance(att, Tensor) and att.dim() == 2:
+                tokens += float(att.sum())
+            elif isinstance(ids, Tensor):
+                tokens += float(ids.numel())
+        prev = self._lp_aux_prev if self._lp_aux_prev is not None else [0.0] * (n + 1)
+        return {_ROWS: tokens, _PREV_ROWS: prev[n], **{f"lossparity_aux_c{e}": prev[e] for e in range(n)}}
+
+    def _lp_aux_start(self, acc: Any) -> None:
+        n, k = self._lp_moe_shape()
+        prev_rows = acc.global_count(_PREV_ROWS)
+        # f_e = c_e / R' of the previous global batch; k/E each (uniform) when there is none.
+        f = [acc.global_count(f"lossparity_aux_c{e}") / prev_rows if prev_rows > 0 else k / n for e in range(n)]
+        self._lp_aux_frac = torch.tensor(f, dtype=torch.float64)
+        self._lp_aux_tokens = acc.global_count(_ROWS)
+        self._lp_aux_local = torch.zeros(n + 1, dtype=torch.float64)
+
+    def _lp_aux_share(self, outputs: Any, coef: float, dtype: torch.dtype) -> Tensor:
+        """This microbatch's share of ``coef · aux`` in ``aux_scope`` (class docstring); logs ``aux_loss``."""
+        acc = self._lp_acc
+        if self.lp_aux_scope == "global_lagged":
+            router = getattr(outputs, "router_logits", None)
+            if not router:
+                raise ValueError("model: aux_scope='global_lagged' needs outputs.router_logits (output_router_logits)")
+            p, c, r = hf_router_sums(router, self._lp_moe_shape()[1], self._lp_att)
+            local = self._lp_aux_local.to(p.device)  # type: ignore[union-attr]
+            local[:-1] += c
+            local[-1] += r
+            self._lp_aux_local = local
+            aux = hf_lagged_aux(p, self._lp_aux_frac.to(p.device), len(router) * self._lp_aux_tokens)
+            acc.record("aux_loss", aux.detach(), 1.0 / self._lp_mbs)  # Σ over the D·K shares: the global value
+        else:
+            own = getattr(outputs, "aux_loss", None)
+            if not isinstance(own, Tensor):
+                raise ValueError("model: its outputs have no 'aux_loss' although config.output_router_logits is set")
+            acc.record("aux_loss", own.detach())
+            # micro_batch: the mean over the step's D·K microbatches; hf: every microbatch's term in full.
+            aux = own / self._lp_mbs if self.lp_aux_scope == "micro_batch" else own
+        share = coef * aux.to(dtype)
+        acc.add_objective(share.detach())
+        return share
 
     def _lp_aux_coef(self) -> float | None:
         config = getattr(getattr(self, "model", None), "config", None)

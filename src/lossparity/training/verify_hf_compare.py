@@ -1,0 +1,105 @@
+"""Comparison and table of ``lossparity verify --hf`` / ``--model``: max relative differences of one run against
+its reference, and the first quantity that differs (the objective, a logged metric, the gradient norm or the
+parameter with the largest difference)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["compare_runs", "format_hf_table"]
+
+_LOGGED = ("objective", "lm_loss", "aux_loss", "grad_norm")
+
+
+def _rel(a: float | None, b: float | None) -> float:
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else float("inf")
+    return 0.0 if a == b else abs(a - b) / max(abs(b), 1e-300)
+
+
+def _tensor_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    diff = float((a - b).abs().max()) if b.numel() else 0.0
+    return 0.0 if diff == 0 else diff / max(float(b.abs().max()), 1e-300)
+
+
+def compare_runs(
+    run: dict[str, Any], ref: dict[str, Any], tol: float, *, hf_scope: str | None = None
+) -> dict[str, Any]:
+    """``{"diffs": {quantity: max relative difference}, "pass": bool, "first": str | None}``. Per step, in this
+    order: ``objective``, ``lm_loss``, ``aux_loss`` (logged values), ``grads`` (each parameter's gradient,
+    relative to its largest entry), ``grad_norm``; then ``params`` (every parameter after the last update).
+    ``first`` names the first quantity over ``tol`` in that order (with its step, or the parameter), followed
+    by ``hf_scope``'s explanation when given."""
+    keys = [k for k in _LOGGED if any(k in line for line in ref["history"])]
+    diffs = {k: 0.0 for k in keys if k != "grad_norm"} | {"grads": 0.0, "grad_norm": 0.0, "params": 0.0}
+    first: str | None = None
+    if len(run["history"]) != len(ref["history"]) or set(run["params"]) != set(ref["params"]):
+        return {"diffs": {k: float("inf") for k in diffs}, "pass": False, "first": "steps or parameter names"}
+    for step, (line, ref_line) in enumerate(zip(run["history"], ref["history"]), 1):
+        for key in diffs:
+            if key in ("grads", "params"):
+                if key == "grads":
+                    d, name = _worst(run["grads"][step - 1], ref["grads"][step - 1])
+                    diffs[key] = max(diffs[key], d)
+                    if first is None and d > tol:
+                        first = f"gradient of {name} at step {step}"
+                continue
+            d = _rel(line.get(key), ref_line.get(key))
+            diffs[key] = max(diffs[key], d)
+            if first is None and d > tol:
+                first = f"{key} at step {step} ({line.get(key)!r} vs {ref_line.get(key)!r})"
+    worst, worst_name = _worst(run["params"], ref["params"])
+    diffs["params"] = worst
+    if first is None and worst > tol:
+        first = f"parameter {worst_name} after the last update"
+    ok = all(v <= tol for v in diffs.values())
+    if not ok and hf_scope:
+        first = f"{first}; {hf_scope}"
+    return {"diffs": diffs, "pass": ok, "first": None if ok else first}
+
+
+def _worst(run: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str | None]:
+    """The largest relative difference over the named tensors, and the name of its tensor."""
+    worst, name = 0.0, None
+    for n, t in ref.items():
+        d = _tensor_rel(run[n], t)
+        if d > worst:
+            worst, name = d, n
+    return worst, name
+
+
+def format_hf_table(report: dict[str, Any], title: str) -> str:
+    """The report as a Markdown table (layout × quantity → max relative difference) and its failing rows."""
+    present = {c for r in report["rows"] for c in r["diffs"]}
+    cols = [c for c in ("objective", "lm_loss", "aux_loss", "grads", "grad_norm", "params") if c in present]
+    lines = ([title, ""] if title else []) + ["| layout | mode | vs | " + " | ".join(cols) + " | result |"]
+    lines.append("|" + "---|" * (len(cols) + 4))
+    for r in report["rows"]:
+        cells = " | ".join(f"{r['diffs'][c]:.1e}" if c in r["diffs"] else "—" for c in cols)
+        result = "n/a" if r["reference"] == "itself" else "PASS" if r["pass"] else "FAIL"
+        lines.append(f"| {r['layout']} | {r['mode']} | {r['reference']} | {cells} | {result} |")
+    compared = [r for r in report["rows"] if r["reference"] != "itself"]
+    n_pass = sum(r["pass"] for r in compared)
+    lines.append(
+        f"\n{n_pass}/{len(compared)} PASS (tolerance {report['tolerance']:g} relative, "
+        f"{report['steps']} steps each, wall {report['wall_s']:.1f} s)"
+    )
+    for r in report["rows"]:
+        if not r["pass"]:
+            lines.append(f"FAIL {r['layout']} {r['mode']}: first difference: {r['first']}")
+    if len(compared) < len(report["rows"]):
+        lines.append(
+            "n/a: the quantity depends on the microbatch size (per_microbatch, aux_scope micro_batch) and no other "
+            "layout here has this one's; compare D·K = n layouts with K=n"
+        )
+    walls = report.get("layout_wall_s") or {}
+    if walls:
+        lines.append("wall per layout (all modes): " + ", ".join(f"{k} {v:.1f} s" for k, v in walls.items()))
+    lines.append(
+        "columns: max relative difference to the run named in 'vs' (1x1: one process, one microbatch; K=n: one "
+        "process with the same microbatch size) over every step; grads: each parameter's gradient; params: every "
+        "parameter after the last update"
+    )
+    return "\n".join(lines)

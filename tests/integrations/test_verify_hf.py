@@ -1,0 +1,100 @@
+"""``lossparity verify --hf`` / ``--model``: the CI subset (K=2, D2, T2 on tiny Llama and Mixtral), the ``hf``
+scope failing with its reason, bad input (exit 2, one line), and the docs page's ``--model`` example.
+
+The full matrix (docs/verify-your-model.md) is ``scripts/verify_hf_matrix.sh``, run by hand. The expected
+values of each row are the single-process run of the same model: verify compares layouts, so each row is an
+independent computation of the same float64 quantities (one microbatch, one process, no wrapper)."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from lossparity.cli import main  # noqa: E402
+
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "verify-your-model.md"
+
+
+def test_ci_subset_passes():
+    """K=2, D2, T2 on tiny Llama and Mixtral (one set of 2 processes for both models' D2 and T2)."""
+    from lossparity.training.user_models import hf_config, moe_shape
+    from lossparity.training.verify_hf import ModelSpec, parse_hf_layouts, run_verify_hf_many
+    from lossparity.training.verify_hf_compare import format_hf_table
+
+    specs = []
+    for name in ("llama", "mixtral"):
+        config = hf_config(name)
+        coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+        specs.append(ModelSpec(name, hf_config=config, vocab=config.vocab_size, moe=moe_shape(config), aux_coef=coef))
+    layouts = parse_hf_layouts("K=2,D2,T2", specs[1])
+    reports = run_verify_hf_many(specs, layouts, ("per_token", "per_document"))
+    for spec, report in zip(specs, reports):
+        print(format_hf_table(report, spec.name))
+        assert [(r["layout"], r["reference"]) for r in report["rows"]] == [
+            (lay, "1x1") for lay in ("K=2", "K=2", "D2", "D2", "T2", "T2")
+        ]
+        assert all(r["pass"] for r in report["rows"]), spec.name
+        assert ("aux_loss" in report["rows"][0]["diffs"]) == (spec.name == "mixtral")  # dense: no aux column
+
+
+def test_hf_scope_fails_and_says_why(capsys):
+    code = main(["verify", "--hf", "mixtral", "--aux-scope", "hf", "--layouts", "K=2", "--modes", "per_token"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "| K=2 | per_token | 1x1 |" not in out or "FAIL" in out
+    line = next(x for x in out.splitlines() if x.startswith("FAIL K=2 per_token"))
+    assert "objective at step 1" in line and "once per microbatch: 2 times" in line
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--hf", "no_such_family"], "--hf: unknown model_type 'no_such_family'"),
+        (["--hf", "missing_dir/config.json"], "--hf: missing_dir/config.json does not exist"),
+        (["--hf", "llama", "--hf-set", "no_field=1"], "--hf-set: LlamaConfig has no field 'no_field'"),
+        (["--hf", "llama", "--layouts", "C2"], "layout 'C2' cannot run: C: context parallelism"),
+        (["--hf", "gpt2", "--layouts", "T2"], "layout 'T2' cannot run: T: GPT2Config has no tensor-parallel plan"),
+        (["--model", "no_such_pkg.mod:build"], "--model: cannot import 'no_such_pkg.mod:build'"),
+        (["--model", "torch.nn:Linear"], "--model: torch.nn:Linear(seed, dtype) failed"),
+        (["--model", "torch.nn:Identity"], "--model: torch.nn:Identity failed on input_ids"),
+        (["--model", "builtins:slice"], "--model: builtins:slice returned slice, not a torch.nn.Module"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
+    assert main(["verify", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def _blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+
+
+def test_docs_model_example_runs(tmp_path, monkeypatch, capsys):
+    module, check = _blocks()
+    (tmp_path / "my_lm.py").write_text(module)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    exec(compile(check, "docs-verify-your-model", "exec"), {})
+    out = capsys.readouterr().out
+    assert "6/6 PASS" in out, out
+    sys.modules.pop("my_lm", None)
+
+
+def test_model_returning_no_logits_is_bad_input(tmp_path, monkeypatch, capsys):
+    (tmp_path / "bad_lm.py").write_text(
+        "import torch\n"
+        "class Flat(torch.nn.Module):\n"
+        "    def forward(self, input_ids, position_ids=None):\n"
+        "        return input_ids.flatten().double()  # [b·S]: no logits\n"
+        "def flat(seed, dtype):\n"
+        "    return Flat()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["verify", "--model", "bad_lm:flat", "--layouts", "K=2"]) == 2
+    assert "--model: bad_lm:flat returned no [b, S, V] logits" in capsys.readouterr().err
+    sys.modules.pop("bad_lm", None)
