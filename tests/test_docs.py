@@ -44,7 +44,9 @@ EXECUTED = {
     ("docs/megatron.md", "from functools import partial"): (
         "tests/integrations/test_integration_megatron_moe.py::test_moe_terms_dp2_tp2_sp_cp2_pp2_give_the_objective_gradients_and_logs"
     ),
+    ("docs/hf-trainer.md", "import torch"): "tests/integrations/test_hf_docs.py::test_hf_trainer_doc_block_runs",
     # "*": one test runs every python block of the page
+    ("docs/verify-your-model.md", "*"): "tests/integrations/test_verify_hf.py::test_docs_model_example_runs",
     ("docs/cli-output.md", "*"): "tests/test_cli_text.py::test_cli_output_page_code_blocks_run",
     (
         "docs/parity-guard.md",
