@@ -23,7 +23,7 @@ from typing import Any
 
 from ._common import UsageError
 
-__all__ = ["cmd_train", "cmd_verify", "add_train_args", "train_config_from_args", "load_config_file"]
+__all__ = ["cmd_train", "cmd_verify", "add_train_args", "train_config_from_args", "load_config_file", "print_note"]
 
 _SKIP_FLAGS = ("model_overrides",)  # given as --set FIELD=VALUE
 
@@ -230,7 +230,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         cfg = train_config_from_args(args)
         _preflight(cfg)
-        history = run_training(cfg)
+        history = run_training(cfg, notify=print_note)
     except RankError as e:
         if args.debug:
             raise
@@ -250,6 +250,13 @@ def cmd_train(args: argparse.Namespace) -> int:
             + (f"; logs in {cfg.out}" if cfg.out else "")
         )
     return 0
+
+
+def print_note(text: str) -> None:
+    """The ``notify`` of ``lossparity train``: each operational note of the run (a checkpoint skipped on
+    resume, metrics lines dropped...) as one line on stderr, whatever the warning filters. Module-level:
+    it travels to the ranks the launcher starts."""
+    print(f"lossparity train: note: {' '.join(text.split())}", file=sys.stderr, flush=True)
 
 
 def _one_line(e: BaseException) -> str:
