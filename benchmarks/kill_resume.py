@@ -112,7 +112,7 @@ def _snapshot(out: Path, steps: int) -> dict[str, Any]:
         for x in (out / "metrics.jsonl").read_text().splitlines()
     ]
     dump = {s: [a.tolist() for a in v] for s, v in read_sample_dump(str(out)).items()}
-    state = torch.load(out / "checkpoints" / f"step_{steps:08d}.pt", map_location="cpu", weights_only=False)
+    state = torch.load(out / "checkpoints" / f"step_{steps:08d}.pt", map_location="cpu", weights_only=True)
     return {"lines": lines, "dump": dump, "model": state["model"]}
 
 
