@@ -23,8 +23,10 @@ refused by the weights-only load with a note naming ``lossparity convert-checkpo
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import random
+import re
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -180,11 +182,15 @@ def validate_rng_state(state: Any, where: str) -> None:
             _tensor(t, f"{where}.cuda[{i}]", dtype=torch.uint8)
 
 
-def _header(state: Any, keys: tuple[str, ...], path: str) -> None:
+def _header(state: Any, keys: tuple[str, ...], path: str, name: str) -> None:
+    """The entries both files share; ``name``: the checkpoint's ``step_<n>[.pt]`` (its step must be ``n``)."""
     _need(state, ("format", "version", *keys), path)
     if state["format"] != FORMAT or state["version"] != VERSION:
         raise _fail(path, f"format {state['format']!r} version {state['version']!r}, expected {FORMAT!r} {VERSION}")
-    _int(state["step"], f"{path}: step")
+    step = _int(state["step"], f"{path}: step")
+    named = re.fullmatch(r"step_(\d+)(\.pt)?", name)
+    if named and int(named.group(1)) != step:  # a file copied under another step's name
+        raise _fail(f"{path}: step", f"{step}, but the checkpoint is named for step {int(named.group(1))}")
     validate_rng_state(state["rng"], f"{path}: rng")
     _number(state["mtp_weight"], f"{path}: mtp_weight")
     config = state["config"]
@@ -238,8 +244,9 @@ def validate_single_state(
 ) -> None:
     """Raise :class:`CheckpointFormatError` (naming ``path`` and the entry) unless ``state`` is a format-2
     single-process checkpoint of this model (names, shapes and dtypes of ``model``, the parameter groups
-    and moment shapes of ``optimizer``, MoE counts of shape ``moe_shape``)."""
-    _header(state, ("step", "model", "optimizer", "moe", "rng", "config", "mtp_weight"), path)
+    and moment shapes of ``optimizer``, MoE counts of shape ``moe_shape``; a file named ``step_<n>.pt``
+    holds step ``n``)."""
+    _header(state, ("step", "model", "optimizer", "moe", "rng", "config", "mtp_weight"), path, os.path.basename(path))
     _validate_model(state["model"], model, f"{path}: model")
     _validate_optimizer(state["optimizer"], optimizer, f"{path}: optimizer")
     moe = state["moe"]
@@ -250,6 +257,7 @@ def validate_single_state(
 
 
 def validate_extra_state(state: Any, path: str) -> None:
-    """Raise :class:`CheckpointFormatError` unless ``state`` is a format-2 ``extra_rank<r>.pt``."""
-    _header(state, ("step", "rng", "config", "mtp_weight", "world"), path)
+    """Raise :class:`CheckpointFormatError` unless ``state`` is a format-2 ``extra_rank<r>.pt`` (of the step
+    its folder ``step_<n>/`` is named for)."""
+    _header(state, ("step", "rng", "config", "mtp_weight", "world"), path, os.path.basename(os.path.dirname(path)))
     _int(state["world"], f"{path}: world", lo=1)
