@@ -143,10 +143,13 @@ def test_well_formed_but_wrong_checkpoint_is_skipped_naming_the_entry(tmp_path):
     name = next(iter(state["model"]))
     state["model"][name] = torch.zeros(3, 5)
     torch.save(state, newest)
+    renamed = out / "checkpoints" / "step_00000003.pt"  # step 1's file under another step's name
+    renamed.write_bytes((out / "checkpoints" / "step_00000001.pt").read_bytes())
     notes: list[str] = []
     t = Trainer(_small(out=str(out), ckpt_interval=1, resume=True), notify=notes.append)
     assert t.restore(str(out / "checkpoints"))
     assert t.step == 1
+    assert any(f"{renamed} cannot be read" in n and "named for step 3" in n for n in notes), notes
     assert any(f"{newest} cannot be read (CheckpointFormatError" in n and name in n and "[3, 5]" in n for n in notes)
     # the same state applied directly is refused with a named error before anything changes
     before = {k: v.clone() for k, v in t.raw.state_dict().items()}
