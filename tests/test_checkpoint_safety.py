@@ -266,3 +266,29 @@ def test_checkpoint_doc_python_blocks_run(tmp_path, monkeypatch):
     ns: dict = {}
     for i, block in enumerate(blocks):
         exec(compile(block, f"{DOC.name}-block{i}", "exec"), ns)
+
+
+def test_format1_extra_rank_file_converts_to_a_valid_format2_one(tmp_path):
+    from lossparity.training.checkpoint_format import load_weights_only, rng_state, validate_extra_state
+    from lossparity.training.convert_checkpoint import convert_checkpoint
+
+    folder = tmp_path / "checkpoints" / "step_00000002"
+    folder.mkdir(parents=True)
+    old = {
+        "step": 2,
+        "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+        "config": {"seed": 0, "mode": "per_token"},
+        "mtp_weight": 0.3,
+        "world": 2,
+    }
+    torch.save(old, folder / "extra_rank1.pt")
+    with pytest.raises(CheckpointFormatError, match="convert-checkpoint"):
+        load_weights_only(str(folder / "extra_rank1.pt"))
+    assert convert_checkpoint(str(tmp_path)) == [(str(folder / "extra_rank1.pt"), "converted")]
+    new = torch.load(folder / "extra_rank1.pt", weights_only=True)
+    validate_extra_state(new, str(folder / "extra_rank1.pt"))
+    assert json.loads(new["config"]) == old["config"] and (new["step"], new["world"]) == (2, 2)
+    now = rng_state()
+    assert torch.equal(new["rng"]["python"]["state"], now["python"]["state"])  # same generator state
+    assert torch.equal(new["rng"]["numpy"]["keys"], now["numpy"]["keys"])
+    assert convert_checkpoint(str(folder)) == [(str(folder / "extra_rank1.pt"), "already format 2")]
