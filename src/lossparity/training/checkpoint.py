@@ -172,7 +172,10 @@ def _check_sharded(path: str, state: dict[str, Any]) -> dict[str, Any]:
     steps = {e["step"] for e in extras.values()}
     if len(steps) != 1:
         raise CheckpointFormatError(f"{path}: the extra_rank<r>.pt files hold different steps {sorted(steps)}")
-    return extras.get(f"extra_rank{dist.get_rank()}.pt", extras.get("extra_rank0.pt")) or {}
+    mine = extras.get(f"extra_rank{dist.get_rank()}.pt", extras.get("extra_rank0.pt"))
+    if mine is None:
+        raise CheckpointFormatError(f"{path}: neither extra_rank{dist.get_rank()}.pt nor extra_rank0.pt is there")
+    return mine
 
 
 def _agree(check: Callable[[], Any]) -> Any:
