@@ -103,7 +103,6 @@ def _finish(out: Path, steps: int, dp: int) -> None:
 
 
 def _snapshot(out: Path, steps: int) -> dict[str, Any]:
-    import torch
 
     from lossparity.parity.sample_dump import read_sample_dump
 
@@ -112,8 +111,29 @@ def _snapshot(out: Path, steps: int) -> dict[str, Any]:
         for x in (out / "metrics.jsonl").read_text().splitlines()
     ]
     dump = {s: [a.tolist() for a in v] for s, v in read_sample_dump(str(out)).items()}
-    state = torch.load(out / "checkpoints" / f"step_{steps:08d}.pt", map_location="cpu", weights_only=False)
-    return {"lines": lines, "dump": dump, "model": state["model"]}
+    return {"lines": lines, "dump": dump, "model": _final_params(out, steps)}
+
+
+def _final_params(out: Path, steps: int) -> dict[str, Any]:
+    """The parameters of the last checkpoint: the ``model`` of ``step_<n>.pt`` (one process), or the
+    ``model.*`` entries of the ``step_<n>/`` folder (several ranks), both read without unpickling code."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from lossparity.training.safe_dcp import SafeFileSystemReader, read_metadata_safely
+
+    single = out / "checkpoints" / f"step_{steps:08d}.pt"
+    if single.exists():
+        return torch.load(single, map_location="cpu", weights_only=True)["model"]
+    folder = str(out / "checkpoints" / f"step_{steps:08d}")
+    entries = read_metadata_safely(folder).state_dict_metadata
+    state = {
+        k: torch.empty(tuple(md.size), dtype=md.properties.dtype)  # type: ignore[union-attr]
+        for k, md in entries.items()
+        if k.startswith("model.")
+    }
+    dcp.load(state, storage_reader=SafeFileSystemReader(folder), no_dist=True)
+    return state
 
 
 def _equal(a: dict[str, Any], b: dict[str, Any]) -> list[str]:

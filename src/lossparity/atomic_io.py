@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
+from typing import BinaryIO
 
-__all__ = ["TMP_PREFIX", "atomic_write_bytes", "fsync_dir", "remove_stale_temporaries"]
+__all__ = ["TMP_PREFIX", "atomic_write", "atomic_write_bytes", "fsync_dir", "remove_stale_temporaries"]
 
 TMP_PREFIX = ".tmp-"
 
@@ -33,14 +35,15 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Replace ``path`` by ``data``: temporary file ``.tmp-*`` in the same directory, fsync, rename,
-    fsync of the directory. A failure removes the temporary file and leaves ``path`` untouched."""
+def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
+    """Replace ``path`` by what ``write(f)`` writes to the open binary file ``f``: temporary file ``.tmp-*``
+    in the same directory, fsync, rename, fsync of the directory. A failure (in ``write`` too) removes the
+    temporary file and leaves ``path`` untouched."""
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -49,6 +52,11 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
             os.unlink(tmp)
         raise
     fsync_dir(directory)
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Replace ``path`` by ``data`` (:func:`atomic_write`)."""
+    atomic_write(path, lambda f: f.write(data))
 
 
 def remove_stale_temporaries(directory: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""The ``lossparity`` command line: ``modes``, ``train``, ``verify``, ``compare``, ``gap``.
+"""The ``lossparity`` command line: ``modes``, ``train``, ``verify``, ``compare``, ``gap``, ``convert-checkpoint``.
 
 Exit codes: 0 success / parity, 1 a check failed (FAIL in a table, parity violation), 2 bad input.
 Each subcommand's glue lives in its own module (``train``: trainer and verify; ``parity``: the log tools),
@@ -16,6 +16,7 @@ from typing import Any
 
 from ..options import LOSS_IMPLS
 from ._common import UsageError
+from .checkpoint import add_convert_arguments, cmd_convert_checkpoint
 from .parity import add_compare_arguments, add_gap_arguments, add_modes_arguments, cmd_compare, cmd_gap, cmd_modes
 from .verify_hf import add_verify_hf_arguments
 
@@ -108,6 +109,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="compare two training logs for loss parity")
     add_compare_arguments(c)
     c.set_defaults(func=cmd_compare)
+
+    k = sub.add_parser("convert-checkpoint", help="rewrite trusted checkpoints of an earlier format as weights-only")
+    add_convert_arguments(k)
+    k.set_defaults(func=cmd_convert_checkpoint)
     return p
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "train_config_from_args",
     "load_config_file",
     "verify_legend",
+    "print_note",
 ]
 
 _SKIP_FLAGS = ("model_overrides",)  # given as --set FIELD=VALUE
@@ -240,7 +241,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         cfg = train_config_from_args(args)
         _preflight(cfg)
-        history = run_training(cfg)
+        history = run_training(cfg, notify=print_note)
     except ParityStop as e:  # --reference: stopped at the first violation, after its checkpoint
         print(f"lossparity train: {e}", file=sys.stderr)
         return PARITY_STOP_EXIT
@@ -292,6 +293,13 @@ def verify_legend(report: dict[str, Any]) -> str:
     if any(r.endswith("/no-indexer") for r in refs):
         lines[-1] += "; /no-indexer = the reference without the DeepSeek indexer, as the layout"
     return "\n".join(lines)
+
+
+def print_note(text: str) -> None:
+    """The ``notify`` of ``lossparity train``: each operational note of the run (a checkpoint skipped on
+    resume, metrics lines dropped...) as one line on stderr, whatever the warning filters. Module-level:
+    it travels to the ranks the launcher starts."""
+    print(f"lossparity train: note: {' '.join(text.split())}", file=sys.stderr, flush=True)
 
 
 def _one_line(e: BaseException) -> str:

@@ -6,6 +6,12 @@ run time, and a rank that raises makes ``spawn`` raise in the parent with the er
 rank (in the order they failed: the first is the cause, later ones are usually its consequences)
 instead of leaving the others hanging.
 
+Results travel back through one file per rank in a folder only the launching user can read and write
+(``tempfile.mkdtemp``: mode 0700), created for this launch and deleted after it. They are read with
+``torch.load(weights_only=True)`` (tensors, numbers, strings, lists, tuples, dicts: what the callers of
+this project return); only a result holding other objects is unpickled in full, which is safe because no
+other user can write into that folder and its files were written by the ranks this call started.
+
 Rank lifecycle: a rank never outlives its launcher. On Linux each rank asks the kernel for ``SIGKILL``
 when its parent dies (``prctl(PR_SET_PDEATHSIG)``), and a watchdog thread also checks every second that
 its parent is still the launcher (the fallback elsewhere, and for the window before ``prctl``), so a
@@ -19,6 +25,8 @@ from __future__ import annotations
 import ctypes
 import datetime
 import os
+import pickle
+import shutil
 import signal
 import socket
 import sys
@@ -190,6 +198,15 @@ class _PortTaken(Exception):
     """The rendezvous failed before any rank ran ``fn`` because the chosen port was taken meanwhile."""
 
 
+def _read_result(path: str) -> dict[str, Any]:
+    """A rank's result file of this launch's private folder (see the module docstring)."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        # Objects beyond plain values: written by a rank of this launch into a 0700 folder of this user.
+        return torch.load(path, weights_only=False)
+
+
 def _port_taken(tmp: str, world_size: int) -> bool:
     """Whether every recorded failure happened while joining the rendezvous, one of them on a busy port
     (another process took the port between :func:`free_port` and the store's bind)."""
@@ -197,7 +214,7 @@ def _port_taken(tmp: str, world_size: int) -> bool:
     for r in range(world_size):
         path = os.path.join(tmp, f"rank{r}.pt")
         if os.path.exists(path):
-            recs.append(torch.load(path, weights_only=False))
+            recs.append(_read_result(path))
     failed = [rec for rec in recs if not rec["ok"]]
     return (
         bool(failed)
@@ -212,7 +229,8 @@ def _port_taken(tmp: str, world_size: int) -> bool:
 def _spawn_once(fn: Callable[..., Any], world_size: int, args: tuple, backend: str, timeout_s: float) -> list[Any]:
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="lossparity-spawn-") as tmp:
+    tmp = tempfile.mkdtemp(prefix="lossparity-spawn-")  # mode 0700: only this user reads or writes results
+    try:
         port = free_port()
         # C++ reducer notices ("find_unused_parameters found no unused parameter") are read when the
         # child imports torch, so the variable must be in the environment the children inherit.
@@ -243,6 +261,8 @@ def _spawn_once(fn: Callable[..., Any], world_size: int, args: tuple, backend: s
             if _port_taken(tmp, world_size):
                 raise _PortTaken from None
         return _collect(tmp, world_size, failed)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _collect(tmp: str, world_size: int, failed: BaseException | None) -> list[Any]:
@@ -253,7 +273,7 @@ def _collect(tmp: str, world_size: int, failed: BaseException | None) -> list[An
         if not os.path.exists(path):
             missing.append(r)
             continue
-        rec = torch.load(path, weights_only=False)
+        rec = _read_result(path)
         if rec["ok"]:
             results.append(rec["result"])
         else:

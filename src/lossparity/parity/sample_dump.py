@@ -38,7 +38,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -136,7 +136,8 @@ class SampleDumpWriter:
 
     ``SampleDumpWriter(path_dir, rank)`` creates ``path_dir/samples_rank<rank>.bin`` (truncating an old
     one). With ``resume_step=s`` an existing file is kept up to and including step ``s`` and later records
-    are dropped (a resumed run rewrites them) by :func:`truncate_records`, atomically, then appended to.
+    are dropped (a resumed run rewrites them) by :func:`truncate_records`, atomically, then appended to;
+    its notes go to ``notify`` (default ``warnings.warn``; the CLI prints them).
     :meth:`sync` makes the records durable (before a checkpoint). With ``meta`` and ``rank == 0`` it also writes
     ``samples_meta.json``. Call :meth:`write` once per microbatch and :meth:`close` at the end (or use it
     as a context manager).
@@ -149,6 +150,7 @@ class SampleDumpWriter:
         *,
         meta: Mapping[str, Any] | None = None,
         resume_step: int | None = None,
+        notify: Callable[[str], None] | None = None,
     ) -> None:
         self.path_dir = os.fspath(path_dir)
         self.rank = int(rank)
@@ -156,7 +158,10 @@ class SampleDumpWriter:
         self.path = os.path.join(self.path_dir, rank_file_name(self.rank))
         if resume_step is not None:
             for note in truncate_records(self.path, resume_step):
-                warnings.warn(note, stacklevel=2)
+                if notify is None:
+                    warnings.warn(note, stacklevel=2)
+                else:
+                    notify(note)
         # Append-only after the (atomic) truncation of a resume; a new dump starts empty.
         self._file = open(self.path, "ab" if resume_step is not None else "wb")  # noqa: SIM115 - closed in close()
         if meta is not None and self.rank == 0:

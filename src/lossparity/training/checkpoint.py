@@ -1,25 +1,52 @@
-"""Atomic checkpoints and exact resume.
+"""Atomic, weights-only checkpoints and exact resume: the :class:`Checkpointer` of the reference trainer.
 
-A checkpoint is one file ``step_<n>.pt`` written to a temporary name in the same directory, flushed
-and fsync'ed, then renamed over (``os.replace`` is atomic on POSIX): a crash mid-write leaves the
-previous checkpoint intact and never a truncated file under a final name. ``latest`` (a text file
-holding the file name) is replaced the same way after the checkpoint itself. Which checkpoints are kept
-and which one a resume loads (by step number, the newest intact one) is decided in ``training/rundir.py``.
+A single-process checkpoint is one file ``step_<n>.pt`` written through :func:`lossparity.atomic_io.
+atomic_write` (temporary file, fsync, rename, fsync of the directory): a crash mid-write leaves the
+previous checkpoint intact and never a truncated file under a final name. ``latest`` (a text file holding
+the name) is replaced the same way after the checkpoint itself. A multi-rank checkpoint is a
+``torch.distributed.checkpoint`` folder ``step_<n>/`` (renamed into place by rank 0 after every rank
+wrote) plus one ``extra_rank<r>.pt`` per rank. Which checkpoints are kept and which one a resume loads
+(the newest intact one, by step number) is decided in ``training/rundir.py``.
+
+Loading never runs code (``training/checkpoint_format.py``, ``training/safe_dcp.py``): every ``.pt`` is
+read with ``torch.load(weights_only=True)``, the DCP metadata with an unpickler restricted to its own
+classes, and the contents are validated against the model before anything is applied; a checkpoint that
+fails is skipped with a note naming it and why, in favour of the previous intact one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
-import random
-import tempfile
-from typing import Any
+import shutil
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
+from torch import Tensor, nn
 
+from ..atomic_io import atomic_write, atomic_write_bytes
+from .checkpoint_format import (
+    FORMAT,
+    VERSION,
+    CheckpointFormatError,
+    load_weights_only,
+    rng_state,
+    set_rng_state,
+    validate_extra_state,
+    validate_single_state,
+)
+from .notes import Notify, warn_note
 from .rundir import load_newest_intact, rotate_checkpoints, sharded_checkpoint_intact
 
+if TYPE_CHECKING:
+    from ..distributed.moe_accounting import MoEAccounting
+    from .config import TrainConfig
+
 __all__ = [
+    "Checkpointer",
+    "CheckpointFormatError",
     "atomic_save",
     "save_checkpoint",
     "load_latest",
@@ -31,68 +58,43 @@ __all__ = [
 
 
 def atomic_save(obj: Any, path: str) -> None:
-    """``torch.save(obj, path)`` through a temporary file + fsync + rename, so ``path`` is either the old
-    file or the complete new one."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """``torch.save(obj, path)`` through :func:`lossparity.atomic_io.atomic_write`, so ``path`` is either
+    the old file or the complete new one."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
-def _atomic_text(text: str, path: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _point_latest(directory: str, name: str) -> None:
+    atomic_write_bytes(os.path.join(directory, "latest"), name.encode("utf-8"))
 
 
 def save_checkpoint(directory: str, step: int, state: dict[str, Any], keep: int = 2) -> str:
-    """Write ``state`` as the checkpoint of ``step`` (number of completed steps), point ``latest`` at it
-    and delete all but the ``keep`` newest checkpoints. Returns the file path."""
+    """Write ``state`` (tensors and plain values only) as the checkpoint of ``step`` (number of completed
+    steps), point ``latest`` at it and delete all but the ``keep`` newest checkpoints. Returns the path."""
     os.makedirs(directory, exist_ok=True)
     name = f"step_{step:08d}.pt"
     path = os.path.join(directory, name)
     atomic_save(state, path)
-    _atomic_text(name, os.path.join(directory, "latest"))
+    _point_latest(directory, name)
     rotate_checkpoints(directory, keep, step)
     return path
 
 
-def load_latest(directory: str) -> dict[str, Any] | None:
-    """The state of the newest intact checkpoint in ``directory`` (by step number; a corrupt or empty one
-    falls back to the previous one with a warning, see ``training/rundir.py``), or ``None`` when there is
-    none."""
-    found = load_newest_intact(directory, lambda p: torch.load(p, map_location="cpu", weights_only=False))
+def load_latest(
+    directory: str, validate: Callable[[Any, str], None] | None = None, notify: Notify = warn_note
+) -> dict[str, Any] | None:
+    """The state of the newest intact checkpoint in ``directory``, read with ``weights_only=True`` and
+    checked by ``validate(state, path)`` when given (a corrupt, pickled-object or invalid one falls back to
+    the previous one with a note through ``notify``, see ``training/rundir.py``), or ``None`` without one."""
+
+    def load(path: str) -> Any:
+        state = load_weights_only(path)
+        if validate is not None:
+            validate(state, path)
+        return state
+
+    found = load_newest_intact(directory, load, notify)
     return None if found is None else found[1]
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG state a training step may touch (Python, NumPy, torch CPU and CUDA)."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore :func:`rng_state`."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def save_sharded_checkpoint(
@@ -107,16 +109,15 @@ def save_sharded_checkpoint(
 ) -> str:
     """Sharded checkpoint (FSDP2 / tensor-parallel DTensors, pipeline stages) with
     ``torch.distributed.checkpoint``: every rank writes its shards into ``.tmp-step_<n>/``, then its own
-    ``extra_rank<r>.pt`` (RNG states, step); after a barrier rank 0 renames the folder to ``step_<n>/``
-    (atomic), points ``latest`` at it and deletes all but the ``keep`` newest checkpoints. A crash before
-    the rename leaves the previous checkpoint as the newest. ``state``: the (FQN-keyed) state to write
-    instead of ``get_state_dict(model, optimizer)`` (the trainer passes a layout-independent one, see
-    ``Trainer.distributed_state``)."""
-    import shutil
-
+    ``extra_rank<r>.pt`` (RNG states, step: tensors and plain values); after a barrier rank 0 renames the
+    folder to ``step_<n>/`` (atomic), points ``latest`` at it and deletes all but the ``keep`` newest
+    checkpoints. A crash before the rename leaves the previous checkpoint as the newest. ``state``: the
+    (FQN-keyed) state to write instead of ``get_state_dict(model, optimizer)``."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from ..atomic_io import fsync_dir
 
     name = f"step_{step:08d}"
     tmp = os.path.join(directory, f".tmp-{name}")
@@ -135,39 +136,235 @@ def save_sharded_checkpoint(
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _atomic_text(name, os.path.join(directory, "latest"))
+        fsync_dir(directory)
+        _point_latest(directory, name)
         rotate_checkpoints(directory, keep, step)
     dist.barrier()
     return final
 
 
-def load_sharded_latest(
-    directory: str, model: Any, optimizer: Any, *, state: dict[str, Any] | None = None
-) -> dict[str, Any] | None:
-    """Restore the newest :func:`save_sharded_checkpoint` into ``model``/``optimizer`` (resharding as
-    ``torch.distributed.checkpoint`` does) and return this rank's ``extra`` (rank 0's when the checkpoint
-    was written by fewer ranks); ``None`` without one. ``state``: load into this state dict in place
-    instead (its keys and shapes say what to read; the caller applies it)."""
+def _flat_shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """``{"model.<fqn>": global shape, ...}``: the keys DCP stores for ``state`` (nested dicts joined by dots)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(state)
+    return {k: tuple(v.shape) for k, v in flat.items() if isinstance(v, Tensor)}
+
+
+def _check_sharded(path: str, state: dict[str, Any]) -> dict[str, Any]:
+    """This rank's checks of the DCP folder ``path``: complete (sizes), metadata read without code and
+    matching ``state``, every ``extra_rank<r>.pt`` weights-only, valid and of one step. Returns the extra
+    state this rank uses (its own, or rank 0's when fewer ranks wrote the checkpoint)."""
+    import re
+
     import torch.distributed as dist
+
+    from .safe_dcp import check_metadata, read_metadata_safely
+
+    sharded_checkpoint_intact(path)
+    check_metadata(read_metadata_safely(path), _flat_shapes(state), path)
+    extras = {}
+    for name in sorted(os.listdir(path)):
+        if re.fullmatch(r"extra_rank\d+\.pt", name):
+            extra_path = os.path.join(path, name)
+            extras[name] = load_weights_only(extra_path)
+            validate_extra_state(extras[name], extra_path)
+    steps = {e["step"] for e in extras.values()}
+    if len(steps) != 1:
+        raise CheckpointFormatError(f"{path}: the extra_rank<r>.pt files hold different steps {sorted(steps)}")
+    mine = extras.get(f"extra_rank{dist.get_rank()}.pt", extras.get("extra_rank0.pt"))
+    if mine is None:
+        raise CheckpointFormatError(f"{path}: neither extra_rank{dist.get_rank()}.pt nor extra_rank0.pt is there")
+    return mine
+
+
+def _agree(check: Callable[[], Any]) -> Any:
+    """Run ``check`` on every rank; all ranks raise when any rank's check raised (the ranks must agree on
+    which checkpoint to load, or the load's collectives would hang), naming the first failing rank."""
+    import torch.distributed as dist
+
+    local: Exception | None = None
+    try:
+        result, error = check(), ""
+    except Exception as e:  # noqa: BLE001 - reported on every rank below
+        local, result, error = e, None, f"{type(e).__name__}: {' '.join(str(e).split())}"
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)  # strings of this run's own ranks
+    failed = [(r, msg) for r, msg in enumerate(errors) if msg]
+    if local is not None:
+        raise local
+    if failed:
+        r, msg = failed[0]
+        raise CheckpointFormatError(f"rank {r} refused it: {msg}")
+    return result
+
+
+def load_sharded_latest(
+    directory: str,
+    model: Any,
+    optimizer: Any,
+    *,
+    state: dict[str, Any] | None = None,
+    notify: Notify = warn_note,
+) -> dict[str, Any] | None:
+    """Restore the newest intact :func:`save_sharded_checkpoint` into ``model``/``optimizer`` (resharding as
+    ``torch.distributed.checkpoint`` does) and return this rank's validated ``extra`` (rank 0's when the
+    checkpoint was written by fewer ranks); ``None`` without one. ``state``: load into this state dict in
+    place instead (its keys and shapes say what to read; the caller applies it). Every rank takes the same
+    decision (a checkpoint any rank finds invalid is skipped by all, with a note through ``notify``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    def intact(p: Any) -> Any:  # raises when ``p`` is not a complete sharded checkpoint
-        sharded_checkpoint_intact(p)
-        return p
+    from .safe_dcp import SafeFileSystemReader
 
-    found = load_newest_intact(directory, intact)
+    if state is None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        target: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    else:
+        target = state
+    found = load_newest_intact(directory, lambda p: (p, _agree(lambda: _check_sharded(p, target))), notify)
     if found is None:
         return None
-    path = found[1]
-    if state is not None:
-        dcp.load(state, checkpoint_id=path)
-    else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    extra = os.path.join(path, f"extra_rank{dist.get_rank()}.pt")
-    if not os.path.exists(extra):  # resumed into a layout with more ranks than the one that saved
-        extra = os.path.join(path, "extra_rank0.pt")
-    return torch.load(extra, map_location="cpu", weights_only=False)
+    path, extra = found[1]
+    dcp.load(target, storage_reader=SafeFileSystemReader(path))
+    if state is None:
+        set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"])  # type: ignore[arg-type]
+    return extra
+
+
+class Checkpointer:
+    """Saves and restores everything an exact resume of the reference trainer needs: the model (with
+    expert biases), the optimizer, the MoE accounting state, the step (the data position: batches are a
+    function of the step), the RNG states and the configuration.
+
+    One process: one file of format 2 (``training/checkpoint_format.py``). Several ranks: a DCP folder in a
+    layout-independent form (:meth:`distributed_state`: model and AdamW state by parameter FQN, MoE counts
+    by layer id), so any multi-rank layout resumes from any other. ``moes``: the MoE accounting instances
+    with their routers (one per pipeline chunk under PP); ``owned``: the FQNs this pipeline rank holds
+    (``None``: all); ``notify``: where resume notes go (default a ``UserWarning``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        moes: list[tuple[MoEAccounting, list[Any]]],
+        cfg: TrainConfig,
+        *,
+        world: int = 1,
+        owned: set[str] | None = None,
+        notify: Notify = warn_note,
+    ) -> None:
+        self.model, self.optimizer, self.moes, self.cfg = model, optimizer, moes, cfg
+        self.world, self.owned, self.notify = world, owned, notify
+
+    @property
+    def sharded(self) -> bool:
+        """Multi-rank runs checkpoint through DCP, in the layout-independent form."""
+        return self.world > 1
+
+    def _common(self, step: int, mtp_weight: float) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": int(step),
+            "rng": rng_state(),
+            "config": json.dumps(dataclasses.asdict(self.cfg), sort_keys=True),
+            "mtp_weight": float(mtp_weight),
+        }
+
+    # ---------------------------------------------------------------- one process
+    def state_dict(self, step: int, mtp_weight: float) -> dict[str, Any]:
+        """The single-process checkpoint state (format 2: tensors and plain values only)."""
+        (moe, _), *rest = self.moes
+        assert not rest, "single-process runs have one MoE accounting"
+        sd = moe.state_dict()
+        return {
+            **self._common(step, mtp_weight),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "moe": {"lagged_counts": sd["lagged_counts"], "lagged_tokens": float(sd["lagged_tokens"])},
+        }
+
+    def validate(self, state: Any, path: str) -> None:
+        """Raise :class:`CheckpointFormatError` unless ``state`` (read from ``path``) fits this model."""
+        (moe, _), *_ = self.moes
+        template = self.model.state_dict()
+        rows, cols = moe.state_dict()["lagged_counts"].shape
+        validate_single_state(state, path, template, self.optimizer, (rows, cols))
+
+    def load_state_dict(self, state: dict[str, Any]) -> int:
+        """Apply a validated :meth:`state_dict`; returns its step."""
+        self.validate(state, "state")
+        (moe, _), *_ = self.moes
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        moe.load_state_dict(state["moe"])
+        set_rng_state(state["rng"])
+        return int(state["step"])
+
+    # ---------------------------------------------------------------- several ranks
+    def distributed_state(self) -> dict[str, Any]:
+        """The checkpoint state of this rank, keyed by layout-independent names: the model and AdamW state
+        by parameter FQN (DTensor shards under TP/FSDP, plain tensors otherwise; under PP only what this
+        rank owns, the union over ranks is everything), the MoE ``global_lagged`` counts by MoE layer id.
+        ``torch.distributed.checkpoint`` re-shards each entry to the loading layout. ``_osd``: the full
+        optimizer state dict (its ``state`` is the ``optim`` entry), used to apply a loaded state."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        msd = get_model_state_dict(self.model)
+        osd = get_optimizer_state_dict(self.model, self.optimizer)
+        if self.owned is not None:
+            msd = {k: v for k, v in msd.items() if k in self.owned}
+        moe: dict[str, Tensor] = {}
+        for acc_moe, routers in self.moes:
+            sd = acc_moe.state_dict()
+            if len(routers) != sd["lagged_counts"].shape[0]:
+                raise ValueError("checkpoints of repeated MTP MoE layers are not supported")
+            for r, row in zip(routers, sd["lagged_counts"]):
+                moe[f"lagged_counts.layer_{r.layer_id}"] = row.clone()
+            moe["lagged_tokens"] = torch.tensor(float(sd["lagged_tokens"]), dtype=torch.float64)
+        return {"model": msd, "optim": {"state": osd["state"]}, "moe": moe, "_osd": osd}
+
+    def _apply_distributed_state(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=False))
+        set_optimizer_state_dict(self.model, self.optimizer, state["_osd"])  # its "state" was loaded in place
+        moe = state["moe"]
+        for acc_moe, routers in self.moes:
+            if routers:
+                rows = torch.stack([moe[f"lagged_counts.layer_{r.layer_id}"] for r in routers])
+                acc_moe.load_state_dict({"lagged_counts": rows, "lagged_tokens": float(moe["lagged_tokens"])})
+
+    # ---------------------------------------------------------------- entry points
+    def save(self, ckpt_dir: str, step: int, mtp_weight: float) -> str:
+        """Write the checkpoint of ``step`` (one file in a single process, else a DCP folder); its path."""
+        if self.sharded:
+            state = self.distributed_state()
+            state.pop("_osd")
+            extra = {**self._common(step, mtp_weight), "world": self.world}
+            return save_sharded_checkpoint(ckpt_dir, step, self.model, self.optimizer, extra, state=state)
+        return save_checkpoint(ckpt_dir, step, self.state_dict(step, mtp_weight))
+
+    def restore(self, ckpt_dir: str) -> int | None:
+        """Load the newest intact checkpoint of ``ckpt_dir`` (under any multi-rank layout from one of any
+        other), skipping invalid ones with a note; returns its step, ``None`` when there is none."""
+        if self.sharded:
+            state = self.distributed_state()
+            osd = state.pop("_osd")
+            extra = load_sharded_latest(ckpt_dir, self.model, self.optimizer, state=state, notify=self.notify)
+            if extra is None:
+                return None
+            self._apply_distributed_state({**state, "_osd": osd})
+            if extra["world"] == self.world:  # RNG states are per rank (unused by the float64 runs)
+                set_rng_state(extra["rng"])
+            return int(extra["step"])
+        single = load_latest(ckpt_dir, self.validate, self.notify)
+        if single is None:
+            return None
+        return self.load_state_dict(single)

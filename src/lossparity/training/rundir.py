@@ -17,7 +17,7 @@ Rules (:func:`prepare_run_dir`, on every rank at the start of ``Trainer.fit``):
    removed.
 4. Checkpoints are ordered by their step number, never by file name (:func:`list_checkpoints`); the
    newest *intact* one is loaded, a corrupt, empty or missing one (or an empty or dangling ``latest``)
-   falls back to the previous one with a warning (:func:`load_newest_intact`); after each save, those
+   falls back to the previous one with a note (:func:`load_newest_intact`); after each save, those
    beyond the ``keep`` newest and those of steps after the current one (an abandoned history) are
    deleted, files and folders alike (:func:`rotate_checkpoints`).
 """
@@ -29,12 +29,12 @@ import json
 import os
 import re
 import shutil
-import warnings
 from collections.abc import Callable
 from typing import TypeVar
 
 from ..atomic_io import atomic_write_bytes, remove_stale_temporaries
 from .config import TrainConfig, numbers_mismatch
+from .notes import Notify, warn_note
 
 __all__ = [
     "RunDirError",
@@ -91,10 +91,12 @@ def check_run_dir(cfg: TrainConfig) -> None:
             )
 
 
-def prepare_run_dir(cfg: TrainConfig, rank: int = 0, barrier: Callable[[], None] | None = None) -> None:
+def prepare_run_dir(
+    cfg: TrainConfig, rank: int = 0, barrier: Callable[[], None] | None = None, notify: Notify = warn_note
+) -> None:
     """Apply the run-folder rules of the module docstring: every rank checks (:func:`check_run_dir`), then
-    rank 0 deletes the old artifacts (``overwrite``) and stale temporaries and writes ``config.json``.
-    ``barrier`` (multi-rank runs) separates the checks, the changes and the rest of the run."""
+    rank 0 deletes the old artifacts (``overwrite``) and stale temporaries (a note through ``notify``) and
+    writes ``config.json``. ``barrier`` (multi-rank runs) separates the checks, the changes and the rest."""
     check_run_dir(cfg)
     if barrier is not None:
         barrier()
@@ -105,10 +107,9 @@ def prepare_run_dir(cfg: TrainConfig, rank: int = 0, barrier: Callable[[], None]
         for sub in ("", CHECKPOINT_SUBDIR, "samples"):
             removed = remove_stale_temporaries(os.path.join(cfg.out, sub))
             if removed:
-                warnings.warn(
+                notify(
                     f"removed temporary files of an interrupted write in "
-                    f"{os.path.join(cfg.out, sub)}: {', '.join(removed)}",
-                    stacklevel=2,
+                    f"{os.path.join(cfg.out, sub)}: {', '.join(removed)}"
                 )
         text = json.dumps(dataclasses.asdict(cfg), indent=2, sort_keys=True) + "\n"
         atomic_write_bytes(os.path.join(cfg.out, CONFIG_FILE), text.encode("utf-8"))
@@ -174,26 +175,25 @@ def _latest_note(ckpt_dir: str, newest: str | None) -> str | None:
     return None
 
 
-def load_newest_intact(ckpt_dir: str, load: Callable[[str], T]) -> tuple[int, T] | None:
-    """``(step, load(path))`` of the newest checkpoint of ``ckpt_dir`` that ``load`` reads without an
-    exception, trying them newest step first; a checkpoint that fails (empty, truncated, corrupt) is
-    skipped with a warning naming it and the error. ``None`` when there is no checkpoint; raises
-    :class:`RunDirError` when there are some and none can be read."""
+def load_newest_intact(ckpt_dir: str, load: Callable[[str], T], notify: Notify = warn_note) -> tuple[int, T] | None:
+    """``(step, load(path))`` of the newest checkpoint of ``ckpt_dir`` that ``load`` reads (and validates)
+    without an exception, trying them newest step first; a checkpoint that fails (empty, truncated,
+    corrupt, pickled objects, contents that do not fit the model) is skipped with a note through
+    ``notify`` naming it and the error. ``None`` when there is no checkpoint; raises :class:`RunDirError`
+    when there are some and none can be read."""
     found = list_checkpoints(ckpt_dir)
     note = _latest_note(ckpt_dir, found[0][1] if found else None)
     if note:
-        warnings.warn(f"{note}; using the checkpoints' step numbers instead", stacklevel=2)
+        notify(f"{note}; using the checkpoints' step numbers instead")
     errors = []
     for step, name in found:
         path = os.path.join(ckpt_dir, name)
         try:
             return step, load(path)
         except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back to the previous one
-            errors.append(f"{name}: {type(e).__name__}: {e}")
-            warnings.warn(
-                f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); falling back to the previous one",
-                stacklevel=2,
-            )
+            why = str(e).removeprefix(f"{path}: ")  # the path is named once
+            errors.append(f"{name}: {type(e).__name__}: {why}")
+            notify(f"checkpoint {path} cannot be read ({type(e).__name__}: {why}); falling back to the previous one")
     if errors:
         raise RunDirError(f"no intact checkpoint in {ckpt_dir}: {'; '.join(errors)}")
     return None
@@ -201,14 +201,15 @@ def load_newest_intact(ckpt_dir: str, load: Callable[[str], T]) -> tuple[int, T]
 
 def sharded_checkpoint_intact(path: str) -> None:
     """Raise ``ValueError`` unless the ``torch.distributed.checkpoint`` folder ``path`` is complete: its
-    ``.metadata`` loads, every data file it references is at least as long as the bytes it points to,
-    and every ``extra_rank<r>.pt`` is a non-empty file. Cheap (sizes only), identical on every rank."""
-    from torch.distributed.checkpoint import FileSystemReader
+    ``.metadata`` loads (without running code: :mod:`.safe_dcp`), every data file it references is at
+    least as long as the bytes it points to, and every ``extra_rank<r>.pt`` is a non-empty file. Cheap
+    (sizes only), identical on every rank."""
+    from .safe_dcp import read_metadata_safely
 
     meta_path = os.path.join(path, ".metadata")
     if not os.path.isfile(meta_path) or os.path.getsize(meta_path) == 0:
         raise ValueError(f"{meta_path} is missing or empty")
-    storage = FileSystemReader(path).read_metadata().storage_data or {}
+    storage = read_metadata_safely(path).storage_data or {}  # never unpickles code
     need: dict[str, int] = {}
     for info in storage.values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)

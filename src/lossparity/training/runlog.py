@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from typing import Any
 
 from ..atomic_io import atomic_write_bytes
+from .notes import Notify, warn_note
 
 __all__ = ["METRICS_FILE", "MetricsLog", "truncate_metrics"]
 
@@ -76,13 +76,14 @@ class MetricsLog:
     """Append-only writer of ``OUT/metrics.jsonl`` (schema in the README) plus TensorBoard scalars.
 
     ``start_step > 0`` (a resume from that step) first truncates the file to the steps ``<= start_step``;
-    ``start_step == 0`` starts an empty file (the run-folder checks guarantee no earlier run is there)."""
+    ``start_step == 0`` starts an empty file (the run-folder checks guarantee no earlier run is there).
+    The truncation's notes (dropped lines, a torn last line) go to ``notify``."""
 
-    def __init__(self, out: str, start_step: int, tensorboard: bool) -> None:
+    def __init__(self, out: str, start_step: int, tensorboard: bool, notify: Notify = warn_note) -> None:
         os.makedirs(out, exist_ok=True)
         self.path = os.path.join(out, METRICS_FILE)
         for note in truncate_metrics(self.path, start_step):
-            warnings.warn(note, stacklevel=2)
+            notify(note)
         self.f = open(self.path, "ab")  # noqa: SIM115 - closed in close()
         self.tb = _tensorboard(out, start_step) if tensorboard else None
 

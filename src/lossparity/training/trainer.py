@@ -16,7 +16,6 @@ One optimizer step (``train_step``) of data-parallel rank ``d``:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import sys
@@ -37,18 +36,12 @@ from ..losses.stats import sample_stats
 from ..model import GPT, RouterRecord, get_config
 from ..model.context_parallel import ContextParallel
 from ..model.sequence_parallel import sp_shard
-from .checkpoint import (
-    load_latest,
-    load_sharded_latest,
-    rng_state,
-    save_checkpoint,
-    save_sharded_checkpoint,
-    set_rng_state,
-)
+from .checkpoint import Checkpointer
 from .config import TrainConfig
 from .data import Batch, Corpus, JsonlCorpus, SyntheticCorpus, TextFileCorpus, global_batch, split_batch
 from .forward import LossForward, head_loss_fn, head_weights, indexer_share
 from .grads import clip_grad_norm, sum_replicated_grads_over_tp
+from .notes import Notify, warn_note
 from .parity_stop import make_guard, parity_check
 from .pipeline import PipelineRunner
 from .rundir import prepare_run_dir
@@ -116,10 +109,12 @@ def _pick_device(cfg: TrainConfig) -> torch.device:
 class Trainer:
     """A reference training run on this process (rank ``dist.get_rank()`` when distributed)."""
 
-    def __init__(self, cfg: TrainConfig, dims: ParallelDims | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, dims: ParallelDims | None = None, notify: Notify | None = None) -> None:
         """Build the run of ``cfg`` on this rank: the layout (``dims``, default from ``cfg``; its mesh is
         built here on every rank), the model sharded by it, the gradient engine, the accountant, the MoE
-        accounting (one per pipeline chunk under PP), the pipeline schedule and the optimizer."""
+        accounting (one per pipeline chunk under PP), the pipeline schedule, the optimizer and the
+        checkpointer. ``notify``: where rank 0's operational notes go (a checkpoint skipped on resume,
+        metrics lines dropped); default a ``UserWarning``."""
         cfg = cfg.resolved()  # validated copy with the derived values (the caller's config is not changed)
         self.cfg = cfg
         self.model_config = get_config(cfg.model, **dict(cfg.model_overrides))
@@ -168,6 +163,8 @@ class Trainer:
             else None
         )
         self.optimizer = self._build_optimizer()
+        self.notify: Notify = (notify or warn_note) if self.rank == 0 else _quiet
+        self.checkpointer = self._build_checkpointer()
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.dump: SampleDumpWriter | None = None  # per-sample (n_i, s_i) writer of `lossparity gap`, opened by fit()
@@ -394,36 +391,17 @@ class Trainer:
         pipe.end_step_moe(self.bias_rate(self.step), cfg.bias_zero_mean)
         return self._optimizer_step(pipe.grad_norm_and_clip(cfg.grad_clip), {}, t0)
 
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """Everything an exact resume needs: model (with expert biases), optimizer, MoE accounting state,
-        step (the data position: batches are a function of the step), RNG states and the config. Single-
-        process runs only (multi-rank runs checkpoint :meth:`distributed_state`)."""
-        assert self.moe is not None
-        return {
-            "step": self.step,
-            "model": self.raw.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "moe": self.moe.state_dict(),
-            "rng": rng_state(),
-            "config": dataclasses.asdict(self.cfg),
-            "mtp_weight": self.acc.mtp_weight,
-        }
-
-    @property
-    def sharded(self) -> bool:
-        """Multi-rank runs checkpoint through DCP, in the layout-independent form of
-        :meth:`distributed_state` (any layout can resume from any other)."""
-        return self.world > 1
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "rng": rng_state(),
-            "config": dataclasses.asdict(self.cfg),
-            "mtp_weight": self.acc.mtp_weight,
-            "world": self.world,
-        }
+    # ------------------------------------------------------------------ state (training/checkpoint.py)
+    def _build_checkpointer(self) -> Checkpointer:
+        return Checkpointer(
+            self.raw,
+            self.optimizer,
+            self._moe_instances(),
+            self.cfg,
+            world=self.world,
+            owned=self._owned_names(),
+            notify=self.notify,
+        )
 
     def _moe_instances(self) -> list[tuple[MoEAccounting, list[Any]]]:
         if self.pipeline is not None:
@@ -439,80 +417,35 @@ class Trainer:
         named = [*self.raw.named_parameters(), *self.raw.named_buffers()]
         return {n for n, t in named if id(t) in ids}
 
+    @property
+    def sharded(self) -> bool:
+        """Multi-rank runs checkpoint through DCP, in the layout-independent form of
+        :meth:`distributed_state` (any layout can resume from any other)."""
+        return self.checkpointer.sharded
+
+    def state_dict(self) -> dict[str, Any]:
+        """The single-process checkpoint (``Checkpointer.state_dict``: tensors and plain values only)."""
+        return self.checkpointer.state_dict(self.step, self.acc.mtp_weight)
+
     def distributed_state(self) -> dict[str, Any]:
-        """The checkpoint state of this rank, keyed by layout-independent names: the model and AdamW state
-        by parameter FQN (DTensor shards under TP/FSDP, plain tensors otherwise; under PP only what this
-        rank owns, the union over ranks is everything), the MoE ``global_lagged`` counts by MoE layer id.
-        ``torch.distributed.checkpoint`` re-shards each entry to the loading layout."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        owned = self._owned_names()
-        msd = get_model_state_dict(self.raw)
-        osd = get_optimizer_state_dict(self.raw, self.optimizer)
-        if owned is not None:
-            msd = {k: v for k, v in msd.items() if k in owned}
-        moe: dict[str, Tensor] = {}
-        for acc_moe, routers in self._moe_instances():
-            sd = acc_moe.state_dict()
-            if len(routers) != sd["lagged_counts"].shape[0]:
-                raise ValueError("checkpoints of repeated MTP MoE layers are not supported")
-            for r, row in zip(routers, sd["lagged_counts"]):
-                moe[f"lagged_counts.layer_{r.layer_id}"] = row.clone()
-            moe["lagged_tokens"] = torch.tensor(float(sd["lagged_tokens"]), dtype=torch.float64)
-        return {"model": msd, "optim": {"state": osd["state"]}, "moe": moe, "_osd": osd}
-
-    def _apply_distributed_state(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        set_model_state_dict(self.raw, state["model"], options=StateDictOptions(strict=False))
-        set_optimizer_state_dict(self.raw, self.optimizer, state["_osd"])  # its "state" was loaded in place
-        moe = state["moe"]
-        for acc_moe, routers in self._moe_instances():
-            if routers:
-                rows = torch.stack([moe[f"lagged_counts.layer_{r.layer_id}"] for r in routers])
-                acc_moe.load_state_dict({"lagged_counts": rows, "lagged_tokens": float(moe["lagged_tokens"])})
+        """This rank's layout-independent checkpoint state (``Checkpointer.distributed_state``)."""
+        return self.checkpointer.distributed_state()
 
     def save(self, ckpt_dir: str) -> None:
         """Write the checkpoint of the current step (one file in a single process, else a DCP folder)."""
-        if self.sharded:
-            state = self.distributed_state()
-            state.pop("_osd")
-            save_sharded_checkpoint(ckpt_dir, self.step, self.raw, self.optimizer, self._extra_state(), state=state)
-            return
-        save_checkpoint(ckpt_dir, self.step, self.state_dict())
+        self.checkpointer.save(ckpt_dir, self.step, self.acc.mtp_weight)
 
     def restore(self, ckpt_dir: str) -> bool:
-        """Load the newest checkpoint of ``ckpt_dir`` if there is one (under any multi-rank layout from a
-        checkpoint of any other); returns whether it did."""
-        if self.sharded:
-            state = self.distributed_state()
-            osd = state.pop("_osd")
-            extra = load_sharded_latest(ckpt_dir, self.raw, self.optimizer, state=state)
-            if extra is None:
-                return False
-            self._apply_distributed_state({**state, "_osd": osd})
-            if extra.get("world") == self.world:  # RNG states are per rank (unused by the float64 runs)
-                set_rng_state(extra["rng"])
-            self.step = int(extra["step"])
-            return True
-        single = load_latest(ckpt_dir)
-        if single is None:
-            return False
-        self.load_state_dict(single)
-        return True
+        """Load the newest intact checkpoint of ``ckpt_dir`` if there is one (invalid ones are skipped with
+        a note through ``notify``); returns whether it did."""
+        step = self.checkpointer.restore(ckpt_dir)
+        if step is not None:
+            self.step = step
+        return step is not None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        assert self.moe is not None
-        self.raw.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.moe.load_state_dict(state["moe"])
-        set_rng_state(state["rng"])
-        self.step = int(state["step"])
+        """Restore :meth:`state_dict` (validated against the model first)."""
+        self.step = self.checkpointer.load_state_dict(state)
 
     # ------------------------------------------------------------------ loop
     def _sync_run_logs(self, writer: MetricsLog | None) -> None:
@@ -541,11 +474,11 @@ class Trainer:
         out = cfg.out if self.rank == 0 else None
         ckpt_dir = os.path.join(cfg.out, "checkpoints") if cfg.out else None
         if not getattr(self, "_run_dir_ready", False):  # the run-folder contract, once per Trainer
-            prepare_run_dir(cfg, self.rank, dist.barrier if self.world > 1 else None)
+            prepare_run_dir(cfg, self.rank, dist.barrier if self.world > 1 else None, self.notify)
             self._run_dir_ready = True
         if cfg.resume and ckpt_dir:
             self.restore(ckpt_dir)
-        writer = MetricsLog(out, self.step, cfg.tensorboard) if out else None
+        writer = MetricsLog(out, self.step, cfg.tensorboard, self.notify) if out else None
         if cfg.dump_samples and cfg.out:
             from ..parity.sample_dump import DUMP_SUBDIR, SampleDumpWriter
 
@@ -558,7 +491,11 @@ class Trainer:
                 "world_size": self.world,
             }
             self.dump = SampleDumpWriter(
-                os.path.join(cfg.out, DUMP_SUBDIR), self.rank, meta=meta, resume_step=self.step if self.step else None
+                os.path.join(cfg.out, DUMP_SUBDIR),
+                self.rank,
+                meta=meta,
+                resume_step=self.step if self.step else None,
+                notify=self.notify,
             )
         interval = IntervalMean()
         done = 0
@@ -633,23 +570,29 @@ def objective_parts(logs: dict[str, float]) -> str:
     return text
 
 
-def _train_entry(rank: int, world: int, cfg: TrainConfig) -> list[dict[str, Any]]:
-    return Trainer(cfg).fit()
+def _quiet(text: str) -> None:
+    """The ``notify`` of ranks other than 0 (rank 0 reports the run's notes once)."""
 
 
-def run_training(cfg: TrainConfig) -> list[dict[str, Any]]:
+def _train_entry(rank: int, world: int, cfg: TrainConfig, notify: Notify | None = None) -> list[dict[str, Any]]:
+    return Trainer(cfg, notify=notify).fit()
+
+
+def run_training(cfg: TrainConfig, notify: Notify | None = None) -> list[dict[str, Any]]:
     """Run ``cfg``: under ``torchrun`` (``WORLD_SIZE`` set) on the existing ranks, else on ``cfg.dp`` local
-    ranks started here (gloo on CPU). Returns rank 0's per-step log lines."""
+    ranks started here (gloo on CPU). Returns rank 0's per-step log lines. ``notify``: where the run's
+    operational notes go (default a ``UserWarning``; it must be a module-level function when ranks are
+    started here, since it travels to them)."""
     from ..distributed.launch import init_from_env, spawn
 
     cfg = cfg.resolved()
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
         init_from_env()
         try:
-            return Trainer(cfg).fit()
+            return Trainer(cfg, notify=notify).fit()
         finally:
             dist.destroy_process_group()
     world = parallel_dims(cfg).world_size
     if world == 1:
-        return Trainer(cfg).fit()
-    return spawn(_train_entry, world, cfg)[0]
+        return Trainer(cfg, notify=notify).fit()
+    return spawn(_train_entry, world, cfg, notify)[0]
