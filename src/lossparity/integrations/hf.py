@@ -270,7 +270,7 @@ class LossParityMixin:
         if aux is not None and coef is not None:
             # The model's own term, coef·aux(mb), once per step: the mean over the step's D·K microbatches.
             share = coef * aux.to(loss.dtype) / self._lp_mbs
-            acc.add_objective(share.detach())
+            acc.record("objective", share)
             acc.record("aux_loss", aux.detach())
             loss = loss + share
         self._lp_left -= 1

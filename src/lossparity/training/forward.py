@@ -137,5 +137,5 @@ def indexer_share(
     tq = max(acc.global_count(ROUTER_TOKENS), 1.0)
     share = coeff * kl / tq
     acc.record("indexer_loss", kl.detach(), valid.sum())  # a device count: no host sync per microbatch
-    acc.add_objective(share.detach(), per_rank=per_rank)
+    acc.record("objective_local" if per_rank else "objective", share)
     return share
