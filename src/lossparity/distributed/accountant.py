@@ -62,7 +62,6 @@ from ..options import (
     check_option,
 )
 from .grad_scaling import is_averaging_engine, reduce_and_scale, unique_grads
-from .groups import ParallelGroups, resolve_groups
 from .log_metrics import StepLogs
 from .objective import Objective
 from .parallel_dims import ParallelDims
@@ -145,6 +144,22 @@ def _mtp_inputs(
     return ls, ws, seg
 
 
+def _layout(
+    group: ProcessGroup | None, mesh: DeviceMesh | None, sequence_parallel: bool, dims: ParallelDims | None
+) -> ParallelDims:
+    """The accountant's layout: ``dims`` (built), else adopted from ``mesh`` or from the data-parallel
+    ``group`` (default: the world group when initialized, else one process)."""
+    if sum(x is not None for x in (group, mesh, dims)) > 1:
+        raise ValueError("pass at most one of group=, mesh= and dims=")
+    if dims is not None:
+        if not dims.built:
+            raise RuntimeError("Accountant(dims=...): call dims.build_mesh() on every rank first")
+        return dims
+    if mesh is not None:
+        return ParallelDims.from_mesh(mesh, sp=sequence_parallel)
+    return ParallelDims.from_group(group)
+
+
 class Accountant(StepProtocol):
     """Exact loss accounting for one training loop (see the module docstring for the protocol).
 
@@ -213,8 +228,8 @@ class Accountant(StepProtocol):
             self.mtp_log_estimator,
             self.check_finite,
         )
-        super().__init__(resolve_groups(group, mesh, sequence_parallel=sequence_parallel, dims=dims), self.mtp_depths)
-        self.groups: ParallelGroups
+        super().__init__(_layout(group, mesh, sequence_parallel, dims), self.mtp_depths)
+        self.groups: ParallelDims  # the one layout object (``dims``, or adopted from ``mesh``/``group``)
         self.device = torch.device(device) if device is not None else self._default_device()
 
     def _default_device(self) -> torch.device:
