@@ -3,7 +3,6 @@ fingerprint, and the training path against the one function per formula (docs/se
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,6 +10,7 @@ import pytest
 import torch
 from _dist_workers import cp_peers_with_different_settings, mismatched_ranks, nan_on_rank1
 from _moe_workers import TOPK, E, FakeRouter, make_batch, records_for
+from _no_sync import no_host_sync
 
 import lossparity as lp
 from lossparity.distributed.launch import spawn
@@ -169,31 +169,6 @@ def test_nan_router_logit_names_rank_microbatch_and_layer(scope):
 
 
 # ----------------------------------------------------------------------------- no host sync
-@contextmanager
-def no_host_sync():
-    """Fail on every Tensor -> host conversion (CPU stand-in for torch.cuda.set_sync_debug_mode)."""
-    names = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero")
-    saved = {n: getattr(torch.Tensor, n) for n in names}
-
-    def make(name):
-        def fail(*args, **kwargs):
-            raise AssertionError(f"host synchronization: Tensor.{name}")
-
-        return fail
-
-    try:
-        for n in names:
-            setattr(torch.Tensor, n, make(n))
-        if torch.cuda.is_available():
-            torch.cuda.set_sync_debug_mode("error")
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.Tensor, n, f)
-        if torch.cuda.is_available():
-            torch.cuda.set_sync_debug_mode(0)
-
-
 @pytest.mark.parametrize("mode", ["per_token", "per_sample", "per_document", "sample_sum_norm"])
 def test_microbatch_calls_do_not_synchronize(mode):
     dev = "cuda" if torch.cuda.is_available() else "cpu"

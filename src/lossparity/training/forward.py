@@ -67,7 +67,8 @@ def upcast(x: Tensor) -> Tensor:
 def head_loss_fn(gpt: GPT) -> Callable[[Tensor, Tensor], Tensor]:
     """Per-token cross-entropy ``ce(hidden [b,S,dim], labels [b,S]) -> [b,S]`` of ``gpt``'s output head:
     the chunked cross-entropy, vocabulary-parallel when tensor parallelism shards the head's rows (a
-    ``DTensor``: each rank's partial logsumexps are combined over the head's mesh)."""
+    ``DTensor``: each rank's partial logsumexps are combined over the head's mesh). The labels are trusted
+    (the trainer checks them once per step on the host-side batch): no host read per microbatch."""
 
     weight = gpt.output.weight
     if isinstance(weight, DTensor):
@@ -75,9 +76,15 @@ def head_loss_fn(gpt: GPT) -> Callable[[Tensor, Tensor], Tensor]:
         local = weight.to_local()
         start = mesh.get_local_rank() * local.shape[0]
         return lambda h, lab: chunked_cross_entropy(
-            h, local, lab, vocab_parallel_group=mesh.get_group(), vocab_start=start, vocab_size=weight.shape[0]
+            h,
+            local,
+            lab,
+            vocab_parallel_group=mesh.get_group(),
+            vocab_start=start,
+            vocab_size=weight.shape[0],
+            trusted_labels=True,
         )
-    return lambda h, lab: chunked_cross_entropy(h, weight, lab)
+    return lambda h, lab: chunked_cross_entropy(h, weight, lab, trusted_labels=True)
 
 
 def head_fused_fn(gpt: GPT) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]:
@@ -89,9 +96,16 @@ def head_fused_fn(gpt: GPT) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, 
         local = weight.to_local()
         start = mesh.get_local_rank() * local.shape[0]
         return lambda h, lab, w: fused_linear_cross_entropy(
-            h, local, lab, w, vocab_parallel_group=mesh.get_group(), vocab_start=start, vocab_size=weight.shape[0]
+            h,
+            local,
+            lab,
+            w,
+            vocab_parallel_group=mesh.get_group(),
+            vocab_start=start,
+            vocab_size=weight.shape[0],
+            trusted_labels=True,
         )
-    return lambda h, lab, w: fused_linear_cross_entropy(h, weight, lab, w)
+    return lambda h, lab, w: fused_linear_cross_entropy(h, weight, lab, w, trusted_labels=True)
 
 
 def head_weights(
@@ -193,7 +207,10 @@ class LossForward(nn.Module):
             cols = self.gpt.cp.columns(tokens.shape[1]).to(tokens.device)
             labels, mtp_labels = labels[:, cols], [lab[:, cols] for lab in mtp_labels]
         with torch.autocast(tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            out = self.gpt(tokens, segment_ids=segment_ids, positions=positions, recompute=recompute)
+            # values were checked once per step on the host-side batch (Trainer.train_step): no host read here
+            out = self.gpt(
+                tokens, segment_ids=segment_ids, positions=positions, recompute=recompute, check_values=False
+            )
             main, mtp, shares = head_losses(self.gpt, out.hidden, list(out.mtp_hidden), labels, mtp_labels, weights)
         routers: list[tuple[Tensor, ...]] = [(r.logits, r.probs, r.topk_map, r.dispatch_map) for r in out.routers]
         return upcast(main), [upcast(x) for x in mtp], routers, out.indexer, shares

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from ..distributed.accountant import Accountant
 from ..distributed.moe_accounting import MoEAccounting
 from ..distributed.parallel_dims import ParallelDims
+from ..losses.cross_entropy import check_label_values
 from ..losses.logchannel import IntervalMean
 from ..losses.mtp import roll_mtp
 from ..losses.stats import sample_stats
@@ -46,7 +47,7 @@ from .checkpoint import (
     set_rng_state,
 )
 from .config import TrainConfig
-from .data import Batch, Corpus, JsonlCorpus, SyntheticCorpus, TextFileCorpus, global_batch, split_batch
+from .data import IGNORE_INDEX, Batch, Corpus, JsonlCorpus, SyntheticCorpus, TextFileCorpus, global_batch, split_batch
 from .forward import LossForward, head_loss_fn, head_weights, indexer_share, microbatch_share, run_dtypes
 from .grads import clip_grad_norm, sum_replicated_grads_over_tp
 from .pipeline import PipelineRunner
@@ -232,7 +233,7 @@ class Trainer:
             self.acc,
             num_layers,
             max(mc.num_experts, 1),
-            max(mc.topk, 1),
+            max(mc.topk, 1) if mc.num_experts else 1,  # a dense model has no router: any valid k
             scope=cfg.aux_scope,
             aux_coeff=cfg.aux_coeff,
             z_coeff=cfg.z_coeff,
@@ -278,7 +279,12 @@ class Trainer:
             seq_len=cfg.seq_len,
             packed=cfg.packed,
             seed=cfg.seed,
-        ).to(self.device)
+        )
+        # The step's value checks, once, on the host-side batch (before the transfer): the microbatch path
+        # (model, cross-entropy) then reads nothing back from the device.
+        self.raw.check_values(batch.tokens, batch.segment_ids, batch.positions)
+        check_label_values(batch.labels, self.model_config.vocab_size, IGNORE_INDEX)
+        batch = batch.to(self.device)
         mbs = split_batch(batch, self.dims.dp, self.dp_rank, cfg.ga, cfg.microbatch_size)
         cols = None if self.cp_ctx is None else self.cp_ctx.columns(cfg.seq_len).to(self.device)
         segs, valids = zip(*(_valid_tokens(mb) for mb in mbs))
