@@ -169,3 +169,14 @@ def test_record_needs_declaration():
         acc.record("aux", 1.0)
     acc.finish_step()
     assert acc.logs()["z_loss"] == 1.5
+
+
+def test_docs_accountant_page_code_blocks_run():
+    import re
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "accountant-internals.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    assert len(blocks) == 2
+    for block in blocks:
+        exec(compile(block, str(page), "exec"), {})

@@ -54,6 +54,7 @@ def _groups(rank: int, world: int, kwargs: dict) -> dict:
     roles = ("token", "row", "grad", "ep", "edp", "dp", "cp", "tp", "pp")
     out = {r: _ranks(getattr(dims, f"{r}_group")) for r in roles}
     out["coord"] = (dims.pp_rank, dims.dp_rank, dims.cp_rank, dims.tp_rank, dims.ep_rank)
+    out["ep_mesh"] = None if dims.ep_mesh is None else _ranks(dims.ep_mesh.get_group())  # the one EP mesh
     return out
 
 
@@ -80,6 +81,7 @@ def _expected(rank: int, P: int, D: int, C: int, T: int, E: int, sp: bool) -> di
         "tp": members(lambda p, d, c, t: (p, d, c) == (p0, d0, c0)),
         "pp": members(lambda p, d, c, t: (d, c, t) == (d0, c0, t0)),
         "coord": (p0, d0, c0, t0, f0 % E),
+        "ep_mesh": members(lambda p, d, c, t: p == p0 and t == t0 and (d * C + c) // E == f0 // E) if E > 1 else None,
     }
 
 
@@ -135,3 +137,33 @@ def test_layout_grammar_refuses_with_the_reason(name, needle):
     with pytest.raises(ValueError) as e:
         parse_layout(name)
     assert name in str(e.value) and needle in str(e.value)
+
+
+def _adopted(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))  # not the pp, dp, cp, tp order
+    dims = ParallelDims.from_mesh(mesh)
+    roles = ("token", "row", "grad", "dp", "tp", "log")
+    return {
+        "sizes": (dims.dp, dims.cp, dims.tp, dims.pp),
+        "coord": (dims.dp_rank, dims.tp_rank),
+        **{r: _ranks(getattr(dims, f"{r}_group")) for r in roles},
+    }
+
+
+def test_from_mesh_adopts_a_mesh_in_any_dimension_order():
+    # ParallelDims.from_mesh replaces the accountant's own group resolution (groups.py): one layout object.
+    out = spawn(_adopted, 4, timeout_s=120)
+    for rank, got in enumerate(out):
+        t, d = divmod(rank, 2)  # rank = t·D + d for the mesh (tp=2, dp=2)
+        same_t = sorted(r for r in range(4) if r // 2 == t)
+        same_d = sorted(r for r in range(4) if r % 2 == d)
+        want = {"sizes": (2, 1, 2, 1), "coord": (d, t), "token": same_t, "row": None, "grad": same_t}
+        want |= {"dp": same_t, "tp": same_d, "log": [0, 1, 2, 3]}
+        assert got == want, (rank, got, want)
+
+
+def test_from_group_single_process():
+    dims = ParallelDims.from_group(None)
+    assert dims.built and dims.world_size == 1 and dims.token_group is None and dims.token_rank() == 0

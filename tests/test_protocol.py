@@ -3,7 +3,6 @@ fingerprint, and the training path against the one function per formula (docs/se
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,6 +10,7 @@ import pytest
 import torch
 from _dist_workers import cp_peers_with_different_settings, mismatched_ranks, nan_on_rank1
 from _moe_workers import TOPK, E, FakeRouter, make_batch, records_for
+from _no_sync import no_host_sync
 
 import lossparity as lp
 from lossparity.distributed.launch import spawn
@@ -169,31 +169,6 @@ def test_nan_router_logit_names_rank_microbatch_and_layer(scope):
 
 
 # ----------------------------------------------------------------------------- no host sync
-@contextmanager
-def no_host_sync():
-    """Fail on every Tensor -> host conversion (CPU stand-in for torch.cuda.set_sync_debug_mode)."""
-    names = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero")
-    saved = {n: getattr(torch.Tensor, n) for n in names}
-
-    def make(name):
-        def fail(*args, **kwargs):
-            raise AssertionError(f"host synchronization: Tensor.{name}")
-
-        return fail
-
-    try:
-        for n in names:
-            setattr(torch.Tensor, n, make(n))
-        if torch.cuda.is_available():
-            torch.cuda.set_sync_debug_mode("error")
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.Tensor, n, f)
-        if torch.cuda.is_available():
-            torch.cuda.set_sync_debug_mode(0)
-
-
 @pytest.mark.parametrize("mode", ["per_token", "per_sample", "per_document", "sample_sum_norm"])
 def test_microbatch_calls_do_not_synchronize(mode):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -323,3 +298,60 @@ def test_mtp_denominators_one_place():
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     acc.begin_step([mask])
     assert acc._mtp_denominators() == [2.0, 1.0]  # rolled by 1: 2 tokens; by 2: 1 token
+
+
+# ----------------------------------------------------------------------------- misuses that used to pass silently
+def test_skipping_mtp_loss_is_a_protocol_error_naming_the_microbatch():
+    # Before: finish_step checked only the number of lm_loss calls, so a microbatch without its MTP term
+    # silently dropped that term from the objective and its gradient.
+    acc = lp.Accountant(mtp_depths=1)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    rolled = roll_mask(mask, None, 1)
+    acc.begin_step([mask, mask])
+    acc.lm_loss(torch.ones(1, 3), mask)  # microbatch 0: no mtp_loss
+    acc.lm_loss(torch.ones(1, 3), mask)
+    acc.mtp_loss([torch.ones(1, 3)], [rolled])
+    with pytest.raises(
+        lp.ProtocolError,
+        match=r"finish_step: mtp_loss was not called for microbatch 0 \(rank 0\) although the accountant has "
+        r"mtp_depths=1: expected mtp_loss\(\.\.\.\) for microbatch 0",
+    ):
+        acc.finish_step()
+    with pytest.raises(lp.ProtocolError, match=r"logs\(\): mtp_loss was not called for microbatch 0"):
+        acc.logs()
+    assert acc.state.value == "microbatches"  # nothing changed: the step can still be repaired
+
+
+def test_redeclaring_a_metric_with_another_reduction_is_a_protocol_error():
+    # Before: the second declaration was ignored and the metric kept its first reduction.
+    acc = lp.Accountant()
+    acc.declare_metric("aux", "sum")
+    acc.declare_metric("aux", "sum", per_rank=True)  # the same reduction: kept
+    with pytest.raises(lp.ProtocolError, match=r"'aux' is already declared with reduce='sum'"):
+        acc.declare_metric("aux", "ratio")
+    with pytest.raises(ValueError, match="built-in metric"):
+        acc.declare_metric("objective", "sum")
+
+
+def test_record_is_one_entry_point_for_ratio_sum_and_objective():
+    acc = lp.Accountant()
+    acc.declare_metric("z", "ratio")
+    acc.declare_metric("a", "sum")
+    acc.declare_metric("b", "sum")
+    acc.begin_step([torch.ones(1, 2)])
+    acc.lm_loss(torch.ones(1, 2), torch.ones(1, 2))  # objective 1.0 from the LM term
+    acc.record("z", torch.tensor(3.0), 2.0)
+    acc.record("z", 1.0)  # den defaults to 1
+    acc.record(["a", "b", "objective"], torch.tensor([0.25, 2.0, 0.5], dtype=torch.float32))
+    acc.record(["a", "objective_local"], torch.tensor([0.25, 0.25]))
+    with pytest.raises(ValueError, match="den given for 'a', a metric declared with reduce='sum'"):
+        acc.record("a", 1.0, 1.0)
+    with pytest.raises(ValueError, match=r"2 metric\(s\) for 1 value\(s\)"):
+        acc.record(["a", "b"], torch.zeros(1))
+    with pytest.raises(KeyError, match="not declared"):
+        acc.record("nope", 1.0)
+    acc.finish_step()
+    logs = acc.logs()
+    assert logs["z"] == 4.0 / 3.0  # (3 + 1) / (2 + 1)
+    assert logs["a"] == 0.5 and logs["b"] == 2.0
+    assert logs["objective"] == 1.75  # 1 + 0.5 + 0.25

@@ -241,6 +241,56 @@ def test_megatron_quirks_under_cp_or_sp_are_refused_by_the_config():
     from lossparity.training.config import TrainConfig
 
     for kw in ({"cp": 2}, {"tp": 2, "sp": True}):
-        with pytest.raises(ValueError, match="megatron_quirks is not reproduced with cp="):
+        with pytest.raises(ValueError, match="megatron_quirks=True is not reproduced under context parallelism"):
             TrainConfig(megatron_quirks=True, z_form="microbatch", **kw).validate()
     TrainConfig(cp=2, megatron_quirks=True, aux_scope="none", z_coeff=0.0).validate()  # no MoE term: nothing to refuse
+
+
+def test_trainer_refuses_dims_of_another_layout():
+    # Before: Trainer(cfg, dims) ran the layout of dims while config.json recorded the one of cfg.
+    from lossparity.distributed.parallel_dims import ParallelDims
+
+    with pytest.raises(
+        ValueError, match=r"dims does not describe the layout of cfg \(engine: config 'ddp', dims 'fsdp'\)"
+    ):
+        Trainer(small_cfg(), ParallelDims(engine="fsdp"))
+
+
+def test_trainer_reads_the_layout_only_from_parallel_dims():
+    import re
+    from pathlib import Path
+
+    import lossparity.training.trainer as trainer_module
+
+    text = Path(trainer_module.__file__).read_text()
+    assert not re.findall(r"\bcfg\.(dp|cp|tp|pp|ep|sp)\b", text)
+
+
+def test_validate_states_the_library_rules_with_the_library_messages():
+    # Before: TrainConfig.validate() restated these rules with its own wording, and the indexer rule was
+    # checked only when a Trainer was built.
+    from lossparity.model.context_parallel import shard_columns
+
+    with pytest.raises(ValueError) as lib:
+        shard_columns(30, 2, 0)
+    with pytest.raises(ValueError) as cfg:
+        small_cfg(cp=2, seq_len=30).validate()
+    assert str(cfg.value) == str(lib.value) == "seq_len=30 must be divisible by 4 for cp=2 (zig-zag sharding)"
+    with pytest.raises(ValueError, match="normalization='deferred' knows only after the backward"):
+        small_cfg(normalization="deferred", model_overrides={"indexer_layer": 0}, indexer_coeff=0.1).validate()
+    small_cfg(normalization="deferred", model_overrides={"indexer_layer": 0}, indexer_coeff=0.0).validate()
+
+
+def test_field_types_come_from_the_type_hints(capsys):
+    from lossparity.training.config import check_field, field_type
+
+    assert field_type("mtp_switch_step") == (int, True)
+    assert field_type("lr") == (float, False)
+    assert field_type("mode") == (str, False)  # a Literal option
+    assert field_type("model_overrides") == (dict, False)
+    with pytest.raises(TypeError, match=r"mtp_switch_step must be int \| None, got 1.5"):
+        check_field("mtp_switch_step", 1.5)
+    with pytest.raises(TypeError, match="sp must be bool, got 1"):
+        check_field("sp", 1)
+    assert main(["train", "--mtp-switch-step", "x"]) == 2  # the CLI converts with the hinted type
+    assert "--mtp-switch-step: invalid int value: 'x'" in capsys.readouterr().err

@@ -38,6 +38,8 @@ __all__ = [
     "LossImpl",
     "LOSS_IMPLS",
     "ALIASES",
+    "check_cp_seq_len",
+    "check_sharded_moe",
     "check_option",
     "MODE_INFO",
 ]
@@ -134,3 +136,43 @@ def check_option(name: str, value: object, valid: tuple[T, ...]) -> T:
         if canonical in valid:
             return canonical  # type: ignore[return-value]
     raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layout rules stated once, for TrainConfig.validate() and for the library objects that enforce them at
+# run time (model/context_parallel.py, distributed/moe_accounting.py): one condition, one message.
+
+
+def check_cp_seq_len(seq_len: int, cp: int, zigzag: bool = True) -> None:
+    """Context parallelism cuts every row into ``2·cp`` chunks (zig-zag) or ``cp`` chunks (contiguous):
+    ``seq_len`` must be divisible by that number. Raises ``ValueError`` naming both."""
+    parts = 2 * cp if zigzag else cp
+    if seq_len % parts:
+        raise ValueError(
+            f"seq_len={seq_len} must be divisible by {parts} for cp={cp} "
+            f"({'zig-zag' if zigzag else 'contiguous'} sharding)"
+        )
+
+
+def check_sharded_moe(
+    cp: int, sp: bool, *, megatron_quirks: bool, aux_on: bool, z_on: bool, aux_scope: str, mode: str
+) -> None:
+    """MoE accounting on rows sharded over context parallelism (``cp > 1``) or sequence parallelism
+    (``sp``): Megatron's quirks are not reproduced there (it divides the z coefficient by ``|TP×CP|`` on each
+    shard's own mean), and the ``sequence`` aux scope does not combine with mode ``per_document`` (the
+    sequences are then the documents, numbered on whole rows; a shard's local numbering differs).
+    ``aux_on``/``z_on``: the load-balancing / z term is active. Raises ``ValueError``."""
+    if not (cp > 1 or sp):
+        return
+    if megatron_quirks and (aux_on or z_on):
+        raise ValueError(
+            f"megatron_quirks=True is not reproduced under context parallelism (cp={cp}) or sequence "
+            f"parallelism (sp={sp}): Megatron divides the z-loss coefficient by |TP×CP| on each shard's own "
+            "mean; use the exact forms (megatron_quirks=False)"
+        )
+    if aux_on and aux_scope == "sequence" and mode == "per_document":
+        who = " with ".join(([f"cp={cp}"] if cp > 1 else []) + (["sp"] if sp else []))
+        raise ValueError(
+            f"{who} does not combine aux_scope 'sequence' with mode 'per_document' (the documents are the "
+            "sequences then, numbered on whole rows): use aux_scope micro_batch, global_lagged or global_running"
+        )

@@ -49,24 +49,23 @@ def _none_or(convert):
 def add_train_args(t: argparse.ArgumentParser) -> None:
     """One flag per ``TrainConfig`` field (default ``None`` = not given), plus ``--set``, ``--preset``,
     ``--config`` and ``--debug``."""
-    from ..training.config import OPTION_CHOICES, TrainConfig
+    from ..training.config import OPTION_CHOICES, TrainConfig, field_type
 
     for f in dataclasses.fields(TrainConfig):
         if f.name in _SKIP_FLAGS:
             continue
-        flag, annotation = "--" + f.name.replace("_", "-"), str(f.type)
+        flag, (base, optional) = "--" + f.name.replace("_", "-"), field_type(f.name)
         help_text = f.metadata["help"]
         if "(default" not in help_text:
             help_text += f" (default: {_default_text(f)})"
         if f.name in OPTION_CHOICES:
             t.add_argument(flag, dest=f.name, default=None, metavar="|".join(OPTION_CHOICES[f.name]), help=help_text)
-        elif annotation.startswith("bool"):
+        elif base is bool:
             t.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            base = int if annotation.startswith("int") else float if annotation.startswith("float") else str
-            t.add_argument(
-                flag, dest=f.name, default=None, help=help_text, type=_none_or(base) if "None" in annotation else base
-            )
+            convert = base if base in (int, float) else str
+            kind = _none_or(convert) if optional else convert
+            t.add_argument(flag, dest=f.name, default=None, help=help_text, type=kind)
     t.add_argument(
         "--set",
         dest="model_set",

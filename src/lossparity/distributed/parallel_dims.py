@@ -26,7 +26,9 @@ Groups are *roles* (``None`` where the role spans one rank, so that every collec
 
 All groups are created eagerly by :meth:`ParallelDims.build_mesh` (creating a process group is a
 collective over the world: creating them lazily, on first use, would hang when ranks use different
-roles).
+roles). Library users who already hold a ``DeviceMesh`` adopt it with :meth:`ParallelDims.from_mesh`, or a
+single data-parallel process group with :meth:`ParallelDims.from_group`: every consumer (the trainer, the
+accountant, the MoE accounting) then reads the layout from this one object.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class ParallelDims:
     pp_virtual: int = 1
     engine: Engine = "ddp"
     _mesh: Any = field(default=None, init=False, repr=False, compare=False)
+    _ep_mesh: Any = field(default=None, init=False, repr=False, compare=False)
+    _adopted: bool = field(default=False, init=False, repr=False, compare=False)
     _groups: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
     _coord: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -83,6 +87,18 @@ class ParallelDims:
     def grad_size(self) -> int:
         """Replicas of a non-expert parameter: ``dp·cp`` (the factor an averaging engine divides by)."""
         return self.dp * self.cp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Sequence parallelism is on (``sp`` with ``tp > 1``): TP ranks hold distinct tokens."""
+        return self.sp and self.tp > 1
+
+    # The accounting code's names for the sizes (``acc.groups.dp_size``...), the same numbers.
+    dp_size = property(lambda self: self.dp, doc="``dp``.")
+    cp_size = property(lambda self: self.cp, doc="``cp``.")
+    tp_size = property(lambda self: self.tp, doc="``tp``.")
+    pp_size = property(lambda self: self.pp, doc="``pp``.")
+    ep_size = property(lambda self: self.ep, doc="``ep``.")
 
     @property
     def grad_engine(self) -> Engine:
@@ -144,7 +160,7 @@ class ParallelDims:
     @property
     def built(self) -> bool:
         """True once :meth:`build_mesh` ran (always true-ish for one process: no groups are needed)."""
-        return self._mesh is not None or self.world_size == 1
+        return self._mesh is not None or self._adopted or self.world_size == 1
 
     def build_mesh(self, device_type: str = "cpu") -> Any:
         """Validate against the world size, create the mesh and every derived group (a collective on
@@ -157,6 +173,48 @@ class ParallelDims:
 
         names = tuple(d for d in MESH_DIMS if getattr(self, d) > 1)
         mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in names), mesh_dim_names=names)
+        self._adopt(mesh)
+        return mesh
+
+    @classmethod
+    def from_mesh(cls, mesh: Any, *, sp: bool = False) -> ParallelDims:
+        """The built layout of an existing ``DeviceMesh`` whose dimension names are a subset of ``dp, cp,
+        tp, pp`` (in any order; a missing one has size 1) and whose size is the world size: the groups are
+        the mesh's own dimensions and their flattenings. ``sp``: sequence parallelism over ``tp``. A
+        collective on every rank, like :meth:`build_mesh`."""
+        names = tuple(mesh.mesh_dim_names or ())
+        unknown = [n for n in names if n not in MESH_DIMS]
+        if unknown or not names:
+            raise ValueError(f"mesh dimension names must be a subset of {('dp', 'cp', 'tp', 'pp')}, got {names}")
+        sizes = {n: mesh.size(names.index(n)) for n in names}
+        if mesh.size() != dist.get_world_size():
+            raise ValueError(
+                f"mesh sizes {dict(zip(names, mesh.mesh.shape))} multiply to {mesh.size()}, "
+                f"but the world size is {dist.get_world_size()}"
+            )
+        dims = cls(**sizes, sp=sp)
+        dims.validate(dist.get_world_size())
+        dims._adopt(mesh)
+        return dims
+
+    @classmethod
+    def from_group(cls, group: Any = None) -> ParallelDims:
+        """The layout of one data-parallel process group (``None``: the world group when
+        ``torch.distributed`` is initialized, else one process): every role is that group."""
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+        size = 1 if group is None else dist.get_world_size(group)
+        dims = cls(dp=size)
+        g = group if size > 1 else None
+        dims._groups = {d: None for d in MESH_DIMS} | {"dp": g, "token": g, "row": None, "grad": g, "log": g}
+        dims._groups |= {"ep": None, "edp": g}
+        dims._coord = {d: 0 for d in MESH_DIMS} | {"dp": 0 if g is None else dist.get_rank(g)}
+        dims._adopted = True
+        return dims
+
+    def _adopt(self, mesh: Any) -> None:
+        """Take ``mesh`` as this layout's mesh and create every derived group from it (on every rank)."""
+        names = tuple(mesh.mesh_dim_names)
         coord = dict(zip(names, mesh.get_coordinate() or []))
         self._coord = {d: coord.get(d, 0) for d in MESH_DIMS}
         groups: dict[str, Any] = {d: mesh.get_group(d) if d in names else None for d in MESH_DIMS}
@@ -167,16 +225,16 @@ class ParallelDims:
         groups["ep"], groups["edp"] = self._expert_groups(mesh)
         self._groups = groups
         self._mesh = mesh
-        return mesh
 
     def _sub(self, mesh: Any, dims: tuple[str, ...]) -> Any:
         """The group of ``dims`` (those of size > 1, in mesh order; flattened when several)."""
-        present = tuple(d for d in MESH_DIMS if d in dims and getattr(self, d) > 1)
+        names = tuple(mesh.mesh_dim_names)
+        present = tuple(d for d in names if d in dims and getattr(self, d) > 1)  # slicing needs mesh order
         if not present:
             return None
         if len(present) == 1:
             return mesh.get_group(present[0])
-        if present == tuple(mesh.mesh_dim_names):
+        if present == names:
             return dist.group.WORLD
         return mesh[present]._flatten("_".join(present)).get_group()
 
@@ -188,13 +246,14 @@ class ParallelDims:
         dpcp = tuple(d for d in ("dp", "cp") if getattr(self, d) > 1)
         flat = mesh[dpcp[0]] if len(dpcp) == 1 else mesh[dpcp]._flatten("dp_cp")
         split = flat._unflatten(0, (self.edp, self.ep), ("edp", "ep"))
+        self._ep_mesh = split["ep"]  # the expert layers' mesh: built here once, used by the trainer
         ep_group = split.get_group("ep")
         edp_group = split.get_group("edp") if self.edp > 1 else None
         return ep_group, edp_group
 
     # ------------------------------------------------------------------ groups
     def _group(self, role: str) -> Any:
-        if self.world_size > 1 and self._mesh is None:
+        if not self.built:
             raise RuntimeError(f"ParallelDims.{role}_group: call build_mesh() first (on every rank)")
         return self._groups.get(role)
 
@@ -248,6 +307,12 @@ class ParallelDims:
         """The pipeline dimension."""
         return self._group("pp")
 
+    @property
+    def ep_mesh(self) -> Any:
+        """The 1-D ``DeviceMesh`` (dimension ``ep``) of the expert-parallel ranks, made once by
+        :meth:`build_mesh`; ``None`` without expert parallelism."""
+        return self._ep_mesh
+
     def submesh(self, dim: str) -> Any:
         """The 1-D ``DeviceMesh`` of ``dim`` (e.g. ``"tp"`` for tensor-parallel styles); ``None`` when the
         dimension has size 1."""
@@ -289,6 +354,11 @@ class ParallelDims:
     def ep_rank(self) -> int:
         """Expert-parallel coordinate (which expert shard this rank holds)."""
         return self.rank_in("ep")
+
+    def token_rank(self) -> int:
+        """This rank's index in the token group (0 in a single process)."""
+        g = self.token_group
+        return 0 if g is None else dist.get_rank(g)
 
     @property
     def log_owner(self) -> bool:

@@ -2,7 +2,7 @@
 
 - :class:`ProtocolError` and :class:`StepState`: the one state machine of a step
   (``IDLE --begin_step--> MICROBATCHES --finish_step--> FINISHED --logs--> IDLE``).
-- :class:`Layout`: named slots of a float64 buffer reduced in one collective (the ``add_state`` idea of
+- :class:`BufferSlots`: named slots of a float64 buffer reduced in one collective (the ``add_state`` idea of
   torchmetrics: a metric registers its state by name, the buffer is laid out from the registrations).
 - :func:`fingerprint_slots` / :func:`fingerprint_mismatch`: a configuration fingerprint carried by a SUM
   all-reduce. Every field contributes ``h`` and ``h²`` for two small hashes ``h``; after the reduction over
@@ -25,10 +25,11 @@ from torch import Tensor
 __all__ = [
     "ProtocolError",
     "StepState",
-    "Layout",
+    "BufferSlots",
     "DeviceChecks",
     "fingerprint_slots",
     "fingerprint_mismatch",
+    "raise_fingerprint",
     "FINGERPRINT_FIELDS",
 ]
 
@@ -47,8 +48,9 @@ class StepState(enum.Enum):
     FINISHED = "finished"  # expects the registered step ends (MoEAccounting.end_step), then logs()
 
 
-class Layout:
-    """Named slots of one flat float64 buffer (reduced in one collective).
+class BufferSlots:
+    """Named slots of one flat float64 buffer (reduced in one collective); not a parallel layout (that is
+    :class:`~lossparity.distributed.parallel_dims.ParallelDims`).
 
     ``add(name, size)`` registers a state; ``zeros()`` builds the buffer; ``sl(name)`` is its slice.
     ``local`` states are kept on every rank of a tensor-parallel group (not only on the log owner)."""
@@ -120,6 +122,21 @@ def fingerprint_values(fields: Mapping[str, object]) -> list[float]:
     known["other"] = sorted((k, repr(v)) for k, v in fields.items() if k not in FINGERPRINT_FIELDS)
     hs = [float(x) for name in FINGERPRINT_FIELDS for x in _hashes(known[name])]
     return hs + [h * h for h in hs]
+
+
+def raise_fingerprint(
+    fields: Mapping[str, object], reduced: Sequence[float], n: int, who: str, rank: int, fix: str
+) -> None:
+    """``ValueError`` naming the fields whose hashes differ over the ``n`` ranks of the SUM-reduced
+    fingerprint ``reduced`` (``fields``: this rank's values, ``who``: the ranks, ``fix``: what to build
+    alike); nothing when they agree. Every rank reaches the same verdict."""
+    bad = fingerprint_mismatch(reduced, n) if n > 1 else []
+    if bad:
+        mine = ", ".join(f"{f}={fields.get(f, '...')!r}" for f in bad)
+        raise ValueError(
+            f"the accounting configuration differs between the {who} in {', '.join(bad)} (rank {rank} "
+            f"has {mine}): build every rank's {fix}"
+        )
 
 
 def fingerprint_mismatch(reduced: Sequence[float], n_ranks: int) -> list[str]:

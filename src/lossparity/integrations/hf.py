@@ -365,7 +365,7 @@ class LossParityMixin:
             # micro_batch: the mean over the step's D·K microbatches; hf: every microbatch's term in full.
             aux = own / self._lp_mbs if self.lp_aux_scope == "micro_batch" else own
         share = coef * aux.to(dtype)
-        acc.add_objective(share.detach())
+        acc.record("objective", share.detach())
         return share
 
     def _lp_aux_coef(self) -> float | None:

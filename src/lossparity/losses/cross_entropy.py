@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ._checks import check_int, check_real, check_tensor
 
-__all__ = ["chunked_cross_entropy", "naive_cross_entropy", "default_tiling"]
+__all__ = ["chunked_cross_entropy", "naive_cross_entropy", "check_label_values", "default_tiling"]
 
 # A logits tile holds about TILE_ELEMS values (32 MiB in float32). Measured on a 2-core AVX-512 CPU: a
 # 32 MiB tile mostly stays in the last-level cache, so the elementwise passes over it (max, exp, sum) run
@@ -120,12 +120,19 @@ def _check_inputs(
             f"hidden, weight and labels must be on one device, got hidden on {hidden.device}, "
             f"weight on {weight.device}, labels on {labels.device}"
         )
-    vocab = weight.shape[0] if vocab_size is None else vocab_size
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+
+
+def check_label_values(labels: Tensor, vocab_size: int, ignore_index: int = -100) -> None:
+    """``ValueError`` naming the first label outside ``[0, vocab_size)`` that is not ``ignore_index``.
+
+    Reads one bool (and, on failure, the position) to the host: a synchronization on an accelerator. The
+    cross-entropy functions call it unless ``trusted_labels=True``; a training loop calls it once per step on
+    the host-side batch, before the transfer, and passes ``trusted_labels=True`` per microbatch."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
     if bool(bad.any()):
         pos = tuple(int(i) for i in bad.nonzero()[0])
         raise ValueError(
-            f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}; "
+            f"labels must lie in [0, {vocab_size}) or equal ignore_index={ignore_index}; "
             f"labels{list(pos)} = {int(labels[pos])}"
         )
 
@@ -262,6 +269,7 @@ def chunked_cross_entropy(
     vocab_parallel_group: object | None = None,
     vocab_start: int = 0,
     vocab_size: int | None = None,
+    trusted_labels: bool = False,
 ) -> Tensor:
     """Per-token cross-entropy of the output layer, ``l[t] = logsumexp(z[t]) - z[t, y[t]] + z_loss_coeff ·
     logsumexp(z[t])²`` with ``z = hidden @ weight.T``, and ``l[t] = 0`` where ``labels[t] == ignore_index``,
@@ -277,6 +285,12 @@ def chunked_cross_entropy(
     ``vocab_size``-row head on this rank; the partial logsumexps and target logits are combined over the
     group (three all-reduces of ``[T]``), so every rank returns the same per-token losses, and the
     gradient of the replicated ``hidden`` is summed over the group.
+
+    Host reads: by default the labels' range is checked (:func:`check_label_values`) and the ignored
+    positions are left out of the matmuls, which reads the device once per call (a synchronization on an
+    accelerator). ``trusted_labels=True`` (labels validated before the transfer, e.g. once per step on
+    the host-side batch) reads nothing: the ignored positions are computed with label 0 and their losses
+    zeroed (their gradient is zero), at the cost of their matmul work.
     """
     if vocab_parallel_group is not None and vocab_size is None:
         raise ValueError("vocab_parallel_group needs vocab_size (the rows of the whole output head)")
@@ -286,7 +300,22 @@ def chunked_cross_entropy(
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     flat = labels.reshape(-1)
     chunk, vchunk = default_tiling(weight.shape[0], chunk_size, vocab_chunk_size)
+    if not trusted_labels:
+        check_label_values(labels, weight.shape[0] if vocab_size is None else vocab_size, ignore_index)
     valid = flat != ignore_index
+    if trusted_labels:  # no host read: ignored positions are computed with label 0, then zeroed
+        loss = _ChunkedCrossEntropy.apply(
+            hidden2d,
+            weight,
+            torch.where(valid, flat, 0).long(),
+            None,
+            chunk,
+            vchunk,
+            float(z_loss_coeff),
+            vocab_parallel_group,
+            vocab_start,
+        )
+        return torch.where(valid, loss, torch.zeros_like(loss)).view(out_shape)
     if bool(valid.all()):
         return _ChunkedCrossEntropy.apply(
             hidden2d, weight, flat.long(), None, chunk, vchunk, float(z_loss_coeff), vocab_parallel_group, vocab_start

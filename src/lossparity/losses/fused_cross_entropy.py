@@ -54,7 +54,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ._checks import check_float_tensor, check_int
-from .cross_entropy import _check_inputs, _compute_dtype
+from .cross_entropy import _check_inputs, _compute_dtype, check_label_values
 
 __all__ = ["fused_linear_cross_entropy", "fused_tiling"]
 
@@ -287,6 +287,7 @@ def fused_linear_cross_entropy(
     vocab_parallel_group: object | None = None,
     vocab_start: int = 0,
     vocab_size: int | None = None,
+    trusted_labels: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Weighted output-layer cross-entropy ``J = Σ_t w[t]·l[t]`` with ``l[t] = logsumexp(z[t]) - z[t, y[t]]
     + z_loss_coeff · logsumexp(z[t])²``, ``z = hidden @ weight.T``, ``l[t] = 0`` where ``labels[t] ==
@@ -301,7 +302,11 @@ def fused_linear_cross_entropy(
     ``vocab_parallel_group``, ``weight`` holds rows ``[vocab_start, vocab_start + V_local)`` of the
     ``vocab_size``-row head; every rank returns the same ``J`` and ``l``, the full ``∂J/∂hidden``, and
     ``∂J/∂weight`` of its own rows (give every rank the same ``hidden``, labels and weights). Dtypes and
-    backward behaviour: see the module docstring. Ignored positions cost no matmul work.
+    backward behaviour: see the module docstring. Ignored positions cost no matmul work, except with
+    ``trusted_labels=True``: then nothing is read to the host (no label range check, see
+    :func:`~lossparity.losses.cross_entropy.check_label_values`; no compaction of the ignored positions,
+    which are computed with label 0 and weight 0 and their losses zeroed), for a per-microbatch path whose
+    labels were validated once per step before the transfer.
     """
     if vocab_parallel_group is not None and vocab_size is None:
         raise ValueError("vocab_parallel_group needs vocab_size (the rows of the whole output head)")
@@ -324,7 +329,12 @@ def fused_linear_cross_entropy(
         device_type=hidden.device.type,
     )
     valid = flat != ignore_index
-    idx = None if bool(valid.all()) else valid.nonzero().squeeze(1)
+    if trusted_labels:  # no host read: ignored positions get label 0 and weight 0, their losses are zeroed
+        idx = None
+        flat, tok_w = torch.where(valid, flat, 0), torch.where(valid, tok_w, torch.zeros_like(tok_w))
+    else:
+        check_label_values(labels, weight.shape[0] if vocab_size is None else vocab_size, ignore_index)
+        idx = None if bool(valid.all()) else valid.nonzero().squeeze(1)
     if idx is not None:
         flat, tok_w = flat[idx], tok_w[idx]
     if flat.numel() == 0:  # nothing to compute: J = 0, still connected to the inputs for backward
@@ -336,4 +346,6 @@ def fused_linear_cross_entropy(
         )
     if idx is not None:
         loss = loss.new_zeros(valid.shape[0]).index_copy(0, idx, loss)
+    elif trusted_labels:
+        loss = torch.where(valid, loss, torch.zeros_like(loss))
     return total, loss.view(out_shape)

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..options import check_cp_seq_len
+
 __all__ = ["ContextParallel", "shard_columns"]
 
 
@@ -47,12 +49,8 @@ def shard_columns(seq_len: int, cp_size: int, cp_rank: int, zigzag: bool = True)
     """The positions ``[S/C]`` of a row held by CP rank ``cp_rank`` (see the module docstring)."""
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"need 0 <= cp_rank < cp_size, got cp_rank={cp_rank}, cp_size={cp_size}")
+    check_cp_seq_len(seq_len, cp_size, zigzag)
     parts = 2 * cp_size if zigzag else cp_size
-    if seq_len % parts:
-        raise ValueError(
-            f"seq_len={seq_len} must be divisible by {parts} for cp={cp_size} "
-            f"({'zig-zag' if zigzag else 'contiguous'} sharding)"
-        )
     chunks = torch.arange(seq_len).chunk(parts)
     if zigzag:
         return torch.cat([chunks[cp_rank], chunks[parts - 1 - cp_rank]])

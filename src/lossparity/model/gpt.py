@@ -105,12 +105,19 @@ class GPT(nn.Module):
                 m.cp = cp  # keys of every shard are gathered (attention and indexer alike)
 
     def prepare(
-        self, tokens: Tensor, *, segment_ids: Tensor | None = None, positions: Tensor | None = None
+        self,
+        tokens: Tensor,
+        *,
+        segment_ids: Tensor | None = None,
+        positions: Tensor | None = None,
+        check_values: bool = True,
     ) -> ForwardContext:
         """Everything the blocks need besides the hidden states, from whole rows: attention mask, RoPE
         tables, non-padding map, MTP input tokens (rolled on whole rows), cut to this rank's columns under
         context parallelism. Computed once per microbatch (pipeline stages share it)."""
         self._check_inputs(tokens, segment_ids, positions)
+        if check_values:
+            self.check_values(tokens, segment_ids, positions)
         c = self.config
         B, S = tokens.shape
         if positions is None:
@@ -198,20 +205,26 @@ class GPT(nn.Module):
             )
         if tokens.shape[1] > self.config.max_seq_len:
             raise ValueError(f"tokens sequence length {tokens.shape[1]} exceeds max_seq_len {self.config.max_seq_len}")
+        for name, t in (("segment_ids", segment_ids), ("positions", positions)):
+            if t is not None and (t.shape != tokens.shape or t.dtype.is_floating_point or t.dtype == torch.bool):
+                raise ValueError(
+                    f"{name} must be an integer tensor of tokens' shape {tuple(tokens.shape)}, "
+                    f"got {t.dtype} shape {tuple(t.shape)}"
+                )
+
+    def check_values(self, tokens: Tensor, segment_ids: Tensor | None = None, positions: Tensor | None = None) -> None:
+        """``ValueError`` unless ``0 <= tokens < vocab_size`` and ``segment_ids``/``positions >= 0``.
+
+        Reads the minima/maxima to the host (a synchronization on an accelerator): ``forward`` and
+        ``prepare`` call it unless ``check_values=False``; a training loop calls it once per step on the
+        host-side batch, before the transfer, and passes ``check_values=False`` per microbatch."""
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
             raise ValueError(
                 f"tokens values must be in [0, {self.config.vocab_size}), got range "
                 f"[{int(tokens.min())}, {int(tokens.max())}]"
             )
         for name, t in (("segment_ids", segment_ids), ("positions", positions)):
-            if t is None:
-                continue
-            if t.shape != tokens.shape or t.dtype.is_floating_point or t.dtype == torch.bool:
-                raise ValueError(
-                    f"{name} must be an integer tensor of tokens' shape {tuple(tokens.shape)}, "
-                    f"got {t.dtype} shape {tuple(t.shape)}"
-                )
-            if t.numel() and int(t.min()) < 0:
+            if t is not None and t.numel() and int(t.min()) < 0:
                 raise ValueError(f"{name} must be >= 0, got min {int(t.min())}")
 
     def forward(
@@ -221,6 +234,7 @@ class GPT(nn.Module):
         segment_ids: Tensor | None = None,
         positions: Tensor | None = None,
         recompute: bool = False,
+        check_values: bool = True,
     ) -> ModelOutput:
         """Run the model on ``tokens [B, S]``.
 
@@ -228,8 +242,9 @@ class GPT(nn.Module):
         inside a document; id 0 = padding, excluded from the routers' dispatch counts). ``positions``
         default to the index within the document (``arange(S)`` without segment ids). ``recompute``
         checkpoints every transformer block (main and MTP); the re-runs record and count nothing. Under
-        :meth:`enable_context_parallel` the inputs are whole rows and the outputs this shard's columns."""
-        ctx = self.prepare(tokens, segment_ids=segment_ids, positions=positions)
+        :meth:`enable_context_parallel` the inputs are whole rows and the outputs this shard's columns.
+        ``check_values=False`` skips :meth:`check_values` (values validated before the transfer: no host read)."""
+        ctx = self.prepare(tokens, segment_ids=segment_ids, positions=positions, check_values=check_values)
         h, routers, indexer = self.run_layers(self.embed(ctx.tokens), ctx, range(len(self.layers)), recompute=recompute)
         hidden, mtp_hidden, mtp_routers = self.run_head(h, ctx, recompute=recompute)
         routers += mtp_routers

@@ -19,8 +19,9 @@ import dataclasses
 import difflib
 import math
 import os
+import types
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from ..options import (
     AUX_SCOPES,
@@ -41,10 +42,21 @@ from ..options import (
     MTPLogEstimator,
     Normalization,
     ZForm,
+    check_cp_seq_len,
     check_option,
+    check_sharded_moe,
 )
 
-__all__ = ["TrainConfig", "FieldKind", "check_field", "field_kind", "numbers_mismatch", "OPTION_CHOICES", "BYTE_VOCAB"]
+__all__ = [
+    "TrainConfig",
+    "FieldKind",
+    "check_field",
+    "field_kind",
+    "field_type",
+    "numbers_mismatch",
+    "OPTION_CHOICES",
+    "BYTE_VOCAB",
+]
 
 FieldKind = Literal["numbers", "layout", "run"]
 
@@ -174,6 +186,7 @@ class TrainConfig:
         setting, ``FileNotFoundError`` for a missing data file. Never changes the config."""
         self._check_values()
         self._check_layout()
+        self._check_indexer()
         self._check_features()
 
     def _check_values(self) -> None:
@@ -206,21 +219,16 @@ class TrainConfig:
         self.parallel_dims().validate()  # sizes, ep | dp*cp, sp needs tp, engine combinations
         self._check_expert_parallel()
         if self.cp > 1:
-            parts = 2 * self.cp if self.cp_zigzag else self.cp
-            if self.seq_len % parts:
-                raise ValueError(f"seq_len={self.seq_len} must be divisible by {parts} for cp={self.cp}")
-        moe_terms = (self.aux_scope != "none" and self.aux_coeff > 0) or self.z_coeff > 0
-        if (self.cp > 1 or self.sp) and self.megatron_quirks and moe_terms:
-            raise ValueError(
-                f"megatron_quirks is not reproduced with cp={self.cp}, sp={self.sp} (Megatron shards its MoE "
-                "terms its own way: z coefficient / |TP×CP| on each shard's mean): use the exact forms"
-            )
-        if (self.cp > 1 or self.sp) and self.aux_scope == "sequence" and self.mode == "per_document":
-            who = " with ".join(([f"cp={self.cp}"] if self.cp > 1 else []) + (["sp"] if self.sp else []))
-            raise ValueError(
-                f"{who} does not combine aux_scope 'sequence' with mode 'per_document' (the documents are the "
-                "sequences then, numbered on whole rows): use aux_scope micro_batch, global_lagged or global_running"
-            )
+            check_cp_seq_len(self.seq_len, self.cp, self.cp_zigzag)
+        check_sharded_moe(
+            self.cp,
+            self.sp,
+            megatron_quirks=self.megatron_quirks,
+            aux_on=self.aux_scope != "none" and self.aux_coeff > 0,
+            z_on=self.z_coeff > 0,
+            aux_scope=self.aux_scope,
+            mode=self.mode,
+        )
         if self.sp and (self.seq_len // self.cp) % self.tp:
             raise ValueError(
                 f"seq_len/cp={self.seq_len}/{self.cp} must be divisible by tp={self.tp} for sequence parallelism"
@@ -255,6 +263,21 @@ class TrainConfig:
         if experts == 0 or experts % self.ep:
             raise ValueError(
                 f"--ep={self.ep} must divide the number of routed experts num_experts={experts} of model {self.model!r}"
+            )
+
+    def _check_indexer(self) -> None:
+        """The DSA indexer loss share ``c·Σ KL / Tq`` needs the step's global query-token count before the
+        backward, which ``normalization='deferred'`` knows only after it."""
+        if self.normalization != "deferred" or self.indexer_coeff <= 0:
+            return
+        from ..model import get_config
+
+        layer = get_config(self.model, **self.model_overrides).indexer_layer
+        if layer is not None:
+            raise ValueError(
+                f"the DSA indexer loss (model indexer_layer={layer}, indexer_coeff={self.indexer_coeff}) is "
+                "normalized by the step's global query-token count, which normalization='deferred' knows only "
+                "after the backward: use normalization='precount', or indexer_coeff=0"
             )
 
     def _check_features(self) -> None:
@@ -319,9 +342,8 @@ def check_field(name: str, value: Any) -> None:
     if name in OPTION_CHOICES:
         check_option(name, value, OPTION_CHOICES[name])
         return
-    annotation = str(_FIELDS[name].type)
-    if not _type_ok(annotation, value):
-        raise TypeError(f"{name} must be {annotation}, got {value!r} ({type(value).__name__})")
+    if not _type_ok(name, value):
+        raise TypeError(f"{name} must be {_type_text(name)}, got {value!r} ({type(value).__name__})")
     if name in _NON_NEGATIVE and not (math.isfinite(value) and value >= 0):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     if name == "grad_clip" and not math.isfinite(value):
@@ -334,7 +356,7 @@ def check_field(name: str, value: Any) -> None:
         **dict.fromkeys(_OPTIONAL_NON_NEGATIVE_INTS, 0),
     }.get(name)
     if low is not None and value is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}{' or None' if 'None' in annotation else ''}, got {value}")
+        raise ValueError(f"{name} must be >= {low}{' or None' if field_type(name)[1] else ''}, got {value}")
 
 
 def field_kind(name: str) -> FieldKind:
@@ -369,19 +391,39 @@ def numbers_mismatch(saved: dict[str, Any], new: TrainConfig) -> list[str]:
     return diffs
 
 
-def _type_ok(text: str, value: Any) -> bool:
-    """Whether ``value`` fits the field annotation ``text`` (a string under ``from __future__ import
-    annotations``)."""
+def field_type(name: str) -> tuple[type, bool]:
+    """``(base, optional)`` of the ``TrainConfig`` field ``name`` from its resolved type hint
+    (``typing.get_type_hints``): ``int | None`` is ``(int, True)``, a ``Literal`` option ``(str, False)``,
+    ``dict[str, Any]`` ``(dict, False)``. The CLI builds its flags from it; :func:`check_field` checks values."""
+    hint = _HINTS[name]
+    optional = False
+    if get_origin(hint) in (Union, types.UnionType):
+        args = [a for a in get_args(hint) if a is not type(None)]
+        optional = len(args) < len(get_args(hint))
+        hint = args[0]
+    if get_origin(hint) is Literal:
+        return type(get_args(hint)[0]), optional
+    origin = get_origin(hint)
+    return (origin if isinstance(origin, type) else hint), optional
+
+
+def _type_text(name: str) -> str:
+    base, optional = field_type(name)
+    return base.__name__ + (" | None" if optional else "")
+
+
+def _type_ok(name: str, value: Any) -> bool:
+    """Whether ``value`` fits the type of field ``name`` (bools are not numbers; ints are floats)."""
+    base, optional = field_type(name)
     if value is None:
-        return "None" in text
-    if text.startswith("bool"):
+        return optional
+    if base is bool:
         return isinstance(value, bool)
-    if text.startswith("int"):
-        return isinstance(value, int) and not isinstance(value, bool)
-    if text.startswith("float"):
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if text.startswith("str"):
-        return isinstance(value, str)
-    if text.startswith("dict"):
-        return isinstance(value, dict)
-    return True
+    if isinstance(value, bool):
+        return False
+    if base is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, base)
+
+
+_HINTS = get_type_hints(TrainConfig)

@@ -5,6 +5,7 @@ shared by the plain step (``trainer.py``) and the pipeline step (``pipeline.py``
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -17,7 +18,44 @@ from ..losses.fused_cross_entropy import fused_linear_cross_entropy
 from ..losses.indexer import indexer_kl
 from ..model import GPT
 
-__all__ = ["LossForward", "head_loss_fn", "head_fused_fn", "head_weights", "indexer_share", "upcast"]
+__all__ = [
+    "LossForward",
+    "RunDtypes",
+    "run_dtypes",
+    "head_loss_fn",
+    "head_fused_fn",
+    "head_losses",
+    "head_weights",
+    "microbatch_share",
+    "indexer_share",
+    "upcast",
+]
+
+
+@dataclass(frozen=True)
+class RunDtypes:
+    """The torch dtypes of a run's ``dtype`` setting: parameters, per-token losses and token weights, and the
+    autocast dtype of the forward (``None``: no autocast)."""
+
+    params: torch.dtype
+    loss: torch.dtype
+    autocast: torch.dtype | None
+
+
+# The one mapping from TrainConfig.dtype: float64 runs (verify) stay float64; bf16 keeps float32 weights
+# and losses and runs the forward under bf16 autocast.
+_DTYPES = {
+    "float64": RunDtypes(torch.float64, torch.float64, None),
+    "float32": RunDtypes(torch.float32, torch.float32, None),
+    "bf16": RunDtypes(torch.float32, torch.float32, torch.bfloat16),
+}
+
+
+def run_dtypes(name: str) -> RunDtypes:
+    """The :class:`RunDtypes` of ``TrainConfig.dtype`` ``name`` (``float64``, ``float32`` or ``bf16``)."""
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
 
 
 def upcast(x: Tensor) -> Tensor:
@@ -29,7 +67,8 @@ def upcast(x: Tensor) -> Tensor:
 def head_loss_fn(gpt: GPT) -> Callable[[Tensor, Tensor], Tensor]:
     """Per-token cross-entropy ``ce(hidden [b,S,dim], labels [b,S]) -> [b,S]`` of ``gpt``'s output head:
     the chunked cross-entropy, vocabulary-parallel when tensor parallelism shards the head's rows (a
-    ``DTensor``: each rank's partial logsumexps are combined over the head's mesh)."""
+    ``DTensor``: each rank's partial logsumexps are combined over the head's mesh). The labels are trusted
+    (the trainer checks them once per step on the host-side batch): no host read per microbatch."""
 
     weight = gpt.output.weight
     if isinstance(weight, DTensor):
@@ -37,9 +76,15 @@ def head_loss_fn(gpt: GPT) -> Callable[[Tensor, Tensor], Tensor]:
         local = weight.to_local()
         start = mesh.get_local_rank() * local.shape[0]
         return lambda h, lab: chunked_cross_entropy(
-            h, local, lab, vocab_parallel_group=mesh.get_group(), vocab_start=start, vocab_size=weight.shape[0]
+            h,
+            local,
+            lab,
+            vocab_parallel_group=mesh.get_group(),
+            vocab_start=start,
+            vocab_size=weight.shape[0],
+            trusted_labels=True,
         )
-    return lambda h, lab: chunked_cross_entropy(h, weight, lab)
+    return lambda h, lab: chunked_cross_entropy(h, weight, lab, trusted_labels=True)
 
 
 def head_fused_fn(gpt: GPT) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]:
@@ -51,9 +96,16 @@ def head_fused_fn(gpt: GPT) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, 
         local = weight.to_local()
         start = mesh.get_local_rank() * local.shape[0]
         return lambda h, lab, w: fused_linear_cross_entropy(
-            h, local, lab, w, vocab_parallel_group=mesh.get_group(), vocab_start=start, vocab_size=weight.shape[0]
+            h,
+            local,
+            lab,
+            w,
+            vocab_parallel_group=mesh.get_group(),
+            vocab_start=start,
+            vocab_size=weight.shape[0],
+            trusted_labels=True,
         )
-    return lambda h, lab, w: fused_linear_cross_entropy(h, weight, lab, w)
+    return lambda h, lab, w: fused_linear_cross_entropy(h, weight, lab, w, trusted_labels=True)
 
 
 def head_weights(
@@ -73,6 +125,52 @@ def head_weights(
     main = acc.token_weights(mask, seg, columns=cols).to(dtype)
     mtp = acc.mtp_token_weights(mtp_masks, seg, columns=cols) if mtp_masks else []
     return main, [w.to(dtype) for w in mtp]
+
+
+def head_losses(
+    gpt: GPT,
+    hidden: Tensor,
+    mtp_hidden: list[Tensor],
+    labels: Tensor,
+    mtp_labels: list[Tensor],
+    weights: tuple[Tensor, list[Tensor]] | None,
+) -> tuple[Tensor, list[Tensor], tuple[Tensor, Tensor] | None]:
+    """The output head on the final hidden states of the main head and of each MTP depth:
+    ``(per_token_loss, [per_token_loss_k], shares)``. Chunked head (``weights`` ``None``): the losses carry
+    the gradients and ``shares`` is ``None``. Fused head: ``shares = (Σ w·l, Σ_k Σ w_k·l_k)`` carry them
+    (formed in the forward from the accountant's weights, :func:`head_weights`) and the losses are detached."""
+    if weights is None:
+        ce = head_loss_fn(gpt)
+        return ce(hidden, labels), [ce(h, lab) for h, lab in zip(mtp_hidden, mtp_labels)], None
+    fce = head_fused_fn(gpt)
+    main_share, main = fce(hidden, labels, weights[0])
+    parts = [fce(h, lab, w) for h, lab, w in zip(mtp_hidden, mtp_labels, weights[1])]
+    mtp_share = sum((p[0] for p in parts), torch.zeros_like(main_share))
+    return main, [p[1] for p in parts], (main_share, mtp_share)
+
+
+def microbatch_share(
+    acc: Accountant,
+    head: tuple[Tensor, list[Tensor], tuple[Tensor, Tensor] | None],
+    mask: Tensor,
+    seg: Tensor,
+    mtp_masks: list[Tensor],
+    cols: Tensor | None,
+) -> Tensor:
+    """One microbatch's share of ``J`` from its head outputs (:func:`head_losses`), the language-model term
+    plus the MTP term, accounted by ``acc``: ``lm_loss``/``mtp_loss`` of the per-token losses (chunked head)
+    or ``add_lm_share``/``add_mtp_share`` of the fused head's shares. The one loss function of the plain
+    and the pipelined step (``mask``/``seg``/``mtp_masks``: this rank's columns under context parallelism)."""
+    per_tok, mtp_losses, shares = head
+    if shares is None:
+        loss = acc.lm_loss(per_tok, mask, seg, columns=cols)
+        if mtp_losses:
+            loss = loss + acc.mtp_loss(mtp_losses, mtp_masks, seg, columns=cols)
+        return loss
+    loss = acc.add_lm_share(shares[0], per_tok, mask, seg, columns=cols)
+    if mtp_losses:
+        loss = loss + acc.add_mtp_share(shares[1], mtp_losses, mtp_masks, seg, columns=cols)
+    return loss
 
 
 class LossForward(nn.Module):
@@ -108,19 +206,12 @@ class LossForward(nn.Module):
         if self.gpt.cp is not None:
             cols = self.gpt.cp.columns(tokens.shape[1]).to(tokens.device)
             labels, mtp_labels = labels[:, cols], [lab[:, cols] for lab in mtp_labels]
-        shares = None
         with torch.autocast(tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            out = self.gpt(tokens, segment_ids=segment_ids, positions=positions, recompute=recompute)
-            if weights is None:
-                ce = head_loss_fn(self.gpt)
-                main = ce(out.hidden, labels)
-                mtp = [ce(h, lab) for h, lab in zip(out.mtp_hidden, mtp_labels)]
-            else:
-                fce = head_fused_fn(self.gpt)
-                main_share, main = fce(out.hidden, labels, weights[0])
-                parts = [fce(h, lab, w) for h, lab, w in zip(out.mtp_hidden, mtp_labels, weights[1])]
-                mtp = [p[1] for p in parts]
-                shares = (main_share, sum((p[0] for p in parts), torch.zeros_like(main_share)))
+            # values were checked once per step on the host-side batch (Trainer.train_step): no host read here
+            out = self.gpt(
+                tokens, segment_ids=segment_ids, positions=positions, recompute=recompute, check_values=False
+            )
+            main, mtp, shares = head_losses(self.gpt, out.hidden, list(out.mtp_hidden), labels, mtp_labels, weights)
         routers: list[tuple[Tensor, ...]] = [(r.logits, r.probs, r.topk_map, r.dispatch_map) for r in out.routers]
         return upcast(main), [upcast(x) for x in mtp], routers, out.indexer, shares
 
@@ -137,5 +228,5 @@ def indexer_share(
     tq = max(acc.global_count(ROUTER_TOKENS), 1.0)
     share = coeff * kl / tq
     acc.record("indexer_loss", kl.detach(), valid.sum())  # a device count: no host sync per microbatch
-    acc.add_objective(share.detach(), per_rank=per_rank)
+    acc.record("objective_local" if per_rank else "objective", share)
     return share

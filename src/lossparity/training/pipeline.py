@@ -33,14 +33,14 @@ from ..model import GPT
 from ..model.pipeline import StageModule, chunks_of_rank, split_layers
 from ..model.router import RouterRecord
 from ..model.sequence_parallel import sp_shard
-from .forward import head_fused_fn, head_loss_fn, head_weights, indexer_share
+from .forward import head_losses, head_weights, indexer_share, microbatch_share, run_dtypes
 from .grads import clip_grad_norm
 
 __all__ = ["PipelineRunner"]
 
 
 class PipelineRunner:
-    """The pipeline half of a trainer with ``cfg.pp > 1`` (see the module docstring). ``moe_factory(n,
+    """The pipeline half of a trainer with ``dims.pp > 1`` (see the module docstring). ``moe_factory(n,
     **kw)`` builds the MoE accounting of a chunk with ``n`` routers (the trainer's settings)."""
 
     def __init__(
@@ -54,9 +54,9 @@ class PipelineRunner:
     ) -> None:
         self.cfg, self.raw, self.acc, self.dims, self.device = cfg, raw, acc, dims, device
         self.pp_group, self.pp_rank = dims.pp_group, dims.pp_rank
-        num_chunks = cfg.pp * cfg.pp_virtual
+        num_chunks = dims.pp * dims.pp_virtual
         ranges = split_layers(len(raw.layers), num_chunks)
-        self.chunk_ids = chunks_of_rank(self.pp_rank, cfg.pp, cfg.pp_virtual)
+        self.chunk_ids = chunks_of_rank(self.pp_rank, dims.pp, dims.pp_virtual)
         self.first = 0 in self.chunk_ids
         self.last = num_chunks - 1 in self.chunk_ids
         total_moe = len(raw.moe_routers())
@@ -92,8 +92,8 @@ class PipelineRunner:
 
         cfg, raw = self.cfg, self.raw
         b, dim = cfg.microbatch_size, raw.config.dim
-        s_local = cfg.seq_len // cfg.cp
-        s_between = s_local // cfg.tp if cfg.sp else s_local
+        s_local = cfg.seq_len // self.dims.cp
+        s_between = s_local // self.dims.tp if self.dims.sp else s_local
         dtype = raw.tok_embeddings.weight.dtype
         # requires_grad on the example: the received activation buffers copy it, and the backward of a
         # stage only sends a gradient for inputs that require one.
@@ -115,7 +115,7 @@ class PipelineRunner:
             for m, c in zip(self.stages, self.chunk_ids)
         ]
         # scale_grads=False: the accountant's shares are already exact, the schedule must not divide.
-        if cfg.pp_virtual == 1:
+        if self.dims.pp_virtual == 1:
             return Schedule1F1B(pstages[0], cfg.ga, loss_fn=self._loss_fn, scale_grads=False)
         # torch annotates the stages as list[_PipelineStageBase]; a list of its subclass is what it expects
         return ScheduleInterleaved1F1B(cast(Any, pstages), cfg.ga, loss_fn=self._loss_fn, scale_grads=False)
@@ -128,7 +128,7 @@ class PipelineRunner:
             data = self._batch[mb]
             share = moe.microbatch_loss(records, data["valid"], data["seg"]) if records else None
             if indexer is not None:
-                idx = indexer_share(self.acc, self.cfg.indexer_coeff, indexer, data["valid"], per_rank=self.cfg.sp)
+                idx = indexer_share(self.acc, self.cfg.indexer_coeff, indexer, data["valid"], per_rank=self.dims.sp)
                 share = idx if share is None else share + idx
             return share
 
@@ -136,29 +136,15 @@ class PipelineRunner:
 
     def _loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
         """Last stage: the accountant's shares of one microbatch (main loss and MTP depths)."""
-        acc = self.acc
         data = self._batch[self._loss_mb]
         self._loss_mb += 1
-        dtype = torch.float64 if self.cfg.dtype == "float64" else torch.float32
-        weights = head_weights(acc, self.cfg.loss_impl, dtype, data["mask"], data["seg"], data["mtp_masks"], self._cols)
-        if weights is not None:  # fused head: the shares carry the gradients, losses feed the logs
-            fce = head_fused_fn(self.raw)
-            share, per_tok = fce(output[0], data["labels"], weights[0])
-            loss = acc.add_lm_share(share, per_tok, data["mask"], data["seg"], columns=self._cols)
-            if len(self.raw.mtp):
-                parts = [fce(output[k], lab, w) for k, (lab, w) in enumerate(zip(data["mtp_labels"], weights[1]), 1)]
-                mtp_share = sum((p[0] for p in parts), torch.zeros_like(share))  # as LossForward sums them
-                loss = loss + acc.add_mtp_share(
-                    mtp_share, [p[1] for p in parts], data["mtp_masks"], data["seg"], columns=self._cols
-                )
-            return loss
-        ce = head_loss_fn(self.raw)
-        per_tok = ce(output[0], data["labels"])
-        loss = acc.lm_loss(per_tok, data["mask"], data["seg"], columns=self._cols)
-        if len(self.raw.mtp):
-            losses = [ce(output[k], lab) for k, lab in enumerate(data["mtp_labels"], 1)]
-            loss = loss + acc.mtp_loss(losses, data["mtp_masks"], data["seg"], columns=self._cols)
-        return loss
+        dtype = run_dtypes(self.cfg.dtype).loss
+        weights = head_weights(
+            self.acc, self.cfg.loss_impl, dtype, data["mask"], data["seg"], data["mtp_masks"], self._cols
+        )
+        mtp_hidden = [output[k] for k in range(1, 1 + len(self.raw.mtp))]
+        head = head_losses(self.raw, output[0], mtp_hidden, data["labels"], data["mtp_labels"], weights)
+        return microbatch_share(self.acc, head, data["mask"], data["seg"], data["mtp_masks"], self._cols)
 
     def run(self, mbs: list, segs: list, valids: list) -> None:
         """Forward and backward of the step's microbatches through the pipeline schedule. Under context
@@ -172,7 +158,7 @@ class PipelineRunner:
         def cut(x: Tensor) -> Tensor:
             return x if cols is None else x[:, cols]
 
-        tp_mesh = self.dims.submesh("tp") if self.cfg.sp else None
+        tp_mesh = self.dims.submesh("tp") if self.dims.sp else None
         self._batch = []
         for mb, seg, valid in zip(mbs, segs, valids):
             rolled = [roll_mtp(mb.labels, mb.mask, seg, k) for k in range(1, len(raw.mtp) + 1)]
@@ -187,7 +173,10 @@ class PipelineRunner:
                     "mtp_masks": [cut(r[1]) for r in rolled],
                 }
             )
-        contexts = [raw.prepare(mb.tokens, segment_ids=seg, positions=mb.positions) for mb, seg in zip(mbs, segs)]
+        contexts = [  # values were checked once per step on the host-side batch (Trainer.train_step)
+            raw.prepare(mb.tokens, segment_ids=seg, positions=mb.positions, check_values=False)
+            for mb, seg in zip(mbs, segs)
+        ]
         for m in self.stages:
             m.set_microbatches(contexts)
         self._loss_mb = 0

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from ..distributed.accountant import Accountant
 from ..distributed.moe_accounting import MoEAccounting
 from ..distributed.parallel_dims import ParallelDims
+from ..losses.cross_entropy import check_label_values
 from ..losses.logchannel import IntervalMean
 from ..losses.mtp import roll_mtp
 from ..losses.stats import sample_stats
@@ -38,8 +39,8 @@ from ..model.context_parallel import ContextParallel
 from ..model.sequence_parallel import sp_shard
 from .checkpoint import Checkpointer
 from .config import TrainConfig
-from .data import Batch, Corpus, JsonlCorpus, SyntheticCorpus, TextFileCorpus, global_batch, split_batch
-from .forward import LossForward, head_loss_fn, head_weights, indexer_share
+from .data import IGNORE_INDEX, Batch, Corpus, JsonlCorpus, SyntheticCorpus, TextFileCorpus, global_batch, split_batch
+from .forward import LossForward, head_loss_fn, head_weights, indexer_share, microbatch_share, run_dtypes
 from .grads import clip_grad_norm, sum_replicated_grads_over_tp
 from .notes import Notify, warn_note
 from .parity_stop import make_guard, parity_check
@@ -106,6 +107,21 @@ def _pick_device(cfg: TrainConfig) -> torch.device:
     return torch.device("cpu")
 
 
+def _agreeing_dims(cfg: TrainConfig, dims: ParallelDims) -> ParallelDims:
+    """``dims`` when it describes the layout of ``cfg``; else ``ValueError`` naming the fields that differ
+    (the config is the run's record in ``config.json``: it must not say another layout than the one run)."""
+    want = cfg.parallel_dims()
+    names = ("dp", "cp", "tp", "pp", "ep", "sp", "pp_virtual", "engine")
+    bad = [
+        f"{n}: config {getattr(want, n)!r}, dims {getattr(dims, n)!r}"
+        for n in names
+        if getattr(want, n) != getattr(dims, n)
+    ]
+    if bad:
+        raise ValueError(f"Trainer(cfg, dims): dims does not describe the layout of cfg ({'; '.join(bad)})")
+    return dims
+
+
 class Trainer:
     """A reference training run on this process (rank ``dist.get_rank()`` when distributed)."""
 
@@ -118,22 +134,16 @@ class Trainer:
         cfg = cfg.resolved()  # validated copy with the derived values (the caller's config is not changed)
         self.cfg = cfg
         self.model_config = get_config(cfg.model, **dict(cfg.model_overrides))
-        if cfg.normalization == "deferred" and self.model_config.indexer_layer is not None and cfg.indexer_coeff > 0:
-            # Its share c·Σ KL / Tq needs the step's global query-token count before the backward.
-            raise ValueError(
-                "the DSA indexer loss (model indexer_layer="
-                f"{self.model_config.indexer_layer}, indexer_coeff={cfg.indexer_coeff}) is normalized by the "
-                "step's global query-token count, which normalization='deferred' knows only after the "
-                "backward: use normalization='precount', or indexer_coeff=0"
-            )
-        self.dims = parallel_dims(cfg) if dims is None else dims
+        self.dims = parallel_dims(cfg) if dims is None else _agreeing_dims(cfg, dims)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.device = _pick_device(cfg)
         self.dims.build_mesh(self.device.type)
         self.dp_rank = self.dims.dp_rank
         self.cp_ctx = (
-            ContextParallel(self.dims.cp_group, cfg.cp, self.dims.cp_rank, cfg.cp_zigzag) if cfg.cp > 1 else None
+            ContextParallel(self.dims.cp_group, self.dims.cp, self.dims.cp_rank, cfg.cp_zigzag)
+            if self.dims.cp > 1
+            else None
         )
         self.raw = self._build_model()
         self.model = self._wrap_engine(LossForward(self.raw))
@@ -150,10 +160,10 @@ class Trainer:
         )
         self.routers = self.raw.moe_routers()
         if self.model_config.indexer_layer is not None:
-            self.acc.declare_metric("indexer_loss", "ratio", per_rank=cfg.sp)
+            self.acc.declare_metric("indexer_loss", "ratio", per_rank=self.dims.sp)
         self.pipeline = (
             PipelineRunner(cfg, self.raw, self.acc, self.dims, self.device, self._moe_accounting)
-            if cfg.pp > 1
+            if self.dims.pp > 1
             else None
         )
         # Under pipeline parallelism every chunk has its own MoE accounting (see training/pipeline.py).
@@ -176,18 +186,19 @@ class Trainer:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         raw = GPT(self.model_config)
-        raw.to(device=self.device, dtype=torch.float64 if cfg.dtype == "float64" else torch.float32)
+        raw.to(device=self.device, dtype=run_dtypes(cfg.dtype).params)
         raw.enable_context_parallel(self.cp_ctx)
-        if cfg.tp > 1:
+        dims = self.dims
+        if dims.tp > 1:
             from ..model.tensor_parallel import apply_tensor_parallel
 
             # Under EP the experts stay whole on every TP rank (expert TP size 1) and EP shards them.
-            apply_tensor_parallel(raw, self.dims.submesh("tp"), sequence_parallel=cfg.sp, shard_experts=cfg.ep == 1)
+            apply_tensor_parallel(raw, dims.submesh("tp"), sequence_parallel=dims.sp, shard_experts=dims.ep == 1)
         self.expert_params: list[nn.Parameter] = []
-        if cfg.ep > 1:  # routed experts sharded over the EP ranks; their gradients bypass the engine
-            from ..model.expert_parallel import apply_expert_parallel, ep_mesh, expert_parameters
+        if dims.ep > 1:  # routed experts sharded over the EP ranks; their gradients bypass the engine
+            from ..model.expert_parallel import apply_expert_parallel, expert_parameters
 
-            apply_expert_parallel(raw, ep_mesh(self.dims.ep_group, self.device.type))
+            apply_expert_parallel(raw, dims.ep_mesh)
             self.expert_params = expert_parameters(raw)
         return raw
 
@@ -220,7 +231,7 @@ class Trainer:
             self.acc,
             num_layers,
             max(mc.num_experts, 1),
-            max(mc.topk, 1),
+            max(mc.topk, 1) if mc.num_experts else 1,  # a dense model has no router: any valid k
             scope=cfg.aux_scope,
             aux_coeff=cfg.aux_coeff,
             z_coeff=cfg.z_coeff,
@@ -241,7 +252,7 @@ class Trainer:
             lr=cfg.lr,
             betas=(0.9, 0.95),
             eps=1e-8,
-            foreach=False if cfg.tp > 1 or cfg.ep > 1 else None,
+            foreach=False if self.dims.tp > 1 or self.dims.ep > 1 else None,
         )
 
     # ------------------------------------------------------------------ one step
@@ -266,8 +277,13 @@ class Trainer:
             seq_len=cfg.seq_len,
             packed=cfg.packed,
             seed=cfg.seed,
-        ).to(self.device)
-        mbs = split_batch(batch, cfg.dp, self.dp_rank, cfg.ga, cfg.microbatch_size)
+        )
+        # The step's value checks, once, on the host-side batch (before the transfer): the microbatch path
+        # (model, cross-entropy) then reads nothing back from the device.
+        self.raw.check_values(batch.tokens, batch.segment_ids, batch.positions)
+        check_label_values(batch.labels, self.model_config.vocab_size, IGNORE_INDEX)
+        batch = batch.to(self.device)
+        mbs = split_batch(batch, self.dims.dp, self.dp_rank, cfg.ga, cfg.microbatch_size)
         cols = None if self.cp_ctx is None else self.cp_ctx.columns(cfg.seq_len).to(self.device)
         segs, valids = zip(*(_valid_tokens(mb) for mb in mbs))
         acc.begin_step(
@@ -290,7 +306,7 @@ class Trainer:
                 cast(Any, model).set_requires_gradient_sync(last)
             with sync:
                 self._microbatch(i, mb, seg, valid, cols).backward()
-        if cfg.sp:
+        if self.dims.sp:
             sum_replicated_grads_over_tp(list(self.raw.parameters()), self.dims.tp_group)
         acc.finish_step(model, expert_params=self.expert_params)
         # max_vio reaches the log line through acc.logs(), as under pipelining (one route).
@@ -310,8 +326,8 @@ class Trainer:
             masks_k = [r[1][:, cols] for r in rolled]
         else:
             mask_c, seg_c, valid_c, masks_k = mb.mask, seg, valid, [r[1] for r in rolled]
-        loss_dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
-        weights = head_weights(acc, cfg.loss_impl, loss_dtype, mask_c, seg_c, masks_k, cols)
+        dtypes = run_dtypes(cfg.dtype)
+        weights = head_weights(acc, cfg.loss_impl, dtypes.loss, mask_c, seg_c, masks_k, cols)
         per_tok, mtp_losses, routers, indexer, shares = self.model(
             mb.tokens,
             mb.labels,
@@ -319,31 +335,21 @@ class Trainer:
             seg,
             mb.positions,
             cfg.recompute,
-            torch.bfloat16 if cfg.dtype == "bf16" else None,
+            dtypes.autocast,
             weights,
         )
-        if cfg.sp:  # routers saw this TP rank's slice of the sequence (losses are whole rows)
+        if self.dims.sp:  # routers saw this TP rank's slice of the sequence (losses are whole rows)
             valid_c = sp_shard(valid_c, self.dims.submesh("tp"))
-        loss = (
-            acc.lm_loss(per_tok, mask_c, seg_c, columns=cols)
-            if shares is None
-            else acc.add_lm_share(shares[0], per_tok, mask_c, seg_c, columns=cols)
-        )
+        loss = microbatch_share(acc, (per_tok, mtp_losses, shares), mask_c, seg_c, masks_k, cols)
         if self.dump is not None:
             s_i, n_i = sample_stats(per_tok.detach(), mask_c)
             first = (self.dp_rank * cfg.ga + i) * cfg.microbatch_size
             self.dump.write(self.step + 1, torch.arange(first, first + len(n_i)), n_i, s_i)
-        if rolled:
-            loss = loss + (
-                acc.mtp_loss(mtp_losses, masks_k, seg_c, columns=cols)
-                if shares is None
-                else acc.add_mtp_share(shares[1], mtp_losses, masks_k, seg_c, columns=cols)
-            )
         if self.routers and self.moe is not None:
             records = [RouterRecord(r.layer_id, *t) for r, t in zip(self.routers, routers)]
             loss = loss + self.moe.microbatch_loss(records, valid_c, seg_c)
         if indexer is not None:
-            loss = loss + indexer_share(acc, cfg.indexer_coeff, indexer, valid_c, per_rank=cfg.sp)
+            loss = loss + indexer_share(acc, cfg.indexer_coeff, indexer, valid_c, per_rank=self.dims.sp)
         return loss
 
     def _optimizer_step(self, grad_norm: float, extra_logs: dict[str, float], t0: float) -> dict[str, Any]:
@@ -381,7 +387,7 @@ class Trainer:
         assert pipe is not None
         pipe.run(mbs, list(segs), list(valids))
         pipe.reduce_grads()
-        if cfg.sp:
+        if self.dims.sp:
             sum_replicated_grads_over_tp(list(pipe.params.values()), self.dims.tp_group)
         experts = {id(p) for p in self.expert_params}
         acc.finish_step(
@@ -579,10 +585,10 @@ def _train_entry(rank: int, world: int, cfg: TrainConfig, notify: Notify | None 
 
 
 def run_training(cfg: TrainConfig, notify: Notify | None = None) -> list[dict[str, Any]]:
-    """Run ``cfg``: under ``torchrun`` (``WORLD_SIZE`` set) on the existing ranks, else on ``cfg.dp`` local
-    ranks started here (gloo on CPU). Returns rank 0's per-step log lines. ``notify``: where the run's
-    operational notes go (default a ``UserWarning``; it must be a module-level function when ranks are
-    started here, since it travels to them)."""
+    """Run ``cfg``: under ``torchrun`` (``WORLD_SIZE`` set) on the existing ranks, else on the layout's
+    ``dp·cp·tp·pp`` local ranks started here (gloo on CPU). Returns rank 0's per-step log lines.
+    ``notify``: where the run's operational notes go (default a ``UserWarning``; it must be a module-level
+    function when ranks are started here, since it travels to them)."""
     from ..distributed.launch import init_from_env, spawn
 
     cfg = cfg.resolved()

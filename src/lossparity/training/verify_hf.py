@@ -319,7 +319,7 @@ def _aux_share(spec: ModelSpec, out: Any, mb: dict[str, Tensor], acc: Any, aux: 
         if spec.aux_scope == "micro_batch":
             value = value / mbs
     share = spec.aux_coef * value
-    acc.add_objective(share.detach())
+    acc.record("objective", share.detach())
     return share
 
 

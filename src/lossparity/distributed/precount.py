@@ -1,0 +1,253 @@
+"""The accountant's pre-count (docs/semantics.md §3, §7): one step's normalizers, counted from the masks.
+
+At ``begin_step`` every rank counts its microbatches' units (tokens, samples, documents, microbatches,
+MTP depth tokens and named extra counts) into one fixed-length float64 buffer that also carries a
+configuration fingerprint and an error flag; the buffer is summed over the data-parallel ranks in one
+all-reduce (``precount``) and read to the host once. Everything the microbatch calls need afterwards
+(denominators, per-microbatch unit maps, the numbered documents) is kept here, so that ``lm_loss`` and
+``mtp_loss`` never read the device.
+
+An invalid input on one rank is returned, not raised, before the collective: the rank still enters it
+with its error flag set, so that its peers stop with a message instead of hanging (semantics §7).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..losses.modes import unit_count_map
+from ..losses.mtp import roll_mask
+from ..losses.stats import check_inputs, count_documents, rows_documents
+from .protocol import BufferSlots, fingerprint_slots, fingerprint_values
+
+__all__ = ["UNIT_COUNTS", "MicrobatchCounts", "PreCount", "as_2d", "same_storage"]
+
+UNIT_COUNTS = ("tokens", "samples", "documents", "microbatches")
+# Fixed length of the pre-count buffer: ranks must reduce buffers of one length even when their
+# configurations differ, so that the fingerprint can report the difference (a length mismatch aborts).
+_COUNT_CAPACITY = 256
+
+
+def as_2d(x: Tensor) -> Tensor:
+    """``[S]`` (one row) as ``[1, S]``; ``[b, S]`` as it is."""
+    return x if x.dim() == 2 else x.unsqueeze(0)
+
+
+def same_storage(a: object, b: Tensor) -> bool:
+    """``a`` and ``b`` view the same elements (the same tensor, or an identical view of it): no sync."""
+    if a is b:
+        return True
+    return (
+        isinstance(a, Tensor)
+        and a.device == b.device
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.data_ptr() == b.data_ptr()
+    )
+
+
+@dataclass
+class MicrobatchCounts:
+    """Host-side counts of one microbatch of this rank (whole rows), read once at ``begin_step``."""
+
+    tokens: int
+    docs: int
+    documents: tuple[Tensor, int] | None  # rows_documents(segment_ids) in mode per_document
+    depth_tokens: list[float]
+
+
+def _count_slots(mtp_depths: int, extra: Sequence[str]) -> BufferSlots:
+    slots = BufferSlots()
+    slots.add("fingerprint", fingerprint_slots())
+    slots.add("error")
+    for name in UNIT_COUNTS:
+        slots.add(name)
+    slots.add("mtp_tokens", mtp_depths)
+    for name in extra:
+        slots.add(f"extra:{name}")
+    if slots.size > _COUNT_CAPACITY:
+        raise ValueError(
+            f"too many counts ({slots.size} > {_COUNT_CAPACITY}): mtp_depths={mtp_depths}, {len(extra)} extra_counts"
+        )
+    slots.add("pad", _COUNT_CAPACITY - slots.size)
+    return slots
+
+
+@dataclass
+class PreCount:
+    """One step's pre-count on this rank: the buffer (local, then reduced), its host copy and the
+    per-microbatch inputs the microbatch calls compare against."""
+
+    mode: str
+    mtp_depths: int
+    slots: BufferSlots
+    buffer: Tensor
+    masks: list = field(default_factory=list)
+    segs: list = field(default_factory=list)
+    microbatches: list[MicrobatchCounts] = field(default_factory=list)
+    host: dict[str, list[float]] = field(default_factory=dict)
+    fp_fields: dict[str, object] = field(default_factory=dict)
+    _unit_maps: dict[tuple[int, int], Tensor | None] = field(default_factory=dict)
+
+    @property
+    def extra_names(self) -> list[str]:
+        """Names of this step's ``extra_counts``."""
+        return [n[len("extra:") :] for n in self.slots.names() if n.startswith("extra:")]
+
+    # ------------------------------------------------------------------ counting (host syncs allowed)
+    @classmethod
+    def count_local(
+        cls,
+        mode: str,
+        mtp_depths: int,
+        device: torch.device,
+        rank: int,
+        masks: object,
+        segment_ids: object,
+        extra_counts: object,
+        fields: Callable[[tuple[str, ...]], dict[str, object]],
+    ) -> tuple[PreCount, Exception | None]:
+        """This rank's counts of ``masks``/``segment_ids`` (and ``extra_counts``) with the fingerprint of
+        ``fields(count names)``; an invalid input comes back as the exception, flagged in the buffer."""
+        slots = _count_slots(mtp_depths, [])
+        pc = cls(mode, mtp_depths, slots, slots.zeros(device))
+        error: Exception | None = None
+        try:
+            pc.masks = list(masks)  # type: ignore[call-overload]
+            pc.segs = pc._check_args(segment_ids)
+            extra = dict(extra_counts or {})  # type: ignore[call-overload]
+            pc.slots = _count_slots(mtp_depths, list(extra))
+            pc.buffer = pc.slots.zeros(device)
+            for name, value in extra.items():
+                pc.buffer[pc.slots.sl(f"extra:{name}")] = float(value)
+            for i, (w, seg) in enumerate(zip(pc.masks, pc.segs)):
+                pc._count_microbatch(i, w, seg, f"rank {rank}, microbatch {i}")
+        except Exception as e:  # noqa: BLE001 - any failure must reach the peers as a flag, not a hang
+            pc.buffer[pc.slots.sl("error")] = 1.0
+            error = e
+        pc.fp_fields = fields(pc.slots.names())
+        pc.buffer[pc.slots.sl("fingerprint")] = torch.tensor(fingerprint_values(pc.fp_fields), dtype=torch.float64)
+        return pc, error
+
+    def _check_args(self, segment_ids: object) -> list:
+        if not self.masks:
+            raise ValueError("begin_step needs the masks of at least one microbatch (masks is empty)")
+        segs = list(segment_ids) if segment_ids is not None else [None] * len(self.masks)  # type: ignore[call-overload]
+        if len(segs) != len(self.masks):
+            raise ValueError(f"segment_ids has {len(segs)} entries but masks has {len(self.masks)}")
+        if self.mode == "per_document" and any(s is None for s in segs):
+            raise ValueError("mode 'per_document' needs segment_ids for every microbatch in begin_step")
+        return segs
+
+    def _count_microbatch(self, i: int, w: object, seg: object, where: str) -> None:
+        """Validate microbatch ``i``'s mask (and segment ids) and add its counts."""
+        for name, x in (("masks", w), ("segment_ids", seg)):
+            if x is not None and not isinstance(x, Tensor):
+                raise TypeError(
+                    f"{name}[{i}] must be a torch.Tensor, got {type(x).__name__} ({where}): convert "
+                    "lists and NumPy arrays with torch.as_tensor"
+                )
+        w2 = as_2d(w)  # type: ignore[arg-type]
+        seg2 = None if seg is None else as_2d(seg)  # type: ignore[arg-type]
+        check_inputs(w2.to(torch.float32), w2, seg2, where=where, check_finite=False)
+        docs = None
+        if seg2 is not None and self.mode == "per_document":
+            docs = rows_documents(seg2)
+            if bool(((docs[0] < 0) & (w2 > 0)).any()):
+                raise ValueError(
+                    f"masks[{i}] has loss-bearing tokens at segment_ids == 0 (padding); they "
+                    f"belong to no document ({where})"
+                )
+        ndoc = docs[1] if docs is not None else (count_documents(seg2) if seg2 is not None else 0)
+        ntok = w2.sum().to(torch.float64)
+        depth_tokens = [float(roll_mask(w2, seg2, k).sum()) for k in range(1, self.mtp_depths + 1)]
+        self.microbatches.append(MicrobatchCounts(int(ntok.item()), ndoc, docs, depth_tokens))
+        buf, slots = self.buffer, self.slots
+        buf[slots.sl("tokens")] += ntok
+        buf[slots.sl("samples")] += w2.shape[0]
+        buf[slots.sl("microbatches")] += 1
+        buf[slots.sl("documents")] += ndoc
+        if self.mtp_depths:
+            buf[slots.sl("mtp_tokens")] += torch.tensor(depth_tokens, dtype=torch.float64, device=buf.device)
+
+    def read(self, error: Exception | None, peers: int, rank: int, raise_fingerprint: Callable[..., None]) -> None:
+        """Host copy of the (reduced over ``peers`` ranks) buffer: the step's one read; raise on any rank's
+        error or a fingerprint mismatch."""
+        values = self.buffer.tolist()
+        if error is not None:
+            raise error
+        flagged = values[self.slots.sl("error")][0]
+        if flagged > 0:
+            raise RuntimeError(
+                f"{int(flagged)} other rank(s) reported invalid input in begin_step (see their "
+                f"error); rank {rank} stops too"
+            )
+        raise_fingerprint(
+            self.fp_fields,
+            values[self.slots.sl("fingerprint")],
+            peers,
+            f"{peers} data-parallel ranks",
+            rank,
+            "Accountant and MoEAccounting with the same arguments and declare the same metrics",
+        )
+        self.host = {name: values[self.slots.sl(name)] for name in self.slots.names() if name != "pad"}
+
+    # ------------------------------------------------------------------ reads (no host sync)
+    def denominator(self, key: str) -> float:
+        """The step's count ``key`` (at least 1: an empty unit set gives a zero objective, not a NaN)."""
+        return max(self.host[key][0], 1.0)
+
+    def global_count(self, name: str) -> float:
+        """A count of this step by name (see ``Accountant.global_count``)."""
+        c = self.host
+        if name in UNIT_COUNTS:
+            return c[name][0]
+        if name.startswith("mtp_") and name.endswith("_tokens") and name[4:-7].isdigit():
+            k = int(name[4:-7])
+            if 1 <= k <= self.mtp_depths:
+                return c["mtp_tokens"][k - 1]
+        if f"extra:{name}" in c:
+            return c[f"extra:{name}"][0]
+        raise KeyError(f"unknown count {name!r}; extra counts of this step: {self.extra_names}")
+
+    def documents_of(self, segment_ids: Tensor) -> tuple[Tensor, int] | None:
+        """The documents numbered at ``begin_step`` for ``segment_ids`` (the same tensor), else ``None``."""
+        for seg, info in zip(self.segs, self.microbatches):
+            if info.documents is not None and same_storage(seg, segment_ids):
+                return info.documents
+        return None
+
+    def expected(self, mb: int, columns: Tensor | None, segments: bool = False) -> Tensor | None:
+        """The mask (or segment ids) of microbatch ``mb`` given to ``begin_step``, restricted to ``columns``."""
+        rows = (self.segs if segments else self.masks)[mb]
+        if rows is None:
+            return None
+        full = as_2d(rows)
+        return full if columns is None else full[:, columns]
+
+    def unit_counts(self, mb: int, depth: int, columns: Tensor | None, *, whole: bool = False) -> Tensor | None:
+        """Whole-row unit counts of microbatch ``mb`` (depth 0 = main loss) restricted to ``columns``;
+        ``None`` without context parallelism (local counts are then the whole-row counts) unless ``whole``
+        (the map of the rows given to ``begin_step``: the token weights take it instead of numbering the
+        documents again, which would read them to the host every microbatch)."""
+        if columns is None and not whole:
+            return None
+        if mb >= len(self.masks):
+            return None  # more microbatches than counted: the accounting call that follows names it
+        key = (mb, depth)
+        if key not in self._unit_maps:
+            w, seg = as_2d(self.masks[mb]), self.segs[mb]
+            if depth:
+                w = roll_mask(w, seg, depth)
+            # the documents numbered at begin_step: no host sync here (per microbatch)
+            docs = self.microbatches[mb].documents
+            self._unit_maps[key] = unit_count_map(self.mode, w, seg, documents=docs)  # type: ignore[arg-type]
+        full = self._unit_maps[key]
+        if full is None or columns is None:
+            return full
+        return full[:, columns]
