@@ -204,3 +204,15 @@ def test_cli_output_page_code_blocks_run(capsys):
         exec(compile(block, f"cli-output.md block {i}", "exec"), {})
     out = capsys.readouterr().out
     assert "FAIL: no loss compared: the reference has lm_loss, lr; the candidate has lr, train_loss" in out
+
+
+@pytest.mark.parametrize("module", ["lossparity", "lossparity.cli"])
+def test_python_dash_m_runs_the_command(module):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "modes", "--no-check"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("| mode | objective J |")
