@@ -6,7 +6,7 @@ gradient gets, so that the objective is exactly the one semantics §5 defines. T
 over the MoE layers of a forward (one stacked ``[L, T, E]`` tensor per routing view).
 
 Which token sets and counts each scope and z-loss form uses is one strategy each in
-:mod:`lossparity.distributed.moe_scopes` (``micro_batch``: the microbatch; ``sequence``: each row or
+:mod:`lossparity.distributed.moe_scopes` (``microbatch``: the microbatch; ``sequence``: each row or
 document; ``global_lagged``: the global batch with the previous step's counts; ``global_running``: Megatron's
 running-mean counts); this class does the work common to all of them.
 
@@ -31,7 +31,7 @@ outputs or shares are device flags that ``acc.logs()`` raises, naming rank, micr
 Padding tokens are masked by products with the 0/1 valid mask: router outputs at padding positions
 must be finite, as those of a finite model are. Context and sequence parallelism: the token-additive
 forms (``global_lagged``, global z) split exactly over the shards of the rows; the per-microbatch and
-per-sequence ones (``micro_batch``, ``sequence``, the ``microbatch`` z form) sum their counts and token
+per-sequence ones (``microbatch``, ``sequence``, the ``microbatch`` z form) sum their counts and token
 numbers over the ranks holding pieces of the same rows (``row_group``, one all-reduce per microbatch) and
 each shard back-propagates its own scores, whose terms add up to the whole set's; each shard logs ``1/R``
 of a set. ``sequence`` with ``per_document`` documents is refused there (documents are numbered on whole rows).
@@ -131,7 +131,7 @@ class MoEAccounting:
         num_experts: int,
         topk: int,
         *,
-        scope: AuxScope = "micro_batch",
+        scope: AuxScope = "microbatch",
         aux_coeff: float = 1e-2,
         z_coeff: float = 0.0,
         z_form: ZForm | None = None,

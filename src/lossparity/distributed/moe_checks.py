@@ -98,7 +98,7 @@ def check_normalization(
         raise ValueError(
             f"context parallelism (cp={acc.groups.cp_size}) or sequence parallelism "
             f"(sp={acc.groups.sequence_parallel}) does not combine scope 'sequence' with mode "
-            "'per_document' (documents as sequences): use scope micro_batch, global_lagged or global_running"
+            "'per_document' (documents as sequences): use scope microbatch, global_lagged or global_running"
         )
 
 

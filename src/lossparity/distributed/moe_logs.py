@@ -155,7 +155,7 @@ class MoEStepLog:
             return
         key = (per_layer.device, len(records))
         if key not in self._layer_codes:
-            ids = [float(getattr(r, "layer", i)) for i, r in enumerate(records)]
+            ids = [float(getattr(r, "layer_id", i)) for i, r in enumerate(records)]
             self._layer_codes[key] = torch.tensor(ids, dtype=torch.float64, device=per_layer.device)
         self.acc.flag("router_nonfinite", per_layer, self._layer_codes[key], microbatch=mb)
 

@@ -153,10 +153,10 @@ class NoScope(AuxScope):
 
 
 class MicroBatchScope(AuxScope):
-    """``micro_batch``: one set per microbatch (of all the shards of its rows), mean over the ``D·K``
+    """``microbatch``: one set per microbatch (of all the shards of its rows), mean over the ``D·K``
     microbatches: ``(1/(D·K)) Σ_mb A(X_mb)``."""
 
-    name = "micro_batch"
+    name = "microbatch"
     log_name = "load_balancing_loss"
 
     def sets(self, mb: Microbatch) -> ScopeSets:

@@ -214,7 +214,7 @@ class TrainConfig:
             who = " with ".join(([f"cp={self.cp}"] if self.cp > 1 else []) + (["sp"] if self.sp else []))
             raise ValueError(
                 f"{who} does not combine aux_scope 'sequence' with mode 'per_document' (the documents are the "
-                "sequences then, numbered on whole rows): use aux_scope micro_batch, global_lagged or global_running"
+                "sequences then, numbered on whole rows): use aux_scope microbatch, global_lagged or global_running"
             )
         if self.sp and (self.seq_len // self.cp) % self.tp:
             raise ValueError(
@@ -292,11 +292,11 @@ class TrainConfig:
 
     @property
     def depends_on_microbatch_size(self) -> bool:
-        """Whether the numbers depend on ``b`` by definition (``per_microbatch``, the ``micro_batch`` and
+        """Whether the numbers depend on ``b`` by definition (``per_microbatch``, the ``microbatch`` and
         ``global_running`` aux scopes, the per-microbatch z form): then ``b`` is part of the numbers."""
         return (
             self.mode == "per_microbatch"
-            or self.aux_scope in ("micro_batch", "global_running")
+            or self.aux_scope in ("microbatch", "global_running")
             or self.z_form == "microbatch"
         )
 
