@@ -5,7 +5,7 @@ Every load-balancing scope evaluates the one formula ``A(X) = Σ_e K_e(X)·P_e(X
 (:func:`lossparity.losses.moe.switch_load_balancing_weights`, ``K_e = α·E·c_e/(k·T_c·T_p)``,
 ``P_e = Σ_{x∈X} p[x,e]``) on its own token sets; a scope only says
 
-- which sets ``X`` a microbatch holds and their counts (:meth:`AuxScope.sets`, returning :class:`ScopeSets`:
+- which sets ``X`` a microbatch holds and their counts (:meth:`LoadBalancingScope.sets`, returning :class:`ScopeSets`:
   ``P``, ``K``, the multiplier ``m`` of the share ``m·Σ_l w_l·Σ_X A(X)``, the logged value's scale and the
   log denominator it adds),
 - what it keeps across microbatches and steps (``global_lagged``'s previous-step counts,
@@ -41,7 +41,7 @@ __all__ = [
     "ROUTER_TOKENS",
     "Microbatch",
     "ScopeSets",
-    "AuxScope",
+    "LoadBalancingScope",
     "MicroBatchScope",
     "SequenceScope",
     "GlobalLaggedScope",
@@ -107,7 +107,7 @@ class ScopeSets:
     index: Tensor | None = None
 
 
-class AuxScope:
+class LoadBalancingScope:
     """Interface of a load-balancing scope (see the module docstring)."""
 
     name: ClassVar[AuxScopeName]
@@ -145,14 +145,14 @@ class AuxScope:
         """The owner's checkpointed ``lagged_counts``/``lagged_tokens`` were restored."""
 
 
-class NoScope(AuxScope):
+class NoScope(LoadBalancingScope):
     """``none``: no load-balancing term."""
 
     name = "none"
     needs_token_sums = False
 
 
-class MicroBatchScope(AuxScope):
+class MicroBatchScope(LoadBalancingScope):
     """``microbatch``: one set per microbatch (of all the shards of its rows), mean over the ``D·K``
     microbatches: ``(1/(D·K)) Σ_mb A(X_mb)``."""
 
@@ -169,7 +169,7 @@ class MicroBatchScope(AuxScope):
         return ScopeSets(mb.sums[: o.num_layers], weights, m, o._log_scale(), o._den_frac / o._row_size, mb.vf)
 
 
-class SequenceScope(AuxScope):
+class SequenceScope(LoadBalancingScope):
     """``sequence``: one set per row (its shards summed over the row group), or per document of a packed
     row under mode ``per_document``; mean over the ``N`` sequences (``Ndoc`` documents)."""
 
@@ -228,7 +228,7 @@ class SequenceScope(AuxScope):
         return ScopeSets(psum, o._switch_weights(counts, n), m, o._log_scale(), den, keep, index=d)
 
 
-class GlobalLaggedScope(AuxScope):
+class GlobalLaggedScope(LoadBalancingScope):
     """``global_lagged``: the whole global batch with the previous step's global counts:
     ``α·E/k · Σ_e f_e^prev · Σ_x p[x,e] / Tt`` (``f^prev = k/E`` at step 0). Counts this step's top-k
     maps for the next step (also with the aux term off), sums them in ``end_step``'s collective and
@@ -288,7 +288,7 @@ class GlobalLaggedScope(AuxScope):
         self._cache.clear()
 
 
-class GlobalRunningScope(AuxScope):
+class GlobalRunningScope(LoadBalancingScope):
     """``global_running`` (Megatron ``global_aux_loss``): microbatch ``m``'s counts summed over the DP ranks
     (one all-reduce per microbatch) and averaged over microbatches ``1..m``; ``(1/K) Σ_m A_m``."""
 
@@ -351,12 +351,12 @@ class GlobalRunningScope(AuxScope):
         return None
 
 
-SCOPE_CLASSES: dict[str, type[AuxScope]] = {
+SCOPE_CLASSES: dict[str, type[LoadBalancingScope]] = {
     c.name: c for c in (MicroBatchScope, SequenceScope, GlobalLaggedScope, GlobalRunningScope, NoScope)
 }
 
 
-def make_scope(name: AuxScopeName, owner: MoEAccounting) -> AuxScope:
+def make_scope(name: AuxScopeName, owner: MoEAccounting) -> LoadBalancingScope:
     """The strategy of the (validated) scope ``name`` for ``owner``."""
     return SCOPE_CLASSES[name](owner)
 
