@@ -443,7 +443,7 @@ def test_old_scope_spelling_is_an_alias_of_microbatch():
     from lossparity.training.config import TrainConfig
 
     moe = MoEAccounting(_acc(), L, E, TOPK, scope="micro_batch")
-    assert moe.scope == "microbatch" and type(moe._scope).__name__ == "MicroBatchScope"
+    assert moe.scope == "microbatch" and type(moe._scope).__name__ == "MicrobatchScope"
     assert TrainConfig(aux_scope="micro_batch").resolved().aux_scope == "microbatch"
     assert check_option("aux_scope", "micro_batch", ("microbatch",)) == "microbatch"
     with pytest.raises(ValueError, match=r"unknown aux_scope 'micro-batch'; valid: microbatch, sequence"):

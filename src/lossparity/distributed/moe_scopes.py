@@ -42,7 +42,7 @@ __all__ = [
     "Microbatch",
     "ScopeSets",
     "LoadBalancingScope",
-    "MicroBatchScope",
+    "MicrobatchScope",
     "SequenceScope",
     "GlobalLaggedScope",
     "GlobalRunningScope",
@@ -152,7 +152,7 @@ class NoScope(LoadBalancingScope):
     needs_token_sums = False
 
 
-class MicroBatchScope(LoadBalancingScope):
+class MicrobatchScope(LoadBalancingScope):
     """``microbatch``: one set per microbatch (of all the shards of its rows), mean over the ``D·K``
     microbatches: ``(1/(D·K)) Σ_mb A(X_mb)``."""
 
@@ -352,7 +352,7 @@ class GlobalRunningScope(LoadBalancingScope):
 
 
 SCOPE_CLASSES: dict[str, type[LoadBalancingScope]] = {
-    c.name: c for c in (MicroBatchScope, SequenceScope, GlobalLaggedScope, GlobalRunningScope, NoScope)
+    c.name: c for c in (MicrobatchScope, SequenceScope, GlobalLaggedScope, GlobalRunningScope, NoScope)
 }
 
 
