@@ -43,7 +43,7 @@ from lossparity.model.moe import MoE
 
 from ._util import machine_info, markdown_table, summarize, write_json
 
-SCOPES = ("micro_batch", "sequence", "global_lagged", "global_running")
+SCOPES = ("microbatch", "sequence", "global_lagged", "global_running")
 # rows per microbatch b, sequence length S, microbatches K, per preset
 FULL = {"tiny": (8, 64, 2), "small": (8, 128, 2), "medium": (8, 128, 2), "100m": (4, 256, 2)}
 QUICK = {"tiny": (4, 32, 2), "small": (4, 64, 2), "medium": (2, 64, 2), "100m": (1, 64, 2)}

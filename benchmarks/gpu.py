@@ -9,7 +9,7 @@
 2. One ``verify`` on the GPU: the tiny MoE+MTP model in float64 under the single-process layouts
    (``1x1``, ``K=4``, ``K=4`` with recompute), every mode.
 3. The MoE auxiliary-loss path against the MoE layers (``benchmarks.bench_moe_aux``, one joint
-   backward, scopes ``micro_batch`` and ``global_lagged``) at the ``small``, ``medium`` and ``100m``
+   backward, scopes ``microbatch`` and ``global_lagged``) at the ``small``, ``medium`` and ``100m``
    presets: on a GPU both sides pay kernel launches, so the CPU ratios need not carry over.
 
 Writes ``DIR/gpu_bench.json`` and prints Markdown tables. Sized to finish well under 8 minutes on an
@@ -119,9 +119,7 @@ def moe_aux_bench(presets: list[str], repeats: int) -> list[dict]:
 
     device = torch.device("cuda")
     cases = [
-        bench_case(p, *FULL[p], scope, repeats, 3, device)
-        for p in presets
-        for scope in ("micro_batch", "global_lagged")
+        bench_case(p, *FULL[p], scope, repeats, 3, device) for p in presets for scope in ("microbatch", "global_lagged")
     ]
     print("| preset | scope | MoE fwd+bwd ms/step | aux path ms/step | aux / MoE | ops/step |")
     print("|---|---|---|---|---|---|")

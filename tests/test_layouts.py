@@ -181,11 +181,11 @@ def test_resume_into_a_different_layout_continues_identically(tmp_path):
 @pytest.mark.parametrize(
     "overrides, reference",
     [
-        ({"aux_scope": "micro_batch", "z_form": "microbatch"}, "K=2"),
+        ({"aux_scope": "microbatch", "z_form": "microbatch"}, "K=2"),
         ({"aux_scope": "sequence", "z_form": "global"}, "1x1"),
         ({"aux_scope": "global_running", "z_form": "microbatch"}, "K=2"),
     ],
-    ids=["micro_batch+z_microbatch", "sequence", "global_running"],
+    ids=["microbatch+z_microbatch", "sequence", "global_running"],
 )
 def test_per_microbatch_and_per_sequence_aux_forms_under_cp_and_sp_equal_one_process(overrides, reference):
     # Before: context and sequence parallelism refused every aux form but the token-additive ones. The

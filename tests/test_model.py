@@ -233,7 +233,7 @@ def test_moe_matches_per_token_naive_routing(score_function: str) -> None:
         assert rec.topk_map[t].tolist() == [e in plain for e in range(E)]
         assert rec.dispatch_map[t].tolist() == [e in chosen for e in range(E)]
         _close(rec.probs[t], torch.tensor(probs, dtype=F64))
-    assert rec.layer == 3 and rec.logits.dtype == F64
+    assert rec.layer_id == 3 and rec.logits.dtype == F64
 
 
 @pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])

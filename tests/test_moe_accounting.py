@@ -96,7 +96,7 @@ def naive_aux(nv: Naive, scope, D, K, lagged=None, quirks=False):
     J, log = 0.0, 0.0
     for layer in range(L):
         w = nv.w(layer)
-        if scope == "micro_batch":
+        if scope == "microbatch":
             terms = [nv.A(layer, nv.tokens(rows)) for rows in mbs]
             J = J + w * sum(terms) / (D * K)
             log = log + w * sum(terms) / (D * K) / ALPHA
@@ -218,7 +218,7 @@ def rel_err(a, b):
 
 
 LOG_NAME = {
-    "micro_batch": "load_balancing_loss",
+    "microbatch": "load_balancing_loss",
     "sequence": "seq_load_balancing_loss",
     "global_lagged": "global_load_balancing_loss",
     "global_running": "global_load_balancing_loss",
@@ -250,7 +250,7 @@ def check_against_naive(results_by_rank, batch, scope, z_form, D, K, steps=2, qu
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scope", ["micro_batch", "sequence", "global_lagged", "global_running"])
+@pytest.mark.parametrize("scope", ["microbatch", "sequence", "global_lagged", "global_running"])
 @pytest.mark.parametrize("z_form", ["global", "microbatch"])
 def test_scopes_match_naive_float64_for_every_k(scope, z_form):
     batch = get_batch(N_ROWS)
@@ -280,7 +280,7 @@ def test_global_lagged_step0_is_alpha_per_layer_hand_worked():
     assert res[0]["logs"]["global_load_balancing_loss"] == pytest.approx(1.0, rel=1e-12)
 
 
-@pytest.mark.parametrize("scope", ["micro_batch", "sequence", "global_lagged", "global_running"])
+@pytest.mark.parametrize("scope", ["microbatch", "sequence", "global_lagged", "global_running"])
 def test_all_padding_microbatch_counts_and_gives_no_nan(scope):
     K, b = 4, N_ROWS // 4
     batch = get_batch(N_ROWS, zero_mb=2, b=b)
@@ -297,10 +297,10 @@ def test_all_padding_microbatch_counts_and_gives_no_nan(scope):
 
 
 def test_zero_row_microbatch():
-    """A microbatch with no rows at all (b = 0) still counts in micro_batch's D·K mean."""
+    """A microbatch with no rows at all (b = 0) still counts in microbatch's D·K mean."""
     logits, valid, lm_mask, bias = make_batch(4, steps=1)
     acc = Accountant("per_token", grad_reduction="sum")
-    moe = MoEAccounting(acc, L, E, TOPK, scope="micro_batch", aux_coeff=ALPHA, z_coeff=BETA, z_form="microbatch")
+    moe = MoEAccounting(acc, L, E, TOPK, scope="microbatch", aux_coeff=ALPHA, z_coeff=BETA, z_form="microbatch")
     leaf = logits[0].clone().requires_grad_(True)
     mbs = [slice(0, 4), slice(4, 4)]
     acc.begin_step([lm_mask[m] for m in mbs], extra_counts=MoEAccounting.router_tokens([valid[m] for m in mbs]))
@@ -325,7 +325,7 @@ def test_repeated_mtp_layer_exact_and_megatron_z_quirk():
     batch = get_batch(N_ROWS, steps=1, seed=5)
     for quirks in (False, True):
         cfg = {
-            "scope": "micro_batch",
+            "scope": "microbatch",
             "aux_coeff": ALPHA,
             "z_coeff": BETA,
             "z_form": "microbatch",
@@ -335,7 +335,7 @@ def test_repeated_mtp_layer_exact_and_megatron_z_quirk():
         res = run_rank(batch, microbatches(N_ROWS, 1, 0, 2), cfg, steps=1)[0]
         leaf = batch[0][0].clone().requires_grad_(True)
         nv = Naive(leaf, batch[1], batch[3], repeated=R)
-        J, lb = naive_aux(nv, "micro_batch", 1, 2)
+        J, lb = naive_aux(nv, "microbatch", 1, 2)
         Jz, zl = naive_z(nv, "microbatch", 1, 2, quirks=quirks)
         (J + Jz).backward()
         assert res["logs"]["objective"] == pytest.approx(fl(J + Jz), rel=REL), quirks
@@ -368,7 +368,7 @@ def test_state_dict_roundtrip_resumes_lagged_counts():
 
 
 @pytest.mark.parametrize(
-    "scope, z_form", [("micro_batch", "global"), ("sequence", "microbatch"), ("global_lagged", "global")]
+    "scope, z_form", [("microbatch", "global"), ("sequence", "microbatch"), ("global_lagged", "global")]
 )
 def test_pipeline_chunks_with_log_layers_match_one_instance(scope, z_form):
     """Two chunks owning layers [0] and [1, 2] (one accountant, log_layers=3) give the objective, the
@@ -436,6 +436,20 @@ def test_bad_constructor_arguments(kwargs, match):
         MoEAccounting(_acc(), args.pop("num_layers"), args.pop("num_experts"), args.pop("topk"), **args)
 
 
+def test_old_scope_spelling_is_an_alias_of_microbatch():
+    """``micro_batch`` (the spelling before the z form's ``microbatch`` was adopted) maps to ``microbatch``
+    for the library, the training config and the presets; other spellings are refused naming the option."""
+    from lossparity.options import check_option
+    from lossparity.training.config import TrainConfig
+
+    moe = MoEAccounting(_acc(), L, E, TOPK, scope="micro_batch")
+    assert moe.scope == "microbatch" and type(moe._scope).__name__ == "MicrobatchScope"
+    assert TrainConfig(aux_scope="micro_batch").resolved().aux_scope == "microbatch"
+    assert check_option("aux_scope", "micro_batch", ("microbatch",)) == "microbatch"
+    with pytest.raises(ValueError, match=r"unknown aux_scope 'micro-batch'; valid: microbatch, sequence"):
+        MoEAccounting(_acc(), L, E, TOPK, scope="micro-batch")
+
+
 def test_dense_pipeline_chunk_accepts_zero_log_layers():
     acc = _acc()
     moe = MoEAccounting(acc, 0, 1, 1, log_layers=0, declare=False, z_coeff=BETA)
@@ -454,7 +468,7 @@ def test_context_parallel_refuses_only_documents_as_sequences():
     acc.groups = dataclasses.replace(acc.groups, cp_size=2)
     for kwargs in (
         {"scope": "global_lagged", "z_coeff": BETA, "z_form": "global"},
-        {"scope": "micro_batch"},
+        {"scope": "microbatch"},
         {"scope": "sequence"},
         {"scope": "global_running"},
         {"scope": "none", "z_coeff": BETA, "z_form": "microbatch"},
@@ -462,10 +476,10 @@ def test_context_parallel_refuses_only_documents_as_sequences():
         MoEAccounting(acc, L, E, TOPK, **kwargs)
     acc = Accountant("per_document")
     acc.groups = dataclasses.replace(acc.groups, cp_size=2)
-    with pytest.raises(ValueError, match="does not combine scope 'sequence' with mode 'per_document'"):
+    with pytest.raises(ValueError, match="cp=2 does not combine aux_scope 'sequence' with mode 'per_document'"):
         MoEAccounting(acc, L, E, TOPK, scope="sequence")
     with pytest.raises(ValueError, match="megatron_quirks=True is not reproduced under context parallelism"):
-        MoEAccounting(acc, L, E, TOPK, scope="micro_batch", megatron_quirks=True)
+        MoEAccounting(acc, L, E, TOPK, scope="microbatch", megatron_quirks=True)
 
 
 def test_deferred_normalization_rules():
@@ -530,7 +544,7 @@ class _Group:
         return self._size
 
 
-_MEG_TYPE = {"micro_batch": "aux_loss", "sequence": "seq_aux_loss", "global_running": "global_aux_loss"}
+_MEG_TYPE = {"microbatch": "aux_loss", "sequence": "seq_aux_loss", "global_running": "global_aux_loss"}
 
 
 def megatron_step(mp, batch, D, K, **kw):
@@ -659,7 +673,7 @@ def _megatron_step(mp, batch, D, K, *, scope, per_token, alpha=ALPHA, beta=BETA,
                 if beta:
                     outs.append(f.apply_z_loss(lg, padding_mask=pad))
                 act = torch.zeros(1, dtype=torch.float64, requires_grad=True)
-                if scope == "micro_batch":
+                if scope == "microbatch":
                     outs.append(f._apply_aux_loss(act, scores, rmap, with_padding_mask=True))
                 elif scope == "sequence":
                     outs.append(f._apply_seq_aux_loss(act, scores, rmap, S_LEN, b, with_padding_mask=True))
@@ -700,7 +714,7 @@ def compare_with_megatron(ours_by_rank, meg, scope, where):
             assert logs["z_loss"] == pytest.approx(meg["logs"]["z_loss"], rel=MEG_LOG_REL), where
 
 
-@pytest.mark.parametrize("scope", ["micro_batch", "sequence", "global_running"])
+@pytest.mark.parametrize("scope", ["microbatch", "sequence", "global_running"])
 @pytest.mark.parametrize("per_token", [False, True])
 def test_megatron_quirks_match_megatron_single_rank(monkeypatch, scope, per_token):
     batch = get_batch(N_ROWS, steps=1, seed=7)
@@ -736,7 +750,7 @@ def test_megatron_per_token_loss_deferred_equals_precount(monkeypatch):
 def test_megatron_repeated_mtp_layer(monkeypatch):
     batch = get_batch(N_ROWS, steps=1, seed=9)
     for per_token in (False, True):
-        for scope in ("micro_batch", "global_running"):
+        for scope in ("microbatch", "global_running"):
             cfg = {
                 "scope": scope,
                 "aux_coeff": ALPHA,
@@ -778,7 +792,7 @@ def test_megatron_sequence_padding_uses_mean_valid_length():
 # ------------------------------------------------------------------------------------------------
 
 EXACT_CONFIGS = {
-    "mb": {"scope": "micro_batch", "aux_coeff": ALPHA, "z_coeff": BETA, "z_form": "microbatch"},
+    "mb": {"scope": "microbatch", "aux_coeff": ALPHA, "z_coeff": BETA, "z_form": "microbatch"},
     "seq": {"scope": "sequence", "aux_coeff": ALPHA, "z_coeff": BETA, "z_form": "global"},
     "lag": {"scope": "global_lagged", "aux_coeff": ALPHA, "z_coeff": BETA, "z_form": "global"},
     "run": {"scope": "global_running", "aux_coeff": ALPHA, "z_coeff": BETA, "z_form": "microbatch"},

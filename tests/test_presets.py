@@ -30,7 +30,7 @@ EXPECTED = {
         "precount",
         "own",
         "microbatch_mean",
-        "micro_batch",
+        "microbatch",
         "microbatch",
     ),
     "megatron:calculate_per_token_loss=true": (
@@ -38,7 +38,7 @@ EXPECTED = {
         "deferred",
         "main",
         "microbatch_mean",
-        "micro_batch",
+        "microbatch",
         "microbatch",
     ),
     "megatron:calculate_per_token_loss=false,moe_router_load_balancing_type=seq_aux_loss": (
@@ -83,8 +83,8 @@ EXPECTED = {
         "sequence",
         "global",
     ),
-    "hf-trainer": ("per_token", "precount", "own", "token_mean", "micro_batch", "microbatch"),
-    "hf-trainer-legacy": ("per_microbatch", "precount", "own", "token_mean", "micro_batch", "microbatch"),
+    "hf-trainer": ("per_token", "precount", "own", "token_mean", "microbatch", "microbatch"),
+    "hf-trainer-legacy": ("per_microbatch", "precount", "own", "token_mean", "microbatch", "microbatch"),
     "torchtitan": ("per_token", "precount", "main", "token_mean", "none", "global"),
     "verl:token-mean": ("per_microbatch", "precount", "own", "token_mean", "none", "global"),
     "verl:token-mean,use_legacy_worker_impl=disable": ("per_token", "precount", "own", "token_mean", "none", "global"),

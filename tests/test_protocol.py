@@ -149,7 +149,7 @@ def test_nan_values_are_rejected():
             MoEAccounting(lp.Accountant(), 1, E, TOPK, **kw)
 
 
-@pytest.mark.parametrize("scope", ["micro_batch", "global_lagged"])
+@pytest.mark.parametrize("scope", ["microbatch", "global_lagged"])
 def test_nan_router_logit_names_rank_microbatch_and_layer(scope):
     logits, valid, lm_mask, bias = make_batch(4, steps=1)
     logits = logits[0].clone()
@@ -160,7 +160,7 @@ def test_nan_router_logit_names_rank_microbatch_and_layer(scope):
     acc.begin_step([lm_mask[m] for m in mbs], extra_counts=MoEAccounting.router_tokens([valid[m] for m in mbs]))
     for m in mbs:
         acc.lm_loss(torch.zeros(lm_mask[m].shape, dtype=torch.float64), lm_mask[m])
-        recs = [SimpleNamespace(layer=i, **vars(r)) for i, r in enumerate(records_for(logits, m, bias))]
+        recs = [SimpleNamespace(layer_id=i, **vars(r)) for i, r in enumerate(records_for(logits, m, bias))]
         moe.microbatch_loss(recs, valid[m])
     acc.finish_step()
     moe.end_step([FakeRouter(i) for i in range(3)])
@@ -177,7 +177,7 @@ def test_microbatch_calls_do_not_synchronize(mode):
     seg = valid.long() * (1 + (torch.arange(valid.shape[1], device=dev) >= 2).long())  # two documents per row
     mbs = [slice(0, 2), slice(2, 4)]
     acc = lp.Accountant(mode, mtp_depths=1, fixed_length=5, device=dev)
-    moes = [MoEAccounting(acc, 3, E, TOPK, scope=s, z_coeff=1e-3) for s in ("micro_batch", "sequence")]
+    moes = [MoEAccounting(acc, 3, E, TOPK, scope=s, z_coeff=1e-3) for s in ("microbatch", "sequence")]
     acc.begin_step(
         [lm_mask[m] for m in mbs],
         [seg[m] for m in mbs],
@@ -268,7 +268,7 @@ def test_moe_training_path_equals_the_loss_functions(score):
     leaf = logits[0].clone().requires_grad_(True)
     logits = leaf
     acc = lp.Accountant()
-    moe = MoEAccounting(acc, 3, E, TOPK, scope="micro_batch", aux_coeff=0.01, z_coeff=1e-3, z_form="microbatch")
+    moe = MoEAccounting(acc, 3, E, TOPK, scope="microbatch", aux_coeff=0.01, z_coeff=1e-3, z_form="microbatch")
     mbs = [slice(0, 2), slice(2, 4)]
     acc.begin_step([lm_mask[m] for m in mbs], extra_counts=MoEAccounting.router_tokens([valid[m] for m in mbs]))
     got, want = 0.0, 0.0

@@ -62,7 +62,8 @@ MTP_CONVENTIONS: tuple[MTPConvention, ...] = get_args(MTPConvention)
 MTPLogEstimator = Literal["token_mean", "microbatch_mean"]
 MTP_LOG_ESTIMATORS: tuple[MTPLogEstimator, ...] = get_args(MTPLogEstimator)
 
-AuxScope = Literal["micro_batch", "sequence", "global_lagged", "global_running", "none"]
+# "microbatch" is spelled as the z-loss form and the mode "per_microbatch" ("micro_batch" is an alias).
+AuxScope = Literal["microbatch", "sequence", "global_lagged", "global_running", "none"]
 AUX_SCOPES: tuple[AuxScope, ...] = get_args(AuxScope)
 
 ZForm = Literal["global", "microbatch"]
@@ -120,6 +121,7 @@ LOSS_IMPLS: tuple[LossImpl, ...] = get_args(LossImpl)
 ALIASES: dict[str, dict[str, str]] = {
     "normalization": {"precounted": "precount"},
     "mtp_log_estimator": {"global": "token_mean", "megatron": "microbatch_mean"},
+    "aux_scope": {"micro_batch": "microbatch"},
 }
 
 T = TypeVar("T", bound=str)
@@ -174,5 +176,5 @@ def check_sharded_moe(
         who = " with ".join(([f"cp={cp}"] if cp > 1 else []) + (["sp"] if sp else []))
         raise ValueError(
             f"{who} does not combine aux_scope 'sequence' with mode 'per_document' (the documents are the "
-            "sequences then, numbered on whole rows): use aux_scope micro_batch, global_lagged or global_running"
+            "sequences then, numbered on whole rows): use aux_scope microbatch, global_lagged or global_running"
         )

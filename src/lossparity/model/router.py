@@ -33,12 +33,12 @@ __all__ = ["RouterRecord", "Router", "topk_map"]
 
 @dataclass
 class RouterRecord:
-    """Routing of one MoE layer in one forward. ``layer`` is the main layer index, or
-    ``n_layers + k - 1`` for the MoE of MTP depth ``k``. ``logits``/``probs`` ``[tokens, E]`` are in
-    ``max(param dtype, float32)`` and carry gradients; ``topk_map``/``dispatch_map`` are bool
-    ``[tokens, E]``. Tokens are the ``B·S`` positions in row-major order, padding included."""
+    """Routing of one MoE layer in one forward. ``layer_id`` is its router's :attr:`Router.layer_id`: the
+    main layer index, or ``n_layers + k - 1`` for the MoE of MTP depth ``k``. ``logits``/``probs``
+    ``[tokens, E]`` are in ``max(param dtype, float32)`` and carry gradients; ``topk_map``/``dispatch_map``
+    are bool ``[tokens, E]``. Tokens are the ``B·S`` positions in row-major order, padding included."""
 
-    layer: int
+    layer_id: int
     logits: Tensor
     probs: Tensor
     topk_map: Tensor

@@ -320,11 +320,11 @@ class TrainConfig:
 
     @property
     def depends_on_microbatch_size(self) -> bool:
-        """Whether the numbers depend on ``b`` by definition (``per_microbatch``, the ``micro_batch`` and
+        """Whether the numbers depend on ``b`` by definition (``per_microbatch``, the ``microbatch`` and
         ``global_running`` aux scopes, the per-microbatch z form): then ``b`` is part of the numbers."""
         return (
             self.mode == "per_microbatch"
-            or self.aux_scope in ("micro_batch", "global_running")
+            or self.aux_scope in ("microbatch", "global_running")
             or self.z_form == "microbatch"
         )
 

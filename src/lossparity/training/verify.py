@@ -3,7 +3,7 @@ objective, every logged metric, the gradient norm, the updated parameters and th
 the same as the single-process ``1×1`` float64 run (semantics §3: max relative difference <= 1e-10).
 
 Quantities that depend on the microbatch size ``b`` by definition (the ``per_microbatch`` mode, the
-``micro_batch`` aux scope, the Megatron z-loss form) are compared with the single-process run that has
+``microbatch`` aux scope, the Megatron z-loss form) are compared with the single-process run that has
 the same ``b`` (``D = 1, K = N/b``), as semantics §3 (1) prescribes.
 """
 
@@ -289,7 +289,7 @@ def compare_records(run: dict[str, Any], ref: dict[str, Any]) -> dict[str, float
 def _b_dependent(mode: str, base: dict[str, Any]) -> bool:
     return (
         mode == "per_microbatch"
-        or base.get("aux_scope") in ("micro_batch", "global_running")
+        or base.get("aux_scope") in ("microbatch", "global_running")
         or base.get("z_form") == "microbatch"
     )
 

@@ -209,12 +209,12 @@ def _maxtext(spec: str, positional: list[str], options: dict[str, str]) -> Prese
 
 _HF_AUX_NOTE = (
     "router_aux_loss_coef: HF models compute one load_balancing_loss_func over all layers' router "
-    "logits pooled (not a per-layer sum): equal to lossparity's micro_batch term only with one MoE layer"
+    "logits pooled (not a per-layer sum): equal to lossparity's microbatch term only with one MoE layer"
 )
 _HF_AUX_FACT = (
     "verified (HF MoE causal-LM forwards, e.g. Qwen3-MoE, GraniteMoE): the router aux loss is one "
     "load_balancing_loss_func over the concatenated router logits of all layers, per forward "
-    "(micro_batch scope, padding excluded with the attention mask), added to the model loss"
+    "(microbatch scope, padding excluded with the attention mask), added to the model loss"
 )
 
 
@@ -237,7 +237,7 @@ def _hf(spec: str, positional: list[str], options: dict[str, str]) -> Preset:
         normalization="precount",
         mtp_convention="own",
         mtp_log_estimator="token_mean",
-        aux_scope="micro_batch",
+        aux_scope="microbatch",
         z_form="microbatch",
         grad_reduction="mean",
         has_mtp=False,
@@ -281,7 +281,7 @@ def _hf_legacy(spec: str, positional: list[str], options: dict[str, str]) -> Pre
         normalization="precount",
         mtp_convention="own",
         mtp_log_estimator="token_mean",
-        aux_scope="micro_batch",
+        aux_scope="microbatch",
         z_form="microbatch",
         grad_reduction="mean",
         has_mtp=False,
@@ -294,7 +294,7 @@ def _hf_legacy(spec: str, positional: list[str], options: dict[str, str]) -> Pre
             "fixed in 4.46 (transformers issue #34242).",
             "a microbatch without loss tokens gives NaN in HF (mean over an empty set); lossparity gives 0 "
             "(semantics §1).",
-            _HF_AUX_FACT + "; divided by the accumulation steps like the rest of the loss (micro_batch scope).",
+            _HF_AUX_FACT + "; divided by the accumulation steps like the rest of the loss (microbatch scope).",
             "assumed: the logged loss is the objective, averaged over the logging steps.",
         ],
         settings=["transformers < 4.46, or a model forward without **kwargs (no num_items_in_batch)"],

@@ -36,7 +36,7 @@ _VERL_MODES: dict[str, Mode] = {
     "seq-mean-token-sum-norm": "sample_sum_norm",
 }
 _MEGATRON_LB: dict[str, AuxScope] = {
-    "aux_loss": "micro_batch",
+    "aux_loss": "microbatch",
     "seq_aux_loss": "sequence",
     "global_aux_loss": "global_running",
     "none": "none",

@@ -79,7 +79,7 @@ def _eff_mode(mode: str, b: int | None) -> str:
 
 
 def _eff_scope(scope: str, b: int | None) -> str:
-    return "sequence" if scope == "micro_batch" and b == 1 else scope
+    return "sequence" if scope == "microbatch" and b == 1 else scope
 
 
 def _eff_conv(conv: str, mode: str) -> str:
