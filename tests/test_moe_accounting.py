@@ -465,7 +465,7 @@ def test_context_parallel_refuses_only_documents_as_sequences():
     # Before: only the token-additive forms were allowed; the per-microbatch and per-sequence ones now sum
     # their counts over the row group (exactness: the context-parallel verify test of test_layouts.py).
     acc = _acc()
-    acc.groups = dataclasses.replace(acc.groups, cp_size=2)
+    acc.groups = pretend_cp2(acc.groups)
     for kwargs in (
         {"scope": "global_lagged", "z_coeff": BETA, "z_form": "global"},
         {"scope": "microbatch"},
@@ -475,7 +475,7 @@ def test_context_parallel_refuses_only_documents_as_sequences():
     ):
         MoEAccounting(acc, L, E, TOPK, **kwargs)
     acc = Accountant("per_document")
-    acc.groups = dataclasses.replace(acc.groups, cp_size=2)
+    acc.groups = pretend_cp2(acc.groups)
     with pytest.raises(ValueError, match="cp=2 does not combine aux_scope 'sequence' with mode 'per_document'"):
         MoEAccounting(acc, L, E, TOPK, scope="sequence")
     with pytest.raises(ValueError, match="megatron_quirks=True is not reproduced under context parallelism"):
@@ -926,3 +926,12 @@ def test_sequence_scope_uses_documents_under_per_document_mode():
     g_ref = torch.autograd.grad(ref, logits)
     for a, b in zip(g_acc, g_ref):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
+
+
+def pretend_cp2(dims):
+    """The one-process layout relabelled as a context-parallel shard of 2 (no process groups: nothing is
+    reduced), so that the CP-only argument rules apply."""
+    fake = dataclasses.replace(dims, cp=2)
+    fake._groups, fake._coord, fake._adopted = dict(dims._groups), dict(dims._coord), True
+    return fake
+

@@ -126,7 +126,7 @@ def test_accountant_weights_under_context_parallel_columns_use_whole_row_counts(
     acc.begin_step([mask], [seg])
     whole = acc.token_weights(mask, seg)
     # pretend to be a context-parallel shard: columns become required
-    acc.groups = dataclasses.replace(acc.groups, cp_size=2)
+    acc.groups = pretend_cp2(acc.groups)
     cols = torch.tensor([0, 1, 2, 7, 8, 9])
     with pytest.raises(ValueError, match="columns"):
         acc.token_weights(mask[:, cols], seg[:, cols])
@@ -142,3 +142,12 @@ def test_accountant_weights_need_a_step():
     acc.begin_step([mask])
     with pytest.raises(ValueError, match="1 masks"):
         acc.mtp_token_weights([mask, mask])
+
+
+def pretend_cp2(dims):
+    """The one-process layout relabelled as a context-parallel shard of 2 (no process groups: nothing is
+    reduced), so that the CP-only argument rules apply."""
+    fake = dataclasses.replace(dims, cp=2)
+    fake._groups, fake._coord, fake._adopted = dict(dims._groups), dict(dims._coord), True
+    return fake
+
