@@ -298,7 +298,7 @@ def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=(), bad=F
         if naive and rank == 0:
             res["naive"] = {pair: naive_reference((*pair, None, None), n_rows, mbs, steps) for pair in naive}
         if bad:
-            res["bad"] = bad_inputs()
+            res["bad"] = bad_inputs() if cp == 1 else bad_cp_inputs(cp)
         return res
     finally:
         ps.destroy_model_parallel()
@@ -529,6 +529,40 @@ def bad_inputs():
         errors.append(None)
     except RuntimeError as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
+    return errors
+
+
+def bad_cp_inputs(cp):
+    """Under context parallelism: the errors for rows whose length is not a multiple of 2·cp (begin_step,
+    before its collective) and for shards given to begin_step instead of the whole rows (LossFunc, on
+    every CP rank at the same microbatch)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import schedules
+
+    from lossparity.integrations.megatron import LossFunc, MoETerms
+
+    config = make_config(cp=cp)
+    model = build_model(config, 1)
+    terms = MoETerms([model], config, aux_scope="micro_batch")
+    loss_fn = LossFunc("per_sample", config=config, terms=terms)
+    tokens, labels, mask, seg = global_batch(0, 2)
+    pos = torch.arange(S)[None, :].expand(2, -1)
+    errors = []
+    for masks in ([mask[:, :-2]], [cp_shard(mask, ps.get_context_parallel_rank(), cp)]):
+        try:
+            terms.begin_step(masks)
+            shards = (cp_shard(x, ps.get_context_parallel_rank(), cp) for x in (tokens, pos, labels, mask, seg))
+            schedules.forward_backward_no_pipelining(
+                forward_step_func=partial(_forward_step, loss_fn),
+                data_iterator=iter([tuple(shards)]),
+                model=[model],
+                num_microbatches=1,
+                seq_length=S,
+                micro_batch_size=2,
+            )
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
     return errors
 
 

@@ -74,7 +74,7 @@ def test_moe_terms_dp2_tp2_sp_cp2_pp2_give_the_objective_gradients_and_logs():
     plan = [
         (1, 1, 1, [*CASES, DOC_CASE, BIAS_CASE], {"naive": pairs, "bad": True}),
         (2, 1, 1, [*CASES, BIAS_CASE]),
-        (1, 2, 1, [*CP_CASES, BIAS_CASE]),
+        (1, 2, 1, [*CP_CASES, BIAS_CASE], {"bad": True}),
         (1, 1, 2, [PP_CASE]),
     ]
     both = spawn(run_layouts, 2, plan, timeout_s=900)
@@ -93,3 +93,6 @@ def test_moe_terms_dp2_tp2_sp_cp2_pp2_give_the_objective_gradients_and_logs():
         assert bad[3].startswith("RuntimeError: terms.end_step: MoETerms.begin_step(loss_masks) was not called")
         assert "config: its MoE/MTP coefficients were already taken over" in bad[4]
         assert bad[5].startswith("RuntimeError: router of layer 1: MoETerms.begin_step(loss_masks) was not called")
+        bad_cp = cp2[rank]["bad"]
+        assert bad_cp[0].startswith("ValueError: loss_masks[0]: under context parallelism (cp=2) begin_step takes")
+        assert bad_cp[1].startswith(f"ValueError: output_tensor: shape (2, 16) on context-parallel rank {rank}")
