@@ -7,6 +7,10 @@ layout the second step's logged values and gradients are compared with the same 
 (micro-batch size 2); the table prints the largest relative difference over ranks.
 
     PYTHONPATH=src python -m benchmarks.megatron_moe_parity [--layouts DP2,TP2+SP,CP2,TP2+SP×CP2,PP2]
+    PYTHONPATH=src python -m benchmarks.megatron_moe_parity --objective CP2,TP2+SP×CP2
+
+``--objective``: every mode (per_token, per_sample, per_document), scope and ``calculate_per_token_loss``
+under context parallelism against the harness's hand-written float64 objective instead.
 
 Context parallelism uses the harness's test attention (keys and values all-gathered over CP), since
 Megatron's own CP attention needs Transformer Engine.
@@ -64,10 +68,48 @@ def _figures(results, ref, case):
     return out
 
 
+MODES = ("per_token", "per_sample", "per_document")
+OBJECTIVE_LAYOUTS = {"CP2": (2, 1, 2), "TP2+SP×CP2": (4, 2, 2)}
+
+
+def objective_check(chosen: list[str]) -> None:
+    """``--objective``: MoETerms against the harness's hand-written float64 objective (one process, the
+    whole global batch in one forward) for every mode, scope and ``calculate_per_token_loss`` on the chosen
+    context-parallel layouts; prints the largest relative gradient (every parameter, router weights
+    included) and log differences over both steps and all ranks, and whether the logs are identical on
+    every rank."""
+    from _megatron_gpt_workers import run_layout
+
+    from lossparity.distributed.launch import spawn
+
+    cases = [(m, sc, pt, None) for m in MODES for sc in ("micro_batch", "global_lagged") for pt in (True, False)]
+    pairs = sorted({c[:2] for c in cases})
+    naive = spawn(run_layout, 1, 1, [], 8, 2, 2, pairs, timeout_s=900)[0]["naive"]
+    print("| layout | mode | scope | per-token loss | gradients (rel) | logs (rel) | logs identical on every rank |")
+    print("|---|---|---|---|---|---|---|")
+    for name in chosen:
+        world, tp, cp = OBJECTIVE_LAYOUTS[name]
+        results = spawn(run_layout, world, tp, cases, 8, 2, 2, (), False, cp, timeout_s=900)
+        for case in cases:
+            g_worst = l_worst = 0.0
+            same = True
+            for step, (want_logs, want_grads) in enumerate(naive[case[:2]]):
+                for res in results:
+                    logs, grads, _ = res[case][step]
+                    g_worst = max(g_worst, max(_rel(grads[n], want_grads[n]) for n in want_grads))
+                    l_worst = max(l_worst, max(abs(logs[k] - v) / abs(v) for k, v in want_logs.items()))
+                    same = same and logs == results[0][case][step][0]
+            print(f"| {name} | {case[0]} | {case[1]} | {case[2]} | {g_worst:.1e} | {l_worst:.1e} | {same} |")
+
+
 def main() -> None:
     from _megatron_gpt_workers import run_megatron_own
 
     from lossparity.distributed.launch import spawn
+
+    if "--objective" in sys.argv:
+        objective_check(sys.argv[sys.argv.index("--objective") + 1].split(","))
+        return
 
     flags = (True, False)
     # (world, tp, cp) of each layout; ``--layouts CP2,...`` runs a subset (the one-rank reference always)

@@ -279,9 +279,10 @@ def full_grad(p, tp_group):
     return g.clone()
 
 
-def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=False, bad=False, cp=1, pp=1):
+def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=(), bad=False, cp=1, pp=1):
     """For each case ``(mode, scope, per_token, recompute)``: two steps of Megatron's schedule with
-    MoETerms; returns ``{case: [(logs, {name: full grad}), ...per step]}`` of this rank."""
+    MoETerms; returns ``{case: [(logs, {name: full grad}), ...per step]}`` of this rank, and with
+    ``naive`` (``(mode, scope)`` pairs) the hand-written objective of each pair under ``"naive"`` (rank 0)."""
     install_cpu_bridges()
     from megatron.core import parallel_state as ps
 
@@ -294,10 +295,10 @@ def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=False, ba
             case: _run_case(rank, world, tp, *case, n_rows=n_rows, mbs=mbs, steps=steps, cp=cp, pp=pp, full=full)
             for case in cases
         }
-        if naive:
-            res["naive"] = {case: naive_reference(case, n_rows, mbs, steps) for case in cases}
+        if naive and rank == 0:
+            res["naive"] = {pair: naive_reference((*pair, None, None), n_rows, mbs, steps) for pair in naive}
         if bad:
-            res["bad"] = bad_inputs()
+            res["bad"] = bad_inputs() if cp == 1 else bad_cp_inputs(cp)
         return res
     finally:
         ps.destroy_model_parallel()
@@ -314,9 +315,10 @@ def _full_state():
 
 
 def run_layouts(rank, world, plan):
-    """Several layouts in the same processes (one start-up): ``plan`` is a list of ``(tp, cp, pp, cases)``;
+    """Several layouts in the same processes (one start-up): ``plan`` is a list of ``(tp, cp, pp, cases)``
+    or ``(tp, cp, pp, cases, extra)`` with ``extra`` more keyword arguments of :func:`run_layout`;
     returns one :func:`run_layout` result per entry."""
-    return [run_layout(rank, world, tp, cases, cp=cp, pp=pp) for tp, cp, pp, cases in plan]
+    return [run_layout(rank, world, e[0], e[3], cp=e[1], pp=e[2], **(e[4] if len(e) > 4 else {})) for e in plan]
 
 
 def _doc_namespace():
@@ -359,6 +361,7 @@ def _run_case(rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs
         tokens, labels, mask, seg = global_batch(step, n_rows)
         rows = [slice(dp_rank * per_rank + k * mbs, dp_rank * per_rank + (k + 1) * mbs) for k in range(num_mbs)]
         pos = torch.arange(S)[None, :].expand(mbs, -1)
+        whole = [(mask[r], seg[r]) for r in rows]  # begin_step takes the whole rows (context parallelism)
         if cp > 1:
             cp_rank = ps.get_context_parallel_rank()
             tokens, labels, mask, seg, pos = (cp_shard(x, cp_rank, cp) for x in (tokens, labels, mask, seg, pos))
@@ -370,12 +373,15 @@ def _run_case(rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs
                     "labels": labels[r],
                     "loss_mask": mask[r],
                     "segment_ids": seg[r],
+                    "row_loss_mask": w,
+                    "row_segment_ids": sg,
                 }
-                for r in rows
+                for r, (w, sg) in zip(rows, whole)
             ]
             logs = doc["train_step"]([model], terms, loss_fn, batches, S, mbs)
         else:
-            logs = _step(terms, loss_fn, model, [(tokens[r], pos, labels[r], mask[r], seg[r]) for r in rows], mbs)
+            data = [(tokens[r], pos, labels[r], mask[r], seg[r]) for r in rows]
+            logs = _step(terms, loss_fn, model, data, whole, mbs)
         tp_group = ps.get_tensor_model_parallel_group()
         grads = {global_name(n): full_grad(p, tp_group) for n, p in model.module.named_parameters()}
         biases = [m.expert_bias.clone() for m in model.modules() if getattr(m, "expert_bias", None) is not None]
@@ -384,10 +390,10 @@ def _run_case(rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs
     return out
 
 
-def _step(terms, loss_fn, model, data, mbs):
+def _step(terms, loss_fn, model, data, whole, mbs):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    terms.begin_step([d[3] for d in data], segment_ids=[d[4] for d in data])
+    terms.begin_step([w for w, _ in whole], segment_ids=[sg for _, sg in whole])
     get_forward_backward_func()(
         forward_step_func=partial(_forward_step, loss_fn),
         data_iterator=iter(data),
@@ -523,6 +529,40 @@ def bad_inputs():
         errors.append(None)
     except RuntimeError as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
+    return errors
+
+
+def bad_cp_inputs(cp):
+    """Under context parallelism: the errors for rows whose length is not a multiple of 2·cp (begin_step,
+    before its collective) and for shards given to begin_step instead of the whole rows (LossFunc, on
+    every CP rank at the same microbatch)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import schedules
+
+    from lossparity.integrations.megatron import LossFunc, MoETerms
+
+    config = make_config(cp=cp)
+    model = build_model(config, 1)
+    terms = MoETerms([model], config, aux_scope="micro_batch")
+    loss_fn = LossFunc("per_sample", config=config, terms=terms)
+    tokens, labels, mask, seg = global_batch(0, 2)
+    pos = torch.arange(S)[None, :].expand(2, -1)
+    errors = []
+    for masks in ([mask[:, :-2]], [cp_shard(mask, ps.get_context_parallel_rank(), cp)]):
+        try:
+            terms.begin_step(masks)
+            shards = (cp_shard(x, ps.get_context_parallel_rank(), cp) for x in (tokens, pos, labels, mask, seg))
+            schedules.forward_backward_no_pipelining(
+                forward_step_func=partial(_forward_step, loss_fn),
+                data_iterator=iter([tuple(shards)]),
+                model=[model],
+                num_microbatches=1,
+                seq_length=S,
+                micro_batch_size=2,
+            )
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
     return errors
 
 

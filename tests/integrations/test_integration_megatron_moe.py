@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from _megatron_gpt_workers import run_layout, run_layouts  # noqa: E402
+from _megatron_gpt_workers import run_layouts  # noqa: E402
 
 from lossparity.distributed.launch import spawn  # noqa: E402
 
@@ -23,7 +23,8 @@ TOL = 1e-6
 CASES = [("per_document", "micro_batch", False, "full"), ("per_sample", "global_lagged", True, "selective")]
 # the python block of docs/megatron.md drives this one (no recompute)
 DOC_CASE = ("per_token", "micro_batch", True, "doc")
-CP_CASE = ("per_token", "micro_batch", False, "full")  # context parallelism: per_token only
+# context parallelism: whole-row counts of rows and documents (zig-zag shards; the documents are cut)
+CP_CASES = [("per_sample", "global_lagged", True, "full"), ("per_document", "micro_batch", False, "selective")]
 PP_CASE = ("per_document", "micro_batch", True, "selective")  # pipeline: one MoE layer per stage, MTP last
 # sigmoid router with aux-loss-free expert biases (Megatron's own update): compared across layouts
 BIAS_CASE = ("per_token", "global_lagged", True, "bias")
@@ -68,16 +69,21 @@ def _check_bias(layouts):
 
 @pytest.mark.slow
 def test_moe_terms_dp2_tp2_sp_cp2_pp2_give_the_objective_gradients_and_logs():
-    dp2 = spawn(run_layout, 2, 1, [*CASES, DOC_CASE, BIAS_CASE], 8, 2, 2, True, True, timeout_s=600)
-    naive = {case[:2]: res for case, res in dp2[0]["naive"].items()}
+    # every layout in the same two processes (one start-up); the hand-written objective on rank 0 of DP2
+    pairs = sorted({case[:2] for case in [*CASES, DOC_CASE, *CP_CASES, PP_CASE]})
+    plan = [
+        (1, 1, 1, [*CASES, DOC_CASE, BIAS_CASE], {"naive": pairs, "bad": True}),
+        (2, 1, 1, [*CASES, BIAS_CASE]),
+        (1, 2, 1, [*CP_CASES, BIAS_CASE], {"bad": True}),
+        (1, 1, 2, [PP_CASE]),
+    ]
+    both = spawn(run_layouts, 2, plan, timeout_s=900)
+    dp2, tp2, cp2, pp2 = ([r[i] for r in both] for i in range(4))
+    naive = dp2[0]["naive"]
     _check(dp2, naive, "DP2", [*CASES, DOC_CASE])
-    # TP2+SP, CP2 and PP2 in the same two processes (one start-up)
-    plan = [(2, 1, 1, [*CASES, BIAS_CASE]), (1, 2, 1, [CP_CASE, BIAS_CASE]), (1, 1, 2, [PP_CASE])]
-    both = spawn(run_layouts, 2, plan, timeout_s=600)
-    tp2, cp2, pp2 = ([r[i] for r in both] for i in range(3))
     _check(tp2, naive, "TP2+SP", CASES)
     _check(pp2, naive, "PP2", [PP_CASE])
-    _check(cp2, naive, "CP2", [CP_CASE])
+    _check(cp2, naive, "CP2", CP_CASES)
     _check_bias({"DP2": dp2, "TP2+SP": tp2, "CP2": cp2})
     for rank in range(2):
         bad = dp2[rank]["bad"]
@@ -87,3 +93,6 @@ def test_moe_terms_dp2_tp2_sp_cp2_pp2_give_the_objective_gradients_and_logs():
         assert bad[3].startswith("RuntimeError: terms.end_step: MoETerms.begin_step(loss_masks) was not called")
         assert "config: its MoE/MTP coefficients were already taken over" in bad[4]
         assert bad[5].startswith("RuntimeError: router of layer 1: MoETerms.begin_step(loss_masks) was not called")
+        bad_cp = cp2[rank]["bad"]
+        assert bad_cp[0].startswith("ValueError: loss_masks[0]: under context parallelism (cp=2) begin_step takes")
+        assert bad_cp[1].startswith(f"ValueError: output_tensor: shape (2, 16) on context-parallel rank {rank}")

@@ -30,8 +30,10 @@ loss by ``M`` (``False``). The language-model and MTP shares are returned by ``L
 ``R``; the router shares are attached to the router's output (as Megatron's ``MoEAuxLossAutoScaler``
 does) with the weight ``R`` or ``dp·cp``; so the step's gradient is ``∇J`` for either flag, any
 micro-batch size, number of microbatches and data, tensor-sequence and context-parallel layout
-(context parallelism: mode ``per_token``; MTP labels rolled with Megatron's CP-aware ``roll_tensor``)
 and pipeline stages (the MoE layers are numbered over the whole model once, at construction).
+Context parallelism, every mode: ``begin_step`` takes the whole rows (and segment ids), computes the
+row, document and depth counts there and hands each rank the coefficients of its zig-zag shard (see
+:meth:`MoETerms.begin_step`); the MTP labels are rolled with Megatron's CP-aware ``roll_tensor``.
 The ``micro_batch`` scope under TP-SP or CP all-reduces each router forward's counts over the ranks
 holding the microbatch's shards (as Megatron does). A forward without gradients
 (the first pass of a reentrant recompute, evaluation) records nothing: the recomputed forward, which
@@ -58,7 +60,7 @@ from ..losses.moe import max_violation, router_scores, router_z_loss_sums, switc
 from ..losses.mtp import mtp_denominators, roll_mask
 from ._common import mode_numerator, unit_count
 
-__all__ = ["MoETerms", "TERMS_SCOPES"]
+__all__ = ["TERMS_SCOPES", "MoETerms", "zigzag_positions"]
 
 TERMS_SCOPES = ("micro_batch", "global_lagged", "none")
 _AUX_LOG = {"micro_batch": "load_balancing_loss", "global_lagged": "global_load_balancing_loss"}
@@ -88,6 +90,26 @@ def _chunks(model: Any) -> list[torch.nn.Module]:
         if not isinstance(c, torch.nn.Module):
             raise TypeError(f"model: chunk {i} is a {type(c).__name__}, expected a torch.nn.Module")
     return chunks
+
+
+def zigzag_positions(rank: int, cp: int, seq: int, device: Any = None) -> Tensor:
+    """The positions of a whole row held by context-parallel rank ``rank`` in Megatron's
+    ``get_batch_on_this_cp_rank`` layout: the row cut into ``2·cp`` chunks, rank ``r`` holding chunks ``r``
+    and ``2·cp-1-r`` (in that order)."""
+    c = seq // (2 * cp)
+    idx = torch.arange(seq, device=device).view(2 * cp, c)
+    return torch.cat([idx[rank], idx[2 * cp - 1 - rank]])
+
+
+def _coefficients(mode: str, mask: Tensor, segment_ids: Tensor | None, fixed_length: int | None) -> Tensor:
+    """``c`` with ``numerator(s) = Σ_t c_t·s_t`` for whole rows ``[b, S]``: the numerators of every mode are
+    linear in the per-token losses ``s`` (docs/semantics.md §1), so ``c = ∂numerator/∂s``, e.g.
+    ``w_t/max(n_i, 1)`` (per_sample) or ``w_t/max(n_j, 1)`` with ``j`` the document of ``t`` (per_document)."""
+    with torch.enable_grad():
+        s = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device, requires_grad=True)
+        num, _ = mode_numerator(mode, s, mask, segment_ids, fixed_length)
+        (c,) = torch.autograd.grad(num, s, allow_unused=True)
+    return torch.zeros_like(s) if c is None else c.detach()
 
 
 class MoETerms:
@@ -154,6 +176,8 @@ class MoETerms:
                 self._handles.append(out_layer.register_forward_hook(self._output_hook))
         self._mtp_logits: list[Tensor] = []
         self._labels: Tensor | None = None
+        # context parallelism: per microbatch, per depth (0 = the LM term), (shard mask, shard coefficients)
+        self._cp_tables: list[list[tuple[Tensor, Tensor]]] | None = None
 
     @staticmethod
     def _slots(chunks: list[torch.nn.Module], router_cls: Any, pp: int) -> tuple[dict[int, int], int]:
@@ -198,11 +222,6 @@ class MoETerms:
 
     def bind(self, mode: str, fixed_length: int | None) -> None:
         """Called by ``LossFunc(..., terms=self)``: the mode of ``J_lm`` and ``J_k``."""
-        if self.cp > 1 and mode != "per_token":
-            raise ValueError(
-                f"config.context_parallel_size={self.cp}: mode {mode!r} needs whole rows on each rank "
-                "(only per_token is exact under context parallelism)"
-            )
         if self.mode is not None and self.mode != mode:
             raise ValueError(f"terms: already bound to a LossFunc of mode {self.mode!r}, got {mode!r}")
         self.mode, self.fixed_length = mode, fixed_length
@@ -211,6 +230,13 @@ class MoETerms:
     def begin_step(self, loss_masks: Sequence[Tensor], segment_ids: Sequence[Tensor] | None = None) -> None:
         """Start a step from this rank's microbatch loss masks (``[b, s]`` each; with ``per_document``
         also their segment ids): one all-reduce of the global unit, token and MTP-depth counts.
+
+        Under context parallelism the masks and segment ids are the *whole* rows (``[b, S]``, before
+        Megatron's ``get_batch_on_this_cp_rank``), while ``LossFunc`` receives this rank's zig-zag shard
+        (chunks ``r`` and ``2cp-1-r`` of ``2cp``): the rows' and documents' counts ``n_i``, ``n_j`` (and
+        those of every MTP depth) are then whole-row counts with no extra collective, and each shard's
+        numerator is ``Σ_t c_t·s_t`` with ``c = ∂num/∂s`` of the whole row (the numerators are linear in
+        the per-token losses), sliced to the shard.
         Raises ``RuntimeError`` if the previous step was not ended, ``ValueError`` on bad masks."""
         if self.mode is None:
             raise RuntimeError("terms.begin_step: build LossFunc(mode, config=config, terms=terms) first")
@@ -222,20 +248,32 @@ class MoETerms:
         if self.mode == "per_document" and (segment_ids is None or len(segment_ids) != len(masks)):
             raise ValueError("segment_ids: mode 'per_document' needs one segment-id tensor per microbatch mask")
         segs = list(segment_ids) if segment_ids is not None else [None] * len(masks)
-        stats = torch.zeros(3 + self.depths, dtype=torch.float64, device=masks[0].device)
-        for i, (m, s) in enumerate(zip(masks, segs)):
+        for i, m in enumerate(masks):
             if not isinstance(m, Tensor) or m.dim() != 2:
                 raise ValueError(f"loss_masks[{i}]: expected a [b, s] tensor, got {getattr(m, 'shape', m)!r}")
+            if self.cp > 1 and m.shape[1] % (2 * self.cp):
+                raise ValueError(
+                    f"loss_masks[{i}]: under context parallelism (cp={self.cp}) begin_step takes the whole rows, "
+                    f"whose length must be a multiple of 2·cp; got shape {tuple(m.shape)}"
+                )
+        stats = torch.zeros(3 + self.depths, dtype=torch.float64, device=masks[0].device)
+        doc_ids = self.mode == "per_document"
+        self._cp_tables = [] if self.cp > 1 else None
+        for m, s in zip(masks, segs):
             w = m.to(torch.float64)
             stats[0] += unit_count(self.mode, w, s).to(torch.float64)
             stats[1] += w.sum()
             stats[2] += w.numel()
-            for k in range(1, self.depths + 1):
-                if self.cp > 1:  # per_token only: a row loses its first k mask positions (on CP rank 0)
-                    stats[2 + k] += w.sum() - (w[:, :k].sum() if self.cp_rank == 0 else 0.0)
-                else:
-                    stats[2 + k] += roll_mask(w, s if self.mode == "per_document" else None, k).sum()
-        if self.tp_rank != 0 or self.pp_rank != 0:  # TP ranks and PP stages hold the same rows: count once
+            rolled = [roll_mask(w, s if doc_ids else None, k) for k in range(1, self.depths + 1)]
+            for k, w_k in enumerate(rolled, start=1):
+                stats[2 + k] += w_k.sum()
+            if self._cp_tables is not None:  # this rank's shard of each depth's mask and coefficients
+                pos = zigzag_positions(self.cp_rank, self.cp, w.shape[1], w.device)
+                self._cp_tables.append(
+                    [(x[:, pos], _coefficients(self.mode, x, s, self.fixed_length)[:, pos]) for x in [w, *rolled]]
+                )
+        # TP ranks, PP stages and (whole rows) CP ranks hold the same rows: count them once
+        if self.tp_rank != 0 or self.pp_rank != 0 or self.cp_rank != 0:
             stats.zero_()
         dist.all_reduce(stats)
         units, ntok, self._tokens = (float(x) for x in stats[:3].tolist())
@@ -320,7 +358,12 @@ class MoETerms:
         """This microbatch's returned loss ``R·(num_lm/G + λ/Dm·Σ_k num_k/G_k)`` (module docstring), with
         its LM numerator and token sum for the logs. Called by ``LossFunc``."""
         self._require_begun("LossFunc")
-        num, _ = mode_numerator(mode, loss, mask, segment_ids, self.fixed_length)
+        table = self._cp_table(loss)
+        if table is None:
+            num, _ = mode_numerator(mode, loss, mask, segment_ids, self.fixed_length)
+        else:  # context parallelism: whole-row coefficients of this shard (begin_step)
+            mask = table[0][0].to(loss.dtype)
+            num = (loss * table[0][1].to(loss.dtype)).sum()
         share = num / self._den
         acc = self._acc
         s_tok = (loss.detach() * mask).sum().to(torch.float64)
@@ -328,11 +371,36 @@ class MoETerms:
         acc[0] += own * s_tok
         acc[1] += own * num.detach().to(torch.float64)
         if self.depths:
-            share = share + self._mtp_share(mode, loss, mask, segment_ids, own)
+            share = share + self._mtp_share(mode, loss, mask, segment_ids, own, table)
         self._loss_calls += 1
         return share * self.loss_weight, num, s_tok
 
-    def _mtp_share(self, mode: str, loss: Tensor, mask: Tensor, segment_ids: Tensor | None, own: float) -> Tensor:
+    def _cp_table(self, loss: Tensor) -> list[tuple[Tensor, Tensor]] | None:
+        """Under context parallelism: this microbatch's (shard mask, shard coefficients) per depth."""
+        if self._cp_tables is None:
+            return None
+        if self._loss_calls >= len(self._cp_tables):
+            raise RuntimeError(
+                f"LossFunc: call {self._loss_calls + 1} of a step begun with {len(self._cp_tables)} microbatch masks"
+            )
+        table = self._cp_tables[self._loss_calls]
+        if table[0][0].shape != loss.shape:
+            raise ValueError(
+                f"output_tensor: shape {tuple(loss.shape)} on context-parallel rank {self.cp_rank}, microbatch "
+                f"{self._loss_calls}: expected {tuple(table[0][0].shape)}, this rank's zig-zag shard of the whole "
+                "rows given to terms.begin_step (which takes the rows before get_batch_on_this_cp_rank)"
+            )
+        return table
+
+    def _mtp_share(
+        self,
+        mode: str,
+        loss: Tensor,
+        mask: Tensor,
+        segment_ids: Tensor | None,
+        own: float,
+        table: list[tuple[Tensor, Tensor]] | None,
+    ) -> Tensor:
         if len(self._mtp_logits) != self.depths or self._labels is None:
             raise RuntimeError(
                 f"LossFunc: the forward produced {len(self._mtp_logits)} MTP logits for mtp_num_layers="
@@ -341,19 +409,21 @@ class MoETerms:
         model: Any = self._gpt[0]
         labels = self._labels
         share = loss.new_zeros(())
-        rolled, w_k = labels, mask
+        rolled = labels
         for k, logits in enumerate(self._mtp_logits, start=1):
-            if self.cp_group is not None:  # the rows are split over CP: Megatron's own CP-aware roll
+            if table is not None:  # the rows are split over CP: Megatron's own CP-aware roll of the labels
                 from megatron.core.transformer.multi_token_prediction import roll_tensor
 
                 rolled = roll_tensor(rolled, shifts=-1, dims=-1, cp_group=self.cp_group)[0]
-                w_k = roll_tensor(w_k, shifts=-1, dims=-1, cp_group=self.cp_group)[0]
+                loss_k = model.compute_language_model_loss(rolled, logits).view_as(loss)
+                w_k = table[k][0].to(loss.dtype)  # the whole row's depth-k mask, this shard of it
+                num_k = (loss_k * table[k][1].to(loss.dtype)).sum()
             else:
                 rolled = torch.zeros_like(labels)
                 rolled[:, : labels.shape[1] - k] = labels[:, k:]
                 w_k = roll_mask(mask, segment_ids if mode == "per_document" else None, k)
-            loss_k = model.compute_language_model_loss(rolled, logits).view_as(loss)
-            num_k, _ = mode_numerator(mode, loss_k, w_k, segment_ids, self.fixed_length)
+                loss_k = model.compute_language_model_loss(rolled, logits).view_as(loss)
+                num_k, _ = mode_numerator(mode, loss_k, w_k, segment_ids, self.fixed_length)
             share = share + num_k * (self.lam / self.depths / self._mtp_den[k - 1])
             self._acc[1 + 2 * k - 1] += own * (loss_k.detach() * w_k).sum().to(torch.float64)
             self._acc[1 + 2 * k] += own * num_k.detach().to(torch.float64)
