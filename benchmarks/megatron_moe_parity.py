@@ -24,12 +24,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integrations"))
 
-# Megatron's scopes next to lossparity's: Megatron's aux_loss is the micro_batch scope; its
+# Megatron's scopes next to lossparity's: Megatron's aux_loss is the microbatch scope; its
 # global_aux_loss (running over microbatches) is compared with lossparity's global_lagged.
 PAIRS = [
-    ("megatron", "micro_batch"),
+    ("megatron", "microbatch"),
     ("megatron", "global"),
-    ("lossparity", "micro_batch"),
+    ("lossparity", "microbatch"),
     ("lossparity", "global_lagged"),
 ]
 LOG_KEYS = {
@@ -56,7 +56,7 @@ def _figures(results, ref, case):
     zs = []
     for res in results:
         logs, grads = res[case]
-        aux = keys["aux"][0 if case[1] == "micro_batch" else 1]  # Megatron's tracker keeps stale keys
+        aux = keys["aux"][0 if case[1] == "microbatch" else 1]  # Megatron's tracker keeps stale keys
         for name, key in (("aux", aux), ("z", keys["z"]), ("mtp", keys["mtp"])):
             if key in logs:  # (Megatron logs MTP on the last pipeline stage only)
                 out[name] = max(out[name], abs(logs[key] - want_logs[key]) / abs(want_logs[key]))
@@ -82,7 +82,7 @@ def objective_check(chosen: list[str]) -> None:
 
     from lossparity.distributed.launch import spawn
 
-    cases = [(m, sc, pt, None) for m in MODES for sc in ("micro_batch", "global_lagged") for pt in (True, False)]
+    cases = [(m, sc, pt, None) for m in MODES for sc in ("microbatch", "global_lagged") for pt in (True, False)]
     pairs = sorted({c[:2] for c in cases})
     naive = spawn(run_layout, 1, 1, [], 8, 2, 2, pairs, timeout_s=900)[0]["naive"]
     print("| layout | mode | scope | per-token loss | gradients (rel) | logs (rel) | logs identical on every rank |")

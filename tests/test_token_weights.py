@@ -150,4 +150,3 @@ def pretend_cp2(dims):
     fake = dataclasses.replace(dims, cp=2)
     fake._groups, fake._coord, fake._adopted = dict(dims._groups), dict(dims._coord), True
     return fake
-

@@ -450,7 +450,7 @@ def naive_reference(case, n_rows=8, mbs=2, steps=2):
             p = logits.softmax(-1)
             top = torch.zeros_like(p).scatter(-1, p.topk(TOPK, dim=-1).indices, 1.0)
             fracs.append(top.sum((0, 1)) / (S * n_rows))
-            if scope == "micro_batch":
+            if scope == "microbatch":
                 terms = []
                 for r0 in range(0, n_rows, mbs):
                     c, pp, t = top[:, r0 : r0 + mbs].sum((0, 1)), p[:, r0 : r0 + mbs].sum((0, 1)), S * mbs
@@ -470,7 +470,7 @@ def naive_reference(case, n_rows=8, mbs=2, steps=2):
             "mtp_1_loss": float((loss1 * w1).sum() / w1.sum()),
             "objective": float(J),
             "z_loss": sum(z_logs) / len(z_logs),
-            ("load_balancing_loss" if scope == "micro_batch" else "global_load_balancing_loss"): sum(aux_logs)
+            ("load_balancing_loss" if scope == "microbatch" else "global_load_balancing_loss"): sum(aux_logs)
             / len(aux_logs),
         }
         out.append((logs, {n: p.grad.clone() for n, p in model.named_parameters()}))
@@ -503,7 +503,7 @@ def bad_inputs():
     for call in [
         lambda: MoETerms([torch.nn.Linear(2, 2)], make_config()),
         lambda: MoETerms([model], make_config(), aux_scope="sequence"),
-        lambda: MoETerms([model], config, aux_scope="micro_batch"),
+        lambda: MoETerms([model], config, aux_scope="microbatch"),
         lambda: kept["terms"].end_step(),
         lambda: MoETerms([model], config),
     ]:
@@ -543,7 +543,7 @@ def bad_cp_inputs(cp):
 
     config = make_config(cp=cp)
     model = build_model(config, 1)
-    terms = MoETerms([model], config, aux_scope="micro_batch")
+    terms = MoETerms([model], config, aux_scope="microbatch")
     loss_fn = LossFunc("per_sample", config=config, terms=terms)
     tokens, labels, mask, seg = global_batch(0, 2)
     pos = torch.arange(S)[None, :].expand(2, -1)
@@ -619,7 +619,7 @@ def _own_case(tp, scope, per_token, mbs, n_rows, steps, cp=1, pp=1, full=None):
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, track_moe_metrics
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    kind = {"micro_batch": "aux_loss", "global": "global_aux_loss"}[scope]
+    kind = {"microbatch": "aux_loss", "global": "global_aux_loss"}[scope]
     config = make_config(
         tp=tp, cp=cp, per_token=per_token, moe_router_load_balancing_type=kind, pipeline_model_parallel_size=pp
     )

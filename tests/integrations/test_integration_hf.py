@@ -115,13 +115,13 @@ def test_per_token_reproduces_plain_trainer_gradients_exactly(tmp_path):
 
 
 def test_moe_aux_loss_is_added_once_per_step(tmp_path):
-    """Mixtral with output_router_logits, aux_scope="micro_batch", batch 4 × GA 2: the step-1 gradient is that
+    """Mixtral with output_router_logits, aux_scope="microbatch", batch 4 × GA 2: the step-1 gradient is that
     of J_per_sample + coef · mean over the 2 microbatches of the model's aux_loss."""
     import functools
 
     from lossparity.integrations.hf import LossParityTrainer
 
-    micro = functools.partial(LossParityTrainer, aux_scope="micro_batch")
+    micro = functools.partial(LossParityTrainer, aux_scope="microbatch")
     _, logs, grads = run(str(tmp_path), "mixtral", "per_sample", 4, 2, steps=1, record_grads=True, trainer_cls=micro)
     rows = padded_rows()[:8]
     model = tiny_model("mixtral")

@@ -79,15 +79,15 @@ def test_global_lagged_aux_matches_plain_trainer_on_the_whole_batch(tmp_path):
 
 
 def test_hf_scope_is_plain_trainer_and_micro_batch_is_not_invariant(tmp_path):
-    """``hf`` reproduces plain ``transformers.Trainer`` at 2×4 (aux added once per microbatch); ``micro_batch``
+    """``hf`` reproduces plain ``transformers.Trainer`` at 2×4 (aux added once per microbatch); ``microbatch``
     (each microbatch's own fractions) differs from the whole-batch gradient far beyond float32 noise."""
     plain, _ = run(str(tmp_path), "mixtral", 2, 4, 1, None)
     ours, _ = run(str(tmp_path), "mixtral", 2, 4, 1, "hf")
     assert _rel(ours[0], plain[0]) <= 1e-12
     whole, _ = run(str(tmp_path), "mixtral", 8, 1, 1, None)
-    micro, _ = run(str(tmp_path), "mixtral", 2, 4, 2, "micro_batch")
+    micro, _ = run(str(tmp_path), "mixtral", 2, 4, 2, "microbatch")
     dist = _rel(micro[-1], whole[0])
-    print(f"measured: mixtral micro_batch 2x4 vs whole batch: {dist:.1e}")
+    print(f"measured: mixtral microbatch 2x4 vs whole batch: {dist:.1e}")
     assert dist > 1e-3
 
 

@@ -20,12 +20,12 @@ from lossparity.distributed.launch import spawn  # noqa: E402
 
 TOL = 1e-6
 # (mode, aux_scope, calculate_per_token_loss, recompute)
-CASES = [("per_document", "micro_batch", False, "full"), ("per_sample", "global_lagged", True, "selective")]
+CASES = [("per_document", "microbatch", False, "full"), ("per_sample", "global_lagged", True, "selective")]
 # the python block of docs/megatron.md drives this one (no recompute)
-DOC_CASE = ("per_token", "micro_batch", True, "doc")
+DOC_CASE = ("per_token", "microbatch", True, "doc")
 # context parallelism: whole-row counts of rows and documents (zig-zag shards; the documents are cut)
-CP_CASES = [("per_sample", "global_lagged", True, "full"), ("per_document", "micro_batch", False, "selective")]
-PP_CASE = ("per_document", "micro_batch", True, "selective")  # pipeline: one MoE layer per stage, MTP last
+CP_CASES = [("per_sample", "global_lagged", True, "full"), ("per_document", "microbatch", False, "selective")]
+PP_CASE = ("per_document", "microbatch", True, "selective")  # pipeline: one MoE layer per stage, MTP last
 # sigmoid router with aux-loss-free expert biases (Megatron's own update): compared across layouts
 BIAS_CASE = ("per_token", "global_lagged", True, "bias")
 

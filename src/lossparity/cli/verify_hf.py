@@ -76,6 +76,7 @@ def _run(spec: Any, layouts: Any, modes: tuple[str, ...], steps: int) -> Any:
 
 def cmd_verify_hf(args: argparse.Namespace) -> int:
     """``verify --hf`` / ``--model``: the layout-invariance table of the user's model; exit 1 on any FAIL."""
+    from ..options import ALIASES
     from ..training.verify import write_json
     from ..training.verify_hf import HF_AUX_SCOPES, parse_hf_layouts
     from ..training.verify_hf_compare import format_hf_table
@@ -84,6 +85,7 @@ def cmd_verify_hf(args: argparse.Namespace) -> int:
         raise UsageError("--hf and --model exclude each other")
     if args.quick or args.full:
         raise UsageError("--quick/--full choose layouts of the tiny reference model; with --hf/--model use --layouts")
+    args.aux_scope = ALIASES["aux_scope"].get(args.aux_scope, args.aux_scope)  # micro_batch: the old spelling
     if args.aux_scope not in HF_AUX_SCOPES:
         raise UsageError(f"--aux-scope: {args.aux_scope!r} is not one of {', '.join(HF_AUX_SCOPES)} for --hf/--model")
     try:

@@ -16,7 +16,7 @@ TRL's padding-free collator emits, from ``position_ids`` restarting at 0 (positi
 ``attention_mask`` is 0 are padding). MoE models run with ``output_router_logits`` keep their
 auxiliary term ``router_aux_loss_coef · aux``, in the scope ``aux_scope`` (docs/semantics.md §5):
 ``global_lagged`` (default, layout-invariant: transformers' ``load_balancing_loss_func`` on the whole
-global batch, with the expert fractions of the previous step), ``micro_batch`` (each microbatch's own
+global batch, with the expert fractions of the previous step), ``microbatch`` (each microbatch's own
 ``aux_loss`` weighted ``1/(D·K)``) or ``hf`` (each microbatch's ``aux_loss`` added unweighted, as
 ``transformers.Trainer`` does: ``D·K`` times per step).
 
@@ -49,7 +49,7 @@ __all__ = ["IGNORE_INDEX", "LossParityMixin", "LossParityTrainer", "shifted_labe
 IGNORE_INDEX = -100  # the label HF causal-LM losses and Trainer's num_items_in_batch ignore
 _LOSS_ONLY_KEYS = ("labels", "shift_labels", "segment_ids")  # columns the model's forward must not see
 _BAD = "lossparity_bad_input"  # extra count: a rank flags invalid input inside the pre-count all-reduce
-HF_AUX_SCOPES = ("global_lagged", "micro_batch", "hf")  # aux_scope of LossParityMixin (semantics §5)
+HF_AUX_SCOPES = ("global_lagged", "microbatch", "hf")  # aux_scope of LossParityMixin (semantics §5)
 _ROWS, _PREV_ROWS = "lossparity_aux_rows", "lossparity_aux_prev_rows"  # extra counts of global_lagged
 
 
@@ -103,11 +103,11 @@ class LossParityMixin:
       step's global batch (``k/E`` in the first step), computed in float64 from ``router_logits``. Each
       microbatch back-propagates its share; the fractions ride in the pre-count all-reduce of the next
       step (no further collective). Invariant under ``D``, ``K`` and the microbatch size.
-    - ``micro_batch``: ``c · aux(mb) / (D·K)`` with ``aux(mb)`` the model's own ``aux_loss``.
+    - ``microbatch``: ``c · aux(mb) / (D·K)`` with ``aux(mb)`` the model's own ``aux_loss``.
     - ``hf``: ``c · aux(mb)`` for every microbatch, as ``transformers.Trainer`` adds it (``D·K`` times).
 
     The logged ``aux_loss`` is the term's value: the global value (``global_lagged``), or the mean of
-    the microbatches' ``aux_loss`` (``micro_batch``, ``hf``).
+    the microbatches' ``aux_loss`` (``microbatch``, ``hf``).
 
     Bad input (no labels, ``per_document`` without segment ids or position ids, all labels ignored, a
     model output without ``logits``) raises ``ValueError`` naming the argument before the first optimizer
@@ -314,7 +314,7 @@ class LossParityMixin:
         if e <= 0 or not isinstance(k, int) or not 1 <= k <= e:
             raise ValueError(
                 "aux_scope: 'global_lagged' needs the model config's expert count (num_local_experts or "
-                f"num_experts) and num_experts_per_tok; got {e} and {k} (use aux_scope='micro_batch')"
+                f"num_experts) and num_experts_per_tok; got {e} and {k} (use aux_scope='microbatch')"
             )
         return e, k
 
@@ -362,8 +362,8 @@ class LossParityMixin:
             if not isinstance(own, Tensor):
                 raise ValueError("model: its outputs have no 'aux_loss' although config.output_router_logits is set")
             acc.record("aux_loss", own.detach())
-            # micro_batch: the mean over the step's D·K microbatches; hf: every microbatch's term in full.
-            aux = own / self._lp_mbs if self.lp_aux_scope == "micro_batch" else own
+            # microbatch: the mean over the step's D·K microbatches; hf: every microbatch's term in full.
+            aux = own / self._lp_mbs if self.lp_aux_scope == "microbatch" else own
         share = coef * aux.to(dtype)
         acc.record("objective", share.detach())
         return share

@@ -18,7 +18,7 @@ accountant's ``own`` convention, ``A_l`` the Switch term of layer ``l`` at the c
 
 | aux_scope       | ``A_l``                                                                       |
 |-----------------|-------------------------------------------------------------------------------|
-| ``micro_batch`` | mean over the ``D·M`` microbatches of ``A(X_mb)``, ``X_mb`` with its TP-SP    |
+| ``microbatch`` | mean over the ``D·M`` microbatches of ``A(X_mb)``, ``X_mb`` with its TP-SP    |
 |                 | and CP shards (counts all-reduced over that row group)                        |
 | ``global_lagged``| ``α·E/k · Σ_e f_e^prev · Σ_{x in batch} p[x,e] / T``; ``f^prev`` the previous |
 |                 | step's global top-k fractions (``k/E`` at the first step)                     |
@@ -34,7 +34,7 @@ and pipeline stages (the MoE layers are numbered over the whole model once, at c
 Context parallelism, every mode: ``begin_step`` takes the whole rows (and segment ids), computes the
 row, document and depth counts there and hands each rank the coefficients of its zig-zag shard (see
 :meth:`MoETerms.begin_step`); the MTP labels are rolled with Megatron's CP-aware ``roll_tensor``.
-The ``micro_batch`` scope under TP-SP or CP all-reduces each router forward's counts over the ranks
+The ``microbatch`` scope under TP-SP or CP all-reduces each router forward's counts over the ranks
 holding the microbatch's shards (as Megatron does). A forward without gradients
 (the first pass of a reentrant recompute, evaluation) records nothing: the recomputed forward, which
 back-propagates, records the terms once.
@@ -58,12 +58,13 @@ from torch import Tensor
 
 from ..losses.moe import max_violation, router_scores, router_z_loss_sums, switch_load_balancing_weights
 from ..losses.mtp import mtp_denominators, roll_mask
+from ..options import ALIASES
 from ._common import mode_numerator, unit_count
 
 __all__ = ["TERMS_SCOPES", "MoETerms", "zigzag_positions"]
 
-TERMS_SCOPES = ("micro_batch", "global_lagged", "none")
-_AUX_LOG = {"micro_batch": "load_balancing_loss", "global_lagged": "global_load_balancing_loss"}
+TERMS_SCOPES = ("microbatch", "global_lagged", "none")
+_AUX_LOG = {"microbatch": "load_balancing_loss", "global_lagged": "global_load_balancing_loss"}
 
 
 class _AttachGrad(torch.autograd.Function):
@@ -128,12 +129,13 @@ class MoETerms:
         from megatron.core import parallel_state as ps
         from megatron.core.transformer.moe.router import TopKRouter
 
-        if aux_scope not in TERMS_SCOPES:
+        scope = ALIASES["aux_scope"].get(aux_scope, aux_scope) if isinstance(aux_scope, str) else aux_scope
+        if scope not in TERMS_SCOPES:
             raise ValueError(
                 f"aux_scope: {aux_scope!r} is not one MoETerms can feed from Megatron's router; "
                 f"choose one of {TERMS_SCOPES}"
             )
-        self.aux_scope = aux_scope
+        self.aux_scope = scope
         self.config = config
         chunks = _chunks(model)
         self.routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
@@ -320,7 +322,7 @@ class MoETerms:
         if self.aux_scope == "global_lagged":
             weights = self._lagged_k[slot].to(sums.dtype)
             aux = (weights * sums).sum()
-        elif self.aux_scope == "micro_batch":
+        elif self.aux_scope == "microbatch":
             ct = torch.cat([counts, counts.new_full((1,), float(logits.shape[0]))])
             if self.row_group is not None:  # the microbatch's tokens are split over TP-SP and CP
                 dist.all_reduce(ct, group=self.row_group)

@@ -7,7 +7,7 @@ gradient norm and updated parameters are compared with the single-process run. E
 the :class:`~lossparity.Accountant`, computed in float64 from the model's logits (causal shift,
 ``-100`` ignored); an MoE model's load-balancing term (transformers' ``load_balancing_loss_func``, float64
 from the router logits) in the scope ``aux_scope`` (docs/semantics.md §5): ``hf`` (each microbatch's term
-added in full, as ``transformers.Trainer`` does), ``micro_batch`` (weighted ``1/(D·K)``) or
+added in full, as ``transformers.Trainer`` does), ``microbatch`` (weighted ``1/(D·K)``) or
 ``global_lagged`` (the global batch's term with the previous step's expert fractions).
 
 Layouts: ``K`` (accumulation), ``D`` (DDP), ``+fsdp`` (FSDP2 per decoder layer, then the model), ``T`` (the
@@ -46,9 +46,9 @@ __all__ = [
     "synthetic_batch",
 ]
 
-HF_AUX_SCOPES = ("global_lagged", "micro_batch", "hf")
+HF_AUX_SCOPES = ("global_lagged", "microbatch", "hf")
 N_ROWS, SEQ, LR = 8, 16, 0.1
-_B_DEPENDENT_SCOPES = ("micro_batch",)
+_B_DEPENDENT_SCOPES = ("microbatch",)
 
 
 @dataclass
@@ -316,7 +316,7 @@ def _aux_share(spec: ModelSpec, out: Any, mb: dict[str, Tensor], acc: Any, aux: 
     else:
         value = hf_load_balancing_loss(router, k, att)
         acc.record("aux_loss", value.detach())
-        if spec.aux_scope == "micro_batch":
+        if spec.aux_scope == "microbatch":
             value = value / mbs
     share = spec.aux_coef * value
     acc.record("objective", share.detach())

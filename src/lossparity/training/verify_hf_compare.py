@@ -91,7 +91,7 @@ def format_hf_table(report: dict[str, Any], title: str) -> str:
             lines.append(f"FAIL {r['layout']} {r['mode']}: first difference: {r['first']}")
     if len(compared) < len(report["rows"]):
         lines.append(
-            "n/a: the quantity depends on the microbatch size (per_microbatch, aux_scope micro_batch) and no other "
+            "n/a: the quantity depends on the microbatch size (per_microbatch, aux_scope microbatch) and no other "
             "layout here has this one's; compare D·K = n layouts with K=n"
         )
     walls = report.get("layout_wall_s") or {}
