@@ -37,7 +37,7 @@ def temp_bytes(t: int, v: int, h: int, chunk: int, vchunk: int) -> dict[str, int
 
 
 def main() -> None:
-    """Print the table of the README's JAX section."""
+    """Print the table of docs/jax.md."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", type=int, nargs=3, default=(2048, 16384, 64), metavar=("T", "V", "H"))
     args = parser.parse_args()

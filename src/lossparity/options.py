@@ -78,7 +78,7 @@ ALIGNS: tuple[Align, ...] = get_args(Align)
 
 # When reference steps the candidate lacks make `compare` fail: span = the candidate must cover the
 # reference's first to last step, all = every reference step must be in the candidate, ignore = only
-# reported (README "Parity tools").
+# reported (docs/parity-tools.md).
 MissingSteps = Literal["span", "all", "ignore"]
 MISSING_STEPS: tuple[MissingSteps, ...] = get_args(MissingSteps)
 

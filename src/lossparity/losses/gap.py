@@ -1,4 +1,4 @@
-"""The estimator gap between the per-token and per-sample means (semantics §1, README "the problem").
+"""The estimator gap between the per-token and per-sample means (semantics §1).
 
 With per-sample means ``l_i = s_i / max(n_i, 1)`` and counts ``n_i``::
 

@@ -73,7 +73,7 @@ def truncate_metrics(path: str, step: int) -> list[str]:
 
 
 class MetricsLog:
-    """Append-only writer of ``OUT/metrics.jsonl`` (schema in the README) plus TensorBoard scalars.
+    """Append-only writer of ``OUT/metrics.jsonl`` (schema in docs/reference-trainer.md) plus TensorBoard scalars.
 
     ``start_step > 0`` (a resume from that step) first truncates the file to the steps ``<= start_step``;
     ``start_step == 0`` starts an empty file (the run-folder checks guarantee no earlier run is there).

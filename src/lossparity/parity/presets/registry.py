@@ -505,7 +505,7 @@ def resolve_preset(spec: str) -> Preset:
 
 
 def all_presets() -> list[Preset]:
-    """One preset per documented spec (the README table's rows)."""
+    """One preset per documented spec (the rows of the table in docs/parity-tools.md)."""
     specs = [
         "megatron:calculate_per_token_loss=false",
         "megatron:calculate_per_token_loss=true",
@@ -524,7 +524,7 @@ def all_presets() -> list[Preset]:
 
 
 def preset_table() -> str:
-    """Markdown table of :func:`all_presets` for the README: preset, mode, normalization, MTP convention,
+    """Markdown table of :func:`all_presets` for docs/parity-tools.md: preset, mode, normalization, MTP convention,
     MTP log estimator, aux scope, z form and a one-line description."""
     head = (
         "preset",
