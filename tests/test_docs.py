@@ -46,6 +46,7 @@ EXECUTED = {
     ),
     ("docs/hf-trainer.md", "import torch"): "tests/integrations/test_hf_docs.py::test_hf_trainer_doc_block_runs",
     # "*": one test runs every python block of the page
+    ("docs/accountant-internals.md", "*"): "tests/test_accountant.py::test_docs_accountant_page_code_blocks_run",
     ("docs/checkpoints.md", "*"): "tests/test_checkpoint_safety.py::test_checkpoint_doc_python_blocks_run",
     ("docs/verify-your-model.md", "*"): "tests/integrations/test_verify_hf.py::test_docs_model_example_runs",
     ("docs/cli-output.md", "*"): "tests/test_cli_text.py::test_cli_output_page_code_blocks_run",
