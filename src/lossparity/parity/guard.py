@@ -44,20 +44,10 @@ import numpy as np
 
 from ..options import MISSING_STEPS, MissingSteps, check_option
 from ._record import Recorder
-from .compare import (
-    CompareInputError,
-    CompareResult,
-    Tolerance,
-    _default_pairs,
-    _normalize_tolerances,
-    compare_runs,
-    judge_points,
-    megatron_allowed_failures,
-    moving_average,
-    tolerance_for,
-)
+from .compare import CompareInputError, CompareResult, _default_pairs, compare_runs, judge_points, moving_average
 from .names import default_canonical_name, is_canonical
 from .readers import Run, read_log
+from .tolerance import Tolerance, _normalize_tolerances, megatron_allowed_failures, tolerance_for
 from .violation import Violation, violation_from_result, write_violation_report
 
 __all__ = ["ON_VIOLATION", "ParityGuard", "PointCheck", "Verdict"]
