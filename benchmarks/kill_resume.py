@@ -151,9 +151,19 @@ def _left_temporaries(out: Path) -> bool:
     return any(p.name.startswith(".tmp-") for d in dirs for p in d.iterdir())
 
 
+def _left_state(out: Path) -> str:
+    """What a kill left: the logged steps and the newest checkpoint under a final name (what the next
+    resume loads when it is intact), e.g. ``"3 logged, ckpt 2"``."""
+    from lossparity.training.rundir import list_checkpoints
+
+    found = list_checkpoints(str(out / "checkpoints"))
+    return f"{_lines(out / 'metrics.jsonl')} logged, ckpt {found[0][0] if found else 'none'}"
+
+
 def _trial(out: Path, steps: int, dp: int, rng: random.Random, resume_kill_p: float, reference: dict) -> dict:
     """One trial: a killed run, up to two killed resumes, a resume to the end, the comparison."""
     kills = in_write = in_resume = 0
+    left = []
     for attempt in range(3):
         if attempt > 0 and rng.random() >= resume_kill_p:
             break
@@ -162,6 +172,7 @@ def _trial(out: Path, steps: int, dp: int, rng: random.Random, resume_kill_p: fl
         kills += 1
         in_resume += attempt > 0
         in_write += _left_temporaries(out)
+        left.append(_left_state(out))
     _finish(out, steps, dp)
     diffs = _equal(reference, _snapshot(out, steps))
     return {
@@ -170,6 +181,7 @@ def _trial(out: Path, steps: int, dp: int, rng: random.Random, resume_kill_p: fl
         "kills_inside_a_write": in_write,
         "bit_exact": not diffs,
         "differs": diffs,
+        "left": left,
     }
 
 
@@ -196,7 +208,7 @@ def run_trials(
         results.append(r)
         log(
             f"trial {t}: {r['kills']} kill(s) ({r['kills_during_resume']} during a resume, "
-            f"{r['kills_inside_a_write']} inside a write): "
+            f"{r['kills_inside_a_write']} inside a write; left {'; '.join(r['left']) or '-'}): "
             + ("bit-exact" if r["bit_exact"] else f"DIFFERS in {', '.join(r['differs'])}")
         )
     keys = ("kills", "kills_during_resume", "kills_inside_a_write", "bit_exact")

@@ -20,7 +20,8 @@ import dataclasses
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Checkpointer",
+    "keep_fresh_optimizer",
     "CheckpointFormatError",
     "atomic_save",
     "save_checkpoint",
@@ -62,6 +64,24 @@ def atomic_save(obj: Any, path: str) -> None:
     the old file or the complete new one."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     atomic_write(path, lambda f: torch.save(obj, f))
+
+
+@contextmanager
+def keep_fresh_optimizer(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Wrap the *reading* of a state dict (``get_optimizer_state_dict`` / ``get_state_dict`` of
+    ``torch.distributed.checkpoint.state_dict``) so that a fresh optimizer (no state yet) stays fresh.
+    Those functions first run torch's ``_init_optim_state``: one ``optimizer.step()`` with zero gradients
+    and ``lr = 0``. The parameters stay the same, but AdamW's state appears with ``step = 1``, so the run's
+    first real step would use the bias correction ``1 - beta^t`` of ``t = 2`` instead of ``t = 1``: a
+    multi-rank ``--resume`` that finds no checkpoint yet (a kill before the first one) then differed from
+    the uninterrupted run from step 2 on. On exit the state is emptied again when it was empty on entry;
+    the state dict already built keeps its tensors (the target a checkpoint is loaded into)."""
+    fresh = not optimizer.state
+    try:
+        yield
+    finally:
+        if fresh:
+            optimizer.state.clear()
 
 
 def _point_latest(directory: str, name: str) -> None:
@@ -128,7 +148,8 @@ def save_sharded_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
     if state is None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with keep_fresh_optimizer(optimizer):
+            model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
     dcp.save(state, checkpoint_id=tmp)
     atomic_save(extra, os.path.join(tmp, f"extra_rank{rank}.pt"))
@@ -218,7 +239,8 @@ def load_sharded_latest(
     from .safe_dcp import SafeFileSystemReader
 
     if state is None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with keep_fresh_optimizer(optimizer):  # nothing to load must leave the optimizer untouched
+            model_sd, optim_sd = get_state_dict(model, optimizer)
         target: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     else:
         target = state
@@ -313,7 +335,8 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         msd = get_model_state_dict(self.model)
-        osd = get_optimizer_state_dict(self.model, self.optimizer)
+        with keep_fresh_optimizer(self.optimizer):  # a resume without a checkpoint must start fresh
+            osd = get_optimizer_state_dict(self.model, self.optimizer)
         if self.owned is not None:
             msd = {k: v for k, v in msd.items() if k in self.owned}
         moe: dict[str, Tensor] = {}
