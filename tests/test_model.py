@@ -270,7 +270,7 @@ def test_forward_shapes(name: str) -> None:
     assert len(out.mtp_hidden) == cfg.mtp_depths
     assert all(h.shape == (B, S, cfg.dim) for h in out.mtp_hidden)
     n_moe = cfg.n_layers - cfg.n_dense_layers
-    assert [r.layer for r in out.routers] == list(range(cfg.n_dense_layers, cfg.n_layers + cfg.mtp_depths))
+    assert [r.layer_id for r in out.routers] == list(range(cfg.n_dense_layers, cfg.n_layers + cfg.mtp_depths))
     assert len(model.moe_routers()) == n_moe + cfg.mtp_depths
     for r in out.routers:
         assert r.logits.shape == r.probs.shape == r.topk_map.shape == (B * S, cfg.num_experts)

@@ -22,12 +22,13 @@ refused by the weights-only load with a note naming ``lossparity convert-checkpo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import random
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import numpy as np
@@ -62,12 +63,27 @@ class CheckpointFormatError(ValueError):
     (format 1, or a crafted file), or its contents do not match the model (names the file and the entry)."""
 
 
+@contextlib.contextmanager
+def _no_extra_safe_globals() -> Iterator[None]:
+    """torch's own weights-only allowlist only, for the duration of a load: libraries extend it process-wide
+    (importing ``megatron.core`` admits NumPy arrays, for one), which would let a format-1 file through
+    here in one process and not in another. A lossparity checkpoint never needs more."""
+    extra = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        yield
+    finally:
+        if extra:
+            torch.serialization.add_safe_globals(extra)
+
+
 def load_weights_only(path: str) -> Any:
     """``torch.load(path, map_location="cpu", weights_only=True)``; a file that needs more than tensors and
     plain values (an unpickled object would run code) raises :class:`CheckpointFormatError` with the way
     to convert a trusted file of format 1."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with _no_extra_safe_globals():
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         # torch's message names the refused global (e.g. "Unsupported global: GLOBAL posix.system")
         what = next((ln.strip() for ln in str(e).splitlines() if "global" in ln.lower()), "refused by weights_only")
@@ -184,6 +200,11 @@ def validate_rng_state(state: Any, where: str) -> None:
 
 def _header(state: Any, keys: tuple[str, ...], path: str, name: str) -> None:
     """The entries both files share; ``name``: the checkpoint's ``step_<n>[.pt]`` (its step must be ``n``)."""
+    if isinstance(state, Mapping) and "format" not in state and "version" not in state:
+        raise _fail(
+            path,
+            f"no 'format'/'version' entries: a checkpoint of an earlier lossparity; {CONVERT_HINT.format(path=path)}",
+        )
     _need(state, ("format", "version", *keys), path)
     if state["format"] != FORMAT or state["version"] != VERSION:
         raise _fail(path, f"format {state['format']!r} version {state['version']!r}, expected {FORMAT!r} {VERSION}")
