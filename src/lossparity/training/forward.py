@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -70,42 +71,31 @@ def head_loss_fn(gpt: GPT) -> Callable[[Tensor, Tensor], Tensor]:
     ``DTensor``: each rank's partial logsumexps are combined over the head's mesh). The labels are trusted
     (the trainer checks them once per step on the host-side batch): no host read per microbatch."""
 
-    weight = gpt.output.weight
-    if isinstance(weight, DTensor):
-        mesh = weight.device_mesh
-        local = weight.to_local()
-        start = mesh.get_local_rank() * local.shape[0]
-        return lambda h, lab: chunked_cross_entropy(
-            h,
-            local,
-            lab,
-            vocab_parallel_group=mesh.get_group(),
-            vocab_start=start,
-            vocab_size=weight.shape[0],
-            trusted_labels=True,
-        )
-    return lambda h, lab: chunked_cross_entropy(h, weight, lab, trusted_labels=True)
+    local, vocab_parallel = _head_rows(gpt)
+    return lambda h, lab: chunked_cross_entropy(h, local, lab, trusted_labels=True, **vocab_parallel)
 
 
 def head_fused_fn(gpt: GPT) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]:
     """``(h, labels, token_weights) -> (Σ w·l, l.detach())`` of ``gpt``'s output head by the fused linear
     cross-entropy (gradients formed in the forward), vocabulary-parallel like :func:`head_loss_fn`."""
+    local, vocab_parallel = _head_rows(gpt)
+    return lambda h, lab, w: fused_linear_cross_entropy(h, local, lab, w, trusted_labels=True, **vocab_parallel)
+
+
+def _head_rows(gpt: GPT) -> tuple[Tensor, dict[str, Any]]:
+    """The output head's rows held here and the vocabulary-parallel arguments of the cross-entropy
+    functions: a TP-sharded head (``DTensor``) gives its local rows, its mesh group, first row and the
+    full vocabulary size; a replicated head gives itself and no arguments."""
     weight = gpt.output.weight
-    if isinstance(weight, DTensor):
-        mesh = weight.device_mesh
-        local = weight.to_local()
-        start = mesh.get_local_rank() * local.shape[0]
-        return lambda h, lab, w: fused_linear_cross_entropy(
-            h,
-            local,
-            lab,
-            w,
-            vocab_parallel_group=mesh.get_group(),
-            vocab_start=start,
-            vocab_size=weight.shape[0],
-            trusted_labels=True,
-        )
-    return lambda h, lab, w: fused_linear_cross_entropy(h, weight, lab, w, trusted_labels=True)
+    if not isinstance(weight, DTensor):
+        return weight, {}
+    mesh = weight.device_mesh
+    local = weight.to_local()
+    return local, {
+        "vocab_parallel_group": mesh.get_group(),
+        "vocab_start": mesh.get_local_rank() * local.shape[0],
+        "vocab_size": weight.shape[0],
+    }
 
 
 def head_weights(
