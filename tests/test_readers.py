@@ -459,11 +459,25 @@ def test_parse_name_map_and_overrides(tmp_path):
 
 def test_two_raw_names_for_one_metric_is_an_error(tmp_path):
     log = tmp_path / "dup.jsonl"
-    log.write_text('{"step": 1, "lm_loss": 2.0, "lm loss": 2.0}\n')
+    log.write_text('{"step": 1, "lm loss": 2.0, "learning/lm_loss": 2.0}\n')
     with pytest.raises(LogParseError, match="both map to 'lm_loss'"):
         read_log(log)
     run = read_log(log, name_map={"lm loss": "megatron_lm_loss"})
     assert_series(run.metrics["megatron_lm_loss"], {1: 2.0})
+
+
+@pytest.mark.parametrize("order", ["alias first", "canonical first"])
+def test_the_canonical_name_itself_wins_over_an_alias(tmp_path, order):
+    """A LossParityTrainer trainer_state.json logs HF's `loss` and lossparity's `objective`: `objective` is the
+    metric, `loss` keeps its own name (it used to make the whole log unreadable)."""
+    entries = [{"loss": 5.25, "objective": 5.2512, "step": s} for s in (1, 2)]
+    if order == "canonical first":
+        entries = [{"objective": e["objective"], "loss": e["loss"], "step": e["step"]} for e in entries]
+    log = tmp_path / "trainer_state.json"
+    log.write_text(json.dumps({"log_history": entries, "global_step": 2}))
+    run = read_log(log)
+    assert_series(run.metrics["objective"], {1: 5.2512, 2: 5.2512})
+    assert_series(run.metrics["loss"], {1: 5.25, 2: 5.25})
 
 
 def test_with_constant_batch_size():

@@ -159,6 +159,16 @@ class Recorder:
         if name is None:
             return None
         prev = self.raw_names.setdefault(name, raw)
+        if prev != raw and name in (prev, raw):
+            # The log names the canonical metric itself next to an alias of it (LossParityTrainer logs
+            # lossparity's `objective` beside HF's `loss`): the literal name is the metric, the alias keeps
+            # its own raw name (listed, not compared by default).
+            alias = prev if raw == name else raw
+            if prev == alias:  # the alias came first: its values move to its own name
+                self.metrics[alias] = self.metrics.pop(name, {})
+                self.raw_names[name] = name
+            self.raw_names[alias] = alias
+            return raw
         if prev != raw:
             raise LogParseError(
                 self.path,
