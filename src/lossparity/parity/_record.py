@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
+from ..input_files import MAX_STEP, InputFileError, bounded_step, capped_lines
 from .names import canonical_name, is_canonical
 
 __all__ = [
@@ -24,6 +25,8 @@ __all__ = [
     "is_number_array",
     "json_number",
     "int_step",
+    "console_step",
+    "input_error",
     "lines",
     "SAMPLES_KEYS",
 ]
@@ -255,7 +258,8 @@ _NONFINITE = {
     "+infinity": math.inf,
     "-infinity": -math.inf,
 }
-_PLAIN_RE = re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$")
+# one way to match each number (no `\d+\.?\d*`, which backtracks quadratically on a long digit run)
+_PLAIN_RE = re.compile(r"^[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?$")
 # a console number with decoration: thousands separators, a unit or percent sign, a parenthesized remark
 _DECORATED_RE = re.compile(
     r"^([-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][-+]?\d+)?)(?:%|[A-Za-z/]+)?(?:\([^()]*\))?$"
@@ -281,16 +285,21 @@ def to_number(text: str) -> float | None:
     return to_float(t)
 
 
-_ARRAY_RE = re.compile(r"^\[\s*[^\[\],\s]+(?:\s*,?\s+|\s*,\s*)[^\[\]]*\]$")
+_ARRAY_SEP_RE = re.compile(r"[\s,]+")
 
 
 def is_number_array(text: str) -> bool:
     """Whether ``text`` is visibly several numbers in one pair of brackets (``[1 31049]``, ``[0.5, 2]``): a
-    value that is not one number, as opposed to a corrupted number (``4.6O72``, ``[4.6O72]``)."""
+    value that is not one number, as opposed to a corrupted number (``4.6O72``, ``[4.6O72]``). The
+    numbers are separated by spaces and commas, the first comes before any comma. Linear in the length
+    (a split, no backtracking regex)."""
     t = text.strip()
-    if not _ARRAY_RE.match(t):
+    if len(t) < 2 or t[0] != "[" or t[-1] != "]":
         return False
-    parts = [p for p in re.split(r"[\s,]+", t[1:-1]) if p]
+    inner = t[1:-1]
+    if "[" in inner or "]" in inner or inner.lstrip().startswith(","):
+        return False
+    parts = [p for p in _ARRAY_SEP_RE.split(inner) if p]
     return len(parts) >= 2 and all(to_float(p) is not None for p in parts)
 
 
@@ -310,31 +319,55 @@ def json_number(value: object) -> float | None:
     """Numeric value of a JSON scalar: numbers, and the strings ``nan``/``inf``; anything else ``None``."""
     if isinstance(value, bool):
         return None
-    if isinstance(value, (int, float)):
-        return float(value)
+    if isinstance(value, float):
+        return value
+    if isinstance(value, int):
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond float64 (JSON is parsed with long ints as floats already)
+            return math.inf if value > 0 else -math.inf
     if isinstance(value, str) and value.strip().lower() in _NONFINITE:
         return _NONFINITE[value.strip().lower()]
     return None
 
 
 def int_step(value: object) -> int | None:
-    """Integer step of a JSON/CSV value (``3``, ``3.0``, ``"3"``), or ``None``."""
-    if isinstance(value, bool):
-        return None
+    """Integer step of a JSON/CSV value (``3``, ``3.0``, ``"3"``) with ``|step| < 2**53``, or ``None``."""
     if isinstance(value, str):
-        v = to_float(value)
-        value = v if v is not None else value
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and math.isfinite(value) and value == int(value):
-        return int(value)
-    return None
+        value = to_float(value) if len(value) < 64 else None
+    return bounded_step(value)
+
+
+_MAX_STEP_DIGITS = len(str(MAX_STEP))
+
+
+def console_step(digits: str, path: str, line: int, what: str = "step") -> int:
+    """The step of a console line's digit run (matched by ``\\d+``); a number of ``2**53`` or more is a
+    :class:`LogParseError` naming file:line (never Python's int-digits error, never an int64 overflow)."""
+    value = int(digits) if len(digits) <= _MAX_STEP_DIGITS else MAX_STEP
+    if value >= MAX_STEP:
+        shown = digits if len(digits) <= 24 else f"{digits[:20]}... ({len(digits)} digits)"
+        raise LogParseError(path, line, f"a {what} below 2**53, got {shown}")
+    return value
 
 
 def lines(path: str) -> Iterator[tuple[int, str, bool]]:
     """``(1-based number, text without the line break, complete)`` of every line; ``complete`` is False only
-    for a last line that does not end with a newline (a log cut while being written)."""
-    with open(path, encoding="utf-8", errors="replace", newline="") as f:
-        for i, line in enumerate(f, start=1):
+    for a last line that does not end with a newline (a log cut while being written). Only a regular file
+    is read, and a line longer than :data:`lossparity.input_files.MAX_LINE_CHARS` is a
+    :class:`LogParseError` naming file:line."""
+    try:
+        for i, line in capped_lines(path):
             complete = line.endswith(("\n", "\r"))
             yield i, line.rstrip("\r\n").replace("\r", ""), complete
+    except InputFileError as e:
+        raise input_error(e) from None
+
+
+def input_error(e: InputFileError) -> LogParseError:
+    """The readers' own error for a file refused by :mod:`lossparity.input_files` (not a regular file, too
+    large, a line too long)."""
+    reason = e.reason
+    return LogParseError(
+        e.path, e.line, reason[len("expected ") :] if reason.startswith("expected ") else f"a log file ({reason})"
+    )
