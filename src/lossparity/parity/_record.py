@@ -34,10 +34,15 @@ __all__ = [
 SAMPLES_KEYS = ("consumed_samples", "consumed samples")
 
 
+_MAX_MESSAGE = 600
+
+
 class LogParseError(ValueError):
     """A log that cannot be read: names the file, the 1-based line (when known) and what was expected."""
 
     def __init__(self, path: str, line: int | None, expected: str, where: str | None = None):
+        if len(expected) > _MAX_MESSAGE:  # a quoted piece of a crafted line: the message stays one short line
+            expected = f"{expected[: _MAX_MESSAGE - 100]}... ({len(expected)} characters)"
         self.path, self.line, self.expected, self.where = str(path), line, expected, where
         loc = self.path if line is None else f"{self.path}:{line}"
         if where:

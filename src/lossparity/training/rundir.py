@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ..atomic_io import atomic_write_bytes, remove_stale_temporaries
+from ..input_files import InputFileError, check_regular, loads_json, read_capped
 from .config import TrainConfig, numbers_mismatch
 from .notes import Notify, warn_note
 
@@ -51,7 +52,10 @@ __all__ = [
 CONFIG_FILE = "config.json"
 CHECKPOINT_SUBDIR = "checkpoints"
 _ARTIFACTS = ("metrics.jsonl", CONFIG_FILE, CHECKPOINT_SUBDIR, "samples", "tensorboard")
-_CHECKPOINT_RE = re.compile(r"^step_(\d+)(\.pt)?$")
+_CHECKPOINT_RE = re.compile(r"^step_(\d{1,18})(\.pt)?$")  # a longer number is no step of a run
+_CONFIG_MAX_BYTES = 16 * 1024 * 1024
+_LATEST_MAX_BYTES = 4096
+_FOLDERS = (CHECKPOINT_SUBDIR, "samples", "tensorboard")
 T = TypeVar("T")
 
 
@@ -73,15 +77,24 @@ def check_run_dir(cfg: TrainConfig) -> None:
             f"--out {out} is not empty ({shown}): pass --resume to continue that run, --overwrite to "
             "replace it, or another --out"
         )
+    if cfg.resume:
+        _check_resumable(out)
     saved_path = os.path.join(out, CONFIG_FILE)
-    if cfg.resume and os.path.exists(saved_path):
+    if cfg.resume and os.path.lexists(saved_path):
         try:
-            with open(saved_path, encoding="utf-8") as f:
-                saved = json.load(f)
+            saved = loads_json(read_capped(saved_path, _CONFIG_MAX_BYTES))
+        except InputFileError as e:
+            raise RunDirError(f"{e}; --resume needs it to check the configuration") from None
         except (OSError, ValueError) as e:
             raise RunDirError(
-                f"{saved_path}: cannot be read ({e}); --resume needs it to check the configuration"
+                f"{saved_path}: cannot be read ({' '.join(str(e).split())}); --resume needs it to check the "
+                "configuration"
             ) from None
+        if not isinstance(saved, dict):
+            raise RunDirError(
+                f"{saved_path}: expected the run configuration (a JSON object), got a JSON {type(saved).__name__}; "
+                "--resume needs it to check the configuration"
+            )
         diffs = numbers_mismatch(saved, cfg)
         if diffs:
             raise RunDirError(
@@ -89,6 +102,29 @@ def check_run_dir(cfg: TrainConfig) -> None:
                 f"change the numbers: {'; '.join(diffs)} (the layout may change; start a new run with "
                 "another --out or --overwrite)"
             )
+
+
+def _check_resumable(out: str) -> None:
+    """Read-only checks of a run folder before a resume changes anything in it: its folders are folders, its
+    files regular files, and ``metrics.jsonl`` parses (so a resume never truncates the history of a run it
+    then fails to continue)."""
+    from .runlog import METRICS_FILE, check_metrics
+
+    for name in _FOLDERS:
+        path = os.path.join(out, name)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise RunDirError(
+                f"{path}: expected a folder (the run's {name}), got a file or a dangling link; repair the run "
+                "folder or start a new run with another --out"
+            )
+    metrics = os.path.join(out, METRICS_FILE)
+    if os.path.lexists(metrics):
+        try:
+            check_metrics(metrics)
+        except InputFileError as e:
+            raise RunDirError(f"{e}; repair the run folder or start a new run with another --out") from None
+        except ValueError as e:
+            raise RunDirError(str(e)) from None
 
 
 def prepare_run_dir(
@@ -163,9 +199,10 @@ def _latest_note(ckpt_dir: str, newest: str | None) -> str | None:
     pointer = os.path.join(ckpt_dir, "latest")
     if not os.path.exists(pointer):
         return None if newest is None else f"{pointer} is missing"
-    try:
-        with open(pointer, encoding="utf-8") as f:
-            name = f.read().strip()
+    try:  # a regular file of a few bytes: never a device or a FIFO (a read that never ends)
+        name = read_capped(pointer, _LATEST_MAX_BYTES).decode("utf-8").strip()
+    except InputFileError as e:
+        return f"{pointer} cannot be read ({e.reason})"
     except (OSError, UnicodeDecodeError) as e:
         return f"{pointer} cannot be read ({e})"
     if not name:
@@ -214,10 +251,12 @@ def sharded_checkpoint_intact(path: str) -> None:
     for info in storage.values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
     for rel, size in sorted(need.items()):
-        full = os.path.join(path, rel)
+        full = os.path.join(path, rel)  # inside ``path``: read_metadata_safely checked every relative_path
         have = os.path.getsize(full) if os.path.isfile(full) else -1
         if have < size:
             raise ValueError(f"{full}: {'missing' if have < 0 else f'{have} bytes'}, the metadata needs {size}")
     extras = [n for n in os.listdir(path) if re.fullmatch(r"extra_rank\d+\.pt", n)]
+    for n in extras:
+        check_regular(os.path.join(path, n), "a checkpoint file (a regular file)")
     if not extras or any(os.path.getsize(os.path.join(path, n)) == 0 for n in extras):
         raise ValueError(f"{path}: extra_rank<r>.pt files missing or empty")
