@@ -99,10 +99,12 @@ def check_regular(path: str | os.PathLike[str], what: str = "a regular file") ->
     open_regular(path, what).close()
 
 
-def read_capped(path: str | os.PathLike[str], cap: int = MAX_DOCUMENT_BYTES, what: str = "a regular file") -> bytes:
-    """The bytes of the regular file ``path``; a file of more than ``cap`` bytes raises
-    :class:`InputFileError` naming its size and the cap (checked before reading, and while reading)."""
+def read_capped(path: str | os.PathLike[str], cap: int | None = None, what: str = "a regular file") -> bytes:
+    """The bytes of the regular file ``path``; a file of more than ``cap`` bytes (default
+    :data:`MAX_DOCUMENT_BYTES`) raises :class:`InputFileError` naming its size and the cap (checked before
+    reading, and while reading)."""
     p = os.fspath(path)
+    cap = MAX_DOCUMENT_BYTES if cap is None else cap
     with open_regular(p, what) as f:
         size = os.fstat(f.fileno()).st_size
         if size > cap:
@@ -114,12 +116,14 @@ def read_capped(path: str | os.PathLike[str], cap: int = MAX_DOCUMENT_BYTES, wha
 
 
 def capped_lines(
-    path: str | os.PathLike[str], max_chars: int = MAX_LINE_CHARS, encoding: str = "utf-8"
+    path: str | os.PathLike[str], max_chars: int | None = None, encoding: str = "utf-8"
 ) -> Iterator[tuple[int, str]]:
     """``(1-based number, line with its line break)`` of the regular file ``path``, decoded with
     ``errors="replace"`` and split as ``open(..., newline="")`` splits (``\\n``, ``\\r\\n`` and a lone
-    ``\\r``). A line longer than ``max_chars`` characters raises :class:`InputFileError` naming file:line."""
+    ``\\r``). A line longer than ``max_chars`` characters (default :data:`MAX_LINE_CHARS`) raises
+    :class:`InputFileError` naming file:line."""
     p = os.fspath(path)
+    max_chars = MAX_LINE_CHARS if max_chars is None else max_chars
     with open_regular(p) as raw, io.TextIOWrapper(raw, encoding=encoding, errors="replace", newline="") as f:
         ln = 0
         while True:

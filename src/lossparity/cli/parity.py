@@ -56,6 +56,8 @@ def _step_base(text: str) -> int:
     if abs(v) >= 2**53:
         raise argparse.ArgumentTypeError(f"expected an integer of magnitude below 2**53, got {text!r}")
     return v
+
+
 _non_negative_int = _int_at_least(0, "an integer >= 0")
 
 

@@ -95,10 +95,16 @@ def check_run_dir(cfg: TrainConfig) -> None:
                 f"{saved_path}: expected the run configuration (a JSON object), got a JSON {type(saved).__name__}; "
                 "--resume needs it to check the configuration"
             )
-        diffs = numbers_mismatch(saved, cfg)
+        try:
+            diffs = numbers_mismatch(saved, cfg)
+        except (TypeError, ValueError, ArithmeticError, AttributeError, KeyError) as e:
+            raise RunDirError(
+                f"{saved_path}: not a run configuration ({type(e).__name__}: {' '.join(str(e).split())[:300]}); "
+                "--resume needs it to check the configuration"
+            ) from None
         if diffs:
             raise RunDirError(
-                f"--resume into {out}: the configuration differs from the saved one in fields that "
+                f"--resume into {out}: the configuration differs from the saved one ({saved_path}) in fields that "
                 f"change the numbers: {'; '.join(diffs)} (the layout may change; start a new run with "
                 "another --out or --overwrite)"
             )
