@@ -142,12 +142,17 @@ def _parse_int(text: str) -> int | float:
     return int(text) if len(text.lstrip("-")) <= MAX_INT_DIGITS else float(text)
 
 
+_DECODER = json.JSONDecoder(parse_int=_parse_int)  # one decoder: json.loads(..., parse_int=) builds one per call
+
+
 def loads_json(text: str | bytes) -> object:
     """``json.loads`` with bounded results: long integers become floats (:data:`MAX_INT_DIGITS`), and
     nesting too deep to parse raises ``ValueError("JSON nested too deeply ...")`` instead of a
     ``RecursionError``. Malformed JSON raises ``json.JSONDecodeError`` as ``json.loads`` does."""
+    if isinstance(text, (bytes, bytearray)):
+        text = bytes(text).decode("utf-8")  # a UnicodeDecodeError is a ValueError, as JSON errors are
     try:
-        return json.loads(text, parse_int=_parse_int)
+        return _DECODER.decode(text)
     except RecursionError:
         raise ValueError("JSON nested too deeply (arrays or objects inside each other)") from None
 

@@ -124,6 +124,15 @@ class Recorder:
         self._last_step: int | None = None
         self._last_by_metric: dict[str, int] = {}
         self.unreadable: dict[str, tuple[str, int]] = {}  # name -> (first "line N: 'raw: text'", count)
+        self._canonical: dict[str, str | None] = {}  # canonical_name of each raw name seen (called per value)
+
+    def canonical(self, raw: str) -> str | None:
+        """:func:`~.names.canonical_name` of ``raw`` with this log's name map (computed once per raw name)."""
+        try:
+            return self._canonical[raw]
+        except KeyError:
+            name = self._canonical[raw] = canonical_name(raw, self.name_map)
+            return name
 
     def note(self, text: str) -> None:
         """Record one sentence for ``Run.notes`` (said once)."""
@@ -163,7 +172,7 @@ class Recorder:
 
     def name(self, raw: str, line: int | None = None) -> str | None:
         """Canonical name of ``raw`` (``None``: dropped by the name map); two raw names for one metric raise."""
-        name = canonical_name(raw, self.name_map)
+        name = self.canonical(raw)
         if name is None:
             return None
         prev = self.raw_names.setdefault(name, raw)
@@ -223,7 +232,7 @@ class Recorder:
 
     def strict(self, raw: str) -> bool:
         """Whether the value of ``raw`` must be a plain number: canonical metrics and any ``*loss*``."""
-        name = canonical_name(raw, self.name_map) or raw
+        name = self.canonical(raw) or raw
         return is_canonical(name) or "loss" in raw.lower()
 
     def run(self) -> Run:

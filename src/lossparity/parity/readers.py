@@ -85,10 +85,11 @@ Conventions shared by all readers:
 from __future__ import annotations
 
 import csv
+import io
 import os
 from collections.abc import Callable, Mapping
 
-from ..input_files import InputFileError, capped_lines, check_regular, loads_json
+from ..input_files import InputFileError, check_regular, loads_json, open_regular
 from . import _console, _structured
 from ._record import LogParseError, Recorder, Run, input_error, to_float
 
@@ -212,11 +213,13 @@ def _head_lines(path: str) -> list[str]:
     all (a longer line is cut there: detection looks at its start only)."""
     head: list[str] = []
     total = 0
-    for _, line in capped_lines(path):
-        head.append(line[: _DETECT_MAX_CHARS - total])
-        total += len(head[-1])
-        if len(head) >= _DETECT_MAX_LINES or total >= _DETECT_MAX_CHARS:
-            break
+    with open_regular(path) as raw, io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline="") as f:
+        while len(head) < _DETECT_MAX_LINES and total < _DETECT_MAX_CHARS:
+            line = f.readline(_DETECT_MAX_CHARS - total)
+            if not line:
+                break
+            head.append(line)
+            total += len(line)
     return head
 
 
