@@ -18,7 +18,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -31,24 +30,31 @@ TRAIN = ["--steps", "4", "--ckpt-interval", "2", "--global-batch", "4", "--seq-l
 TRAIN += ["--no-progress", "--no-tensorboard"]
 
 
+_TIME = shutil.which("time") or "/usr/bin/time"
+
+
 def run(argv: list[str], timeout: float = 300.0) -> tuple[int, int, float, float]:
-    """``(exit code, stderr lines, seconds, peak MiB)`` of ``python -m lossparity ARGV``."""
+    """``(exit code, stderr lines, seconds, peak MiB)`` of ``python -m lossparity ARGV``. The peak resident
+    memory is what GNU ``time -f %M`` reports for the command: a process started directly from this script
+    would inherit this script's own high-water mark (Linux keeps it across fork and exec)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lossparity", *argv],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env=env,
-    )
-    timer = threading.Timer(timeout, proc.kill)  # a hang guard: a killed command shows exit -9
-    timer.start()
-    assert proc.stderr is not None
-    err = proc.stderr.read().decode(errors="replace")
-    _, status, usage = os.wait4(proc.pid, 0)  # reaped here, with its resource usage
-    timer.cancel()
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, len(err.splitlines()), time.monotonic() - start, usage.ru_maxrss / 1024
+    with tempfile.NamedTemporaryFile("r", suffix=".rss") as rss_file:
+        start = time.monotonic()
+        try:
+            proc = subprocess.run(
+                [_TIME, "-q", "-f", "%M", "-o", rss_file.name, sys.executable, "-m", "lossparity", *argv],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                env=env,
+                timeout=timeout,  # a hang guard
+            )
+            code, err = proc.returncode, proc.stderr.decode(errors="replace")
+        except subprocess.TimeoutExpired:
+            return -9, 0, time.monotonic() - start, float("nan")
+        seconds = time.monotonic() - start
+        text = rss_file.read().strip().splitlines()
+    rss = float(text[-1]) / 1024 if text and text[-1].isdigit() else float("nan")
+    return code, len(err.splitlines()), seconds, rss
 
 
 def _size(paths: list[str]) -> int:

@@ -235,25 +235,37 @@ class Recorder:
         name = self.canonical(raw) or raw
         return is_canonical(name) or "loss" in raw.lower()
 
-    def run(self) -> Run:
-        """The collected :class:`Run` (series sorted by step, empty metrics left out)."""
+    def run(self, release: bool = False) -> Run:
+        """The collected :class:`Run` (series sorted by step, empty metrics left out). ``release``: the recorder
+        is done (a whole log was read): each series is sorted and its original released in turn, instead of
+        every series being held twice."""
         for name, (first, count) in self.unreadable.items():
             raw = self.raw_names.get(name, name)
             self.note(
                 f"{raw!r} ({name}): {count} value(s) that are not one number skipped (first at {first}); "
                 "the other fields of those lines were read"
             )
+        if release:  # each series sorted and its unsorted original released in turn
+            metrics = {}
+            for name in list(self.metrics):
+                values = self.metrics.pop(name)
+                if values:
+                    metrics[name] = dict(sorted(values.items()))
+                del values
+            self.metrics = {k: {} for k in metrics}  # the names stay known (raw_names below)
+        else:
+            metrics = {k: dict(sorted(v.items())) for k, v in self.metrics.items() if v}
         return Run(
             source=self.path,
             format=self.fmt,
-            metrics={k: dict(sorted(v.items())) for k, v in self.metrics.items() if v},
+            metrics=metrics,
             consumed_samples=dict(sorted(self.samples.items())),
             step_base=self.step_base,
             skipped_lines=self.skipped_lines,
             skipped_steps=set(self.skipped_steps),
             restarts=self.restarts,
             dropped_values=self.dropped,
-            raw_names={k: v for k, v in self.raw_names.items() if self.metrics.get(k)},
+            raw_names={k: v for k, v in self.raw_names.items() if metrics.get(k)},
             notes=list(self.notes),
             live=self.live,
             unreadable={k: first for k, (first, _) in self.unreadable.items()},

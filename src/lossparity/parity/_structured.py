@@ -12,7 +12,7 @@ import io
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..input_files import MAX_STEP, InputFileError, loads_json, open_regular, read_capped
@@ -79,8 +79,8 @@ def _json_value(
 # JSONL
 
 
-def _jsonl_objects(path: str, rec: Recorder) -> list[tuple[int, dict[str, object]]]:
-    out = []
+def _jsonl_objects(path: str, rec: Recorder) -> Iterator[tuple[int, dict[str, object]]]:
+    # one object at a time: the parsed objects of a long log are never all held at once
     for ln, line, complete in lines(path):
         if not line.strip():
             rec.skipped_lines += 1
@@ -96,8 +96,7 @@ def _jsonl_objects(path: str, rec: Recorder) -> list[tuple[int, dict[str, object
             raise LogParseError(path, ln, f"one JSON object per line ({e})") from None
         if not isinstance(obj, dict):
             raise LogParseError(path, ln, "a JSON object")
-        out.append((ln, obj))
-    return out
+        yield ln, obj
 
 
 def _read_json_lines(path: str, rec: Recorder, step_key: str) -> None:

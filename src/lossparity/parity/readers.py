@@ -283,4 +283,4 @@ def read_log(
     key = detect_format(p) if fmt is None else _normalize_format(fmt)
     rec = Recorder(p, key, name_map, step_base=_STEP_BASE.get(key, 1))
     _READERS[key](p, rec)
-    return rec.run()
+    return rec.run(release=True)
