@@ -223,20 +223,24 @@ def load_newest_intact(ckpt_dir: str, load: Callable[[str], T], notify: Notify =
     without an exception, trying them newest step first; a checkpoint that fails (empty, truncated,
     corrupt, pickled objects, contents that do not fit the model) is skipped with a note through
     ``notify`` naming it and the error. ``None`` when there is no checkpoint; raises :class:`RunDirError`
-    when there are some and none can be read."""
+    when there are some and none can be read (naming each and why; the last one tried gets no note of
+    its own, as nothing is left to fall back to)."""
     found = list_checkpoints(ckpt_dir)
     note = _latest_note(ckpt_dir, found[0][1] if found else None)
     if note:
         notify(f"{note}; using the checkpoints' step numbers instead")
     errors = []
-    for step, name in found:
+    for i, (step, name) in enumerate(found):
         path = os.path.join(ckpt_dir, name)
         try:
             return step, load(path)
         except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back to the previous one
-            why = str(e).removeprefix(f"{path}: ")  # the path is named once
+            why = " ".join(str(e).removeprefix(f"{path}: ").split())  # the path is named once, on one line
             errors.append(f"{name}: {type(e).__name__}: {why}")
-            notify(f"checkpoint {path} cannot be read ({type(e).__name__}: {why}); falling back to the previous one")
+            if i + 1 < len(found):  # the last one's failure is said once, by the error below
+                notify(
+                    f"checkpoint {path} cannot be read ({type(e).__name__}: {why}); falling back to the previous one"
+                )
     if errors:
         raise RunDirError(f"no intact checkpoint in {ckpt_dir}: {'; '.join(errors)}")
     return None
