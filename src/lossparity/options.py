@@ -38,6 +38,7 @@ __all__ = [
     "LossImpl",
     "LOSS_IMPLS",
     "ALIASES",
+    "FRAMEWORK_AUX_SCOPES",
     "check_cp_seq_len",
     "check_sharded_moe",
     "check_option",
@@ -69,7 +70,8 @@ AUX_SCOPES: tuple[AuxScope, ...] = get_args(AuxScope)
 ZForm = Literal["global", "microbatch"]
 Z_FORMS: tuple[ZForm, ...] = get_args(ZForm)
 
-ScoreFunction = Literal["softmax", "sigmoid"]
+# sqrtsoftplus: sqrt(softplus(logits)), the DeepSeek-V4 default (Megatron-LM main supports it too).
+ScoreFunction = Literal["softmax", "sigmoid", "sqrtsoftplus"]
 SCORE_FUNCTIONS: tuple[ScoreFunction, ...] = get_args(ScoreFunction)
 
 # How `compare` pairs the points of two logs: by optimizer step, or by consumed samples.
@@ -122,6 +124,27 @@ ALIASES: dict[str, dict[str, str]] = {
     "normalization": {"precounted": "precount"},
     "mtp_log_estimator": {"global": "token_mean", "megatron": "microbatch_mean"},
     "aux_scope": {"micro_batch": "microbatch"},
+}
+
+# The load-balancing option names of each framework -> lossparity's scope (docs/moe.md). Torch-free, so that
+# the preset parser reads it; public as ``lossparity.moe.FRAMEWORK_AUX_SCOPES`` / ``aux_scope_for``.
+FRAMEWORK_AUX_SCOPES: dict[str, dict[str, AuxScope]] = {
+    # Megatron-LM moe_router_load_balancing_type
+    "megatron": {
+        "aux_loss": "microbatch",
+        "seq_aux_loss": "sequence",
+        "global_aux_loss": "global_running",
+        "none": "none",
+    },
+    # MindSpore MindFormers moe_router_load_balancing_type (its Megatron-style names; its global running counts
+    # are summed over TP x CP only, and its graph-mode router spells the global form gbs_aux_loss)
+    "mindformers": {
+        "aux_loss": "microbatch",
+        "seq_aux_loss": "sequence",
+        "global_aux_loss": "global_running",
+        "gbs_aux_loss": "global_running",
+        "none": "none",
+    },
 }
 
 T = TypeVar("T", bound=str)

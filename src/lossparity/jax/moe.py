@@ -90,13 +90,14 @@ def _padding(padding_mask, leading: tuple[int, ...], against: str) -> jax.Array 
 
 def router_probs(logits: jax.Array, score_function: str = "softmax") -> jax.Array:
     """Router scores ``p[x,e]`` in float32: ``softmax(logits[x])``, or (``sigmoid``, DeepSeek-V3)
-    ``s[x,e] / (Σ_e' s[x,e'] + 1e-20)`` with ``s = sigmoid(logits)``. Shape of ``logits`` (``[..., E]``)."""
+    ``s[x,e] / (Σ_e' s[x,e'] + 1e-20)`` with ``s = sigmoid(logits)`` (or, ``sqrtsoftplus``,
+    DeepSeek-V4, ``s = sqrt(softplus(logits))``). Shape of ``logits`` (``[..., E]``)."""
     _check_scores("logits", logits)
     score_function = check_option("score_function", score_function, SCORE_FUNCTIONS)
     x = logits.astype(jnp.float32)
     if score_function == "softmax":
         return jax.nn.softmax(x, axis=-1)
-    s = jax.nn.sigmoid(x)
+    s = jax.nn.sigmoid(x) if score_function == "sigmoid" else jnp.sqrt(jax.nn.softplus(x))
     return s / (s.sum(axis=-1, keepdims=True) + _SIGMOID_EPS)
 
 
