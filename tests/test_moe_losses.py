@@ -485,7 +485,9 @@ def test_public_alias_module():
     from lossparity.distributed.moe_accounting import MoEAccounting
 
     assert moe_alias.switch_load_balancing_loss is moe.switch_load_balancing_loss
-    assert moe_alias.__all__ == moe.__all__  # one list of public MoE names, in losses.moe
+    from lossparity.losses import aux_scopes, router
+
+    assert moe_alias.__all__ == moe.__all__ + router.__all__ + aux_scopes.__all__  # each name has one home
     for name in moe.__all__:
         assert getattr(moe_alias, name) is getattr(moe, name)
     assert lossparity.MoEAccounting is MoEAccounting and "MoEAccounting" in lossparity.__all__

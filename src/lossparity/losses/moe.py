@@ -229,8 +229,8 @@ def switch_load_balancing_loss(
     are the counts ``c_e`` and ``total_num_tokens`` ``T > 0`` the token count, both at the chosen scope
     level (already reduced over ranks by the caller). At perfect balance over one token set the value
     is exactly ``coeff``. Gradient flows only through ``probs`` (counts are detached). Rows that
-    ``keep_mask`` drops (``False``) carry no probability (deprecated: ``padding_mask``, ``True`` = padding). Numerically equal to Megatron-LM's
-    ``switch_load_balancing_loss_func`` (same evaluation order).
+    ``keep_mask`` drops (``False``) carry no probability (deprecated: ``padding_mask``, ``True`` =
+    padding). Numerically equal to Megatron-LM's ``switch_load_balancing_loss_func`` (same evaluation order).
     """
     _check_num_experts(num_experts)
     _check_scores("probs", probs, num_experts)
@@ -397,8 +397,9 @@ def sequence_tokens_per_expert(
     ``seq_ids``, any ``[..., E]`` whose tokens belong to sequence ``seq_ids[...]`` in
     ``0..num_sequences-1`` (``-1``: no sequence, e.g. padding; per-document ids come from
     ``stats.rows_documents``). ``keep_mask`` (``True`` = the token counts; deprecated: ``padding_mask``,
-    ``True`` = padding) has the token shape ``routing_map.shape[:-1]``. Returns int64 ``(c [G, E], n [G])``. Sum these over the context-parallel
-    shards of each sequence before passing them to ``sequence_load_balancing_loss(counts=...)``.
+    ``True`` = padding) has the token shape ``routing_map.shape[:-1]``. Returns int64 ``(c [G, E], n [G])``.
+    Sum these over the context-parallel shards of each sequence before passing them to
+    ``sequence_load_balancing_loss(counts=...)``.
     """
     _check_tensor("routing_map", routing_map)
     m2, gid, g = _flatten_sequences(routing_map, seq_ids, num_sequences, "routing_map")
