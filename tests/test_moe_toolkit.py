@@ -374,3 +374,62 @@ def test_hf_load_balancing_loss_matches_transformers():
         want = mixtral.load_balancing_loss_func(tuple(layers), E, K, mask)
     got = hf_load_balancing_loss(layers, K, mask)
     torch.testing.assert_close(got, want.double(), rtol=1e-6, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# against transformers' DeepSeek routers (the DeepSeek-V3 and -V4 conventions)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_routing_and_gates_match_hf_deepseek_v3_router(norm_topk_prob):
+    ds3 = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    cfg = types.SimpleNamespace(
+        num_experts_per_tok=K,
+        num_local_experts=E,
+        hidden_size=12,
+        routed_scaling_factor=2.5,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=norm_topk_prob,
+    )
+    router = ds3.DeepseekV3TopkRouter(cfg)
+    g = torch.Generator().manual_seed(60)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(E, 12, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(E, generator=g) * 0.1)
+    x = torch.randn(20, 12, generator=g)
+    logits, hf_w, hf_idx = router(x)
+    scores, _ = moe.router_scores(logits, "sigmoid")
+    idx, rmap = moe.topk_routing(
+        scores, K, expert_bias=router.e_score_correction_bias, num_groups=4, group_topk=2, group_score_topk=2
+    )
+    hf_map = torch.zeros_like(rmap).scatter_(-1, hf_idx, True)
+    assert torch.equal(rmap, hf_map)
+    dense_hf = torch.zeros_like(scores).scatter_(-1, hf_idx, hf_w)
+    w = moe.gate_weights(scores, rmap, normalize=norm_topk_prob, scaling_factor=2.5)
+    torch.testing.assert_close(w, dense_hf, rtol=1e-6, atol=1e-7)
+
+
+def test_sqrtsoftplus_routing_matches_hf_deepseek_v4_router():
+    ds4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    cfg = types.SimpleNamespace(
+        num_experts_per_tok=K,
+        num_local_experts=E,
+        hidden_size=12,
+        scoring_func="sqrtsoftplus",
+        routed_scaling_factor=1.5,
+    )
+    router = ds4.DeepseekV4TopKRouter(cfg)
+    g = torch.Generator().manual_seed(61)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(E, 12, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(E, generator=g) * 0.1)
+    logits, hf_w, hf_idx = router(torch.randn(20, 12, generator=g))
+    scores, _ = moe.router_scores(logits, "sqrtsoftplus")
+    idx, rmap = moe.topk_routing(scores, K, expert_bias=router.e_score_correction_bias)
+    assert torch.equal(rmap, torch.zeros_like(rmap).scatter_(-1, hf_idx, True))
+    dense_hf = torch.zeros_like(scores).scatter_(-1, hf_idx, hf_w)
+    torch.testing.assert_close(
+        moe.gate_weights(scores, rmap, normalize=True, scaling_factor=1.5), dense_hf, rtol=1e-6, atol=1e-7
+    )
