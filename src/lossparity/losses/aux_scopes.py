@@ -38,6 +38,7 @@ __all__ = [
     "GlobalRunningCounts",
     "global_running_load_balancing_loss",
     "GlobalLaggedCounts",
+    "global_lagged_weights",
     "global_lagged_load_balancing_loss",
 ]
 
@@ -217,6 +218,24 @@ class GlobalLaggedCounts:
         self.step_tokens = 0.0
 
 
+def global_lagged_weights(
+    counts_prev: Tensor,
+    tokens_prev: float | Tensor,
+    tokens_now: float | Tensor,
+    *,
+    topk: int,
+    num_experts: int,
+    coeff: float,
+) -> Tensor:
+    """The ``global_lagged`` term as a linear form of the score sums: ``A = Σ_e K_e·P_e`` with
+    ``K_e = α·E·c_e^prev / (k·T^prev·T)`` (``counts_prev [..., E]``, ``T^prev = tokens_prev``,
+    ``T = tokens_now`` the current step's global kept tokens); ``K`` is also ``∂A/∂p[x,e]``. The accountant's
+    ``global_lagged`` scope forms its gradient from these weights. No validation, no host sync."""
+    return _moe.switch_load_balancing_weights(
+        counts_prev, tokens_prev, tokens_now, topk=topk, num_experts=num_experts, coeff=coeff
+    )
+
+
 def global_lagged_load_balancing_loss(
     probs: Tensor,
     state: GlobalLaggedCounts,
@@ -245,6 +264,5 @@ def global_lagged_load_balancing_loss(
         raise ValueError(f"total_num_tokens must be > 0, got {total_num_tokens!r}")
     pw = p if p.dtype == torch.float64 else p.float()
     c = state.counts.to(device=pw.device, dtype=pw.dtype)
-    return _moe.switch_load_balancing_terms(
-        pw.sum(dim=0), c, state.tokens, t, topk=topk, num_experts=num_experts, coeff=coeff
-    )
+    weights = global_lagged_weights(c, state.tokens, t, topk=topk, num_experts=num_experts, coeff=coeff)
+    return (pw.sum(dim=0) * weights).sum()
