@@ -8,6 +8,7 @@ Older spellings are accepted through :data:`ALIASES` and mapped to the canonical
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal, TypeVar, get_args
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "LOSS_IMPLS",
     "ALIASES",
     "FRAMEWORK_AUX_SCOPES",
+    "deprecated_padding_mask",
     "check_cp_seq_len",
     "check_sharded_moe",
     "check_option",
@@ -148,6 +150,20 @@ FRAMEWORK_AUX_SCOPES: dict[str, dict[str, AuxScope]] = {
 }
 
 T = TypeVar("T", bound=str)
+
+
+def deprecated_padding_mask(where: str, keep_mask: object, stacklevel: int = 3) -> None:
+    """The one message of the deprecated MoE ``padding_mask`` keyword (``True`` = padding), for the PyTorch and
+    JAX functions alike: ``ValueError`` when ``keep_mask`` is given too, else a ``DeprecationWarning`` naming
+    ``keep_mask=~padding_mask``. ``stacklevel`` points the warning at the caller of the public function."""
+    if keep_mask is not None:
+        raise ValueError(f"{where}: pass keep_mask or the deprecated padding_mask, not both")
+    warnings.warn(
+        f"{where}: padding_mask (True = padding) is deprecated and will be removed in the next release; "
+        "pass keep_mask=~padding_mask (True = the tokens that count, as every lossparity mask)",
+        DeprecationWarning,
+        stacklevel=stacklevel + 1,
+    )
 
 
 def check_option(name: str, value: object, valid: tuple[T, ...]) -> T:

@@ -13,14 +13,13 @@ one release with a ``DeprecationWarning``; pass ``keep_mask=~padding_mask``. Val
 from __future__ import annotations
 
 import math
-import warnings
 from numbers import Real
 from typing import cast
 
 import jax
 import jax.numpy as jnp
 
-from ..options import SCORE_FUNCTIONS, check_option
+from ..options import SCORE_FUNCTIONS, check_option, deprecated_padding_mask
 from ._checks import concrete, value_check
 
 __all__ = [
@@ -72,14 +71,7 @@ def _check_nonneg(name: str, value) -> None:
 def _padding(keep_mask, padding_mask, leading: tuple[int, ...], against: str, where: str) -> jax.Array | None:
     """The tokens to drop (``True`` = dropped) from ``keep_mask`` or the deprecated ``padding_mask``."""
     if padding_mask is not None:
-        if keep_mask is not None:
-            raise ValueError(f"{where}: pass keep_mask or the deprecated padding_mask, not both")
-        warnings.warn(
-            f"{where}: padding_mask (True = padding) is deprecated and will be removed in the next release; "
-            "pass keep_mask=~padding_mask (True = the tokens that count, as every lossparity mask)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
+        deprecated_padding_mask(where, keep_mask, stacklevel=3)
         return _mask01(padding_mask, leading, against, "padding_mask", "True = padding")
     keep = _mask01(keep_mask, leading, against, "keep_mask", "True = keep")
     return None if keep is None else ~keep

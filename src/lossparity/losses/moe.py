@@ -20,14 +20,13 @@ MindFormers' routers count every token the router sees (they ignore the loss mas
 from __future__ import annotations
 
 import math
-import warnings
 from numbers import Real
 
 import torch
 from torch import Tensor
 
 from ..options import SCORE_FUNCTIONS as _SCORE_FUNCTIONS
-from ..options import ScoreFunction, check_option
+from ..options import ScoreFunction, check_option, deprecated_padding_mask
 from ._checks import check_float_tensor as _check_float_tensor
 from ._checks import check_tensor as _check_tensor
 
@@ -92,14 +91,7 @@ def _token_mask(
     """The tokens to drop as a bool mask (``True`` = dropped) from ``keep_mask`` (``True`` = keep) or the
     deprecated ``padding_mask`` (``True`` = padding, with a ``DeprecationWarning``); ``None`` when neither."""
     if padding_mask is not None:
-        if keep_mask is not None:
-            raise ValueError(f"{where}: pass keep_mask or the deprecated padding_mask, not both")
-        warnings.warn(
-            f"{where}: padding_mask (True = padding) is deprecated and will be removed in the next release; "
-            "pass keep_mask=~padding_mask (True = the tokens that count, as every lossparity mask)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
+        deprecated_padding_mask(where, keep_mask, stacklevel=3)
         return _check_padding_mask(padding_mask, leading, against)
     if keep_mask is None:
         return None
@@ -512,14 +504,7 @@ def router_z_loss_sums(
     if valid is not None:
         raise TypeError("router_z_loss_sums: 'valid' was renamed keep_mask (True = the token counts): pass keep_mask=")
     if padding_mask is not None:
-        if keep_mask is not None:
-            raise ValueError("router_z_loss_sums: pass keep_mask or the deprecated padding_mask, not both")
-        warnings.warn(
-            "router_z_loss_sums: padding_mask (True = padding) is deprecated and will be removed in the next "
-            "release; pass keep_mask=~padding_mask (True = the tokens that count, as every lossparity mask)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        deprecated_padding_mask("router_z_loss_sums", keep_mask, stacklevel=2)
         keep_mask = ~padding_mask
     lse2 = torch.logsumexp(logits, dim=-1).square()
     if weights is not None:
