@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..losses.moe import router_scores
-from ..losses.router import gate_weights
+from ..losses.router import gate_weights, topk_routing
 from ..options import SCORE_FUNCTIONS, ScoreFunction, check_option
 from .recompute import is_recomputing
 
@@ -119,7 +119,7 @@ class Router(nn.Module):
             logits = F.linear(x.to(dtype), weight.to(dtype))
             scores, probs = router_scores(logits, self.score_function)  # the aux losses' normalization
             plain = topk_map(probs.detach(), self.topk)
-            dispatch = topk_map(scores.detach() + self.expert_bias.to(dtype), self.topk)
+            _, dispatch = topk_routing(scores, self.topk, expert_bias=self.expert_bias.to(dtype))
             # eps 0: the historical division by the plain sum (bit for bit the former gates)
             gates = gate_weights(
                 scores, dispatch, normalize=self.norm_topk_prob, scaling_factor=self.scaling_factor, eps=0.0
