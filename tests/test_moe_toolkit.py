@@ -232,6 +232,19 @@ def test_global_lagged_uses_the_previous_steps_fractions():
     p2[9] = float("nan")  # a dropped row must not leak
     got = moe.global_lagged_load_balancing_loss(p2, state, 8, topk=K, num_experts=E, coeff=0.5, keep_mask=keep)
     assert got.item() == pytest.approx(want, rel=1e-12)
+    t_dev = keep.sum()  # a device count: no host read
+    got_t = moe.global_lagged_load_balancing_loss(p2, state, t_dev, topk=K, num_experts=E, coeff=0.5, keep_mask=keep)
+    assert got_t.item() == pytest.approx(want, rel=1e-12)
+    # checkpoint round trip; a step without tokens keeps the fractions
+    saved = state.state_dict()
+    fresh = moe.GlobalLaggedCounts(E, K)
+    fresh.load_state_dict(saved)
+    fresh.end_step()
+    torch.testing.assert_close(fresh.fractions(), torch.tensor(f, dtype=torch.float64), rtol=1e-15, atol=0)
+    with pytest.raises(ValueError, match=r"state\['tokens'\] must be a number > 0"):
+        fresh.load_state_dict({"counts": saved["counts"], "tokens": 0.0})
+    with pytest.raises(ValueError, match=r"state\['counts'\] must be a tensor of shape \(8,\)"):
+        fresh.load_state_dict({"counts": torch.zeros(3), "tokens": 1.0})
 
 
 def test_framework_names_map_to_scopes():

@@ -184,38 +184,60 @@ class GlobalLaggedCounts:
     """State of the ``global_lagged`` scope across steps: the previous step's global top-k counts ``c^prev``
     and tokens ``T^prev`` (initially the uniform fractions ``c/T = k/E``), and this step's running sums.
 
-    Per step: :meth:`accumulate` every microbatch's top-k counts and token count (this rank's, or already
-    summed over ranks), sum :attr:`step_counts`/:attr:`step_tokens` over the ranks holding distinct tokens if
-    they are local, then :meth:`end_step`. ``counts [E]`` or ``[layers, E]``."""
+    Per step: :meth:`accumulate` every microbatch's top-k counts and kept-token count (no host
+    synchronization: the sums stay on the inputs' device); with several ranks, sum :attr:`step_counts` and
+    :attr:`step_tokens` (float64 tensors) over the ranks holding distinct tokens (e.g. ``dist.all_reduce``);
+    then :meth:`end_step` (one host read). ``counts [E]`` or ``[layers, E]``. :meth:`state_dict` /
+    :meth:`load_state_dict` checkpoint ``c^prev`` and ``T^prev``."""
 
     def __init__(self, num_experts: int, topk: int, layers: int | None = None) -> None:
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+        if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= num_experts:
+            raise ValueError(f"topk must be an int in 1..num_experts={num_experts}, got {topk!r}")
         shape = (num_experts,) if layers is None else (layers, num_experts)
         self.counts = torch.full(shape, float(topk) / num_experts, dtype=torch.float64)
         self.tokens = 1.0
         self.step_counts = torch.zeros(shape, dtype=torch.float64)
-        self.step_tokens = 0.0
+        self.step_tokens = torch.zeros((), dtype=torch.float64)
 
     def fractions(self) -> Tensor:
         """``f^prev = c^prev / T^prev`` (float64)."""
         return self.counts / self.tokens
 
     def accumulate(self, tokens_per_expert: Tensor, num_tokens: float | Tensor) -> None:
-        """Add a microbatch's top-k counts and kept-token count to this step's sums (one host read of
-        ``num_tokens`` when it is a tensor)."""
+        """Add a microbatch's top-k counts and kept-token count to this step's sums (device tensors, no sync)."""
         _check_tensor("tokens_per_expert", tokens_per_expert)
         if tokens_per_expert.shape != self.step_counts.shape:
             raise ValueError(
                 f"tokens_per_expert shape {tuple(tokens_per_expert.shape)} != {tuple(self.step_counts.shape)}"
             )
-        self.step_counts += tokens_per_expert.detach().to(torch.float64).cpu()
-        self.step_tokens += float(num_tokens)
+        c = tokens_per_expert.detach().to(torch.float64)
+        self.step_counts = self.step_counts.to(c.device) + c
+        n = num_tokens.detach() if isinstance(num_tokens, Tensor) else torch.tensor(float(num_tokens))
+        self.step_tokens = self.step_tokens.to(c.device) + n.to(device=c.device, dtype=torch.float64).reshape(())
 
     def end_step(self) -> None:
         """This step's sums become the previous step's counts (a step without tokens keeps the old ones)."""
-        if self.step_tokens > 0:
-            self.counts, self.tokens = self.step_counts.clone(), self.step_tokens
-        self.step_counts.zero_()
-        self.step_tokens = 0.0
+        t = float(self.step_tokens)  # the one host read of the step
+        if t > 0:
+            self.counts, self.tokens = self.step_counts.clone(), t
+        self.step_counts = torch.zeros_like(self.step_counts)
+        self.step_tokens = torch.zeros_like(self.step_tokens)
+
+    def state_dict(self) -> dict[str, Tensor | float]:
+        """``{"counts": c^prev (CPU float64), "tokens": T^prev}``."""
+        return {"counts": self.counts.detach().cpu().clone(), "tokens": float(self.tokens)}
+
+    def load_state_dict(self, state: dict[str, Tensor | float]) -> None:
+        """Restore :meth:`state_dict` (same shape of counts, ``tokens > 0``)."""
+        counts, tokens = state.get("counts"), state.get("tokens")
+        if not isinstance(counts, Tensor) or counts.shape != self.counts.shape:
+            got = tuple(counts.shape) if isinstance(counts, Tensor) else type(counts).__name__
+            raise ValueError(f"state['counts'] must be a tensor of shape {tuple(self.counts.shape)}, got {got}")
+        if isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or not tokens > 0:
+            raise ValueError(f"state['tokens'] must be a number > 0, got {tokens!r}")
+        self.counts, self.tokens = counts.to(torch.float64).clone(), float(tokens)
 
 
 def global_lagged_weights(
@@ -259,9 +281,13 @@ def global_lagged_load_balancing_loss(
     if keep_mask is not None:  # where, not a product: a NaN in a dropped row must not leak
         keep = _check_tensor("keep_mask", keep_mask).bool().unsqueeze(-1)
         p = torch.where(keep, probs, torch.zeros_like(probs))
-    t = float(total_num_tokens)
-    if not t > 0:
-        raise ValueError(f"total_num_tokens must be > 0, got {total_num_tokens!r}")
+    t: float | Tensor
+    if isinstance(total_num_tokens, Tensor):  # a device count: no host read (the caller's T > 0)
+        t = total_num_tokens.detach().to(device=probs.device, dtype=torch.float64).reshape(())
+    else:
+        t = float(total_num_tokens)
+        if not t > 0:
+            raise ValueError(f"total_num_tokens must be > 0, got {total_num_tokens!r}")
     pw = p if p.dtype == torch.float64 else p.float()
     c = state.counts.to(device=pw.device, dtype=pw.dtype)
     weights = global_lagged_weights(c, state.tokens, t, topk=topk, num_experts=num_experts, coeff=coeff)
