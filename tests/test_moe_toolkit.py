@@ -256,6 +256,11 @@ def test_framework_names_map_to_scopes():
         moe.aux_scope_for("megatron", "sinkhorn")
     with pytest.raises(ValueError, match="known frameworks"):
         moe.aux_scope_for("nemo", "aux_loss")
+    from lossparity.options import AUX_SCOPES, check_option
+
+    for table in moe.FRAMEWORK_AUX_SCOPES.values():  # the names are aliases wherever an aux_scope is taken
+        for name, scope in table.items():
+            assert check_option("aux_scope", name, AUX_SCOPES) == scope
     from lossparity.parity.presets.spec import _MEGATRON_LB
 
     assert _MEGATRON_LB is moe.FRAMEWORK_AUX_SCOPES["megatron"]  # the preset parser reads the public table

@@ -125,7 +125,15 @@ LOSS_IMPLS: tuple[LossImpl, ...] = get_args(LossImpl)
 ALIASES: dict[str, dict[str, str]] = {
     "normalization": {"precounted": "precount"},
     "mtp_log_estimator": {"global": "token_mean", "megatron": "microbatch_mean"},
-    "aux_scope": {"micro_batch": "microbatch"},
+    # micro_batch: an older spelling; the rest: Megatron's and MindFormers' moe_router_load_balancing_type names
+    # (FRAMEWORK_AUX_SCOPES below), accepted wherever an aux_scope is
+    "aux_scope": {
+        "micro_batch": "microbatch",
+        "aux_loss": "microbatch",
+        "seq_aux_loss": "sequence",
+        "global_aux_loss": "global_running",
+        "gbs_aux_loss": "global_running",
+    },
 }
 
 # The load-balancing option names of each framework -> lossparity's scope (docs/moe.md). Torch-free, so that
