@@ -191,7 +191,11 @@ def test_bad_mtp_inputs():
 
 
 def test_public_log_estimators_match_hand_values_and_the_accountant():
-    from lossparity.losses.mtp import microbatch_mean, mtp_log_losses, mtp_log_value, token_mean
+    import lossparity.mtp as public
+    from lossparity.losses import mtp as impl
+    from lossparity.mtp import microbatch_mean, mtp_log_losses, mtp_log_value, token_mean
+
+    assert public.__all__ == impl.__all__ and all(getattr(public, n) is getattr(impl, n) for n in impl.__all__)
 
     # the case above by hand: microbatch 0 = row 0 (3 tokens, sum 3), microbatch 1 = row 1 (1 token, sum 7)
     main = torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0]])
