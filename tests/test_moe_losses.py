@@ -482,7 +482,7 @@ def test_max_violation():
 
 def test_public_alias_module():
     import lossparity
-    from lossparity.distributed.moe_accounting import MoEAccounting
+    from lossparity.distributed.moe.accounting import MoEAccounting
 
     assert moe_alias.switch_load_balancing_loss is moe.switch_load_balancing_loss
     assert moe_alias.__all__ == moe.__all__  # one list of public MoE names, in losses.moe

@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..checkpoint.checkpointer import Checkpointer
 from ..distributed.accountant import Accountant
-from ..distributed.moe_accounting import MoEAccounting
+from ..distributed.moe.accounting import MoEAccounting
 from ..distributed.parallel_dims import ParallelDims
 from ..losses.cross_entropy import check_label_values
 from ..losses.logchannel import IntervalMean
@@ -37,12 +38,11 @@ from ..losses.stats import sample_stats
 from ..model import GPT, RouterRecord, get_config
 from ..model.context_parallel import ContextParallel
 from ..model.sequence_parallel import sp_shard
-from .checkpoint import Checkpointer
+from ..notes import Notify, warn_note
 from .config import TrainConfig
 from .data import IGNORE_INDEX, Batch, Corpus, JsonlCorpus, SyntheticCorpus, TextFileCorpus, global_batch, split_batch
 from .forward import LossForward, head_loss_fn, head_weights, indexer_share, microbatch_share, run_dtypes
 from .grads import clip_grad_norm, sum_replicated_grads_over_tp
-from .notes import Notify, warn_note
 from .parity_stop import make_guard, parity_check
 from .pipeline import PipelineRunner
 from .rundir import prepare_run_dir
@@ -397,7 +397,7 @@ class Trainer:
         pipe.end_step_moe(self.bias_rate(self.step), cfg.bias_zero_mean)
         return self._optimizer_step(pipe.grad_norm_and_clip(cfg.grad_clip), {}, t0)
 
-    # ------------------------------------------------------------------ state (training/checkpoint.py)
+    # ------------------------------------------------------------------ state (checkpoint/checkpointer.py)
     def _build_checkpointer(self) -> Checkpointer:
         return Checkpointer(
             self.raw,

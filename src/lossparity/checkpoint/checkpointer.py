@@ -6,9 +6,9 @@ previous checkpoint intact and never a truncated file under a final name. ``late
 the name) is replaced the same way after the checkpoint itself. A multi-rank checkpoint is a
 ``torch.distributed.checkpoint`` folder ``step_<n>/`` (renamed into place by rank 0 after every rank
 wrote) plus one ``extra_rank<r>.pt`` per rank. Which checkpoints are kept and which one a resume loads
-(the newest intact one, by step number) is decided in ``training/rundir.py``.
+(the newest intact one, by step number) is decided in ``checkpoint/folder.py``.
 
-Loading never runs code (``training/checkpoint_format.py``, ``training/safe_dcp.py``): every ``.pt`` is
+Loading never runs code (``checkpoint/format.py``, ``checkpoint/safe_dcp.py``): every ``.pt`` is
 read with ``torch.load(weights_only=True)``, the DCP metadata with an unpickler restricted to its own
 classes, and the contents are validated against the model before anything is applied; a checkpoint that
 fails is skipped with a note naming it and why, in favour of the previous intact one.
@@ -28,7 +28,9 @@ import torch
 from torch import Tensor, nn
 
 from ..atomic_io import atomic_write, atomic_write_bytes
-from .checkpoint_format import (
+from ..notes import Notify, warn_note
+from .folder import load_newest_intact, rotate_checkpoints, sharded_checkpoint_intact
+from .format import (
     FORMAT,
     VERSION,
     CheckpointFormatError,
@@ -38,12 +40,10 @@ from .checkpoint_format import (
     validate_extra_state,
     validate_single_state,
 )
-from .notes import Notify, warn_note
-from .rundir import load_newest_intact, rotate_checkpoints, sharded_checkpoint_intact
 
 if TYPE_CHECKING:
-    from ..distributed.moe_accounting import MoEAccounting
-    from .config import TrainConfig
+    from ..distributed.moe.accounting import MoEAccounting
+    from ..training.config import TrainConfig
 
 __all__ = [
     "Checkpointer",
@@ -105,7 +105,7 @@ def load_latest(
 ) -> dict[str, Any] | None:
     """The state of the newest intact checkpoint in ``directory``, read with ``weights_only=True`` and
     checked by ``validate(state, path)`` when given (a corrupt, pickled-object or invalid one falls back to
-    the previous one with a note through ``notify``, see ``training/rundir.py``), or ``None`` without one."""
+    the previous one with a note through ``notify``, see ``checkpoint/folder.py``), or ``None`` without one."""
 
     def load(path: str) -> Any:
         state = load_weights_only(path)
@@ -259,7 +259,7 @@ class Checkpointer:
     expert biases), the optimizer, the MoE accounting state, the step (the data position: batches are a
     function of the step), the RNG states and the configuration.
 
-    One process: one file of format 2 (``training/checkpoint_format.py``). Several ranks: a DCP folder in a
+    One process: one file of format 2 (``checkpoint/format.py``). Several ranks: a DCP folder in a
     layout-independent form (:meth:`distributed_state`: model and AdamW state by parameter FQN, MoE counts
     by layer id), so any multi-rank layout resumes from any other. ``moes``: the MoE accounting instances
     with their routers (one per pipeline chunk under PP); ``owned``: the FQNs this pipeline rank holds

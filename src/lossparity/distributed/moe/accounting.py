@@ -6,7 +6,7 @@ gradient gets, so that the objective is exactly the one semantics §5 defines. T
 over the MoE layers of a forward (one stacked ``[L, T, E]`` tensor per routing view).
 
 Which token sets and counts each scope and z-loss form uses is one strategy each in
-:mod:`lossparity.distributed.moe_scopes` (``microbatch``: the microbatch; ``sequence``: each row or
+:mod:`lossparity.distributed.moe.scopes` (``microbatch``: the microbatch; ``sequence``: each row or
 document; ``global_lagged``: the global batch with the previous step's counts; ``global_running``: Megatron's
 running-mean counts); this class does the work common to all of them.
 
@@ -21,7 +21,7 @@ numbers instead, including its documented deviations from semantics §5 (see :cl
 Every term is :func:`lossparity.losses.moe.switch_load_balancing_weights` (``A = Σ_e K_e·P_e``) or
 :func:`~lossparity.losses.moe.router_z_loss_sums_and_grad` evaluated on the scope's token set (one home per
 formula). Both are computed without an autograd graph and their gradients formed in the forward pass
-(:mod:`lossparity.distributed.moe_grad`).
+(:mod:`lossparity.distributed.moe.grad`).
 Per step the logged values and the objective contribution accumulate on the device and reach the
 accountant in :meth:`MoEAccounting.end_step`, together with the module's one collective (dispatch and
 top-k counts) and the expert-load metrics ``max_vio``. ``end_step`` is part of the accountant's protocol
@@ -49,10 +49,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..losses import moe as F_moe
-from ..options import AUX_SCOPES, Z_FORMS, AuxScope, ZForm, check_option
-from .accountant import Accountant
-from .moe_checks import (
+from ...losses import moe as F_moe
+from ...options import AUX_SCOPES, Z_FORMS, AuxScope, ZForm, check_option
+from ..accountant import Accountant
+from .checks import (
     check_coeff,
     check_int,
     check_normalization,
@@ -61,12 +61,12 @@ from .moe_checks import (
     check_routers,
     check_z_form,
 )
-from .moe_grad import GradPlan, ShareWithGrad, token_sum
-from .moe_logs import MoEStepLog
-from .moe_scopes import ROUTER_TOKENS, SCOPE_CLASSES, Microbatch, make_scope, make_z_form
+from .grad import GradPlan, ShareWithGrad, token_sum
+from .logs import MoEStepLog
+from .scopes import ROUTER_TOKENS, SCOPE_CLASSES, Microbatch, make_scope, make_z_form
 
 if TYPE_CHECKING:  # the model package imports the losses; these are only types here
-    from ..model.router import Router, RouterRecord
+    from ...model.router import Router, RouterRecord
 
 __all__ = ["SCOPES", "Z_FORMS", "LOG_NAMES", "ROUTER_TOKENS", "MoEAccounting"]
 
