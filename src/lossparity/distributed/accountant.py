@@ -49,6 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..losses.modes import DENOMINATOR_KEY as _DEN_KEY
 from ..losses.modes import MODES, check_mode
 from ..losses.stats import check_inputs, rows_documents
+from ..losses.token_weights import mtp_token_weights, token_weights
 from ..options import (
     GRAD_REDUCTIONS,
     MTP_CONVENTIONS,
@@ -418,7 +419,16 @@ class Accountant(StepProtocol):
         Float64, shape of ``mask``; see :mod:`lossparity.losses.token_weights`."""
         self._require_step("token_weights")
         self._check_columns(columns)
-        return self.objective.lm_weights(self._step.counts(), self._step.mb, mask, segment_ids, columns)
+        pre, ob = self._step.counts(), self.objective
+        counts = pre.unit_counts(self._step.mb, 0, columns, whole=True)  # the counts in, the weights out
+        return token_weights(
+            ob.mode,
+            mask,
+            segment_ids=segment_ids,
+            fixed_length=ob.fixed_length,
+            unit_counts=counts,
+            denominator=ob.denominator(pre),
+        )
 
     def mtp_token_weights(
         self, masks: Sequence[Tensor], segment_ids: Tensor | None = None, *, columns: Tensor | None = None
@@ -432,8 +442,19 @@ class Accountant(StepProtocol):
                 f"mtp_token_weights needs {self.mtp_depths} masks (one per MTP depth), got {len(masks)} ({self.where})"
             )
         self._check_columns(columns)
-        pre, mb = self._step.counts(), self._step.mb
-        return self.objective.mtp_weights(pre, mb, list(masks), segment_ids, columns, self.mtp_weight)
+        pre, mb, ob = self._step.counts(), self._step.mb, self.objective
+        pooled = ob.mtp_convention == "pooled"  # pooled: one denominator, counts pooled over the depths
+        counts = None if pooled else [pre.unit_counts(mb, k, columns, whole=True) for k in range(1, len(masks) + 1)]
+        return mtp_token_weights(
+            ob.mode,
+            list(masks),
+            convention=ob.mtp_convention,
+            segment_ids=segment_ids,
+            fixed_length=ob.fixed_length,
+            unit_counts=counts,
+            denominators=ob.mtp_denominators(pre),
+            scale=self.mtp_weight / (1 if pooled else self.mtp_depths),
+        )
 
     def add_lm_share(
         self,
