@@ -292,3 +292,21 @@ def test_format1_extra_rank_file_converts_to_a_valid_format2_one(tmp_path):
     assert torch.equal(new["rng"]["python"]["state"], now["python"]["state"])  # same generator state
     assert torch.equal(new["rng"]["numpy"]["keys"], now["numpy"]["keys"])
     assert convert_checkpoint(str(folder)) == [(str(folder / "extra_rank1.pt"), "already format 2")]
+
+
+def test_flat_shapes_match_dcp_keys():
+    """The keys and shapes the sharded-checkpoint check expects are those torch.distributed.checkpoint
+    stores: compared with torch's own (private) flattening on a model + AdamW state with lists inside."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from lossparity.checkpoint.checkpointer import _flat_shapes
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "extra": [torch.zeros(2), {"t": torch.ones(1, 5)}]}
+    flat, _ = flatten_state_dict(state)
+    expected = {k: tuple(v.shape) for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    assert _flat_shapes(state) == expected
+    assert "model.0.weight" in expected and expected["model.0.weight"] == (4, 3)

@@ -84,12 +84,17 @@ def _latest_note(ckpt_dir: str, newest: str | None) -> str | None:
     return None
 
 
-def load_newest_intact(ckpt_dir: str, load: Callable[[str], T], notify: Notify = warn_note) -> tuple[int, T] | None:
+def load_newest_intact(
+    ckpt_dir: str,
+    load: Callable[[str], T],
+    notify: Notify = warn_note,
+    loaded: Callable[[str], None] | None = None,
+) -> tuple[int, T] | None:
     """``(step, load(path))`` of the newest checkpoint of ``ckpt_dir`` that ``load`` reads (and validates)
     without an exception, trying them newest step first; a checkpoint that fails (empty, truncated,
     corrupt, pickled objects, contents that do not fit the model) is skipped with a note through
     ``notify`` naming it and the error. ``None`` when there is no checkpoint; raises :class:`RunDirError`
-    when there are some and none can be read."""
+    when there are some and none can be read. ``loaded`` is called with the path that was read."""
     found = list_checkpoints(ckpt_dir)
     note = _latest_note(ckpt_dir, found[0][1] if found else None)
     if note:
@@ -98,11 +103,15 @@ def load_newest_intact(ckpt_dir: str, load: Callable[[str], T], notify: Notify =
     for step, name in found:
         path = os.path.join(ckpt_dir, name)
         try:
-            return step, load(path)
+            value = load(path)
         except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back to the previous one
             why = str(e).removeprefix(f"{path}: ")  # the path is named once
             errors.append(f"{name}: {type(e).__name__}: {why}")
             notify(f"checkpoint {path} cannot be read ({type(e).__name__}: {why}); falling back to the previous one")
+            continue
+        if loaded is not None:
+            loaded(path)
+        return step, value
     if errors:
         raise RunDirError(f"no intact checkpoint in {ckpt_dir}: {'; '.join(errors)}")
     return None
