@@ -482,7 +482,7 @@ def test_max_violation():
 
 def test_public_alias_module():
     import lossparity
-    from lossparity.distributed.moe_accounting import MoEAccounting
+    from lossparity.distributed.moe.accounting import MoEAccounting
 
     assert moe_alias.switch_load_balancing_loss is moe.switch_load_balancing_loss
     from lossparity.losses import aux_scopes, router

@@ -14,7 +14,7 @@ from _no_sync import no_host_sync
 
 import lossparity as lp
 from lossparity.distributed.launch import spawn
-from lossparity.distributed.moe_accounting import MoEAccounting
+from lossparity.distributed.moe.accounting import MoEAccounting
 from lossparity.losses import moe as F_moe
 from lossparity.losses.mtp import mtp_denominators, roll_mask
 from lossparity.model.router import Router

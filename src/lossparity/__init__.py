@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Accountant": "lossparity.distributed.accountant",
-    "MoEAccounting": "lossparity.distributed.moe_accounting",
+    "MoEAccounting": "lossparity.distributed.moe.accounting",
     "ParallelDims": "lossparity.distributed.parallel_dims",
     "ProtocolError": "lossparity.distributed.protocol",
     "MODES": "lossparity.losses.modes",

@@ -189,7 +189,7 @@ def check_option(name: str, value: object, valid: tuple[T, ...]) -> T:
 
 # ---------------------------------------------------------------------------------------------------------
 # Layout rules stated once, for TrainConfig.validate() and for the library objects that enforce them at
-# run time (model/context_parallel.py, distributed/moe_accounting.py): one condition, one message.
+# run time (model/context_parallel.py, distributed/moe/accounting.py): one condition, one message.
 
 
 def check_cp_seq_len(seq_len: int, cp: int, zigzag: bool = True) -> None:

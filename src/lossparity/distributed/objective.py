@@ -20,19 +20,10 @@ from ..losses.logchannel import ratio_or_none
 from ..losses.modes import DENOMINATOR_KEY, numerator
 from ..losses.mtp import mtp_denominators, mtp_log_value, mtp_numerator, mtp_scale
 from ..losses.stats import sample_stats
-from ..losses.token_weights import mtp_token_weights, token_weights
 from .log_metrics import MB_CODE, StepLogs
 from .precount import PreCount
 
 __all__ = ["Objective"]
-
-
-def _shaped_like(counts: Tensor | None, mask: object) -> Tensor | None:
-    """A unit-count map in the shape of ``mask`` (``[S]`` masks of one row), when the sizes agree; else as
-    it is (the shape check of the token weights then names the mismatch)."""
-    if counts is None or not isinstance(mask, Tensor) or counts.shape == mask.shape:
-        return counts
-    return counts.reshape(mask.shape) if counts.numel() == mask.numel() else counts
 
 
 @dataclass(frozen=True)
@@ -183,51 +174,6 @@ class Objective:
                 logs.add(f"mtp_{k}", nums[k - 1], 3)
         if self.mtp_convention == "pooled":
             logs.add("mtp_pooled_num", nums[0])
-
-    # ------------------------------------------------------------------ weights of the fused head
-    def lm_weights(
-        self, pre: PreCount, mb: int, mask: Tensor, segment_ids: Tensor | None, columns: Tensor | None
-    ) -> Tensor:
-        """Per-token weights ``w`` of microbatch ``mb``'s main loss: ``Σ w·l`` is its :meth:`lm_share`."""
-        counts = pre.unit_counts(mb, 0, columns, whole=True)
-        return token_weights(
-            self.mode,
-            mask,
-            segment_ids=segment_ids,
-            fixed_length=self.fixed_length,
-            unit_counts=_shaped_like(counts, mask),
-            denominator=self.denominator(pre),
-        )
-
-    def mtp_weights(
-        self,
-        pre: PreCount,
-        mb: int,
-        masks: list[Tensor],
-        segment_ids: Tensor | None,
-        columns: Tensor | None,
-        weight: float,
-    ) -> list[Tensor]:
-        """Per-depth weights of microbatch ``mb``'s MTP term: ``Σ_k Σ w_k·l_k`` is its :meth:`mtp_share`."""
-        pooled = self.mtp_convention == "pooled"
-        counts = (
-            None
-            if pooled
-            else [
-                _shaped_like(pre.unit_counts(mb, k, columns, whole=True), m)
-                for k, m in zip(range(1, self.mtp_depths + 1), masks)
-            ]
-        )
-        return mtp_token_weights(
-            self.mode,
-            masks,
-            convention=self.mtp_convention,
-            segment_ids=segment_ids,
-            fixed_length=self.fixed_length,
-            unit_counts=counts,
-            denominators=self.mtp_denominators(pre),
-            scale=weight / (1 if pooled else self.mtp_depths),
-        )
 
     # ------------------------------------------------------------------ logged values
     def log_values(

@@ -51,7 +51,7 @@ class Preset:
 
     ``mode``/``normalization``/``grad_reduction``/``mtp_convention``/``mtp_log_estimator`` are
     :class:`~lossparity.distributed.accountant.Accountant` arguments, ``aux_scope``/``z_form`` those of
-    :class:`~lossparity.distributed.moe_accounting.MoEAccounting`. ``has_mtp``/``has_router_z_loss``: the
+    :class:`~lossparity.distributed.moe.accounting.MoEAccounting`. ``has_mtp``/``has_router_z_loss``: the
     framework implements the feature at all. ``log_names``: the framework's names for lossparity's
     ``lm_loss`` (global token mean), ``objective`` and ``mtp_loss`` (per depth) when it logs them.
     ``aux_note``: how its load-balancing coefficient maps to lossparity's ``aux_coeff``.
