@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..losses.logchannel import ratio_or_none
 from ..losses.modes import DENOMINATOR_KEY, numerator
-from ..losses.mtp import mtp_denominators, mtp_numerator, mtp_scale
+from ..losses.mtp import mtp_denominators, mtp_log_value, mtp_numerator, mtp_scale
 from ..losses.stats import sample_stats
 from .log_metrics import MB_CODE, StepLogs
 from .precount import PreCount
@@ -213,8 +213,7 @@ class Objective:
         """Per-depth MTP logs into ``out``; returns ``λ·term`` of the objective (semantics §4)."""
         depth = [get[f"mtp_{k}"] for k in range(1, self.mtp_depths + 1)]
         for k, (s_k, n_k, means_k, _) in enumerate(depth, start=1):
-            token_mean = self.mtp_log_estimator == "token_mean"
-            out[f"mtp_{k}_loss"] = ratio_or_none(s_k, n_k) if token_mean else means_k / max(nmb, 1.0)
+            out[f"mtp_{k}_loss"] = mtp_log_value(self.mtp_log_estimator, s_k, n_k, means_k, nmb)
             out[f"mtp_{k}_tokens"] = n_k
         dens = mtp_denominators(self.mode, self.mtp_convention, main_den, [d[1] for d in depth])
         if self.mtp_convention == "pooled":

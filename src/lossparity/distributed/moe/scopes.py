@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ...losses import moe as F_moe
+from ...losses.aux_scopes import global_lagged_weights
 from ...options import AuxScope as AuxScopeName
 from ...options import ZForm
 from ..accountant import Accountant
@@ -45,6 +46,7 @@ class ScopeOwner(Protocol):
     num_slots: int
     log_layers: int
     topk: int
+    aux_coeff: float
     z_coeff: float
     megatron_quirks: bool
     repeated_calls: int
@@ -296,7 +298,14 @@ class GlobalLaggedScope(LoadBalancingScope):
         if key not in self._cache:
             self._cache.clear()
             counts = o.lagged_counts.to(device=device, dtype=dtype)
-            self._cache[key] = o._switch_weights(counts, o.lagged_tokens, max(o._count(ROUTER_TOKENS), 1.0))
+            self._cache[key] = global_lagged_weights(
+                counts,
+                o.lagged_tokens,
+                max(o._count(ROUTER_TOKENS), 1.0),
+                topk=o.topk,
+                num_experts=o.num_experts,
+                coeff=o.aux_coeff,
+            )
         return self._cache[key]
 
     def step_counts(self) -> Tensor | None:

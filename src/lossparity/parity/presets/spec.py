@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ...options import (
+    FRAMEWORK_AUX_SCOPES,
     AuxScope,
     GradReduction,
     Mode,
@@ -35,12 +36,7 @@ _VERL_MODES: dict[str, Mode] = {
     "seq-mean-token-sum": "sample_sum",
     "seq-mean-token-sum-norm": "sample_sum_norm",
 }
-_MEGATRON_LB: dict[str, AuxScope] = {
-    "aux_loss": "microbatch",
-    "seq_aux_loss": "sequence",
-    "global_aux_loss": "global_running",
-    "none": "none",
-}
+_MEGATRON_LB: dict[str, AuxScope] = FRAMEWORK_AUX_SCOPES["megatron"]  # public: lossparity.moe.aux_scope_for
 _QUIRKS = (
     "Megatron parity quirks (semantics §5) are reproduced only by lossparity's megatron preset: they "
     "matter with global_aux_loss (aux gradient 1/D of its logged value), with a router z-loss in MTP "
