@@ -166,8 +166,9 @@ def make_run_folder(folder: Path) -> object:
 def check_run_folder(folder: Path, cfg: object) -> str | None:
     """``None`` when the resume checks of ``folder`` and its metrics truncation end in a result or the run
     folder's own errors; otherwise the escape."""
+    from lossparity.checkpoint.folder import _latest_note
     from lossparity.input_files import InputFileError
-    from lossparity.training.rundir import RunDirError, _latest_note, check_run_dir
+    from lossparity.training.rundir import RunDirError, check_run_dir
     from lossparity.training.runlog import truncate_metrics
 
     try:

@@ -295,9 +295,9 @@ def _dcp_checkpoint(folder: pathlib.Path) -> None:
 
 @pytest.mark.parametrize("where", ["parent", "absolute"])
 def test_row18_dcp_storage_path_outside_the_checkpoint_is_refused(tmp_path, where):
-    from lossparity.training.checkpoint_format import CheckpointFormatError
+    from lossparity.checkpoint.format import CheckpointFormatError
+    from lossparity.checkpoint.safe_dcp import SafeFileSystemReader
     from lossparity.training.rundir import RunDirError, load_newest_intact, sharded_checkpoint_intact
-    from lossparity.training.safe_dcp import SafeFileSystemReader
 
     ckpts = tmp_path / "run" / "checkpoints"
     step = ckpts / "step_00000001"

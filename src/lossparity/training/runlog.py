@@ -23,7 +23,7 @@ from typing import Any
 
 from ..atomic_io import atomic_write_bytes
 from ..input_files import bounded_step, loads_json, read_capped
-from .notes import Notify, warn_note
+from ..notes import Notify, warn_note
 
 __all__ = ["METRICS_FILE", "MetricsLog", "truncate_metrics", "check_metrics"]
 

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ..input_files import InputFileError, open_regular
-from .checkpoint_format import CheckpointFormatError
+from .format import CheckpointFormatError
 
 __all__ = ["SafeFileSystemReader", "check_metadata", "check_storage_paths", "read_metadata_safely"]
 

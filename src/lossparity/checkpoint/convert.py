@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from ..input_files import open_regular
-from .checkpoint import atomic_save
-from .checkpoint_format import FORMAT, VERSION, encode_rng_state, validate_rng_state
+from .checkpointer import atomic_save
+from .format import FORMAT, VERSION, encode_rng_state, validate_rng_state
 
 __all__ = ["convert_checkpoint", "checkpoint_files"]
 
