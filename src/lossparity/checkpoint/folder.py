@@ -17,6 +17,7 @@ import shutil
 from collections.abc import Callable
 from typing import TypeVar
 
+from ..input_files import InputFileError, check_regular, read_capped
 from ..notes import Notify, warn_note
 
 __all__ = [
@@ -27,7 +28,8 @@ __all__ = [
     "sharded_checkpoint_intact",
 ]
 
-_CHECKPOINT_RE = re.compile(r"^step_(\d+)(\.pt)?$")
+_CHECKPOINT_RE = re.compile(r"^step_(\d{1,18})(\.pt)?$")  # a longer number is no step of a run
+_LATEST_MAX_BYTES = 4096
 T = TypeVar("T")
 
 
@@ -72,9 +74,10 @@ def _latest_note(ckpt_dir: str, newest: str | None) -> str | None:
     pointer = os.path.join(ckpt_dir, "latest")
     if not os.path.exists(pointer):
         return None if newest is None else f"{pointer} is missing"
-    try:
-        with open(pointer, encoding="utf-8") as f:
-            name = f.read().strip()
+    try:  # a regular file of a few bytes: never a device or a FIFO (a read that never ends)
+        name = read_capped(pointer, _LATEST_MAX_BYTES).decode("utf-8").strip()
+    except InputFileError as e:
+        return f"{pointer} cannot be read ({e.reason})"
     except (OSError, UnicodeDecodeError) as e:
         return f"{pointer} cannot be read ({e})"
     if not name:
@@ -94,20 +97,24 @@ def load_newest_intact(
     without an exception, trying them newest step first; a checkpoint that fails (empty, truncated,
     corrupt, pickled objects, contents that do not fit the model) is skipped with a note through
     ``notify`` naming it and the error. ``None`` when there is no checkpoint; raises :class:`RunDirError`
-    when there are some and none can be read. ``loaded`` is called with the path that was read."""
+    when there are some and none can be read (naming each and why; the last one tried gets no note of its
+    own, as nothing is left to fall back to). ``loaded`` is called with the path that was read."""
     found = list_checkpoints(ckpt_dir)
     note = _latest_note(ckpt_dir, found[0][1] if found else None)
     if note:
         notify(f"{note}; using the checkpoints' step numbers instead")
     errors = []
-    for step, name in found:
+    for i, (step, name) in enumerate(found):
         path = os.path.join(ckpt_dir, name)
         try:
             value = load(path)
         except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back to the previous one
-            why = str(e).removeprefix(f"{path}: ")  # the path is named once
+            why = " ".join(str(e).removeprefix(f"{path}: ").split())  # the path is named once, on one line
             errors.append(f"{name}: {type(e).__name__}: {why}")
-            notify(f"checkpoint {path} cannot be read ({type(e).__name__}: {why}); falling back to the previous one")
+            if i + 1 < len(found):  # the last one's failure is said once, by the error below
+                notify(
+                    f"checkpoint {path} cannot be read ({type(e).__name__}: {why}); falling back to the previous one"
+                )
             continue
         if loaded is not None:
             loaded(path)
@@ -132,10 +139,12 @@ def sharded_checkpoint_intact(path: str) -> None:
     for info in storage.values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
     for rel, size in sorted(need.items()):
-        full = os.path.join(path, rel)
+        full = os.path.join(path, rel)  # inside ``path``: read_metadata_safely checked every relative_path
         have = os.path.getsize(full) if os.path.isfile(full) else -1
         if have < size:
             raise ValueError(f"{full}: {'missing' if have < 0 else f'{have} bytes'}, the metadata needs {size}")
     extras = [n for n in os.listdir(path) if re.fullmatch(r"extra_rank\d+\.pt", n)]
+    for n in extras:
+        check_regular(os.path.join(path, n), "a checkpoint file (a regular file)")
     if not extras or any(os.path.getsize(os.path.join(path, n)) == 0 for n in extras):
         raise ValueError(f"{path}: extra_rank<r>.pt files missing or empty")

@@ -19,7 +19,8 @@ class UsageError(Exception):
 
 def report_input_error(tool: str, args: argparse.Namespace, kind: str, e: BaseException) -> int:
     """Report an input error: one line on stderr (and a JSON object with ``--json``); exit code 2."""
-    print(f"lossparity {tool}: {kind}: {e}", file=sys.stderr)
+    text = str(e).replace("\r", "\\r").replace("\n", "\\n")  # one line, whatever a file name holds
+    print(f"lossparity {tool}: {kind}: {text}", file=sys.stderr)
     if getattr(args, "json", False):
         print(json.dumps({"error": str(e), "exit_code": 2}))
     return 2

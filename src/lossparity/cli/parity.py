@@ -45,6 +45,20 @@ def _int_at_least(low: int, what: str) -> Callable[[str], int]:
 
 
 positive_int = _int_at_least(1, "a positive integer")  # argparse type: an integer >= 1
+
+
+def _step_base(text: str) -> int:
+    """argparse type of ``--ref-step-base``/``--cand-step-base``: an integer of magnitude below 2**53 (steps
+    are exact as float64 and int64)."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = 2**53
+    if abs(v) >= 2**53:
+        raise argparse.ArgumentTypeError(f"expected an integer of magnitude below 2**53, got {text!r}")
+    return v
+
+
 _non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
@@ -220,8 +234,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         help="reference global batch size (consumed samples for --align samples)",
     )
     parser.add_argument("--cand-gbs", type=positive_int, default=None, help="candidate global batch size")
-    parser.add_argument("--ref-step-base", type=int, default=None, help="reference's first step number")
-    parser.add_argument("--cand-step-base", type=int, default=None, help="candidate's first step number")
+    parser.add_argument("--ref-step-base", type=_step_base, default=None, help="reference's first step number")
+    parser.add_argument("--cand-step-base", type=_step_base, default=None, help="candidate's first step number")
     parser.add_argument("--report", default=None, metavar="DIR", help="write summary.md and plots to DIR")
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     from .follow import add_follow_arguments  # --follow, --until, --idle, --poll (cli/follow.py)

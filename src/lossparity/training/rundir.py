@@ -38,6 +38,7 @@ from ..checkpoint.folder import (
     rotate_checkpoints,
     sharded_checkpoint_intact,
 )
+from ..input_files import InputFileError, loads_json, read_capped
 from ..notes import Notify, warn_note
 from .config import TrainConfig, numbers_mismatch
 
@@ -56,6 +57,8 @@ __all__ = [
 CONFIG_FILE = "config.json"
 CHECKPOINT_SUBDIR = "checkpoints"
 _ARTIFACTS = ("metrics.jsonl", CONFIG_FILE, CHECKPOINT_SUBDIR, "samples", "tensorboard")
+_CONFIG_MAX_BYTES = 16 * 1024 * 1024
+_FOLDERS = (CHECKPOINT_SUBDIR, "samples", "tensorboard")
 
 
 def check_run_dir(cfg: TrainConfig) -> None:
@@ -72,22 +75,60 @@ def check_run_dir(cfg: TrainConfig) -> None:
             f"--out {out} is not empty ({shown}): pass --resume to continue that run, --overwrite to "
             "replace it, or another --out"
         )
+    if cfg.resume:
+        _check_resumable(out)
     saved_path = os.path.join(out, CONFIG_FILE)
-    if cfg.resume and os.path.exists(saved_path):
+    if cfg.resume and os.path.lexists(saved_path):
         try:
-            with open(saved_path, encoding="utf-8") as f:
-                saved = json.load(f)
+            saved = loads_json(read_capped(saved_path, _CONFIG_MAX_BYTES))
+        except InputFileError as e:
+            raise RunDirError(f"{e}; --resume needs it to check the configuration") from None
         except (OSError, ValueError) as e:
             raise RunDirError(
-                f"{saved_path}: cannot be read ({e}); --resume needs it to check the configuration"
+                f"{saved_path}: cannot be read ({' '.join(str(e).split())}); --resume needs it to check the "
+                "configuration"
             ) from None
-        diffs = numbers_mismatch(saved, cfg)
+        if not isinstance(saved, dict):
+            raise RunDirError(
+                f"{saved_path}: expected the run configuration (a JSON object), got a JSON {type(saved).__name__}; "
+                "--resume needs it to check the configuration"
+            )
+        try:
+            diffs = numbers_mismatch(saved, cfg)
+        except (TypeError, ValueError, ArithmeticError, AttributeError, KeyError) as e:
+            raise RunDirError(
+                f"{saved_path}: not a run configuration ({type(e).__name__}: {' '.join(str(e).split())[:300]}); "
+                "--resume needs it to check the configuration"
+            ) from None
         if diffs:
             raise RunDirError(
-                f"--resume into {out}: the configuration differs from the saved one in fields that "
+                f"--resume into {out}: the configuration differs from the saved one ({saved_path}) in fields that "
                 f"change the numbers: {'; '.join(diffs)} (the layout may change; start a new run with "
                 "another --out or --overwrite)"
             )
+
+
+def _check_resumable(out: str) -> None:
+    """Read-only checks of a run folder before a resume changes anything in it: its folders are folders, its
+    files regular files, and ``metrics.jsonl`` parses (so a resume never truncates the history of a run it
+    then fails to continue)."""
+    from .runlog import METRICS_FILE, check_metrics
+
+    for name in _FOLDERS:
+        path = os.path.join(out, name)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise RunDirError(
+                f"{path}: expected a folder (the run's {name}), got a file or a dangling link; repair the run "
+                "folder or start a new run with another --out"
+            )
+    metrics = os.path.join(out, METRICS_FILE)
+    if os.path.lexists(metrics):
+        try:
+            check_metrics(metrics)
+        except InputFileError as e:
+            raise RunDirError(f"{e}; repair the run folder or start a new run with another --out") from None
+        except ValueError as e:
+            raise RunDirError(str(e)) from None
 
 
 def prepare_run_dir(
