@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # lossparity's two commands: `./dev.sh main` (the main job) and `./dev.sh test` (static checks, then the whole test
-# suite; `./dev.sh lint` runs the static checks alone).
+# suite; `./dev.sh lint` runs the static checks alone; `./dev.sh wheel` builds and tests the installed wheel).
 # Each does its own set-up: creates or reuses ./.venv, installs the project, and installs the CPU build
 # torch==2.13.0 only when no torch is importable (a bare `torch` requirement would pull a CUDA build).
 set -euo pipefail
@@ -48,13 +48,17 @@ case "$cmd" in
     ensure_env test
     lint
     ;;
+  wheel)  # the built package: sdist + wheel, twine check, fresh-venv install, three commands (CI runs it)
+    ensure_env test
+    bash scripts/check_wheel.sh "$VENV"
+    ;;
   test)
     ensure_env test
     lint
     "$VENV/bin/python" -m pytest -q "$@"
     ;;
   *)
-    echo "usage: ./dev.sh main|test|lint [args...]" >&2
+    echo "usage: ./dev.sh main|test|lint|wheel [args...]" >&2
     exit 2
     ;;
 esac
