@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ._version import __version__
+from ._version import __version__ as __version__  # the one source of the version
 
 _EXPORTS = {
     "Accountant": "lossparity.distributed.accountant",

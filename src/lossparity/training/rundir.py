@@ -12,7 +12,8 @@ Rules (:func:`prepare_run_dir`, on every rank at the start of ``Trainer.fit``):
 2. ``resume`` compares the saved ``config.json`` with the new configuration and refuses, naming the
    fields, any difference of a field that changes the numbers (``numbers`` fields of the config: mode,
    seed, model, data, hyper-parameters, steps). The layout (``dp``, ``ga``, ``engine``...) may change
-   (docs/semantics.md §3).
+   (docs/semantics.md §3). ``steps`` may grow: the run is extended with its saved learning-rate schedule
+   (:mod:`.extend`).
 3. Temporary files of killed writes (``.tmp-*``) in ``OUT``, ``OUT/checkpoints`` and ``OUT/samples`` are
    removed.
 4. Checkpoints are ordered by their step number, never by file name (:func:`list_checkpoints`); the
@@ -42,6 +43,7 @@ __all__ = [
     "CHECKPOINT_SUBDIR",
     "prepare_run_dir",
     "check_run_dir",
+    "read_saved_config",
     "list_checkpoints",
     "rotate_checkpoints",
     "load_newest_intact",
@@ -73,22 +75,39 @@ def check_run_dir(cfg: TrainConfig) -> None:
             f"--out {out} is not empty ({shown}): pass --resume to continue that run, --overwrite to "
             "replace it, or another --out"
         )
-    saved_path = os.path.join(out, CONFIG_FILE)
-    if cfg.resume and os.path.exists(saved_path):
-        try:
-            with open(saved_path, encoding="utf-8") as f:
-                saved = json.load(f)
-        except (OSError, ValueError) as e:
-            raise RunDirError(
-                f"{saved_path}: cannot be read ({e}); --resume needs it to check the configuration"
-            ) from None
-        diffs = numbers_mismatch(saved, cfg)
+    saved = read_saved_config(cfg)
+    if saved is not None:
+        from .extend import resume_config
+
+        # a longer run keeps the saved schedule; a shorter one or another schedule is refused (extend.py)
+        cfg, _ = resume_config(saved, cfg)
+        diffs = numbers_mismatch(
+            saved, dataclasses.replace(cfg, steps=saved.get("steps", cfg.steps), decay_steps=saved.get("decay_steps"))
+        )
         if diffs:
             raise RunDirError(
                 f"--resume into {out}: the configuration differs from the saved one in fields that "
                 f"change the numbers: {'; '.join(diffs)} (the layout may change; start a new run with "
                 "another --out or --overwrite)"
             )
+
+
+def read_saved_config(cfg: TrainConfig) -> dict | None:
+    """The saved ``OUT/config.json`` when ``cfg`` resumes a run that has one, else ``None``; raises
+    :class:`RunDirError` when it cannot be read."""
+    path = os.path.join(cfg.out, CONFIG_FILE) if cfg.resume and cfg.out else None
+    if path is None or not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise RunDirError(f"{path}: cannot be read ({e}); --resume needs it to check the configuration") from None
+    if not isinstance(saved, dict):
+        raise RunDirError(
+            f"{path}: not a JSON object of TrainConfig fields; --resume needs it to check the configuration"
+        )
+    return saved
 
 
 def prepare_run_dir(
