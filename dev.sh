@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # lossparity's two commands: `./dev.sh main` (the main job) and `./dev.sh test` (static checks, then the whole test
-# suite; `./dev.sh lint` runs the static checks alone; `./dev.sh wheel` builds and tests the installed wheel;
-# `./dev.sh docs` builds the API reference site).
+# suite). Also: `./dev.sh test --fast` (the single-process tests alone), `./dev.sh lint` (the static checks alone),
+# `./dev.sh wheel` (build the wheel and test it installed), `./dev.sh docs` (build the API reference site).
 # Each does its own set-up: creates or reuses ./.venv, installs the project, and installs the CPU build
 # torch==2.13.0 only when no torch is importable (a bare `torch` requirement would pull a CUDA build).
 set -euo pipefail
@@ -59,8 +59,13 @@ case "$cmd" in
     ;;
   test)
     ensure_env test
-    lint
-    "$VENV/bin/python" -m pytest -q "$@"
+    if [ "${1:-}" = "--fast" ]; then  # the quick loop: single-process tests only, no static checks
+      shift
+      "$VENV/bin/python" -m pytest -q -m "not slow and not multiprocess" "$@"
+    else
+      lint
+      "$VENV/bin/python" -m pytest -q "$@"
+    fi
     ;;
   *)
     echo "usage: ./dev.sh main|test|lint|wheel|docs [args...]" >&2

@@ -1,0 +1,51 @@
+"""The quick loop's selection: tests that start processes are marked ``multiprocess`` at collection.
+
+``./dev.sh test --fast`` runs ``pytest -m "not slow and not multiprocess"``: the single-process tests.
+A test is ``multiprocess`` when its source, a fixture of its module it uses, or a function of its module it
+calls (one level) starts ranks or programs: :data:`PROCESS_MARKS` below. CI runs every test regardless.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+
+# What starts another process in these tests: the launcher, subprocesses, the CLI's multi-rank runs.
+PROCESS_MARKS = re.compile(
+    r"\bspawn\(|\bsubprocess\b|\bPopen\b|torchrun|run_training\(|\"--dp\"|\"--cp\"|\"--tp\"|\"--pp\"|\"--ep\""
+    r"|\bdp=[2-9]|\bcp=[2-9]|\btp=[2-9]|\bpp=[2-9]|\"verify\""
+)
+
+
+def _source(obj) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def _starts_processes(item: pytest.Item) -> bool:
+    function = getattr(item, "function", None)
+    module = getattr(item, "module", None)
+    if function is None or module is None:
+        return False
+    text = _source(function)
+    names = set(getattr(item, "fixturenames", ())) | set(re.findall(r"\b(\w+)\(", text))
+    for name in names:
+        helper = getattr(module, name, None)
+        helper = getattr(helper, "__wrapped__", helper)  # a fixture's function
+        if inspect.isfunction(helper) and getattr(helper, "__module__", None) == module.__name__:
+            text += _source(helper)
+    return bool(PROCESS_MARKS.search(text))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "multiprocess: starts ranks or programs (left out by ./dev.sh test --fast)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _starts_processes(item):
+            item.add_marker(pytest.mark.multiprocess)
