@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The package as users get it (./dev.sh wheel; CI runs it): build the sdist and the wheel, check them
+# The package as users get it (./dev.sh wheel; CI runs it): build the sdist, and the wheel from it, check them
 # (twine check, every file of src/lossparity in the wheel, the extras in its metadata), install the wheel
 # into a fresh virtual environment (not editable: only its declared dependencies plus the CPU torch), and
 # run `lossparity --version`, `lossparity modes` and the README quick start from it, outside the checkout.
@@ -12,8 +12,9 @@ DIST="$ROOT/dist"
 FRESH="$ROOT/.venv-wheel"
 start=$SECONDS
 rm -rf "$DIST" "$FRESH"
-"$DEV/bin/python" -m build --sdist --wheel --outdir "$DIST" . >"$DIST.log" 2>&1 || { cat "$DIST.log"; exit 1; }
-rm -f "$DIST.log"
+log="$(mktemp)"
+"$DEV/bin/python" -m build --outdir "$DIST" . >"$log" 2>&1 || { cat "$log"; exit 1; }
+rm -f "$log"
 "$DEV/bin/twine" check --strict "$DIST"/*
 "$DEV/bin/python" - "$DIST" <<'PY'
 import email, pathlib, subprocess, sys, zipfile
@@ -32,8 +33,7 @@ assert meta["Version"], "no version in the metadata"
 print(f"{whl.name}: {whl.stat().st_size / 1024:.0f} KiB, {len(names)} files, extras {', '.join(sorted(extras))}")
 PY
 built=$SECONDS
-BASE="$("$DEV/bin/python" -c 'import sys; print(sys._base_executable)')"
-"$BASE" -m venv "$FRESH"
+"$DEV/bin/python" -m venv "$FRESH"  # on the interpreter behind DEV, without DEV's packages
 # The CPU build first (a bare torch requirement would pull a CUDA build), then the wheel and its dependencies.
 "$FRESH/bin/pip" install -q --no-compile "torch==2.13.0"
 "$FRESH/bin/pip" install -q --no-compile "$DIST"/lossparity-*.whl

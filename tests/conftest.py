@@ -49,3 +49,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _starts_processes(item):
             item.add_marker(pytest.mark.multiprocess)
+
+
+_FAST_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Sum the time (setup, call, teardown) of the tests ``--fast`` selects, for the summary line."""
+    if "slow" not in report.keywords and "multiprocess" not in report.keywords:
+        _FAST_SECONDS[report.nodeid] = _FAST_SECONDS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line: how long the quick loop's tests took in this run (CI's full run measures the quick loop)."""
+    if _FAST_SECONDS:
+        terminalreporter.write_line(
+            f"single-process tests (./dev.sh test --fast): {len(_FAST_SECONDS)} ran, "
+            f"{sum(_FAST_SECONDS.values()):.0f} s of test time"
+        )
