@@ -32,10 +32,12 @@ ensure_env() {  # $1 = extras profile: main | test
   touch "$stamp"
 }
 
-lint() {  # static checks of the test command: lint (with complexity limits), formatting, types
+lint() {  # static checks of the test command: lint (with complexity limits), formatting, types, layers
   "$VENV/bin/ruff" check .
   "$VENV/bin/ruff" format --check .
   "$VENV/bin/mypy"
+  "$VENV/bin/lint-imports" --no-cache  # the import layers of docs/architecture.md (pyproject.toml)
+  "$VENV/bin/python" scripts/check_sizes.py  # no file over 600 lines, no class over 350
 }
 
 cmd="${1:-main}"

@@ -22,7 +22,7 @@ import os
 from typing import Any
 
 from ..atomic_io import atomic_write_bytes
-from .notes import Notify, warn_note
+from ..notes import Notify, warn_note
 
 __all__ = ["METRICS_FILE", "MetricsLog", "truncate_metrics"]
 

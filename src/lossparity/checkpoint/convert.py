@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .checkpoint import atomic_save
-from .checkpoint_format import FORMAT, VERSION, encode_rng_state
+from .checkpointer import atomic_save
+from .format import FORMAT, VERSION, encode_rng_state
 
 __all__ = ["convert_checkpoint", "checkpoint_files"]
 

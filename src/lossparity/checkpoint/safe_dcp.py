@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from .checkpoint_format import CheckpointFormatError
+from .format import CheckpointFormatError
 
 __all__ = ["SafeFileSystemReader", "check_metadata", "read_metadata_safely"]
 
