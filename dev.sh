@@ -63,7 +63,7 @@ case "$cmd" in
     ensure_env test
     if [ "${1:-}" = "--fast" ]; then  # the quick loop: single-process tests only, no static checks
       shift
-      "$VENV/bin/python" -m pytest -q -m "not slow and not multiprocess" "$@"
+      "$VENV/bin/python" -m pytest -q -m "not slow and not multiprocess and not frameworks" "$@"
     else
       lint
       "$VENV/bin/python" -m pytest -q "$@"

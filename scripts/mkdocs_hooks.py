@@ -24,6 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 REFERENCE: tuple[tuple[str, str, str], ...] = (
     ("lossparity", "lossparity", "lossparity"),
     ("moe", "lossparity.moe", "lossparity.moe"),
+    ("mtp", "lossparity.mtp", "lossparity.mtp"),
     ("integrations-hf", "lossparity.integrations.hf", "lossparity.integrations.hf"),
     ("integrations-hf-parity", "lossparity.integrations.hf_parity", "lossparity.integrations.hf_parity"),
     ("integrations-megatron", "lossparity.integrations.megatron", "lossparity.integrations.megatron"),

@@ -1,6 +1,7 @@
 """The quick loop's selection: tests that start processes are marked ``multiprocess`` at collection.
 
-``./dev.sh test --fast`` runs ``pytest -m "not slow and not multiprocess"``: the single-process tests.
+``./dev.sh test --fast`` runs ``pytest -m "not slow and not multiprocess and not frameworks"``: the
+single-process tests of the library (``frameworks``: the JAX and integration suites, see below).
 A test is ``multiprocess`` when its source, a fixture of its module it uses, or a function of its module it
 calls (one level) starts ranks or programs: :data:`PROCESS_MARKS` below. CI runs every test regardless.
 """
@@ -8,6 +9,7 @@ calls (one level) starts ranks or programs: :data:`PROCESS_MARKS` below. CI runs
 from __future__ import annotations
 
 import inspect
+import pathlib
 import re
 
 import pytest
@@ -15,7 +17,7 @@ import pytest
 # What starts another process in these tests: the launcher, subprocesses, the CLI's multi-rank runs.
 PROCESS_MARKS = re.compile(
     r"\bspawn\(|\bsubprocess\b|\bPopen\b|torchrun|run_training\(|\"--dp\"|\"--cp\"|\"--tp\"|\"--pp\"|\"--ep\""
-    r"|\bdp=[2-9]|\bcp=[2-9]|\btp=[2-9]|\bpp=[2-9]|\"verify\""
+    r"|\bdp=[2-9]|\bcp=[2-9]|\btp=[2-9]|\bpp=[2-9]|\"verify\"|run_verify|\b[DCTPE][2-9]\b"
 )
 
 
@@ -41,14 +43,25 @@ def _starts_processes(item: pytest.Item) -> bool:
     return bool(PROCESS_MARKS.search(text))
 
 
+# The framework-oracle suites: JAX compilations and Hugging Face Trainer runs, seconds per test.
+FRAMEWORK_DIRS = ("jax", "integrations")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "multiprocess: starts ranks or programs (left out by ./dev.sh test --fast)")
+    config.addinivalue_line(
+        "markers", "frameworks: tests/jax and tests/integrations, the framework oracles (left out by --fast)"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = pathlib.Path(__file__).resolve().parent
     for item in items:
         if _starts_processes(item):
             item.add_marker(pytest.mark.multiprocess)
+        parts = pathlib.Path(str(item.path)).resolve().relative_to(tests).parts
+        if len(parts) > 1 and parts[0] in FRAMEWORK_DIRS:
+            item.add_marker(pytest.mark.frameworks)
 
 
 _FAST_SECONDS: dict[str, float] = {}
@@ -56,7 +69,7 @@ _FAST_SECONDS: dict[str, float] = {}
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Sum the time (setup, call, teardown) of the tests ``--fast`` selects, for the summary line."""
-    if "slow" not in report.keywords and "multiprocess" not in report.keywords:
+    if not {"slow", "multiprocess", "frameworks"} & set(report.keywords):
         _FAST_SECONDS[report.nodeid] = _FAST_SECONDS.get(report.nodeid, 0.0) + report.duration
 
 

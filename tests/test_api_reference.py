@@ -34,7 +34,7 @@ def test_every_public_module_is_in_the_reference():
         for p in (ROOT / "src/lossparity/integrations").glob("*.py")
         if not p.stem.startswith("_")
     }
-    assert integrations | {"lossparity", "lossparity.moe", "lossparity.jax"} <= modules
+    assert integrations | {"lossparity", "lossparity.moe", "lossparity.mtp", "lossparity.jax"} <= modules
 
 
 def test_every_public_name_has_a_docstring():
