@@ -6,6 +6,10 @@
 # Usage: scripts/check_wheel.sh [DEV_VENV]   (DEV_VENV has build and twine: the `dev` extra; default .venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Nothing of the checkout or the user's site may leak into the fresh environment (a PYTHONPATH naming src/
+# would make pip think lossparity is installed already).
+unset PYTHONPATH PYTHONHOME
+export PYTHONNOUSERSITE=1
 ROOT="$PWD"
 DEV="${1:-.venv}"
 DIST="$ROOT/dist"
