@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__  # the one source of the version
 
 _EXPORTS = {
     "Accountant": "lossparity.distributed.accountant",

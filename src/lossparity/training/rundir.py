@@ -12,7 +12,8 @@ Rules (:func:`prepare_run_dir`, on every rank at the start of ``Trainer.fit``):
 2. ``resume`` compares the saved ``config.json`` with the new configuration and refuses, naming the
    fields, any difference of a field that changes the numbers (``numbers`` fields of the config: mode,
    seed, model, data, hyper-parameters, steps). The layout (``dp``, ``ga``, ``engine``...) may change
-   (docs/semantics.md §3).
+   (docs/semantics.md §3). ``steps`` may grow: the run is extended with its saved learning-rate schedule
+   (:mod:`.extend`).
 3. Temporary files of killed writes (``.tmp-*``) in ``OUT``, ``OUT/checkpoints`` and ``OUT/samples`` are
    removed.
 4. Checkpoints are ordered by their step number, never by file name (:func:`list_checkpoints`); the
@@ -41,6 +42,7 @@ from ..checkpoint.folder import (
 from ..input_files import InputFileError, loads_json, read_capped
 from ..notes import Notify, warn_note
 from .config import TrainConfig, numbers_mismatch
+from .extend import resume_config
 
 __all__ = [
     "RunDirError",
@@ -48,6 +50,8 @@ __all__ = [
     "CHECKPOINT_SUBDIR",
     "prepare_run_dir",
     "check_run_dir",
+    "read_saved_config",
+    "extended_config",
     "list_checkpoints",
     "rotate_checkpoints",
     "load_newest_intact",
@@ -78,23 +82,15 @@ def check_run_dir(cfg: TrainConfig) -> None:
     if cfg.resume:
         _check_resumable(out)
     saved_path = os.path.join(out, CONFIG_FILE)
-    if cfg.resume and os.path.lexists(saved_path):
+    saved = read_saved_config(cfg)
+    if saved is not None:
+        # a longer run keeps the saved schedule; a shorter one or another schedule is refused (extend.py)
+        cfg, _ = resume_config(saved, cfg)
         try:
-            saved = loads_json(read_capped(saved_path, _CONFIG_MAX_BYTES))
-        except InputFileError as e:
-            raise RunDirError(f"{e}; --resume needs it to check the configuration") from None
-        except (OSError, ValueError) as e:
-            raise RunDirError(
-                f"{saved_path}: cannot be read ({' '.join(str(e).split())}); --resume needs it to check the "
-                "configuration"
-            ) from None
-        if not isinstance(saved, dict):
-            raise RunDirError(
-                f"{saved_path}: expected the run configuration (a JSON object), got a JSON {type(saved).__name__}; "
-                "--resume needs it to check the configuration"
+            diffs = numbers_mismatch(
+                saved,
+                dataclasses.replace(cfg, steps=saved.get("steps", cfg.steps), decay_steps=saved.get("decay_steps")),
             )
-        try:
-            diffs = numbers_mismatch(saved, cfg)
         except (TypeError, ValueError, ArithmeticError, AttributeError, KeyError) as e:
             raise RunDirError(
                 f"{saved_path}: not a run configuration ({type(e).__name__}: {' '.join(str(e).split())[:300]}); "
@@ -131,6 +127,29 @@ def _check_resumable(out: str) -> None:
             raise RunDirError(str(e)) from None
 
 
+def read_saved_config(cfg: TrainConfig) -> dict | None:
+    """The saved ``OUT/config.json`` (a JSON object, read with the caps of :mod:`lossparity.input_files`)
+    when ``cfg`` resumes a run that has one, else ``None``; raises :class:`RunDirError` naming the file when
+    it cannot be read or is not an object."""
+    path = os.path.join(cfg.out, CONFIG_FILE) if cfg.resume and cfg.out else None
+    if path is None or not os.path.lexists(path):
+        return None
+    try:
+        saved = loads_json(read_capped(path, _CONFIG_MAX_BYTES))
+    except InputFileError as e:
+        raise RunDirError(f"{e}; --resume needs it to check the configuration") from None
+    except (OSError, ValueError) as e:
+        raise RunDirError(
+            f"{path}: cannot be read ({' '.join(str(e).split())}); --resume needs it to check the configuration"
+        ) from None
+    if not isinstance(saved, dict):
+        raise RunDirError(
+            f"{path}: expected the run configuration (a JSON object), got a JSON {type(saved).__name__}; "
+            "--resume needs it to check the configuration"
+        )
+    return saved
+
+
 def prepare_run_dir(
     cfg: TrainConfig, rank: int = 0, barrier: Callable[[], None] | None = None, notify: Notify = warn_note
 ) -> None:
@@ -164,3 +183,11 @@ def _remove_artifacts(out: str) -> None:
             shutil.rmtree(path)
         elif os.path.lexists(path):
             os.unlink(path)
+
+
+def extended_config(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
+    """:func:`~lossparity.training.extend.resume_config` against ``OUT/config.json`` when ``cfg`` resumes a
+    run that has one, else ``(cfg, None)``. Every rank reads the same file, so every rank gets the same
+    configuration."""
+    saved = read_saved_config(cfg)
+    return (cfg, None) if saved is None else resume_config(saved, cfg)

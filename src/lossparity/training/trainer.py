@@ -46,7 +46,7 @@ from .forward import LossForward, head_loss_fn, head_weights, indexer_share, mic
 from .grads import clip_grad_norm, sum_replicated_grads_over_tp
 from .parity_stop import make_guard, parity_check
 from .pipeline import PipelineRunner
-from .rundir import prepare_run_dir
+from .rundir import extended_config, prepare_run_dir
 from .runlog import MetricsLog
 
 if TYPE_CHECKING:
@@ -89,10 +89,13 @@ def _valid_tokens(mb: Batch) -> tuple[Tensor, Tensor]:
 
 
 def _lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine from ``lr`` to ``min_lr`` at the last step."""
+    """Learning rate of the step of index ``step`` (0-based): linear warm-up over ``warmup`` steps, then cosine
+    from ``lr`` to ``min_lr`` over ``E - warmup`` steps, ``min_lr`` from index ``E`` on, where ``E`` =
+    ``decay_steps`` (default ``steps``; an extended run keeps its saved ``E``: training/extend.py)."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    span = max(cfg.steps - cfg.warmup, 1)
+    end = cfg.steps if cfg.decay_steps is None else cfg.decay_steps
+    span = max(end - cfg.warmup, 1)
     t = min((step - cfg.warmup) / span, 1.0)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * t))
 
@@ -133,6 +136,7 @@ class Trainer:
         checkpointer. ``notify``: where rank 0's operational notes go (a checkpoint skipped on resume,
         metrics lines dropped); default a ``UserWarning``."""
         cfg = cfg.resolved()  # validated copy with the derived values (the caller's config is not changed)
+        cfg, extension_note = extended_config(cfg)  # --resume with more steps: the saved schedule is kept
         self.cfg = cfg
         self.model_config = get_config(cfg.model, **dict(cfg.model_overrides))
         self.dims = parallel_dims(cfg) if dims is None else _agreeing_dims(cfg, dims)
@@ -177,6 +181,8 @@ class Trainer:
         named = list(self.raw.named_parameters()) if self.pipeline is None else list(self.pipeline.params.items())
         self.optimizer = build_optimizer(cfg, named, self.dims)
         self.notify: Notify = (notify or warn_note) if self.rank == 0 else _quiet
+        if extension_note:
+            self.notify(extension_note)
         self.checkpointer = self._build_checkpointer()
         self.step = 0
         self.history: list[dict[str, Any]] = []
