@@ -89,7 +89,7 @@ import json
 import os
 from collections.abc import Callable, Mapping
 
-from . import _console, _structured
+from . import _console, _maxtext_metrics, _structured
 from ._record import LogParseError, Recorder, Run, to_float
 
 __all__ = ["FORMATS", "FORMAT_ALIASES", "LogParseError", "Run", "detect_format", "read_log"]
@@ -106,6 +106,7 @@ FORMATS: tuple[str, ...] = (
     "torchtitan",
     "torchtitan_losses",
     "mindformers",
+    "maxtext_metrics",
 )
 
 FORMAT_ALIASES: dict[str, str] = {
@@ -121,6 +122,7 @@ FORMAT_ALIASES: dict[str, str] = {
     "loss-export": "torchtitan_losses",
     "llama-factory": "llamafactory",
     "json": "jsonl",
+    "maxtext-metrics": "maxtext_metrics",
 }
 
 _READERS: dict[str, Callable[[str, Recorder], None]] = {
@@ -130,9 +132,10 @@ _READERS: dict[str, Callable[[str, Recorder], None]] = {
     "torchtitan": _console.read_torchtitan,
     "torchtitan_losses": _console.read_loss_export,
     "mindformers": _console.read_mindformers,
+    "maxtext_metrics": _maxtext_metrics.read_maxtext_metrics,
 }
 
-_STEP_BASE = {"maxtext": 0}
+_STEP_BASE = {"maxtext": 0, "maxtext_metrics": 0}
 _DETECT_MAX_LINES = 5000
 
 
