@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from _runs import LENGTHS, packed_batch, ragged_batch, run
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -141,3 +140,19 @@ def test_per_document_on_packed_rows_ga1_ga2() -> None:
     assert m1["learning/loss"] == pytest.approx(expected, rel=3e-7, abs=0)
     assert m2["learning/loss"] == pytest.approx(m1["learning/loss"], rel=3e-7, abs=0)
     assert m2["learning/raw_grad_norm"] == pytest.approx(m1["learning/raw_grad_norm"], rel=1e-6, abs=0)
+
+
+def test_metrics_file_reads_as_maxtext_metrics(tmp_path) -> None:  # noqa: ANN001
+    from lossparity.parity.readers import read_log
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(get("ps_ga1")["jsonl"], encoding="utf8")
+    run_ = read_log(path, fmt="maxtext_metrics")
+    first = step0("ps_ga1")
+    assert run_.metrics["objective"][0] == first["learning/loss"]
+    assert run_.metrics["lm_loss"][0] == first["learning/lm_loss"]
+    assert run_.metrics["grad_norm"][0] == first["learning/raw_grad_norm"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 0, "loss": 1.0}\n', encoding="utf8")
+    with pytest.raises(ValueError, match="MaxText metrics line"):
+        read_log(bad, fmt="maxtext_metrics")

@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         app.run(run, argv=[sys.argv[0], *rest])
     except SystemExit as done:
         return int(done.code or 0) if not isinstance(done.code, str) else 2
+    finally:
+        if handle is not None:
+            handle.uninstall()  # leave MaxText as found (a caller may run it again in this process)
     return 0
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -195,7 +196,9 @@ class Installed:
         mtp_dens: list[jax.Array] = []
         depths = int(getattr(config, "mtp_num_layers", 0) or 0)
         if depths:
-            trained = {key: _trained_rows(config, data[key], k) for key in ("targets_segmentation", "inputs_segmentation")}
+            trained = {
+                key: _trained_rows(config, data[key], k) for key in ("targets_segmentation", "inputs_segmentation")
+            }
             masks = _mtp_masks(trained, depths, seg.shape[0])
             depth_norms = lpj.mtp.mtp_normalizers(masks, seg if self.mode == "per_document" else None)
             conv = "own" if self.mtp_convention == "own" else "pooled"
@@ -332,18 +335,16 @@ def install(
     handle = Installed(mode, mtp_convention, None)
     if mode == "per_token":
         return handle
-    if train_module is None:
-        from maxtext.trainers.pre_train import train as train_module  # noqa: PLC0415 (MaxText is optional)
-    from maxtext.layers import multi_token_prediction as mtp_module  # noqa: PLC0415
+    # MaxText is optional: imported only when something is installed
+    train: Any = train_module or importlib.import_module("maxtext.trainers.pre_train.train")
+    mtp_module: Any = importlib.import_module("maxtext.layers.multi_token_prediction")
 
-    handle.train = train_module
-    handle._rebind(train_module, "max_utils", _MaxUtilsView(train_module.max_utils))
-    handle._rebind(train_module, "loss_fn", handle.loss_fn(train_module.loss_fn))
-    handle._rebind(
-        train_module, "gradient_accumulation_loss_and_grad", handle.ga(train_module.gradient_accumulation_loss_and_grad)
-    )
-    handle._rebind(train_module, "train_step", handle.train_step(train_module.train_step))
-    handle._rebind(train_module, "initialize", handle.initialize(train_module.initialize, mode))
+    handle.train = train
+    handle._rebind(train, "max_utils", _MaxUtilsView(train.max_utils))
+    handle._rebind(train, "loss_fn", handle.loss_fn(train.loss_fn))
+    handle._rebind(train, "gradient_accumulation_loss_and_grad", handle.ga(train.gradient_accumulation_loss_and_grad))
+    handle._rebind(train, "train_step", handle.train_step(train.train_step))
+    handle._rebind(train, "initialize", handle.initialize(train.initialize, mode))
     original_mtp_xent = mtp_module._cross_entropy_with_integer_labels
 
     @functools.wraps(original_mtp_xent)

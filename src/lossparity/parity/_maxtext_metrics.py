@@ -23,7 +23,6 @@ def read_maxtext_metrics(path: str, rec: Recorder) -> None:
     """Read a MaxText ``metrics_file`` into ``rec``: step base 0; a line without ``step`` or without any
     ``learning/`` / ``perf/`` key raises :class:`LogParseError` naming the line."""
 
-
     with open(path, encoding="utf-8", errors="replace") as f:
         for ln, line in enumerate(f, start=1):
             if not line.strip():
@@ -32,8 +31,10 @@ def read_maxtext_metrics(path: str, rec: Recorder) -> None:
                 obj = json.loads(line)
             except json.JSONDecodeError:
                 continue  # read_jsonl reports a broken (or torn last) line with its own message
-            if not isinstance(obj, dict) or "step" not in obj or not any(
-                isinstance(k, str) and k.startswith(MAXTEXT_KEY_PREFIXES) for k in obj
+            if (
+                not isinstance(obj, dict)
+                or "step" not in obj
+                or not any(isinstance(k, str) and k.startswith(MAXTEXT_KEY_PREFIXES) for k in obj)
             ):
                 raise LogParseError(path, ln, "a MaxText metrics line: an object with 'step' and 'learning/' keys")
     rec.step_base = 0
