@@ -92,7 +92,7 @@ def test_objective_and_grad_norm_equal_at_every_ga_and_on_tunix(name: str) -> No
     assert got["learning/raw_grad_norm"] == pytest.approx(ref["learning/raw_grad_norm"], rel=1e-6, abs=0)
 
 
-def test_upstream_tunix_would_differ() -> None:
+def test_per_sample_differs_from_the_token_mean_here() -> None:
     """Control: the per-sample objective is not MaxText's token mean on this batch (else the GA checks above
     could not tell the two apart)."""
     up = step0("upstream_ga1")
