@@ -5,7 +5,8 @@ Run in the MaxText venv (``./dev.sh maxtext-test`` creates it)::
 
     DECOUPLE_GCLOUD=TRUE JAX_PLATFORMS=cpu nice .venv-maxtext/bin/python scripts/maxtext_matrix.py [--quick]
 
-``--quick``: the table of docs/maxtext.md (no packed rows, MTP at GA 1 and 2 only). Prints a Markdown
+``--quick``: the first table of docs/maxtext.md (no packed rows, MTP at GA 1 and 2 only); ``--rest``: only
+the runs that ``--quick`` leaves out (the second table). Prints a Markdown
 table: learning/loss, learning/lm_loss, learning/raw_grad_norm and learning/mtp_loss per run.
 """
 
@@ -21,8 +22,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from _runs import packed_batch, run  # noqa: E402
 
 
-def configs(quick: bool) -> list[tuple[str, list[str], bool]]:
-    """(label, MaxText arguments, packed) of every run of the matrix."""
+def configs(quick: bool, rest: bool = False) -> list[tuple[str, list[str], bool]]:
+    """(label, MaxText arguments, packed) of every run of the matrix (``rest``: those ``quick`` leaves out)."""
+    if rest:
+        everything, first = configs(False), configs(True)
+        return [c for c in everything if c not in first]
     out = []
     for mtp in (0, 1):
         for ga, tunix in ((1, False), (2, False), (4, False), (2, True), (4, True)):
@@ -40,10 +44,10 @@ def configs(quick: bool) -> list[tuple[str, list[str], bool]]:
 
 
 def main() -> None:
-    quick = "--quick" in sys.argv[1:]
+    quick, rest = "--quick" in sys.argv[1:], "--rest" in sys.argv[1:]
     print("| run | objective | learning/loss | learning/lm_loss | raw_grad_norm | learning/mtp_loss |")
     print("|---|---|---|---|---|---|")
-    for label, args, packed in configs(quick):
+    for label, args, packed in configs(quick, rest):
         batch = packed_batch() if packed else None
         for mode in (None, "per_document" if packed else "per_sample"):
             m = run(args, mode=mode, batch=batch)["metrics"][0]
