@@ -32,6 +32,30 @@ ensure_env() {  # $1 = extras profile: main | test
   touch "$stamp"
 }
 
+MAXTEXT_VENV="${LOSSPARITY_MAXTEXT_VENV:-.venv-maxtext}"
+ensure_maxtext_env() {  # Python 3.12 venv with MaxText 0.2.5 on CPU and lossparity without torch (tests/maxtext)
+  if [ ! -x "$MAXTEXT_VENV/bin/python" ]; then
+    local c py=""  # a Python 3.12: $PYTHON312, python3.12 on PATH, or a pyenv-installed 3.12
+    for c in "${PYTHON312:-}" python3.12 "$(pyenv root 2>/dev/null || echo /nonexistent)"/versions/3.12*/bin/python3.12; do
+      if [ -n "$c" ] && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then py="$c"; break; fi
+    done
+    [ -n "$py" ] || { echo "dev.sh: MaxText 0.2.5 needs Python 3.12 (set PYTHON312)" >&2; exit 2; }
+    "$py" -m venv "$MAXTEXT_VENV"
+  fi
+  local stamp="$MAXTEXT_VENV/.lossparity-maxtext-$(cat requirements/maxtext-cpu.txt pyproject.toml | sha1sum | cut -c1-12)"
+  [ -f "$stamp" ] && return 0
+  # pinned closure, --no-deps: maxtext 0.2.5 declares its dependencies only behind accelerator extras
+  "$MAXTEXT_VENV/bin/pip" install -q --no-deps -r requirements/maxtext-cpu.txt
+  "$MAXTEXT_VENV/bin/pip" install -q --no-deps -e .  # lossparity.jax / lossparity.maxtext import no torch
+  touch "$stamp"
+}
+
+maxtext_tests() {  # the MaxText tests, for real, in the 3.12 venv (the main run skips tests/maxtext)
+  ensure_maxtext_env
+  DECOUPLE_GCLOUD=TRUE JAX_PLATFORMS=cpu LOSSPARITY_REQUIRE_MAXTEXT=1 \
+    "$MAXTEXT_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/maxtext
+}
+
 lint() {  # static checks of the test command: lint (with complexity limits), formatting, types, layers
   "$VENV/bin/ruff" check .
   "$VENV/bin/ruff" format --check .
@@ -67,10 +91,14 @@ case "$cmd" in
     else
       lint
       "$VENV/bin/python" -m pytest -q "$@"
+      maxtext_tests
     fi
     ;;
+  maxtext-test)
+    maxtext_tests
+    ;;
   *)
-    echo "usage: ./dev.sh main|test|lint|wheel|docs [args...]" >&2
+    echo "usage: ./dev.sh main|test|lint|wheel|docs|maxtext-test [args...]" >&2
     exit 2
     ;;
 esac

@@ -5,7 +5,7 @@ torch-free ``lossparity.options``, never torch, and ``import lossparity`` never 
 semantics follow the PyTorch modules:
 
 - :mod:`.stats`: ``sample_stats``, ``document_stats`` (static ``num_segments`` slots per row).
-- :mod:`.modes`: ``MODES``, ``objective``, ``numerator`` / ``denominator``, ``Normalizers``.
+- :mod:`.modes`: ``MODES``, ``objective``, ``numerator`` / ``denominator``, ``share``, ``Normalizers``.
 - :mod:`.logchannel`: ``lm_loss`` as a ``LogValue(value, valid)``, ``host_logs``; :mod:`.gap`: ``estimator_gap``.
 - :mod:`.mtp`: ``roll_mtp`` and the ``own`` / ``main`` / ``pooled`` MTP objective.
 - :mod:`.moe`: Switch load balancing, router z-loss, expert-bias update.
@@ -25,7 +25,7 @@ from .accumulate import accumulate_gradients, split_microbatches
 from .cross_entropy import chunked_cross_entropy, fused_linear_cross_entropy, naive_cross_entropy
 from .gap import GapResult, estimator_gap
 from .logchannel import LogValue, host_logs, lm_loss, ratio_or_missing
-from .modes import MODES, Normalizers, count_normalizers, denominator, numerator, objective
+from .modes import MODES, Normalizers, count_normalizers, denominator, numerator, objective, share
 from .moe import expert_bias_update, router_z_loss, switch_load_balancing_loss
 from .mtp import CONVENTIONS, mtp_objective, roll_mtp
 from .stats import check_inputs, document_stats, sample_stats
@@ -56,6 +56,7 @@ __all__ = [
     "roll_mtp",
     "router_z_loss",
     "sample_stats",
+    "share",
     "split_microbatches",
     "switch_load_balancing_loss",
     "throw",

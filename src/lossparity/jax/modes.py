@@ -43,6 +43,7 @@ __all__ = [
     "numerator",
     "denominator",
     "objective",
+    "share",
 ]
 
 _DENOMINATOR_KEY: dict[str, str] = {m: spec.count for m, spec in MODE_TABLE.items()}
@@ -233,3 +234,35 @@ def objective(
         assert seg2 is not None  # prepare returns the segment ids it was given (checked above)
         return num / jnp.maximum(count_documents(seg2, num_segments=num_segments), 1)
     return num / (rows // size if mode == "per_microbatch" else max(rows, 1))
+
+
+def share(
+    mode: str,
+    per_token_loss: jax.Array,
+    mask: jax.Array,
+    norms: Normalizers,
+    *,
+    segment_ids: jax.Array | None = None,
+    num_segments: int | None = None,
+    fixed_length: int | None = None,
+    microbatch_size: int | None = None,
+) -> jax.Array:
+    """One microbatch's share of the step objective: ``numerator(mb) / denominator(mode, norms)``.
+
+    ``norms`` are the step's global :class:`Normalizers` (``count_normalizers`` of every microbatch's
+    masks, summed, or of the whole batch), counted once before the microbatch loop, so a gradient
+    accumulation loop that sees one microbatch at a time (MaxText's ``lax.scan``) gets
+    ``J = Σ_mb share(mb)`` and ``∇J = Σ_mb ∇share(mb)`` without holding the whole batch:
+    ``per_sample``: ``Σ_{i∈mb} s_i/max(n_i,1) / N``; ``per_document``: ``Σ_{j∈mb} s_j/max(n_j,1) / max(Ndoc,1)``;
+    ``per_token``: ``Σ_{t∈mb} l_t / max(Ntok,1)``. Arguments as in :func:`numerator`.
+    """
+    num = numerator(
+        mode,
+        per_token_loss,
+        mask,
+        segment_ids=segment_ids,
+        num_segments=num_segments,
+        fixed_length=fixed_length,
+        microbatch_size=microbatch_size,
+    )
+    return num / denominator(mode, norms).astype(num.dtype)

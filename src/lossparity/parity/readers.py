@@ -90,7 +90,7 @@ import os
 from collections.abc import Callable, Mapping
 
 from ..input_files import InputFileError, check_regular, loads_json, open_regular
-from . import _console, _structured
+from . import _console, _maxtext_metrics, _structured
 from ._record import LogParseError, Recorder, Run, input_error, to_float
 
 __all__ = ["FORMATS", "FORMAT_ALIASES", "LogParseError", "Run", "detect_format", "read_log"]
@@ -107,6 +107,7 @@ FORMATS: tuple[str, ...] = (
     "torchtitan",
     "torchtitan_losses",
     "mindformers",
+    "maxtext_metrics",
 )
 
 FORMAT_ALIASES: dict[str, str] = {
@@ -122,6 +123,7 @@ FORMAT_ALIASES: dict[str, str] = {
     "loss-export": "torchtitan_losses",
     "llama-factory": "llamafactory",
     "json": "jsonl",
+    "maxtext-metrics": "maxtext_metrics",
 }
 
 _READERS: dict[str, Callable[[str, Recorder], None]] = {
@@ -131,9 +133,10 @@ _READERS: dict[str, Callable[[str, Recorder], None]] = {
     "torchtitan": _console.read_torchtitan,
     "torchtitan_losses": _console.read_loss_export,
     "mindformers": _console.read_mindformers,
+    "maxtext_metrics": _maxtext_metrics.read_maxtext_metrics,
 }
 
-_STEP_BASE = {"maxtext": 0}
+_STEP_BASE = {"maxtext": 0, "maxtext_metrics": 0}
 _DETECT_MAX_LINES = 5000
 _DETECT_MAX_CHARS = 1024 * 1024  # detection reads at most this much of the head of a file
 

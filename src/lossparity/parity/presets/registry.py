@@ -90,9 +90,46 @@ def _megatron(spec: str, positional: list[str], options: dict[str, str]) -> Pres
     )
 
 
+def _maxtext_lossparity(spec: str, options: dict[str, str], common_notes: list[str], aux_note: str) -> Preset:
+    """``maxtext:lossparity=per_sample|per_document``: MaxText 0.2.5 run by ``python -m lossparity.maxtext``."""
+    mode = options["lossparity"]
+    if mode not in ("per_sample", "per_document") or len(options) > 1:
+        raise ValueError(f"preset {spec!r}: lossparity=per_sample or lossparity=per_document, and no other option")
+    return Preset(
+        name=f"maxtext:lossparity={mode}",
+        framework="maxtext",
+        mode=mode,
+        normalization="precount",
+        mtp_convention="own",
+        mtp_log_estimator="token_mean",
+        aux_scope="sequence",
+        z_form="global",
+        grad_reduction="sum",
+        has_router_z_loss=False,
+        description=f"MaxText 0.2.5 under python -m lossparity.maxtext --lp-mode {mode}"
+        + (" (= Megatron calculate_per_token_loss=False, micro-batch 1)" if mode == "per_sample" else ""),
+        notes=[
+            "tested (tests/maxtext, MaxText 0.2.5 on CPU): the objective of the mode at GA 1/2/4 and on the tunix GA "
+            "path, equal to a float64 recomputation from MaxText's logits; learning/lm_loss and total_weights "
+            "bit-identical to an unpatched run; MTP own convention (--lp-mtp-convention pooled for pooled).",
+            "learning/loss is the objective at every GA (LM term + MTP + MaxText's MoE/indexer terms); "
+            "learning/mtp_loss is the MTP term of the objective; lossparity/lm_objective the LM term alone.",
+            *common_notes,
+        ],
+        settings=[f"python -m lossparity.maxtext ... --lp-mode {mode}", "num_vocab_tiling=1"],
+        requires=["num_vocab_tiling=1", "no DPO, block diffusion, indexer warm-up or DiLoCo (refused)"],
+        log_names={
+            "lm_loss": "learning/lm_loss",
+            "objective": "learning/loss",
+            "mtp_loss": "learning/mtp_loss (the MTP term of the objective, × mtp_loss_scaling_factor)",
+        },
+        aux_note=aux_note,
+    )
+
+
 def _maxtext(spec: str, positional: list[str], options: dict[str, str]) -> Preset:
     _no_positional(spec, "maxtext", positional)
-    _check_options(spec, "maxtext", options, ("calculate_per_token_loss", "mtp_per_layer_loss_norm"))
+    _check_options(spec, "maxtext", options, ("calculate_per_token_loss", "mtp_per_layer_loss_norm", "lossparity"))
     common_notes = [
         "verified (MaxText main, layers/moe.py load_balance_loss): per-sequence share of top-k slots × per-sequence "
         "mean router probability, averaged over sequences and experts, × E² × load_balance_loss_weight (default "
@@ -112,6 +149,8 @@ def _maxtext(spec: str, positional: list[str], options: dict[str, str]) -> Prese
         "layers and its per-sequence loss is k× the Switch form); exact without padding"
     )
     log = {"lm_loss": "learning/lm_loss", "objective": "learning/loss (GA = 1)"}
+    if "lossparity" in options:
+        return _maxtext_lossparity(spec, options, common_notes, aux_note)
     if "calculate_per_token_loss" not in options:
         if "mtp_per_layer_loss_norm" in options:
             raise ValueError(
@@ -513,6 +552,7 @@ def all_presets() -> list[Preset]:
         "maxtext:calculate_per_token_loss=true",
         "maxtext:calculate_per_token_loss=false,mtp_per_layer_loss_norm=true",
         "maxtext:calculate_per_token_loss=false,mtp_per_layer_loss_norm=false",
+        "maxtext:lossparity=per_sample",
         "hf-trainer",
         "hf-trainer-legacy",
         "torchtitan",
