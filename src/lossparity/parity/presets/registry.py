@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ...options import AUX_SCOPES, MODES, MTP_CONVENTIONS, MTP_LOG_ESTIMATORS, NORMALIZATIONS, Z_FORMS
+from ...options import AUX_SCOPES, MODES, MTP_CONVENTIONS, MTP_LOG_ESTIMATORS, NORMALIZATIONS, Z_FORMS, Mode
 from .spec import (
     _MEGATRON_LB,
     _VERL_MODES,
@@ -92,9 +92,10 @@ def _megatron(spec: str, positional: list[str], options: dict[str, str]) -> Pres
 
 def _maxtext_lossparity(spec: str, options: dict[str, str], common_notes: list[str], aux_note: str) -> Preset:
     """``maxtext:lossparity=per_sample|per_document``: MaxText 0.2.5 run by ``python -m lossparity.maxtext``."""
-    mode = options["lossparity"]
-    if mode not in ("per_sample", "per_document") or len(options) > 1:
+    choice = options["lossparity"]
+    if len(options) > 1 or choice not in ("per_sample", "per_document"):
         raise ValueError(f"preset {spec!r}: lossparity=per_sample or lossparity=per_document, and no other option")
+    mode: Mode = "per_sample" if choice == "per_sample" else "per_document"
     return Preset(
         name=f"maxtext:lossparity={mode}",
         framework="maxtext",
