@@ -263,6 +263,24 @@ def global_batch(step, n_rows=8):
     return tokens, labels, mask, seg
 
 
+def ragged_batch(step, n_rows=8):
+    """:func:`global_batch` with hostile rows for context parallelism (CP2: the row cut into 4 chunks of
+    ``S/4``, CP rank 0 holding chunks 0 and 3): microbatch 0 (rows 0, 1) has every LM and MTP loss token in
+    chunk 0, so CP rank 1 holds none of them; row 1 is packed with a third document without any loss token;
+    row 2's loss tokens all sit in chunk 1 (CP rank 1's)."""
+    tokens, labels, mask, seg = global_batch(step, n_rows)
+    c = S // 4
+    mask[0:3] = 0.0
+    mask[0, 1 : c - 1] = 1.0
+    mask[1, 0 : c - 1] = 1.0
+    seg[1] = torch.cat([torch.full((c // 2,), 1), torch.full((c - c // 2,), 2), torch.full((S - c,), 3)])
+    mask[2, c + 1 : 2 * c - 1] = 1.0
+    return tokens, labels, mask, seg
+
+
+BATCHES = {"random": global_batch, "ragged": ragged_batch}
+
+
 def _forward_step(loss_fn, data_iterator, model):
     tokens, pos, labels, mask, seg = next(data_iterator)
     out = model(tokens, pos, None, labels=labels, loss_mask=mask)
@@ -279,7 +297,7 @@ def full_grad(p, tp_group):
     return g.clone()
 
 
-def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=(), bad=False, cp=1, pp=1):
+def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=(), bad=False, cp=1, pp=1, batch="random"):
     """For each case ``(mode, scope, per_token, recompute)``: two steps of Megatron's schedule with
     MoETerms; returns ``{case: [(logs, {name: full grad}), ...per step]}`` of this rank, and with
     ``naive`` (``(mode, scope)`` pairs) the hand-written objective of each pair under ``"naive"`` (rank 0)."""
@@ -292,11 +310,13 @@ def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=(), bad=F
     )
     try:
         res = {
-            case: _run_case(rank, world, tp, *case, n_rows=n_rows, mbs=mbs, steps=steps, cp=cp, pp=pp, full=full)
+            case: _run_case(
+                rank, world, tp, *case, n_rows=n_rows, mbs=mbs, steps=steps, cp=cp, pp=pp, full=full, batch=batch
+            )
             for case in cases
         }
         if naive and rank == 0:
-            res["naive"] = {pair: naive_reference((*pair, None, None), n_rows, mbs, steps) for pair in naive}
+            res["naive"] = {pair: naive_reference((*pair, None, None), n_rows, mbs, steps, batch) for pair in naive}
         if bad:
             res["bad"] = bad_inputs() if cp == 1 else bad_cp_inputs(cp)
         return res
@@ -332,7 +352,9 @@ def _doc_namespace():
     return ns
 
 
-def _run_case(rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs, steps, cp=1, pp=1, full=None):
+def _run_case(
+    rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs, steps, cp=1, pp=1, full=None, batch="random"
+):
     """``recompute="doc"``: no recompute, the step driven by the functions of docs/megatron.md;
     ``"bias"``: sigmoid router with aux-loss-free expert biases."""
     from megatron.core import parallel_state as ps
@@ -358,7 +380,7 @@ def _run_case(rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs
     num_mbs = per_rank // mbs
     out = []
     for step in range(steps):
-        tokens, labels, mask, seg = global_batch(step, n_rows)
+        tokens, labels, mask, seg = BATCHES[batch](step, n_rows)
         rows = [slice(dp_rank * per_rank + k * mbs, dp_rank * per_rank + (k + 1) * mbs) for k in range(num_mbs)]
         pos = torch.arange(S)[None, :].expand(mbs, -1)
         whole = [(mask[r], seg[r]) for r in rows]  # begin_step takes the whole rows (context parallelism)
@@ -405,7 +427,7 @@ def _step(terms, loss_fn, model, data, whole, mbs):
     return terms.end_step()
 
 
-def naive_reference(case, n_rows=8, mbs=2, steps=2):
+def naive_reference(case, n_rows=8, mbs=2, steps=2, batch="random"):
     """The objective J of docs/semantics.md §4-§5 written out by hand on the whole global batch in one
     forward (Megatron's per-token cross-entropy for the main loss; MTP cross-entropy, router softmax,
     top-k counts, Switch and z terms in float64 loops here), back-propagated once. Megatron's own terms
@@ -432,7 +454,7 @@ def naive_reference(case, n_rows=8, mbs=2, steps=2):
     for step in range(steps):
         seen.clear()
         mtp_logits.clear()
-        tokens, labels, mask, seg = global_batch(step, n_rows)
+        tokens, labels, mask, seg = BATCHES[batch](step, n_rows)
         pos = torch.arange(S)[None, :].expand(n_rows, -1)
         loss = model(tokens, pos, None, labels=labels, loss_mask=mask).double()
         # MTP depth 1: labels and mask rolled left by one inside the row (and document for per_document)

@@ -350,9 +350,17 @@ class MoETerms:
         self._mtp_logits = []
         self._labels = kwargs.get("labels", args[4] if len(args) > 4 else None)
 
-    def _output_hook(self, module: Any, args: tuple, output: Any) -> None:
-        if torch.is_grad_enabled() and len(self._mtp_logits) < self.depths:
-            self._mtp_logits.append(output[0] if isinstance(output, tuple) else output)
+    def _output_hook(self, module: Any, args: tuple, output: Any) -> Any:
+        if not (torch.is_grad_enabled() and len(self._mtp_logits) < self.depths):
+            return None
+        logits = output[0] if isinstance(output, tuple) else output
+        self._mtp_logits.append(logits)
+        # Megatron computes its own MTP term from these logits, weighted 0 by __init__, but e.g. 0.16.1 with
+        # calculate_per_token_loss=False divides it by the shard's MTP token count: 0·(0/0) = NaN in the
+        # forward and in every gradient on a context-parallel shard without MTP tokens. Megatron gets
+        # detached logits, so its term stays out of the graph on every release (the gradient comes from ours).
+        detached = logits.detach()
+        return (detached, *output[1:]) if isinstance(output, tuple) else detached
 
     def loss_share(
         self, mode: str, loss: Tensor, mask: Tensor, segment_ids: Tensor | None
