@@ -60,6 +60,7 @@ from ..losses.moe import max_violation, router_scores, router_z_loss_sums, switc
 from ..losses.mtp import mtp_denominators, roll_mask
 from ..options import ALIASES
 from ._common import mode_numerator, unit_count
+from .megatron_pipeline import check_model_chunks
 
 __all__ = ["TERMS_SCOPES", "MoETerms", "zigzag_positions"]
 
@@ -139,6 +140,7 @@ class MoETerms:
         self.config = config
         chunks = _chunks(model)
         self.routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
+        check_model_chunks(chunks, config)
         self._check_config(config, ps)
         # (with pipeline stages one collective: a stage without MoE layers is fine, a model without any is not)
         self._slot, self.n_layers = self._slots(chunks, TopKRouter, ps.get_pipeline_model_parallel_world_size())
