@@ -323,7 +323,9 @@ def full_grad(p, tp_group):
     return g.clone()
 
 
-def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=(), bad=False, cp=1, pp=1, batch="random"):
+def run_layout(
+    rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=(), bad=False, cp=1, pp=1, batch="random", depth=1
+):
     """For each case ``(mode, scope, per_token, recompute)``: two steps of Megatron's schedule with
     MoETerms; returns ``{case: [(logs, {name: full grad}), ...per step]}`` of this rank, and with
     ``naive`` (``(mode, scope)`` pairs) the hand-written objective of each pair under ``"naive"`` (rank 0)."""
@@ -337,12 +339,25 @@ def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=(), bad=F
     try:
         res = {
             case: _run_case(
-                rank, world, tp, *case, n_rows=n_rows, mbs=mbs, steps=steps, cp=cp, pp=pp, full=full, batch=batch
+                rank,
+                world,
+                tp,
+                *case,
+                n_rows=n_rows,
+                mbs=mbs,
+                steps=steps,
+                cp=cp,
+                pp=pp,
+                full=full,
+                batch=batch,
+                depth=depth,
             )
             for case in cases
         }
         if naive and rank == 0:
-            res["naive"] = {pair: naive_reference((*pair, None, None), n_rows, mbs, steps, batch) for pair in naive}
+            res["naive"] = {
+                pair: naive_reference((*pair, None, None), n_rows, mbs, steps, batch, depth=depth) for pair in naive
+            }
         if bad:
             res["bad"] = bad_inputs() if cp == 1 else bad_cp_inputs(cp)
         return res
@@ -380,7 +395,22 @@ def _doc_namespace():
 
 
 def _run_case(
-    rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs, steps, cp=1, pp=1, full=None, batch="random"
+    rank,
+    world,
+    tp,
+    mode,
+    scope,
+    per_token,
+    recompute,
+    *,
+    n_rows,
+    mbs,
+    steps,
+    cp=1,
+    pp=1,
+    full=None,
+    batch="random",
+    depth=1,
 ):
     """``recompute="doc"``: no recompute, the step driven by the functions of docs/megatron.md;
     ``"bias"``: sigmoid router with aux-loss-free expert biases."""
@@ -393,6 +423,8 @@ def _run_case(
     over = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True) if recompute == "bias" else {}
     if pp > 1:
         over["pipeline_model_parallel_size"] = pp
+    if depth != 1:
+        over["mtp_num_layers"] = depth
     config = make_config(
         tp=tp, cp=cp, per_token=per_token, recompute=recompute if recompute in ("full", "selective") else None, **over
     )
@@ -482,7 +514,7 @@ def _step(terms, loss_fn, model, data, whole, mbs):
     return terms.end_step()
 
 
-def naive_reference(case, n_rows=8, mbs=2, steps=2, batch="random", deep=False):
+def naive_reference(case, n_rows=8, mbs=2, steps=2, batch="random", deep=False, depth=1):
     """The objective J of docs/semantics.md §4-§5 written out by hand on the whole global batch in one
     forward (Megatron's per-token cross-entropy for the main loss; MTP cross-entropy, router softmax,
     top-k counts, Switch and z terms in float64 loops here), back-propagated once. Megatron's own terms
@@ -490,7 +522,7 @@ def naive_reference(case, n_rows=8, mbs=2, steps=2, batch="random", deep=False):
     import torch.nn.functional as F
 
     mode, scope, _, _ = case
-    config = make_config(**DEEP) if deep else make_config()
+    config = make_config(**DEEP) if deep else make_config(mtp_num_layers=depth)
     model = build_model(config, 1, share=deep).module
     config.moe_aux_loss_coeff, config.moe_z_loss_coeff, config.mtp_loss_scaling_factor = 0.0, None, 0.0
     routers = [m for m in model.modules() if type(m).__name__ == "TopKRouter"]
@@ -512,14 +544,18 @@ def naive_reference(case, n_rows=8, mbs=2, steps=2, batch="random", deep=False):
         tokens, labels, mask, seg = BATCHES[batch](step, n_rows)
         pos = torch.arange(S)[None, :].expand(n_rows, -1)
         loss = model(tokens, pos, None, labels=labels, loss_mask=mask).double()
-        # MTP depth 1: labels and mask rolled left by one inside the row (and document for per_document)
-        lab1 = torch.cat([labels[:, 1:], torch.zeros_like(labels[:, :1])], dim=1)
-        w1 = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
-        if mode == "per_document":
-            w1 = w1 * (torch.cat([seg[:, 1:], torch.zeros_like(seg[:, :1])], dim=1) == seg)
-        lg = mtp_logits[0].transpose(0, 1).double()
-        loss1 = F.cross_entropy(lg.reshape(-1, V), lab1.reshape(-1), reduction="none").view(n_rows, S)
-        J = _naive_mode(mode, loss, mask, seg) + LAM * _naive_mode(mode, loss1, w1, seg)
+        # MTP depth k: labels and mask rolled left by k inside the row (and document for per_document)
+        J = _naive_mode(mode, loss, mask, seg)
+        mtp_logs = {}
+        for k in range(1, depth + 1):
+            lab = torch.cat([labels[:, k:], torch.zeros_like(labels[:, :k])], dim=1)
+            w = torch.cat([mask[:, k:], torch.zeros_like(mask[:, :k])], dim=1)
+            if mode == "per_document":
+                w = w * (torch.cat([seg[:, k:], torch.zeros_like(seg[:, :k])], dim=1) == seg)
+            lg = mtp_logits[k - 1].transpose(0, 1).double()
+            loss_k = F.cross_entropy(lg.reshape(-1, V), lab.reshape(-1), reduction="none").view(n_rows, S)
+            J = J + LAM / depth * _naive_mode(mode, loss_k, w, seg)
+            mtp_logs[f"mtp_{k}_loss"] = float((loss_k * w).sum() / w.sum())
         aux_logs, z_logs, fracs = [], [], []
         for li, r in enumerate(routers):
             h = seen[id(r)]  # [S, n_rows, H]
@@ -533,6 +569,12 @@ def naive_reference(case, n_rows=8, mbs=2, steps=2, batch="random", deep=False):
                     c, pp, t = top[:, r0 : r0 + mbs].sum((0, 1)), p[:, r0 : r0 + mbs].sum((0, 1)), S * mbs
                     terms.append(ALPHA * E / (TOPK * t * t) * (c * pp).sum())
                 a = torch.stack(terms).mean()
+            elif scope == "sequence":  # each row's own Switch term, averaged over the rows
+                terms = []
+                for r0 in range(n_rows):
+                    c, pp = top[:, r0].sum(0), p[:, r0].sum(0)
+                    terms.append(ALPHA * E / (TOPK * S * S) * (c * pp).sum())
+                a = torch.stack(terms).mean()
             else:
                 a = ALPHA * E / TOPK * (frac_prev[li] * p.sum((0, 1))).sum() / (S * n_rows)
             z = torch.logsumexp(logits, -1).square().sum() / (S * n_rows)
@@ -544,11 +586,12 @@ def naive_reference(case, n_rows=8, mbs=2, steps=2, batch="random", deep=False):
         J.backward()
         logs = {
             "lm_loss": float((loss * mask).sum() / mask.sum()),
-            "mtp_1_loss": float((loss1 * w1).sum() / w1.sum()),
+            **mtp_logs,
             "objective": float(J),
             "z_loss": sum(z_logs) / len(z_logs),
-            ("load_balancing_loss" if scope == "microbatch" else "global_load_balancing_loss"): sum(aux_logs)
-            / len(aux_logs),
+            {"microbatch": "load_balancing_loss", "sequence": "seq_load_balancing_loss"}.get(
+                scope, "global_load_balancing_loss"
+            ): sum(aux_logs) / len(aux_logs),
         }
         out.append((logs, {n: p.grad.clone() for n, p in model.named_parameters()}))
     for h in hooks:
@@ -579,7 +622,7 @@ def bad_inputs():
     errors, kept = [], {}
     for call in [
         lambda: MoETerms([torch.nn.Linear(2, 2)], make_config()),
-        lambda: MoETerms([model], make_config(), aux_scope="sequence"),
+        lambda: MoETerms([model], make_config(), aux_scope="global_running"),
         lambda: MoETerms([model], config, aux_scope="microbatch"),
         lambda: kept["terms"].end_step(),
         lambda: MoETerms([model], config),

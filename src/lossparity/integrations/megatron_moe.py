@@ -64,8 +64,18 @@ from .megatron_pipeline import check_model_chunks
 
 __all__ = ["TERMS_SCOPES", "MoETerms", "zigzag_positions"]
 
-TERMS_SCOPES = ("microbatch", "global_lagged", "none")
-_AUX_LOG = {"microbatch": "load_balancing_loss", "global_lagged": "global_load_balancing_loss"}
+TERMS_SCOPES = ("microbatch", "sequence", "global_lagged", "none")
+_AUX_LOG = {
+    "microbatch": "load_balancing_loss",
+    "sequence": "seq_load_balancing_loss",
+    "global_lagged": "global_load_balancing_loss",
+}
+# why a scope of docs/semantics.md §5 is not fed by MoETerms (one error on every rank, at construction)
+_REFUSED = {
+    "global_running": "it is Megatron's running mean over the step's microbatches, which depends on the "
+    "microbatch order and the layout by construction (docs/semantics.md §5); MoETerms applies layout-invariant "
+    "scopes: use 'global_lagged' (or Megatron's own moe_router_load_balancing_type='global_aux_loss' for parity)",
+}
 
 
 class _AttachGrad(torch.autograd.Function):
@@ -131,6 +141,8 @@ class MoETerms:
         from megatron.core.transformer.moe.router import TopKRouter
 
         scope = ALIASES["aux_scope"].get(aux_scope, aux_scope) if isinstance(aux_scope, str) else aux_scope
+        if scope in _REFUSED:
+            raise ValueError(f"aux_scope: {aux_scope!r} is not fed by MoETerms: {_REFUSED[scope]}")
         if scope not in TERMS_SCOPES:
             raise ValueError(
                 f"aux_scope: {aux_scope!r} is not one MoETerms can feed from Megatron's router; "
@@ -228,6 +240,11 @@ class MoETerms:
         """Called by ``LossFunc(..., terms=self)``: the mode of ``J_lm`` and ``J_k``."""
         if self.mode is not None and self.mode != mode:
             raise ValueError(f"terms: already bound to a LossFunc of mode {self.mode!r}, got {mode!r}")
+        if self.aux_scope == "sequence" and mode == "per_document":
+            raise ValueError(
+                "mode: 'per_document' with aux_scope 'sequence' would make each document a sequence (docs/"
+                "semantics.md §5), but Megatron's router sees rows: use aux_scope 'microbatch' or 'global_lagged'"
+            )
         self.mode, self.fixed_length = mode, fixed_length
 
     # ------------------------------------------------------------------ protocol
@@ -281,6 +298,7 @@ class MoETerms:
             stats.zero_()
         dist.all_reduce(stats)
         units, ntok, self._tokens = (float(x) for x in stats[:3].tolist())
+        self._rows = self._tokens / masks[0].shape[1]  # whole rows of the global batch (sequence scope)
         self._ntok = ntok
         self._den = max(ntok, 1.0) if self.mode == "per_token" else max(units, 1.0)
         self._depth_tokens = [float(x) for x in stats[3:].tolist()]
@@ -332,6 +350,8 @@ class MoETerms:
                 sums.dtype
             )
             aux = (weights * sums).sum() / (self.dp * self.num_microbatches)
+        elif self.aux_scope == "sequence":
+            aux = self._sequence_aux(hidden, top, p)
         else:
             aux = sums.sum() * 0.0
         z_sum = router_z_loss_sums(logits) / self._tokens
@@ -346,6 +366,23 @@ class MoETerms:
         acc[off + slot * e : off + (slot + 1) * e] += routing_map.reshape(-1, e).sum(dim=0).to(torch.float64)
         probs_out = _AttachGrad.apply(probs_out, term, self.router_weight, self.config)
         return probs_out, routing_map
+
+    def _sequence_aux(self, hidden: Tensor, top: Tensor, p: Tensor) -> Tensor:
+        """This shard's part of ``Σ_rows A(row) / N``: the router input is ``[s, b, H]`` (``s`` this rank's
+        TP-SP and CP part of each row), each row's top-k counts are all-reduced over the row group, and
+        ``A(row) = α·E/(k·L²)·Σ_e c_e(row)·Σ_{x in row} p[x,e]`` with ``L`` the whole row's length."""
+        if hidden.dim() != 3:
+            raise ValueError(f"router input: shape {tuple(hidden.shape)}; the sequence scope needs [s, b, H] rows")
+        s_loc, b, e = hidden.shape[0], hidden.shape[1], self.num_experts
+        counts = top.view(s_loc, b, e).sum(dim=0).to(torch.float64)  # [b, E]
+        length = torch.full((1,), float(s_loc), dtype=torch.float64, device=counts.device)
+        ct = torch.cat([counts.reshape(-1), length])
+        if self.row_group is not None:  # a row's tokens are split over TP-SP and CP
+            dist.all_reduce(ct, group=self.row_group)
+        weights = switch_load_balancing_weights(
+            ct[:-1].view(b, e), ct[-1], topk=self.topk, num_experts=e, coeff=self.alpha
+        ).to(p.dtype)
+        return (weights * p.view(s_loc, b, e).sum(dim=0)).sum() / self._rows
 
     # ------------------------------------------------------------------ MTP capture
     def _model_pre_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
