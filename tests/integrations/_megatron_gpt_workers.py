@@ -337,23 +337,8 @@ def run_layout(
         tensor_model_parallel_size=tp, context_parallel_size=cp, pipeline_model_parallel_size=pp
     )
     try:
-        res = {
-            case: _run_case(
-                rank,
-                world,
-                tp,
-                *case,
-                n_rows=n_rows,
-                mbs=mbs,
-                steps=steps,
-                cp=cp,
-                pp=pp,
-                full=full,
-                batch=batch,
-                depth=depth,
-            )
-            for case in cases
-        }
+        kw = dict(n_rows=n_rows, mbs=mbs, steps=steps, cp=cp, pp=pp, full=full, batch=batch, depth=depth)
+        res = {case: _run_case(rank, world, tp, *case, **kw) for case in cases}
         if naive and rank == 0:
             res["naive"] = {
                 pair: naive_reference((*pair, None, None), n_rows, mbs, steps, batch, depth=depth) for pair in naive
