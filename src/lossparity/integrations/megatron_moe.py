@@ -10,7 +10,9 @@ it captures, with PyTorch forward hooks (Megatron is not patched):
   ``router_gating_linear`` (the same weights, so the gradient reaches the router and the layer below),
   giving the scores ``p`` (:func:`lossparity.losses.moe.router_scores`) and the plain top-k map;
 - the MTP logits of every depth (the first ``Dm`` calls of the output layer in a forward) and the labels
-  passed to the model, whose per-token losses are Megatron's own ``compute_language_model_loss``.
+  passed to the model, whose per-token losses are Megatron's own ``compute_language_model_loss``; Megatron
+  gets those logits detached, so its own (zero-weighted) MTP term stays out of the graph (megatron-core
+  0.16.1 divides it by the shard's MTP token count: NaN on a context-parallel shard without MTP tokens).
 
 The objective of the step is ``J = J_lm + λ/Dm · Σ_k J_k + Σ_l A_l + β · Σ_l Σ_x lse_l(x)² / T``
 (``T`` the router tokens of the global batch, ``J_k`` the active mode on depth ``k`` with the
@@ -20,6 +22,8 @@ accountant's ``own`` convention, ``A_l`` the Switch term of layer ``l`` at the c
 |-----------------|-------------------------------------------------------------------------------|
 | ``microbatch`` | mean over the ``D·M`` microbatches of ``A(X_mb)``, ``X_mb`` with its TP-SP    |
 |                 | and CP shards (counts all-reduced over that row group)                        |
+| ``sequence``     | mean over the ``N`` rows of the global batch of ``A(row)``, each row's counts |
+|                 | all-reduced over its TP-SP and CP shards (Megatron's ``seq_aux_loss``)        |
 | ``global_lagged``| ``α·E/k · Σ_e f_e^prev · Σ_{x in batch} p[x,e] / T``; ``f^prev`` the previous |
 |                 | step's global top-k fractions (``k/E`` at the first step)                     |
 | ``none``        | 0                                                                             |
