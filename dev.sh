@@ -40,6 +40,7 @@ MEGATRON_TESTS=(  # the representative subset run in it (the full matrix: script
   tests/integrations/test_integration_megatron_moe.py
   tests/integrations/test_integration_megatron_ragged_cp.py
   tests/integrations/test_integration_megatron_schedules.py
+  tests/integrations/test_integration_megatron_scopes.py
 )
 
 find_python312() {  # prints a Python 3.12 interpreter (PYTHON312, python3.12 on PATH, or pyenv's), or nothing
