@@ -81,7 +81,7 @@ ensure_megatron_env() {  # the Python 3.12 venv with megatron-core 0.19.2; retur
 
 megatron_tests() {  # the Megatron subset against megatron-core 0.19.2 (a second pytest run)
   if ! ensure_megatron_env; then
-    echo "megatron-core 0.19.2 tests: no Python 3.12 interpreter found (set PYTHON312); not run" >&2
+    echo "megatron-core 0.19.2 tests: no venv (no Python 3.12 interpreter: set PYTHON312; or a step above failed)" >&2
     return 1
   fi
   "$MEGATRON_VENV/bin/python" -m pytest -q -p no:cacheprovider "${MEGATRON_TESTS[@]}"
