@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # lossparity's two commands: `./dev.sh main` (the main job) and `./dev.sh test` (static checks, then the whole test
-# suite; `./dev.sh lint` runs the static checks alone).
+# suite). Also: `./dev.sh test --fast` (the single-process tests alone), `./dev.sh lint` (the static checks alone),
+# `./dev.sh wheel` (build the wheel and test it installed), `./dev.sh docs` (build the API reference site).
 # Each does its own set-up: creates or reuses ./.venv, installs the project, and installs the CPU build
 # torch==2.13.0 only when no torch is importable (a bare `torch` requirement would pull a CUDA build).
 set -euo pipefail
@@ -17,7 +18,7 @@ ensure_env() {  # $1 = extras profile: main | test
   [ -f "$stamp" ] && return 0
   if [ "$1" = test ]; then
     # hf/trl: the Hugging Face Trainer and TRL integrations (their tests build tiny models from configs).
-    "$VENV/bin/pip" install -q -e ".[dev,report,tensorboard,jax,jax-test,config,hf,trl]"
+    "$VENV/bin/pip" install -q -e ".[dev,report,tensorboard,jax,jax-test,config,hf,trl,docs]"
     # megatron-core is the oracle of the MoE tests; --no-deps keeps it from touching torch.
     "$VENV/bin/pip" install -q --no-deps "megatron-core==0.16.1"
     # torchtitan 0.3.0 pins datasets<4.8 and pulls wandb/torch_checkpointing that its trainer module does not
@@ -87,10 +88,12 @@ megatron_tests() {  # the Megatron subset against megatron-core 0.19.2 (a second
   "$MEGATRON_VENV/bin/python" -m pytest -q -p no:cacheprovider "${MEGATRON_TESTS[@]}"
 }
 
-lint() {  # static checks of the test command: lint (with complexity limits), formatting, types
+lint() {  # static checks of the test command: lint (with complexity limits), formatting, types, layers
   "$VENV/bin/ruff" check .
   "$VENV/bin/ruff" format --check .
   "$VENV/bin/mypy"
+  "$VENV/bin/lint-imports" --no-cache  # the import layers of docs/architecture.md (pyproject.toml)
+  "$VENV/bin/python" scripts/check_sizes.py  # no file over 600 lines, no class over 350
 }
 
 cmd="${1:-main}"
@@ -104,19 +107,32 @@ case "$cmd" in
     ensure_env test
     lint
     ;;
+  wheel)  # the built package: sdist + wheel, twine check, fresh-venv install, three commands (CI runs it)
+    ensure_env test
+    bash scripts/check_wheel.sh "$VENV"
+    ;;
+  docs)  # the API reference site into ./site (mkdocs.yml); --strict: a broken link or reference fails
+    ensure_env test
+    NO_MKDOCS_2_WARNING=1 "$VENV/bin/mkdocs" build --strict --quiet "$@"
+    ;;
   test)
     ensure_env test
-    lint
-    "$VENV/bin/python" -m pytest -q "$@"
-    if [ "$#" -eq 0 ]; then  # the whole suite: also the Megatron subset against megatron-core 0.19.2
-      megatron_tests
+    if [ "${1:-}" = "--fast" ]; then  # the quick loop: single-process tests only, no static checks
+      shift
+      "$VENV/bin/python" -m pytest -q -m "not slow and not multiprocess and not frameworks" "$@"
+    else
+      lint
+      "$VENV/bin/python" -m pytest -q "$@"
+      if [ "$#" -eq 0 ]; then  # the whole suite: also the Megatron subset against megatron-core 0.19.2
+        megatron_tests
+      fi
     fi
     ;;
   test-megatron)
     megatron_tests
     ;;
   *)
-    echo "usage: ./dev.sh main|test|test-megatron|lint [args...]" >&2
+    echo "usage: ./dev.sh main|test|test-megatron|lint|wheel|docs [args...]" >&2
     exit 2
     ;;
 esac

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lossparity.distributed.accountant import Accountant
-from lossparity.distributed.moe_accounting import MoEAccounting
+from lossparity.distributed.moe.accounting import MoEAccounting
 from lossparity.model import GPT, get_config
 from lossparity.model.moe import MoE
 

@@ -106,7 +106,7 @@ def cross_entropy_bench(T: int, V: int, H: int, repeats: int) -> list[dict]:
 
 
 def gpu_verify(steps: int) -> dict:
-    from lossparity.training.verify import Layout, format_table, run_verify
+    from lossparity.verify.reference import Layout, format_table, run_verify
 
     layouts = (Layout("1x1", 1, 1), Layout("K=4", 1, 4), Layout("K=4+recompute", 1, 4, True))
     report = run_verify(layouts, steps=steps, overrides={"device": "cuda"}, progress=False)

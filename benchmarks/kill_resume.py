@@ -120,7 +120,7 @@ def _final_params(out: Path, steps: int) -> dict[str, Any]:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from lossparity.training.safe_dcp import SafeFileSystemReader, read_metadata_safely
+    from lossparity.checkpoint.safe_dcp import SafeFileSystemReader, read_metadata_safely
 
     single = out / "checkpoints" / f"step_{steps:08d}.pt"
     if single.exists():

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import torch
 
 from lossparity.distributed.accountant import Accountant
-from lossparity.distributed.moe_accounting import MoEAccounting
+from lossparity.distributed.moe.accounting import MoEAccounting
 from lossparity.losses.moe import router_probs, topk_routing_map
 
 E, TOPK, S_LEN, L = 4, 2, 5, 3

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import torch
 
+from lossparity.checkpoint.checkpointer import CheckpointFormatError, load_latest
+from lossparity.checkpoint.folder import RunDirError
 from lossparity.cli import main
-from lossparity.training.checkpoint import CheckpointFormatError, load_latest
-from lossparity.training.rundir import RunDirError
 from lossparity.training.trainer import TrainConfig, Trainer
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "checkpoints.md"
@@ -207,7 +207,7 @@ def test_format1_checkpoint_is_refused_with_the_conversion_command_then_converte
 
 
 def test_rng_state_round_trips_through_a_weights_only_file(tmp_path):
-    from lossparity.training.checkpoint_format import rng_state, set_rng_state
+    from lossparity.checkpoint.format import rng_state, set_rng_state
 
     random.seed(3)
     np.random.seed(4)
@@ -225,7 +225,7 @@ def test_rng_state_round_trips_through_a_weights_only_file(tmp_path):
 def test_crafted_sharded_metadata_is_never_unpickled(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from lossparity.training.rundir import load_newest_intact, sharded_checkpoint_intact
+    from lossparity.checkpoint.folder import load_newest_intact, sharded_checkpoint_intact
 
     for step in (1, 2):
         path = tmp_path / f"step_0000000{step}"
@@ -269,8 +269,8 @@ def test_checkpoint_doc_python_blocks_run(tmp_path, monkeypatch):
 
 
 def test_format1_extra_rank_file_converts_to_a_valid_format2_one(tmp_path):
-    from lossparity.training.checkpoint_format import load_weights_only, rng_state, validate_extra_state
-    from lossparity.training.convert_checkpoint import convert_checkpoint
+    from lossparity.checkpoint.convert import convert_checkpoint
+    from lossparity.checkpoint.format import load_weights_only, rng_state, validate_extra_state
 
     folder = tmp_path / "checkpoints" / "step_00000002"
     folder.mkdir(parents=True)
@@ -292,3 +292,21 @@ def test_format1_extra_rank_file_converts_to_a_valid_format2_one(tmp_path):
     assert torch.equal(new["rng"]["python"]["state"], now["python"]["state"])  # same generator state
     assert torch.equal(new["rng"]["numpy"]["keys"], now["numpy"]["keys"])
     assert convert_checkpoint(str(folder)) == [(str(folder / "extra_rank1.pt"), "already format 2")]
+
+
+def test_flat_shapes_match_dcp_keys():
+    """The keys and shapes the sharded-checkpoint check expects are those torch.distributed.checkpoint
+    stores: compared with torch's own (private) flattening on a model + AdamW state with lists inside."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from lossparity.checkpoint.checkpointer import _flat_shapes
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "extra": [torch.zeros(2), {"t": torch.ones(1, 5)}]}
+    flat, _ = flatten_state_dict(state)
+    expected = {k: tuple(v.shape) for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    assert _flat_shapes(state) == expected
+    assert "model.0.weight" in expected and expected["model.0.weight"] == (4, 3)

@@ -171,7 +171,7 @@ def test_compare_console_fits_a_screen_on_every_pair_of_real_logs():
 
 
 def test_verify_prints_a_legend_of_its_columns_and_references(monkeypatch):
-    import lossparity.training.verify as verify
+    import lossparity.verify.reference as verify
 
     diffs = {c: 0.0 for c in ("objective", "lm_loss", "logs", "grad_norm", "params", "bias")}
     rows = [

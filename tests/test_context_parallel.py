@@ -46,7 +46,7 @@ def test_cp_matches_reference(dp, cp, zigzag):
 
 def test_model_cp_with_dp_and_recompute_matches_reference():
     # Zig-zag shards of the reference model over cp subgroups {0,1} and {2,3}, DDP over DP x CP, recompute.
-    from lossparity.training.verify import Layout, format_table, run_verify
+    from lossparity.verify.reference import Layout, format_table, run_verify
 
     layouts = (Layout("1x1", 1, 1, indexer=False), Layout("D2xC2+recompute", 2, 1, True, cp=2, indexer=False))
     report = run_verify(layouts, ("per_sample", "per_document"), steps=2, progress=False)

@@ -25,6 +25,7 @@ EXECUTED = {
         "from lossparity.integrations.hf import LossParityTrainer  # was: from transformers import Trainer",
     ): ("tests/integrations/test_integration_readme.py::test_readme_hf_snippet"),
     ("docs/accountant.md", "import torch"): "tests/test_docs.py::test_accountant_fused_head_block",
+    ("docs/moe.md", "import torch"): "tests/test_docs.py::test_moe_worked_example_matches_megatron",
     (
         "docs/integrations.md",
         "from lossparity.integrations.hf import LossParityTrainer  # was: from transformers import Trainer",
@@ -149,3 +150,47 @@ def test_readme_starts_with_install_commands_and_quick_start():
     assert "./dev.sh main" in head and "./dev.sh test" in head
     start = head.index("## Quick start")
     assert head.count("```", start) >= 2, "the quick start's code block ends within the first 80 lines"
+
+
+def test_moe_worked_example_matches_megatron(monkeypatch):
+    """docs/moe.md's worked example runs, and every number equals megatron-core's own functions on the same
+    logits (CPU; the one-rank group reductions replaced by the identity)."""
+    import types
+
+    ns: dict = {}
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        exec(compile(block("docs/moe.md", "import torch"), "docs/moe.md", "exec"), ns)
+    assert out.getvalue().startswith("aux ")
+    mu = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    router_mod = pytest.importorskip("megatron.core.transformer.moe.router")
+    monkeypatch.setattr(mu, "reduce_from_tensor_model_parallel_region", lambda x, group=None: x)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: None)
+    monkeypatch.setattr(mu.parallel_state, "get_tensor_and_data_parallel_group", lambda *a, **k: None)
+    s, b, e, k = (ns[n] for n in ("S", "B", "E", "k"))
+    flat = ns["logits"].reshape(-1, e)
+    m_probs, m_map = mu.topk_routing_with_score_function(
+        flat, k, scaling_factor=2.5, score_function="sigmoid", expert_bias=ns["expert_bias"]
+    )
+    assert torch.equal(ns["routing_map"], m_map)
+    torch.testing.assert_close(ns["gates"], m_probs, rtol=1e-6, atol=1e-7)
+    a_map, a_scores = mu.compute_routing_scores_for_aux_loss(flat, k, "sigmoid")
+    m_aux = mu.switch_load_balancing_loss_func(a_scores, a_map.sum(0), s * b, k, e, ns["aux_coeff"])
+    torch.testing.assert_close(ns["aux"], m_aux, rtol=1e-6, atol=0)
+
+    class _One:
+        def size(self) -> int:
+            return 1
+
+    captured = {}
+    fake = types.SimpleNamespace(
+        topk=k,
+        config=types.SimpleNamespace(num_moe_experts=e, moe_router_fusion=False),
+        tp_cp_group=_One(),
+        get_aux_loss_coeff=lambda name: ns["aux_coeff"],
+        attach_and_log_load_balancing_loss=lambda act, c, loss, *a, **kw: captured.setdefault("seq", loss),
+    )
+    router_mod.TopKRouter._apply_seq_aux_loss(fake, torch.zeros(1), a_scores, a_map, s, b)
+    torch.testing.assert_close(ns["seq_aux"], captured["seq"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(ns["z"], mu.z_loss_func(flat, ns["z_coeff"]), rtol=1e-6, atol=0)
+    m_bias = mu.get_updated_expert_bias(m_map.sum(0).float(), ns["expert_bias"].clone(), ns["bias_rate"])
+    assert torch.equal(ns["new_bias"], m_bias)

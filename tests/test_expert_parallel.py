@@ -96,7 +96,7 @@ def test_trainer_shards_experts_and_counts_each_token_once_under_recompute():
 
 
 def test_ep_trainer_layouts_match_single_process():
-    from lossparity.training.verify import Layout, format_table, run_verify
+    from lossparity.verify.reference import Layout, format_table, run_verify
 
     # TP x EP: experts replicated over TP (expert TP size 1) and sharded over EP; the gradient norm
     # reduces the TP shards and the EP shards each over their own mesh.

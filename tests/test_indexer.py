@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lossparity.losses.indexer import indexer_kl, indexer_token_count
+from lossparity.losses.indexer import indexer_kl, indexer_loss, indexer_token_count
 
 NEG_INF = float("-inf")
 
@@ -183,10 +183,6 @@ def test_bad_inputs():
     neg[0, 0, 0, 0] = -0.1
     with pytest.raises(ValueError, match="main_attn_probs must be non-negative"):
         indexer_kl(neg, logits, ones)
-    keyless = logits.clone()
-    keyless[0, 4] = NEG_INF
-    with pytest.raises(ValueError, match=r"valid query token \(batch 0, position 4\) has no key"):
-        indexer_kl(attn, keyless, ones)
     no_mass = attn.clone()
     no_mass[0, :, 3, :2] = 0.0
     sel = torch.full_like(logits, NEG_INF)
@@ -209,3 +205,51 @@ def test_deferred_normalization_with_the_indexer_loss_is_refused_before_any_stat
     with pytest.raises(ValueError, match="DSA indexer loss.*normalization='precount', or indexer_coeff=0"):
         Trainer(TrainConfig(**kw))
     assert Trainer(TrainConfig(**kw, indexer_coeff=0.0)).model_config.indexer_layer == 1
+
+
+def test_queries_without_a_key_give_zero_and_count_only_among_all():
+    # compressed attention: the first query rows have no causal key yet. Rule: KL 0, no gradient, not valid.
+    attn, logits = causal_case(seed=3)
+    logits = logits.clone()
+    logits[0, :2] = NEG_INF
+    logits[1, 0] = NEG_INF
+    lg = logits.clone().requires_grad_(True)
+    per_q = indexer_kl(attn, lg, None, reduction="none")
+    assert per_q[0, :2].tolist() == [0.0, 0.0] and per_q[1, 0].item() == 0.0
+    keep = torch.ones(2, 6, dtype=torch.bool)
+    keep[0, :2] = False
+    keep[1, 0] = False
+    want = naive_indexer_kl(attn.double().tolist(), logits.double().tolist(), keep.tolist())
+    torch.testing.assert_close(per_q.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+    per_q.sum().backward()
+    assert torch.isfinite(lg.grad).all() and lg.grad[0, :2].abs().sum() == 0
+    total = sum(map(sum, want))
+    # log forms: coefficient in or out, mean over all queries (Megatron: b·sq) or over the 9 valid ones
+    assert indexer_loss(attn, logits, None, coeff=0.5).item() == pytest.approx(0.5 * total / 12, rel=1e-5)
+    assert indexer_loss(attn, logits, None, coeff=0.5, include_coeff=False).item() == pytest.approx(
+        total / 12, rel=1e-5
+    )
+    assert indexer_loss(attn, logits, None, mean_over="valid").item() == pytest.approx(total / 9, rel=1e-5)
+    mask = torch.ones(2, 6)
+    mask[1, 5] = 0
+    want_m = naive_indexer_kl(attn.double().tolist(), logits.double().tolist(), (keep & (mask > 0)).tolist())
+    got = indexer_loss(attn, logits, mask, mean_over="valid")
+    assert got.item() == pytest.approx(sum(map(sum, want_m)) / 8, rel=1e-5)
+    with pytest.raises(ValueError, match="mean_over must be one of"):
+        indexer_loss(attn, logits, None, mean_over="tokens")
+
+
+def test_sparse_topk_indices_equal_the_selected_key_set():
+    attn, logits = causal_case(seed=4)
+    idx = logits.topk(3, dim=-1).indices  # includes -inf keys in the first rows: those stay excluded
+    got = indexer_kl(attn, logits, None, topk_indices=idx, reduction="none")
+    want = naive_indexer_kl(attn.double().tolist(), logits.double().tolist(), [[1] * 6] * 2, topk=3)
+    torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+    padded = torch.cat([idx, torch.full_like(idx[..., :1], -1)], dim=-1)  # -1 = no key
+    assert torch.equal(indexer_kl(attn, logits, None, topk_indices=padded, reduction="none"), got)
+    with pytest.raises(ValueError, match="not both"):
+        indexer_kl(attn, logits, None, topk=3, topk_indices=idx)
+    with pytest.raises(ValueError, match=r"topk_indices must be in -1\.\.5"):
+        indexer_kl(attn, logits, None, topk_indices=idx + 6)
+    with pytest.raises(ValueError, match=r"topk_indices shape"):
+        indexer_kl(attn, logits, None, topk_indices=idx[0])

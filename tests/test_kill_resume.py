@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
+from lossparity.checkpoint.checkpointer import Checkpointer
 from lossparity.cli import main
-from lossparity.training.checkpoint import Checkpointer
 from lossparity.training.config import TrainConfig
 
 

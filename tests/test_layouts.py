@@ -12,7 +12,7 @@ import torch
 
 from lossparity.distributed.launch import spawn
 from lossparity.training.trainer import TrainConfig, Trainer
-from lossparity.training.verify import parse_layout
+from lossparity.verify.reference import parse_layout
 
 pytestmark = pytest.mark.slow
 
@@ -191,7 +191,7 @@ def test_per_microbatch_and_per_sequence_aux_forms_under_cp_and_sp_equal_one_pro
     # Before: context and sequence parallelism refused every aux form but the token-additive ones. The
     # counts of a microbatch (or sequence) are now summed over the ranks holding pieces of its rows;
     # each shard back-propagates its own scores. Reference: one process with the same microbatch size.
-    from lossparity.training.verify import format_table, run_verify
+    from lossparity.verify.reference import format_table, run_verify
 
     layouts = (parse_layout("C2xK2"), parse_layout("T2+SPxK2"))
     report = run_verify(layouts, ("per_token", "per_sample"), steps=2, progress=False, overrides=overrides)

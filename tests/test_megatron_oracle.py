@@ -73,9 +73,10 @@ def test_switch_load_balancing_matches_megatron(single_rank, score_function, wit
 
     lo = base.clone().requires_grad_(True)
     probs = moe.router_probs(lo, score_function)
-    counts = moe.tokens_per_expert(moe.topk_routing_map(probs, k), pad)
+    counts = moe.tokens_per_expert(moe.topk_routing_map(probs, k), keep_mask=None if pad is None else ~pad)
     total = t if pad is None else int((~pad).sum())
-    loss = moe.switch_load_balancing_loss(probs, counts, total, k, num_experts, coeff, padding_mask=pad)
+    keep = None if pad is None else ~pad
+    loss = moe.switch_load_balancing_loss(probs, counts, total, k, num_experts, coeff, keep_mask=keep)
     loss.backward()
 
     assert torch.equal(counts.float(), m_counts.float())
@@ -156,14 +157,14 @@ def test_sequence_loss_megatron_padding_uses_mean_valid_length(single_rank):
     probs = moe.router_probs(base.transpose(0, 1))
     routing = moe.topk_routing_map(probs, k)
     pad_rows = pad.transpose(0, 1)
-    c, n = moe.sequence_tokens_per_expert(routing, padding_mask=pad_rows)
+    c, n = moe.sequence_tokens_per_expert(routing, keep_mask=~pad_rows)
     mean_n = torch.full((b,), n.sum().item() / b)
     quirk, count = moe.sequence_load_balancing_loss(
-        probs, routing, topk=k, num_experts=num_experts, coeff=coeff, padding_mask=pad_rows, counts=(c, mean_n)
+        probs, routing, topk=k, num_experts=num_experts, coeff=coeff, keep_mask=~pad_rows, counts=(c, mean_n)
     )
     _close(quirk / count, m_loss)
     exact, _ = moe.sequence_load_balancing_loss(
-        probs, routing, topk=k, num_experts=num_experts, coeff=coeff, padding_mask=pad_rows
+        probs, routing, topk=k, num_experts=num_experts, coeff=coeff, keep_mask=~pad_rows
     )
     assert abs(exact.item() / b - m_loss.item()) > 1e-3 * m_loss.item()
 
@@ -176,7 +177,7 @@ def test_z_loss_matches_megatron(with_padding):
     m = moe_utils.z_loss_func(lm, 1e-3, padding_mask=pad)
     m.backward()
     lo = base.clone().requires_grad_(True)
-    z = moe.router_z_loss(lo, 1e-3, padding_mask=pad)
+    z = moe.router_z_loss(lo, 1e-3, keep_mask=None if pad is None else ~pad)
     z.backward()
     _close(z, m)
     _close(lo.grad, lm.grad, atol=1e-12)
@@ -185,7 +186,7 @@ def test_z_loss_matches_megatron(with_padding):
 def test_z_loss_all_padding_matches_megatron():
     pad = torch.ones(5, dtype=torch.bool)
     m = moe_utils.z_loss_func(_logits(5, 4, seed=6), 0.1, padding_mask=pad)
-    assert moe.router_z_loss(_logits(5, 4, seed=6), 0.1, padding_mask=pad).item() == m.item() == 0.0
+    assert moe.router_z_loss(_logits(5, 4, seed=6), 0.1, keep_mask=~pad).item() == m.item() == 0.0
 
 
 @pytest.mark.parametrize("shape", [(8,), (3, 8)])

@@ -25,7 +25,7 @@ from _moe_workers import (
 
 from lossparity.distributed.accountant import Accountant
 from lossparity.distributed.launch import spawn
-from lossparity.distributed.moe_accounting import MoEAccounting
+from lossparity.distributed.moe.accounting import MoEAccounting
 
 N_ROWS = 8
 ALPHA, BETA = 0.03, 0.002
@@ -881,7 +881,7 @@ def test_sequence_scope_uses_documents_under_per_document_mode():
     # semantics §5: "Packed rows: a sequence is a row unless per_document is chosen". Two microbatches of packed
     # rows; naive float64: J_aux = Σ_layers (1/Ndoc) Σ_docs α·E/(k·n_j²)·Σ_e c_e(j)·Σ_{x in j} p[x,e].
     import lossparity as lp
-    from lossparity.distributed.moe_accounting import MoEAccounting
+    from lossparity.distributed.moe.accounting import MoEAccounting
     from lossparity.losses.moe import router_probs, topk_routing_map
 
     g = torch.Generator().manual_seed(3)

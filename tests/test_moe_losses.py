@@ -112,7 +112,7 @@ def test_topk_routing_map_and_counts():
     for x in range(9):
         assert {e for e in range(5) if m[x, e]} == sets[x]
     pad = torch.tensor([False, True, False, False, True, False, False, False, True])
-    counts = moe.tokens_per_expert(m, pad)
+    counts = moe.tokens_per_expert(m, keep_mask=~pad)
     want = [sum(1 for x in range(9) if not pad[x] and e in sets[x]) for e in range(5)]
     assert counts.dtype == torch.int64 and counts.tolist() == want
     assert moe.tokens_per_expert(m).tolist() == [sum(e in s for s in sets) for e in range(5)]
@@ -197,9 +197,9 @@ def test_switch_padding_mask_and_tensor_total():
     probs_nan = probs.clone()
     probs_nan[1] = float("nan")  # garbage under padding must not leak
     m = moe.topk_routing_map(probs, k)
-    counts = moe.tokens_per_expert(m, pad)
+    counts = moe.tokens_per_expert(m, keep_mask=~pad)
     total = (~pad).sum()
-    got = moe.switch_load_balancing_loss(probs_nan, counts, total, k, num_experts, 1.0, padding_mask=pad)
+    got = moe.switch_load_balancing_loss(probs_nan, counts, total, k, num_experts, 1.0, keep_mask=~pad)
     keep = [x for x in range(5) if not pad[x]]
     want = naive_switch([probs[x].tolist() for x in keep], counts.tolist(), 3, k, num_experts, 1.0)
     assert got.item() == pytest.approx(want, rel=1e-6)
@@ -226,8 +226,8 @@ def test_switch_bad_inputs():
     for t in (0, -2, torch.tensor(0)):
         with pytest.raises(ValueError, match="total_num_tokens must be a finite number > 0"):
             moe.switch_load_balancing_loss(probs, counts, t, 1, 3, 1.0)
-    with pytest.raises(ValueError, match="padding_mask shape"):
-        moe.switch_load_balancing_loss(probs, counts, 4, 1, 3, 1.0, padding_mask=torch.zeros(3, dtype=bool))
+    with pytest.raises(ValueError, match="keep_mask shape"):
+        moe.switch_load_balancing_loss(probs, counts, 4, 1, 3, 1.0, keep_mask=torch.zeros(3, dtype=bool))
     with pytest.raises(TypeError, match="probs must be a floating-point tensor"):
         moe.switch_load_balancing_loss(torch.ones(4, 3, dtype=torch.int64), counts, 4, 1, 3, 1.0)
     with pytest.raises(ValueError, match="num_experts must be a positive int"):
@@ -247,7 +247,7 @@ def test_sequence_loss_matches_float64_loop_with_padding_and_empty_sequence():
     pad[1, 4:] = True
     pad[2, :] = True  # an all-padding sequence contributes 0 and still counts
     total, count = moe.sequence_load_balancing_loss(
-        probs, routing, topk=k, num_experts=num_experts, coeff=coeff, padding_mask=pad
+        probs, routing, topk=k, num_experts=num_experts, coeff=coeff, keep_mask=~pad
     )
     per_seq = naive_seq_loss(probs.double().tolist(), (~pad).tolist(), k, coeff)
     assert per_seq[2] == 0.0
@@ -321,7 +321,7 @@ def test_sequence_loss_all_padding_gives_zero_and_finite_grad():
     probs = moe.router_probs(rand_logits(2, 3, 4, seed=12)).requires_grad_(True)
     routing = moe.topk_routing_map(probs, 1)
     pad = torch.ones(2, 3, dtype=torch.bool)
-    total, count = moe.sequence_load_balancing_loss(probs, routing, topk=1, num_experts=4, coeff=1.0, padding_mask=pad)
+    total, count = moe.sequence_load_balancing_loss(probs, routing, topk=1, num_experts=4, coeff=1.0, keep_mask=~pad)
     assert total.item() == 0.0 and int(count) == 2
     total.backward()
     assert torch.equal(probs.grad, torch.zeros_like(probs))
@@ -345,8 +345,8 @@ def test_sequence_loss_bad_inputs():
         moe.sequence_load_balancing_loss(probs, routing, num_sequences=3, **kw)
     with pytest.raises(ValueError, match="counts must have shapes"):
         moe.sequence_load_balancing_loss(probs, routing, counts=(torch.zeros(2, 3), torch.zeros(2)), **kw)
-    with pytest.raises(ValueError, match="padding_mask shape"):
-        moe.sequence_load_balancing_loss(probs, routing, padding_mask=torch.zeros(3, dtype=bool), **kw)
+    with pytest.raises(ValueError, match="keep_mask shape"):
+        moe.sequence_load_balancing_loss(probs, routing, keep_mask=torch.zeros(3, dtype=bool), **kw)
     with pytest.raises(ValueError, match="topk must be in 1..num_experts=4, got 5"):
         moe.sequence_load_balancing_loss(probs, routing, topk=5, num_experts=4, coeff=1.0)
     with pytest.raises(ValueError, match="coeff must be a finite number >= 0"):
@@ -373,19 +373,19 @@ def test_router_z_loss_padding_and_sum_form():
     logits_nan = logits.clone()
     logits_nan[0, 1] = float("nan")
     rows = [logits[i, j].double().tolist() for i in range(2) for j in range(4) if not pad[i, j]]
-    s, n = moe.router_z_loss_sum(logits_nan, pad)
+    s, n = moe.router_z_loss_sum(logits_nan, keep_mask=~pad)
     assert n.dtype == torch.int64 and int(n) == 4
     assert s.item() == pytest.approx(sum(naive_lse2(r) for r in rows), rel=1e-6)
-    z = moe.router_z_loss(logits_nan, 0.5, padding_mask=pad)
+    z = moe.router_z_loss(logits_nan, 0.5, keep_mask=~pad)
     assert z.item() == pytest.approx(0.5 * sum(naive_lse2(r) for r in rows) / 4, rel=1e-6)
     # integer 0/1 masks are accepted
-    z_int = moe.router_z_loss(logits, 0.5, padding_mask=pad.long())
+    z_int = moe.router_z_loss(logits, 0.5, keep_mask=1 - pad.long())
     assert z_int.item() == pytest.approx(z.item(), rel=1e-7)
 
 
 def test_router_z_loss_all_padding_is_zero_not_nan():
     logits = rand_logits(3, 4, seed=15).requires_grad_(True)
-    z = moe.router_z_loss(logits, 1.0, padding_mask=torch.ones(3, dtype=torch.bool))
+    z = moe.router_z_loss(logits, 1.0, keep_mask=torch.zeros(3, dtype=torch.bool))
     assert z.item() == 0.0
     z.backward()
     assert torch.equal(logits.grad, torch.zeros_like(logits))
@@ -410,12 +410,12 @@ def test_router_z_loss_gradient():
 def test_router_z_loss_bad_inputs():
     with pytest.raises(ValueError, match="coeff must be a finite number >= 0, got -1"):
         moe.router_z_loss(torch.rand(2, 3), -1.0)
-    with pytest.raises(ValueError, match=r"padding_mask shape \(3,\) does not match"):
-        moe.router_z_loss(torch.rand(2, 3), 1.0, padding_mask=torch.zeros(3, dtype=torch.bool))
-    with pytest.raises(ValueError, match="padding_mask values must be 0 or 1"):
-        moe.router_z_loss(torch.rand(2, 3), 1.0, padding_mask=torch.tensor([0, 2]))
-    with pytest.raises(TypeError, match="padding_mask must be bool or integer"):
-        moe.router_z_loss(torch.rand(2, 3), 1.0, padding_mask=torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match=r"keep_mask shape \(3,\) does not match"):
+        moe.router_z_loss(torch.rand(2, 3), 1.0, keep_mask=torch.zeros(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"keep_mask values must be 0 or 1 \(True = keep\)"):
+        moe.router_z_loss(torch.rand(2, 3), 1.0, keep_mask=torch.tensor([0, 2]))
+    with pytest.raises(TypeError, match="keep_mask must be bool or integer"):
+        moe.router_z_loss(torch.rand(2, 3), 1.0, keep_mask=torch.tensor([0.0, 1.0]))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -482,10 +482,12 @@ def test_max_violation():
 
 def test_public_alias_module():
     import lossparity
-    from lossparity.distributed.moe_accounting import MoEAccounting
+    from lossparity.distributed.moe.accounting import MoEAccounting
 
     assert moe_alias.switch_load_balancing_loss is moe.switch_load_balancing_loss
-    assert moe_alias.__all__ == moe.__all__  # one list of public MoE names, in losses.moe
+    from lossparity.losses import aux_scopes, router
+
+    assert moe_alias.__all__ == moe.__all__ + router.__all__ + aux_scopes.__all__  # each name has one home
     for name in moe.__all__:
         assert getattr(moe_alias, name) is getattr(moe, name)
     assert lossparity.MoEAccounting is MoEAccounting and "MoEAccounting" in lossparity.__all__
@@ -538,13 +540,65 @@ def test_router_z_loss_sums_and_grad_match_autograd_of_the_plain_formula(offset)
     torch.testing.assert_close(z, moe.router_z_loss_sums(logits.detach(), weights=w), rtol=1e-13, atol=0)
 
 
-def test_router_z_loss_sums_takes_padding_mask_and_names_the_old_keyword():
-    # [[ln 2 ln 2] -> lse = ln(2·2)... ] by hand: logits [0, 0] -> lse = ln 2; [ln 3, 0] -> lse = ln 4
+def test_router_z_loss_sums_takes_keep_mask_and_deprecates_padding_mask():
+    # by hand: logits [0, 0] -> lse = ln 2; [ln 3, 0] -> lse = ln 4
     logits = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0], [float("nan"), 0.0]], dtype=torch.float64)
-    pad = torch.tensor([False, False, True])  # True = padding: the NaN row never reaches the sum
+    keep = torch.tensor([True, True, False])  # True = the token counts: the NaN row never reaches the sum
     want = math.log(2.0) ** 2 + math.log(4.0) ** 2
-    assert float(moe.router_z_loss_sums(logits, padding_mask=pad)) == pytest.approx(want, rel=1e-15)
-    with pytest.raises(TypeError, match="padding_mask=~valid"):
-        moe.router_z_loss_sums(logits, valid=~pad)
-    with pytest.raises(TypeError):  # positional masks are refused: the old positional meant the opposite
-        moe.router_z_loss_sums(logits, ~pad)  # type: ignore[misc]
+    assert float(moe.router_z_loss_sums(logits, keep_mask=keep)) == pytest.approx(want, rel=1e-15)
+    with pytest.warns(DeprecationWarning, match="keep_mask=~padding_mask"):
+        old = moe.router_z_loss_sums(logits, padding_mask=~keep)
+    assert float(old) == pytest.approx(want, rel=1e-15)
+    with pytest.raises(TypeError, match="renamed keep_mask"):
+        moe.router_z_loss_sums(logits, valid=keep)
+    with pytest.raises(ValueError, match="not both"):
+        moe.router_z_loss_sums(logits, keep_mask=keep, padding_mask=~keep)
+    with pytest.raises(TypeError):  # positional masks are refused: an older positional meant the opposite
+        moe.router_z_loss_sums(logits, keep)  # type: ignore[misc]
+
+
+_OLD_NEW = {  # each deprecated padding_mask call and its keep_mask replacement
+    "tokens_per_expert": (
+        lambda m, p, pad: moe.tokens_per_expert(m, pad),
+        lambda m, p, keep: moe.tokens_per_expert(m, keep_mask=keep),
+    ),
+    "switch_load_balancing_loss": (
+        lambda m, p, pad: moe.switch_load_balancing_loss(p, torch.ones(4), 3, 1, 4, 1.0, padding_mask=pad),
+        lambda m, p, keep: moe.switch_load_balancing_loss(p, torch.ones(4), 3, 1, 4, 1.0, keep_mask=keep),
+    ),
+    "router_z_loss": (
+        lambda m, p, pad: moe.router_z_loss(p, 1.0, pad),
+        lambda m, p, keep: moe.router_z_loss(p, 1.0, keep_mask=keep),
+    ),
+    "router_z_loss_sum": (
+        lambda m, p, pad: moe.router_z_loss_sum(p, pad),
+        lambda m, p, keep: moe.router_z_loss_sum(p, keep_mask=keep),
+    ),
+    "sequence_tokens_per_expert": (
+        lambda m, p, pad: moe.sequence_tokens_per_expert(m, padding_mask=pad),
+        lambda m, p, keep: moe.sequence_tokens_per_expert(m, keep_mask=keep),
+    ),
+    "sequence_load_balancing_loss": (
+        lambda m, p, pad: moe.sequence_load_balancing_loss(p, m, topk=1, num_experts=4, coeff=1.0, padding_mask=pad),
+        lambda m, p, keep: moe.sequence_load_balancing_loss(p, m, topk=1, num_experts=4, coeff=1.0, keep_mask=keep),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OLD_NEW))
+def test_padding_mask_is_deprecated_and_equals_keep_mask(name):
+    import warnings
+
+    old_call, new_call = _OLD_NEW[name]
+    probs = moe.router_probs(rand_logits(5, 4, seed=40))
+    m = moe.topk_routing_map(probs, 1)
+    pad = torch.tensor([False, True, False, False, True])
+    with pytest.warns(DeprecationWarning, match=f"{name}: padding_mask .*keep_mask=~padding_mask"):
+        old = old_call(m, probs, pad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the keep-polarity form does not warn
+        new = new_call(m, probs, ~pad)
+    for a, b in zip(old if isinstance(old, tuple) else (old,), new if isinstance(new, tuple) else (new,)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="not both"):
+        moe.tokens_per_expert(m, pad, keep_mask=~pad)

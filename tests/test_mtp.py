@@ -188,3 +188,35 @@ def test_bad_mtp_inputs():
         acc.mtp_loss([torch.ones(1, 4), torch.ones(1, 4)], [torch.ones(1, 4), torch.ones(1, 3)])
     with pytest.raises(ValueError, match="unknown mtp_convention 'mean'"):
         lp.Accountant("per_token", mtp_depths=1, mtp_convention="mean")
+
+
+def test_public_log_estimators_match_hand_values_and_the_accountant():
+    import lossparity.mtp as public
+    from lossparity.losses import mtp as impl
+    from lossparity.mtp import microbatch_mean, mtp_log_losses, mtp_log_value, token_mean
+
+    assert public.__all__ == impl.__all__ and all(getattr(public, n) is getattr(impl, n) for n in impl.__all__)
+
+    # the case above by hand: microbatch 0 = row 0 (3 tokens, sum 3), microbatch 1 = row 1 (1 token, sum 7)
+    main = torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0]])
+    w = roll_mask(main, None, 1)
+    l1 = torch.tensor([[1.0, 1, 1, 0], [7, 0, 0, 0]])
+    assert token_mean(10.0, 4.0) == 2.5 and token_mean(0.0, 0.0) is None
+    assert microbatch_mean(1.0 + 7.0, 2) == 4.0 and microbatch_mean(0.0, 0) == 0.0
+    assert mtp_log_value("token_mean", 10.0, 4.0, 8.0, 2) == 2.5
+    assert mtp_log_value("megatron", 10.0, 4.0, 8.0, 2) == 4.0  # the old spelling is accepted
+    assert mtp_log_losses([l1], [w]) == [pytest.approx(2.5)]
+    assert mtp_log_losses([l1], [w], estimator="microbatch_mean", microbatch_size=1) == [pytest.approx(4.0)]
+    assert mtp_log_losses([l1], [w], estimator="microbatch_mean", microbatch_size=2) == [pytest.approx(2.5)]
+    with pytest.raises(TypeError, match="microbatch_size"):
+        mtp_log_losses([l1], [w], estimator="microbatch_mean")
+    with pytest.raises(ValueError, match="unknown mtp_log_estimator"):
+        mtp_log_value("median", 1.0, 1.0, 1.0, 1)
+    for est, want in (("token_mean", 2.5), ("microbatch_mean", 4.0)):  # the accountant logs the same estimators
+        acc = lp.Accountant("per_token", mtp_depths=1, mtp_log_estimator=est)
+        acc.begin_step([main[:1], main[1:]])
+        for i in range(2):
+            acc.lm_loss(torch.zeros(1, 4), main[i : i + 1])
+            acc.mtp_loss([l1[i : i + 1]], [w[i : i + 1]])
+        acc.finish_step()
+        assert acc.logs()["mtp_1_loss"] == pytest.approx(want)

@@ -112,7 +112,7 @@ def test_groups_match_rank_arithmetic(kwargs):
     ],
 )
 def test_layout_grammar(name, want):
-    from lossparity.training.verify import parse_layout
+    from lossparity.verify.reference import parse_layout
 
     lay = parse_layout(name)
     assert {k: getattr(lay, k) for k in want} == want
@@ -132,7 +132,7 @@ def test_layout_grammar(name, want):
     ],
 )
 def test_layout_grammar_refuses_with_the_reason(name, needle):
-    from lossparity.training.verify import parse_layout
+    from lossparity.verify.reference import parse_layout
 
     with pytest.raises(ValueError) as e:
         parse_layout(name)

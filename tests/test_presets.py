@@ -10,7 +10,7 @@ import torch
 
 from lossparity.cli.parity import add_modes_arguments, cmd_modes
 from lossparity.distributed.accountant import GRAD_REDUCTIONS, NORMALIZATIONS, Accountant
-from lossparity.distributed.moe_accounting import SCOPES, Z_FORMS
+from lossparity.distributed.moe.accounting import SCOPES, Z_FORMS
 from lossparity.losses.modes import MODES, objective
 from lossparity.losses.mtp import CONVENTIONS
 from lossparity.parity.presets import (

@@ -14,7 +14,7 @@ from _no_sync import no_host_sync
 
 import lossparity as lp
 from lossparity.distributed.launch import spawn
-from lossparity.distributed.moe_accounting import MoEAccounting
+from lossparity.distributed.moe.accounting import MoEAccounting
 from lossparity.losses import moe as F_moe
 from lossparity.losses.mtp import mtp_denominators, roll_mask
 from lossparity.model.router import Router
@@ -280,9 +280,9 @@ def test_moe_training_path_equals_the_loss_functions(score):
         t = int((~pad).sum())
         for r in recs:
             if t:
-                counts = F_moe.tokens_per_expert(r.topk_map, pad)
-                want += F_moe.switch_load_balancing_loss(r.probs, counts, t, TOPK, E, 0.01, padding_mask=pad) / 2
-            want += F_moe.router_z_loss(r.logits, 1e-3, pad) / 2
+                counts = F_moe.tokens_per_expert(r.topk_map, keep_mask=~pad)
+                want += F_moe.switch_load_balancing_loss(r.probs, counts, t, TOPK, E, 0.01, keep_mask=~pad) / 2
+            want += F_moe.router_z_loss(r.logits, 1e-3, keep_mask=~pad) / 2
     assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-12)
     (g_got,) = torch.autograd.grad(got, leaf, retain_graph=True)
     (g_want,) = torch.autograd.grad(want, leaf)

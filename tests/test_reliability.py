@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+from lossparity.checkpoint.checkpointer import load_latest, save_checkpoint
+from lossparity.checkpoint.folder import RunDirError, list_checkpoints, rotate_checkpoints
 from lossparity.cli import main
 from lossparity.parity.sample_dump import RECORD_BYTES, SampleDumpWriter, read_sample_dump
-from lossparity.training.checkpoint import load_latest, save_checkpoint
 from lossparity.training.config import TrainConfig, numbers_mismatch
-from lossparity.training.rundir import RunDirError, list_checkpoints, rotate_checkpoints
 from lossparity.training.runlog import MetricsLog, truncate_metrics
 from lossparity.training.trainer import Trainer
 
@@ -329,7 +329,7 @@ def test_truncated_sharded_checkpoint_is_skipped(tmp_path):
     # detected from the sizes the metadata records, and the previous folder is used.
     import torch.distributed.checkpoint as dcp
 
-    from lossparity.training.rundir import load_newest_intact, sharded_checkpoint_intact
+    from lossparity.checkpoint.folder import load_newest_intact, sharded_checkpoint_intact
 
     for step in (1, 2):
         path = tmp_path / f"step_{step:08d}"

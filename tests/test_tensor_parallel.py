@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lossparity.distributed.launch import spawn
-from lossparity.training.verify import Layout, format_table, run_verify
+from lossparity.verify.reference import Layout, format_table, run_verify
 
 pytestmark = pytest.mark.slow
 

@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
+from lossparity.checkpoint.checkpointer import atomic_save, load_latest, save_checkpoint
 from lossparity.cli import main
-from lossparity.training.checkpoint import atomic_save, load_latest, save_checkpoint
 from lossparity.training.trainer import TrainConfig, Trainer
-from lossparity.training.verify import QUICK_LAYOUTS, format_table, run_verify
+from lossparity.verify.reference import QUICK_LAYOUTS, format_table, run_verify
 
 
 def small_cfg(**kw) -> TrainConfig:

@@ -4,8 +4,8 @@ Layout of the package (a formula of docs/semantics.md lives in exactly one place
 
 - ``lossparity.losses``: pure semantics on tensors, no process groups (the mode table, modes, statistics,
   MTP, MoE auxiliary losses, indexer loss, chunked cross-entropy, estimator gap, log estimators).
-- ``lossparity.moe``: the public path of the MoE auxiliary-loss formulas (a re-export of
-  ``lossparity.losses.moe``, their implementation).
+- ``lossparity.moe``: the public MoE toolkit (a re-export of ``lossparity.losses.moe``, ``.router`` and
+  ``.aux_scopes``, their implementation); ``lossparity.mtp``: the same for ``lossparity.losses.mtp``.
 - ``lossparity.distributed``: process-group plumbing: the :class:`Accountant`, MoE accounting, groups.
 - ``lossparity.model`` / ``lossparity.training``: the reference MoE+MTP GPT and its trainer.
 - ``lossparity.parity``: log readers, ``compare``, ``gap``, framework presets; ``lossparity.cli``.
@@ -20,11 +20,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__  # the one source of the version
 
 _EXPORTS = {
     "Accountant": "lossparity.distributed.accountant",
-    "MoEAccounting": "lossparity.distributed.moe_accounting",
+    "MoEAccounting": "lossparity.distributed.moe.accounting",
     "ParallelDims": "lossparity.distributed.parallel_dims",
     "ProtocolError": "lossparity.distributed.protocol",
     "MODES": "lossparity.losses.modes",

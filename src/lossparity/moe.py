@@ -1,12 +1,17 @@
-"""The MoE auxiliary-loss formulas (docs/semantics.md §5): the public path, ``lossparity.moe``.
+"""The MoE toolkit (docs/semantics.md §5, docs/moe.md): the public path, ``lossparity.moe``.
 
-Every name is that of :mod:`lossparity.losses.moe`, where the formulas are implemented (the library's
-own modules import them from there, inside the ``losses`` layer); this module re-exports that module's
-``__all__`` unchanged, so that the list of public MoE functions has one home. Import them from here:
-``from lossparity.moe import switch_load_balancing_loss``.
+Its names are those of :mod:`lossparity.losses.moe` (scores, counts, the Switch term, the z-loss, the expert-bias
+update), :mod:`lossparity.losses.router` (top-k with expert bias and group-limited routing, gate weights) and
+:mod:`lossparity.losses.aux_scopes` (every load-balancing scope as a function, with its carried state, and the
+frameworks' option names); this module re-exports their ``__all__`` lists, so each name has one home. Import
+them from here: ``from lossparity.moe import switch_load_balancing_loss``.
 """
 
+from lossparity.losses import aux_scopes as _scopes
 from lossparity.losses import moe as _impl
+from lossparity.losses import router as _router
+from lossparity.losses.aux_scopes import *  # noqa: F403 (listed once in losses.aux_scopes.__all__)
 from lossparity.losses.moe import *  # noqa: F403 (the public names, listed once in losses.moe.__all__)
+from lossparity.losses.router import *  # noqa: F403 (listed once in losses.router.__all__)
 
-__all__ = list(_impl.__all__)
+__all__ = list(_impl.__all__) + list(_router.__all__) + list(_scopes.__all__)

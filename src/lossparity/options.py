@@ -8,6 +8,7 @@ Older spellings are accepted through :data:`ALIASES` and mapped to the canonical
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal, TypeVar, get_args
 
 __all__ = [
@@ -38,6 +39,8 @@ __all__ = [
     "LossImpl",
     "LOSS_IMPLS",
     "ALIASES",
+    "FRAMEWORK_AUX_SCOPES",
+    "deprecated_padding_mask",
     "check_cp_seq_len",
     "check_sharded_moe",
     "check_option",
@@ -69,7 +72,8 @@ AUX_SCOPES: tuple[AuxScope, ...] = get_args(AuxScope)
 ZForm = Literal["global", "microbatch"]
 Z_FORMS: tuple[ZForm, ...] = get_args(ZForm)
 
-ScoreFunction = Literal["softmax", "sigmoid"]
+# sqrtsoftplus: sqrt(softplus(logits)), the DeepSeek-V4 default (Megatron-LM main supports it too).
+ScoreFunction = Literal["softmax", "sigmoid", "sqrtsoftplus"]
 SCORE_FUNCTIONS: tuple[ScoreFunction, ...] = get_args(ScoreFunction)
 
 # How `compare` pairs the points of two logs: by optimizer step, or by consumed samples.
@@ -121,10 +125,53 @@ LOSS_IMPLS: tuple[LossImpl, ...] = get_args(LossImpl)
 ALIASES: dict[str, dict[str, str]] = {
     "normalization": {"precounted": "precount"},
     "mtp_log_estimator": {"global": "token_mean", "megatron": "microbatch_mean"},
-    "aux_scope": {"micro_batch": "microbatch"},
+    # micro_batch: an older spelling; the rest: Megatron's and MindFormers' moe_router_load_balancing_type names
+    # (FRAMEWORK_AUX_SCOPES below), accepted wherever an aux_scope is
+    "aux_scope": {
+        "micro_batch": "microbatch",
+        "aux_loss": "microbatch",
+        "seq_aux_loss": "sequence",
+        "global_aux_loss": "global_running",
+        "gbs_aux_loss": "global_running",
+    },
+}
+
+# The load-balancing option names of each framework -> lossparity's scope (docs/moe.md). Torch-free, so that
+# the preset parser reads it; public as ``lossparity.moe.FRAMEWORK_AUX_SCOPES`` / ``aux_scope_for``.
+FRAMEWORK_AUX_SCOPES: dict[str, dict[str, AuxScope]] = {
+    # Megatron-LM moe_router_load_balancing_type
+    "megatron": {
+        "aux_loss": "microbatch",
+        "seq_aux_loss": "sequence",
+        "global_aux_loss": "global_running",
+        "none": "none",
+    },
+    # MindSpore MindFormers moe_router_load_balancing_type (its Megatron-style names; its global running counts
+    # are summed over TP x CP only, and its graph-mode router spells the global form gbs_aux_loss)
+    "mindformers": {
+        "aux_loss": "microbatch",
+        "seq_aux_loss": "sequence",
+        "global_aux_loss": "global_running",
+        "gbs_aux_loss": "global_running",
+        "none": "none",
+    },
 }
 
 T = TypeVar("T", bound=str)
+
+
+def deprecated_padding_mask(where: str, keep_mask: object, stacklevel: int = 3) -> None:
+    """The one message of the deprecated MoE ``padding_mask`` keyword (``True`` = padding), for the PyTorch and
+    JAX functions alike: ``ValueError`` when ``keep_mask`` is given too, else a ``DeprecationWarning`` naming
+    ``keep_mask=~padding_mask``. ``stacklevel`` points the warning at the caller of the public function."""
+    if keep_mask is not None:
+        raise ValueError(f"{where}: pass keep_mask or the deprecated padding_mask, not both")
+    warnings.warn(
+        f"{where}: padding_mask (True = padding) is deprecated and will be removed in the next release; "
+        "pass keep_mask=~padding_mask (True = the tokens that count, as every lossparity mask)",
+        DeprecationWarning,
+        stacklevel=stacklevel + 1,
+    )
 
 
 def check_option(name: str, value: object, valid: tuple[T, ...]) -> T:
@@ -142,7 +189,7 @@ def check_option(name: str, value: object, valid: tuple[T, ...]) -> T:
 
 # ---------------------------------------------------------------------------------------------------------
 # Layout rules stated once, for TrainConfig.validate() and for the library objects that enforce them at
-# run time (model/context_parallel.py, distributed/moe_accounting.py): one condition, one message.
+# run time (model/context_parallel.py, distributed/moe/accounting.py): one condition, one message.
 
 
 def check_cp_seq_len(seq_len: int, cp: int, zigzag: bool = True) -> None:

@@ -22,9 +22,9 @@ DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "verify-your-model.
 
 def test_ci_subset_passes():
     """K=2, D2, T2 on tiny Llama and Mixtral (one set of 2 processes for both models' D2 and T2)."""
-    from lossparity.training.user_models import hf_config, moe_shape
-    from lossparity.training.verify_hf import ModelSpec, parse_hf_layouts, run_verify_hf_many
-    from lossparity.training.verify_hf_compare import format_hf_table
+    from lossparity.verify.hf import ModelSpec, parse_hf_layouts, run_verify_hf_many
+    from lossparity.verify.hf_compare import format_hf_table
+    from lossparity.verify.user_models import hf_config, moe_shape
 
     specs = []
     for name in ("llama", "mixtral"):

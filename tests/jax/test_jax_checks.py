@@ -283,9 +283,9 @@ def test_option_spellings_shared_with_pytorch():
 def test_moe_padding_mask_values_checked_eagerly_and_under_jit():
     logits = jnp.zeros((3, 4))
     pad = jnp.asarray([0, 2, 1])
-    msg = r"padding_mask values must be 0 or 1 \(True = padding\), found 2 at index \[1\]"
+    msg = r"keep_mask values must be 0 or 1 \(True = keep\), found 2 at index \[1\]"
     with pytest.raises(ValueError, match=msg):
-        lj.router_z_loss(logits, 1.0, pad)
-    err, _ = jax.jit(lj.checked(lambda m: lj.router_z_loss(logits, 1.0, m)))(pad)
+        lj.router_z_loss(logits, 1.0, keep_mask=pad)
+    err, _ = jax.jit(lj.checked(lambda m: lj.router_z_loss(logits, 1.0, keep_mask=m)))(pad)
     with pytest.raises(ValueError, match=msg):
         lj.throw(err)

@@ -36,8 +36,8 @@ def test_switch_load_balancing_matches_naive_and_torch():
 
     def loss(lg):
         probs = jmoe.router_probs(lg)
-        counts = jmoe.tokens_per_expert(jmoe.topk_routing_map(probs, K), jnp.asarray(pad))
-        return jmoe.switch_load_balancing_loss(probs, counts, tt, K, E, 0.01, padding_mask=jnp.asarray(pad)), counts
+        counts = jmoe.tokens_per_expert(jmoe.topk_routing_map(probs, K), keep_mask=~jnp.asarray(pad))
+        return jmoe.switch_load_balancing_loss(probs, counts, tt, K, E, 0.01, keep_mask=~jnp.asarray(pad)), counts
 
     (got, counts), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(jnp.asarray(logits))
     np.testing.assert_array_equal(np.asarray(counts), c)
@@ -47,8 +47,8 @@ def test_switch_load_balancing_matches_naive_and_torch():
     tl = torch.tensor(logits, requires_grad=True)
     tp = tmoe.router_probs(tl)
     tpad = torch.tensor(pad)
-    tc = tmoe.tokens_per_expert(tmoe.topk_routing_map(tp, K), tpad)
-    tval = tmoe.switch_load_balancing_loss(tp, tc, tt, K, E, 0.01, padding_mask=tpad)
+    tc = tmoe.tokens_per_expert(tmoe.topk_routing_map(tp, K), keep_mask=~tpad)
+    tval = tmoe.switch_load_balancing_loss(tp, tc, tt, K, E, 0.01, keep_mask=~tpad)
     tval.backward()
     assert float(got) == pytest.approx(tval.item(), rel=1e-6)
     np.testing.assert_allclose(np.asarray(grad), tl.grad.numpy(), rtol=1e-5, atol=1e-6 * np.abs(tl.grad.numpy()).max())
@@ -62,7 +62,7 @@ def test_switch_is_coeff_at_perfect_balance_and_counts_carry_no_gradient():
     assert not np.asarray(g).any()
 
 
-@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid", "sqrtsoftplus"])
 def test_router_probs_match_torch(score_function):
     logits = _logits(1)
     got = jmoe.router_probs(jnp.asarray(logits), score_function)
@@ -77,17 +77,19 @@ def test_router_z_loss_matches_naive_and_torch():
     want = 1e-3 * np.mean(lse[~pad] ** 2)
     logits_nan = logits.copy()
     logits_nan[pad] = np.nan  # padding rows never reach the value or the gradient
-    got, grad = jax.value_and_grad(lambda x: jmoe.router_z_loss(x, 1e-3, jnp.asarray(pad)))(jnp.asarray(logits_nan))
+    got, grad = jax.value_and_grad(lambda x: jmoe.router_z_loss(x, 1e-3, keep_mask=~jnp.asarray(pad)))(
+        jnp.asarray(logits_nan)
+    )
     assert float(got) == pytest.approx(want, rel=1e-6)
     assert np.isfinite(np.asarray(grad)).all() and not np.asarray(grad)[pad].any()
     tl = torch.tensor(logits, requires_grad=True)
-    tval = tmoe.router_z_loss(tl, 1e-3, torch.tensor(pad))
+    tval = tmoe.router_z_loss(tl, 1e-3, keep_mask=~torch.tensor(pad))
     tval.backward()
     assert float(got) == pytest.approx(tval.item(), rel=1e-6)
     np.testing.assert_allclose(np.asarray(grad), tl.grad.numpy(), rtol=1e-5, atol=1e-9)
     s, n = jmoe.router_z_loss_sum(jnp.asarray(logits))
     assert int(n) == T and float(s) == pytest.approx((lse**2).sum(), rel=1e-6)
-    assert float(jmoe.router_z_loss(jnp.asarray(logits), 1.0, jnp.ones(T, bool))) == 0.0
+    assert float(jmoe.router_z_loss(jnp.asarray(logits), 1.0, keep_mask=jnp.zeros(T, bool))) == 0.0
 
 
 @pytest.mark.parametrize("zero_mean", [False, True])
@@ -112,11 +114,11 @@ def test_sequence_loss_and_max_violation_match_torch():
     probs = jmoe.router_probs(jnp.asarray(logits))
     rmap = jmoe.topk_routing_map(probs, K)
     got, n = jmoe.sequence_load_balancing_loss(
-        probs, rmap, topk=K, num_experts=E, coeff=0.1, padding_mask=jnp.asarray(pad)
+        probs, rmap, topk=K, num_experts=E, coeff=0.1, keep_mask=~jnp.asarray(pad)
     )
     tp = tmoe.router_probs(torch.tensor(logits))
     want, tn = tmoe.sequence_load_balancing_loss(
-        tp, tmoe.topk_routing_map(tp, K), topk=K, num_experts=E, coeff=0.1, padding_mask=torch.tensor(pad)
+        tp, tmoe.topk_routing_map(tp, K), topk=K, num_experts=E, coeff=0.1, keep_mask=~torch.tensor(pad)
     )
     assert int(n) == int(tn) == 3
     assert float(got) == pytest.approx(want.item(), rel=1e-6)
@@ -136,8 +138,13 @@ def test_moe_bad_input():
         jmoe.switch_load_balancing_loss(probs, jnp.ones(E), 0, K, E, 0.1)
     with pytest.raises(ValueError, match="coeff must be a finite number >= 0"):
         jmoe.router_z_loss(probs, -1.0)
-    with pytest.raises(ValueError, match=r"padding_mask shape \(3,\)"):
-        jmoe.router_z_loss(probs, 1.0, jnp.zeros(3, bool))
+    with pytest.raises(ValueError, match=r"keep_mask shape \(3,\)"):
+        jmoe.router_z_loss(probs, 1.0, keep_mask=jnp.zeros(3, bool))
+    with pytest.warns(DeprecationWarning, match="router_z_loss: padding_mask .*keep_mask=~padding_mask"):
+        old = jmoe.router_z_loss(probs, 1.0, jnp.arange(4) == 1)
+    assert float(old) == float(jmoe.router_z_loss(probs, 1.0, keep_mask=jnp.arange(4) != 1))
+    with pytest.raises(ValueError, match="not both"):
+        jmoe.tokens_per_expert(probs > 0, jnp.zeros(4, bool), keep_mask=jnp.ones(4, bool))
     with pytest.raises(ValueError, match="expert_bias shape"):
         jmoe.expert_bias_update(jnp.ones(E), jnp.zeros(E - 1), 0.1)
     with pytest.raises(ValueError, match="unknown score_function 'relu'"):

@@ -19,6 +19,7 @@ from ._common import UsageError
 from .checkpoint import add_convert_arguments, cmd_convert_checkpoint
 from .parity import add_compare_arguments, add_gap_arguments, add_modes_arguments, cmd_compare, cmd_gap, cmd_modes
 from .verify_hf import add_verify_hf_arguments
+from .version import VersionAction
 
 __all__ = ["main", "build_parser", "UsageError"]
 
@@ -59,6 +60,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     torch-based modules) are added only when it is ``train`` or ``None`` (every parser complete).
     """
     p = argparse.ArgumentParser(prog="lossparity", description=DESCRIPTION)
+    p.add_argument(
+        "--version", action=VersionAction, help="print the versions of lossparity, Python, torch and the frameworks"
+    )
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("modes", help="print the normalization modes and run the built-in self-check")
     add_modes_arguments(m)

@@ -34,7 +34,7 @@ def cmd_convert_checkpoint(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from ..training.convert_checkpoint import convert_checkpoint
+    from ..checkpoint.convert import convert_checkpoint
 
     code = 0
     for path in args.paths:

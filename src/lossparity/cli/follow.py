@@ -57,7 +57,8 @@ def cmd_follow(args: argparse.Namespace) -> int:
     from ..parity.guard import ParityGuard
     from ..parity.names import parse_name_map
     from ..parity.readers import LogParseError, Run
-    from .parity import _error, _load
+    from ._common import load_run as _load
+    from ._common import report_input_error as _error
 
     if not args.follow:
         return _error("compare", args, "input error", ValueError("--until needs --follow"))

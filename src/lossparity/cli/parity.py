@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING
 
 from ..options import ALIGNS, MISSING_STEPS, MODE_INFO
 from ..parity.readers import FORMAT_ALIASES, FORMATS
+from ._common import load_run as _load
+from ._common import report_input_error as _error
 
 if TYPE_CHECKING:  # NumPy-based types, imported by the commands that use them
     from ..parity.compare import CompareResult
     from ..parity.gap import GapReport
-    from ..parity.readers import Run
 
 __all__ = ["add_compare_arguments", "add_gap_arguments", "cmd_compare", "cmd_gap", "cmd_modes", "positive_int"]
 
@@ -44,6 +45,20 @@ def _int_at_least(low: int, what: str) -> Callable[[str], int]:
 
 
 positive_int = _int_at_least(1, "a positive integer")  # argparse type: an integer >= 1
+
+
+def _step_base(text: str) -> int:
+    """argparse type of ``--ref-step-base``/``--cand-step-base``: an integer of magnitude below 2**53 (steps
+    are exact as float64 and int64)."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = 2**53
+    if abs(v) >= 2**53:
+        raise argparse.ArgumentTypeError(f"expected an integer of magnitude below 2**53, got {text!r}")
+    return v
+
+
 _non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
@@ -76,14 +91,6 @@ def _parse_window(text: str) -> tuple[float | None, float | None]:
         return (float(lo) if lo.strip() else None, float(hi) if hi.strip() else None)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--window: START and END must be numbers, got {text!r}") from None
-
-
-def _error(tool: str, args: argparse.Namespace, kind: str, e: BaseException) -> int:
-    """Report an input error: one line on stderr (and a JSON object with ``--json``); exit code 2."""
-    print(f"lossparity {tool}: {kind}: {e}", file=sys.stderr)
-    if getattr(args, "json", False):
-        print(json.dumps({"error": str(e), "exit_code": 2}))
-    return 2
 
 
 # --------------------------------------------------------------------------------------------------
@@ -227,29 +234,13 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         help="reference global batch size (consumed samples for --align samples)",
     )
     parser.add_argument("--cand-gbs", type=positive_int, default=None, help="candidate global batch size")
-    parser.add_argument("--ref-step-base", type=int, default=None, help="reference's first step number")
-    parser.add_argument("--cand-step-base", type=int, default=None, help="candidate's first step number")
+    parser.add_argument("--ref-step-base", type=_step_base, default=None, help="reference's first step number")
+    parser.add_argument("--cand-step-base", type=_step_base, default=None, help="candidate's first step number")
     parser.add_argument("--report", default=None, metavar="DIR", help="write summary.md and plots to DIR")
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     from .follow import add_follow_arguments  # --follow, --until, --idle, --poll (cli/follow.py)
 
     add_follow_arguments(parser)
-
-
-def _load(args: argparse.Namespace, role: str) -> Run:
-    from ..parity.names import parse_name_map
-    from ..parity.readers import read_log
-
-    shared_map = parse_name_map(args.name_map)
-    own_map = parse_name_map(getattr(args, f"{role}_name_map"))
-    run = read_log(
-        getattr(args, role), fmt=getattr(args, f"{role}_format") or args.fmt, name_map={**shared_map, **own_map} or None
-    )
-    base = getattr(args, f"{role}_step_base")
-    if base is not None:
-        run.step_base = base
-    gbs = getattr(args, f"{role}_gbs")
-    return run.with_constant_batch_size(gbs) if gbs is not None else run
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

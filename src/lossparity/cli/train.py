@@ -311,7 +311,7 @@ def _one_line(e: BaseException) -> str:
 def cmd_verify(args: argparse.Namespace) -> int:
     """``lossparity verify``: the layout-invariance table; exit 1 on any FAIL."""
     from ..losses.modes import MODES
-    from ..training.verify import (
+    from ..verify.reference import (
         DEFAULT_LAYOUTS,
         FULL_LAYOUTS,
         QUICK_LAYOUTS,

@@ -1,5 +1,5 @@
 """CLI glue of ``lossparity verify --hf MODEL`` and ``lossparity verify --model pkg.module:build`` (the user's
-own model; see :mod:`lossparity.training.verify_hf`). Bad input is one line with exit code 2."""
+own model; see :mod:`lossparity.verify.hf`). Bad input is one line with exit code 2."""
 
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ def add_verify_hf_arguments(v: argparse.ArgumentParser) -> None:
 
 
 def _spec(args: argparse.Namespace) -> Any:
-    from ..training.user_models import hf_config, import_target, moe_shape, parse_sets
-    from ..training.verify_hf import ModelSpec, probe_model
+    from ..verify.hf import ModelSpec, probe_model
+    from ..verify.user_models import hf_config, import_target, moe_shape, parse_sets
 
     common = dict(seed=args.seed, dtype=args.dtype, packed=args.packed, aux_scope=args.aux_scope)
     if args.hf is not None:
@@ -64,7 +64,7 @@ def _run(spec: Any, layouts: Any, modes: tuple[str, ...], steps: int) -> Any:
     """:func:`run_verify_hf`; a run that fails on a rank (the model cannot run a layout: its forward or
     backward raised there) becomes one line naming the rank and the error."""
     from ..distributed.launch import RankError
-    from ..training.verify_hf import run_verify_hf
+    from ..verify.hf import run_verify_hf
 
     try:
         return run_verify_hf(spec, layouts, modes, steps=steps)
@@ -77,9 +77,9 @@ def _run(spec: Any, layouts: Any, modes: tuple[str, ...], steps: int) -> Any:
 def cmd_verify_hf(args: argparse.Namespace) -> int:
     """``verify --hf`` / ``--model``: the layout-invariance table of the user's model; exit 1 on any FAIL."""
     from ..options import ALIASES
-    from ..training.verify import write_json
-    from ..training.verify_hf import HF_AUX_SCOPES, parse_hf_layouts
-    from ..training.verify_hf_compare import format_hf_table
+    from ..verify.hf import HF_AUX_SCOPES, parse_hf_layouts
+    from ..verify.hf_compare import format_hf_table
+    from ..verify.reference import write_json
 
     if args.hf is not None and args.model is not None:
         raise UsageError("--hf and --model exclude each other")

@@ -32,7 +32,8 @@ register with :meth:`Accountant.register_step_end`; ``logs()`` refuses to run be
 Layout of the code, one concern per file around one per-step state object (``_Step``, replaced whole at
 ``begin_step``): the pre-count (:mod:`~lossparity.distributed.precount`), the log channel's declared metrics
 and step buffer (:mod:`~lossparity.distributed.log_metrics`), the gradient scaling
-(:mod:`~lossparity.distributed.grad_scaling`); this file holds the protocol and the objective shares.
+(:mod:`~lossparity.distributed.grad_scaling`), the per-microbatch calls (:mod:`~lossparity.distributed.shares`:
+a microbatch's share of ``J``, or its token weights for a fused head); this file holds the step's begin and end.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..losses.modes import DENOMINATOR_KEY as _DEN_KEY
 from ..losses.modes import MODES, check_mode
-from ..losses.stats import check_inputs, rows_documents
+from ..losses.stats import rows_documents
 from ..options import (
     GRAD_REDUCTIONS,
     MTP_CONVENTIONS,
@@ -65,9 +66,10 @@ from .grad_scaling import is_averaging_engine, reduce_and_scale, unique_grads
 from .log_metrics import StepLogs
 from .objective import Objective
 from .parallel_dims import ParallelDims
-from .precount import PreCount, as_2d
+from .precount import PreCount
 from .protocol import ProtocolError, StepState, fingerprint_values, raise_fingerprint
-from .step_protocol import StepProtocol, StepRecord
+from .shares import MicrobatchShares
+from .step_protocol import StepRecord
 
 __all__ = ["Accountant", "ProtocolError", "StepState", "NORMALIZATIONS", "GRAD_REDUCTIONS"]
 
@@ -87,63 +89,6 @@ def _check_weight(name: str, value: object) -> float:
     return float(value)
 
 
-def _check_mask_arg(name: str, mask: object, loss: Tensor) -> Tensor:
-    """Type and device of a mask given with a loss (no value scan: those are device flags)."""
-    if not isinstance(mask, Tensor):
-        raise TypeError(
-            f"{name} must be a torch.Tensor, got {type(mask).__name__} (convert lists and NumPy "
-            "arrays with torch.as_tensor)"
-        )
-    if mask.device != loss.device:
-        raise ValueError(f"{name} is on {mask.device} but the losses are on {loss.device}: move it to {loss.device}")
-    return mask
-
-
-def _lm_inputs(
-    per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor | None, where: str
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Types and shapes of ``lm_loss``'s arguments (values are device flags), as ``[b, S]``."""
-    if not isinstance(per_token_loss, Tensor):
-        raise TypeError(f"per_token_loss must be a torch.Tensor, got {type(per_token_loss).__name__}")
-    _check_mask_arg("mask", mask, per_token_loss)
-    loss, w = as_2d(per_token_loss), as_2d(mask)
-    seg = None if segment_ids is None else as_2d(segment_ids)
-    same_device = seg if seg is None or seg.device == loss.device else None
-    check_inputs(
-        loss, w, same_device, where=where, check_finite=False, check_mask_values=False, check_segment_values=False
-    )
-    return loss, w, seg
-
-
-def _mtp_inputs(
-    losses: Sequence[Tensor], masks: Sequence[Tensor], segment_ids: Tensor | None, depths: int, where: str
-) -> tuple[list[Tensor], list[Tensor], Tensor | None]:
-    """Types and shapes of ``mtp_loss``'s arguments, as ``[b, S]``."""
-    if depths == 0:
-        raise ValueError("mtp_loss called but the accountant was built with mtp_depths=0")
-    if len(losses) != depths or len(masks) != depths:
-        raise ValueError(
-            f"mtp_loss needs {depths} losses and masks (one per depth), got {len(losses)} and {len(masks)} ({where})"
-        )
-    for k, (x, w) in enumerate(zip(losses, masks), start=1):
-        if not isinstance(x, Tensor):
-            raise TypeError(f"losses[{k - 1}] must be a torch.Tensor, got {type(x).__name__} ({where})")
-        _check_mask_arg(f"masks[{k - 1}]", w, x)
-    ls, ws = [as_2d(x) for x in losses], [as_2d(x) for x in masks]
-    seg = None if segment_ids is None else as_2d(segment_ids)
-    for k, (x, w) in enumerate(zip(ls, ws), start=1):
-        check_inputs(
-            x,
-            w,
-            seg,
-            where=f"{where}, MTP depth {k}",
-            check_finite=False,
-            check_mask_values=False,
-            check_segment_values=False,
-        )
-    return ls, ws, seg
-
-
 def _layout(
     group: ProcessGroup | None, mesh: DeviceMesh | None, sequence_parallel: bool, dims: ParallelDims | None
 ) -> ParallelDims:
@@ -160,7 +105,7 @@ def _layout(
     return ParallelDims.from_group(group)
 
 
-class Accountant(StepProtocol):
+class Accountant(MicrobatchShares):
     """Exact loss accounting for one training loop (see the module docstring for the protocol).
 
     Args:
@@ -338,129 +283,6 @@ class Accountant(StepProtocol):
     def _mtp_denominators(self) -> list[float]:
         """Per-depth denominators of this step's MTP term (semantics §4); 1 when deferred."""
         return self.objective.mtp_denominators(self._step.counts())
-
-    def _check_columns(self, columns: Tensor | None) -> None:
-        if self.groups.cp_size > 1 and columns is None:
-            raise ValueError(
-                f"context parallelism (cp={self.groups.cp_size}) needs columns= (the positions of the whole rows "
-                f"this shard holds) in lm_loss/mtp_loss ({self.where})"
-            )
-
-    # ------------------------------------------------------------------ microbatches: the objective shares
-
-    def lm_loss(
-        self, per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor | None = None, *, columns: Tensor | None = None
-    ) -> Tensor:
-        """This microbatch's share of the language-model objective; call once per microbatch, in order.
-
-        ``precount``: returns ``numerator(mb) / denominator`` so that the shares of all microbatches and
-        ranks sum to ``J`` (semantics §1, §3). ``deferred``: returns the raw ``numerator(mb)``; ``finish_step``
-        divides the gradients. ``per_token_loss`` and ``mask`` are ``[b, S]``; with context parallelism they
-        are this rank's shard and ``columns`` (``[S_shard]``) are its positions in the whole rows. The mask
-        (and segment ids) must be those given to ``begin_step``, the loss finite where the mask is 1:
-        both are checked on the device and reported by ``logs()``.
-        """
-        step = self._step
-        if step.state is not StepState.MICROBATCHES:
-            raise ProtocolError(f"lm_loss called outside the microbatches of a step: expected {self.expected_call()}")
-        if step.mb >= step.n_mbs:
-            raise ProtocolError(
-                f"lm_loss called for microbatch {step.mb} but begin_step received only {step.n_mbs} masks "
-                f"(rank {self.groups.token_rank()}): expected {self.expected_call()}"
-            )
-        inputs = _lm_inputs(per_token_loss, mask, segment_ids, self.where)
-        self._check_columns(columns)
-        share = self.objective.lm_share(
-            step.counts(), step.buffer(), step.mb, inputs, columns, first_shard=self.groups.cp_rank == 0
-        )
-        step.mb += 1
-        step.mtp_seen.append(False)
-        return share
-
-    def mtp_loss(
-        self,
-        losses: Sequence[Tensor],
-        masks: Sequence[Tensor],
-        segment_ids: Tensor | None = None,
-        *,
-        columns: Tensor | None = None,
-    ) -> Tensor:
-        """This microbatch's share of the MTP objective term ``λ·(1/Dm)·Σ_k J_k`` (or the pooled form).
-
-        ``losses[k-1]``/``masks[k-1]`` are depth ``k``'s per-token losses and rolled masks (see
-        :func:`lossparity.losses.mtp.roll_mtp`). Call once per microbatch, after ``lm_loss`` of the same
-        microbatch (with ``mtp_depths > 0`` it is required: ``finish_step`` raises :class:`ProtocolError`
-        naming a microbatch without it). With context parallelism, ``losses``/``masks`` are this shard's
-        columns (``columns``) of the depth masks rolled on whole rows (rolling crosses shard boundaries
-        exactly).
-        """
-        step = self._step
-        if step.state is not StepState.MICROBATCHES or step.mb == 0 or step.mtp_seen[-1]:
-            what = "twice for one microbatch" if step.mb and step.mtp_seen[-1] else "before lm_loss"
-            if step.state is not StepState.MICROBATCHES:
-                what = "outside the microbatches of a step"
-            raise ProtocolError(f"mtp_loss called {what} ({self.where}): expected {self.expected_call()}")
-        mb = step.mb - 1
-        where = f"rank {self.groups.token_rank()}, microbatch {mb}"
-        inputs = _mtp_inputs(losses, masks, segment_ids, self.mtp_depths, where)
-        self._check_columns(columns)
-        share = self.objective.mtp_share(step.counts(), step.buffer(), mb, inputs, columns, self.mtp_weight)
-        step.mtp_seen[-1] = True
-        return share
-
-    # ------------------------------------------------------------------ fused head (weights known up front)
-    def token_weights(
-        self, mask: Tensor, segment_ids: Tensor | None = None, *, columns: Tensor | None = None
-    ) -> Tensor:
-        """Per-token weights ``w`` of the next microbatch's main loss (the one the next ``lm_loss`` or
-        ``add_lm_share`` accounts): ``Σ w·l`` equals the value ``lm_loss(l, mask, ...)`` returns for any
-        ``l`` (``precount``: the share ``numerator / denominator``; ``deferred``: the raw numerator).
-        Float64, shape of ``mask``; see :mod:`lossparity.losses.token_weights`."""
-        self._require_step("token_weights")
-        self._check_columns(columns)
-        return self.objective.lm_weights(self._step.counts(), self._step.mb, mask, segment_ids, columns)
-
-    def mtp_token_weights(
-        self, masks: Sequence[Tensor], segment_ids: Tensor | None = None, *, columns: Tensor | None = None
-    ) -> list[Tensor]:
-        """Per-depth weights of the next microbatch's MTP term (call before its ``add_lm_share``):
-        ``Σ_k Σ w_k·l_k`` equals the value ``mtp_loss(losses, masks, ...)`` returns (λ, ``1/Dm`` and the
-        convention's denominators included)."""
-        self._require_step("mtp_token_weights")
-        if self.mtp_depths == 0 or len(masks) != self.mtp_depths:
-            raise ValueError(
-                f"mtp_token_weights needs {self.mtp_depths} masks (one per MTP depth), got {len(masks)} ({self.where})"
-            )
-        self._check_columns(columns)
-        pre, mb = self._step.counts(), self._step.mb
-        return self.objective.mtp_weights(pre, mb, list(masks), segment_ids, columns, self.mtp_weight)
-
-    def add_lm_share(
-        self,
-        share: Tensor,
-        per_token_loss: Tensor,
-        mask: Tensor,
-        segment_ids: Tensor | None = None,
-        *,
-        columns: Tensor | None = None,
-    ) -> Tensor:
-        """Account a main-loss share computed outside (``Σ token_weights·l``, e.g. by the fused head) and
-        return it for backward: the detached per-token losses feed the logs exactly as ``lm_loss`` would."""
-        self.lm_loss(per_token_loss.detach(), mask, segment_ids, columns=columns)
-        return share
-
-    def add_mtp_share(
-        self,
-        share: Tensor,
-        losses: Sequence[Tensor],
-        masks: Sequence[Tensor],
-        segment_ids: Tensor | None = None,
-        *,
-        columns: Tensor | None = None,
-    ) -> Tensor:
-        """As :meth:`add_lm_share` for the MTP term (``Σ_k Σ mtp_token_weights_k·l_k``); after ``add_lm_share``."""
-        self.mtp_loss([x.detach() for x in losses], masks, segment_ids, columns=columns)
-        return share
 
     # ------------------------------------------------------------------ the log channel's one entry point
 

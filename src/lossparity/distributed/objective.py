@@ -18,21 +18,12 @@ from torch import Tensor
 
 from ..losses.logchannel import ratio_or_none
 from ..losses.modes import DENOMINATOR_KEY, numerator
-from ..losses.mtp import mtp_denominators, mtp_numerator, mtp_scale
+from ..losses.mtp import mtp_denominators, mtp_log_value, mtp_numerator, mtp_scale
 from ..losses.stats import sample_stats
-from ..losses.token_weights import mtp_token_weights, token_weights
 from .log_metrics import MB_CODE, StepLogs
 from .precount import PreCount
 
 __all__ = ["Objective"]
-
-
-def _shaped_like(counts: Tensor | None, mask: object) -> Tensor | None:
-    """A unit-count map in the shape of ``mask`` (``[S]`` masks of one row), when the sizes agree; else as
-    it is (the shape check of the token weights then names the mismatch)."""
-    if counts is None or not isinstance(mask, Tensor) or counts.shape == mask.shape:
-        return counts
-    return counts.reshape(mask.shape) if counts.numel() == mask.numel() else counts
 
 
 @dataclass(frozen=True)
@@ -184,51 +175,6 @@ class Objective:
         if self.mtp_convention == "pooled":
             logs.add("mtp_pooled_num", nums[0])
 
-    # ------------------------------------------------------------------ weights of the fused head
-    def lm_weights(
-        self, pre: PreCount, mb: int, mask: Tensor, segment_ids: Tensor | None, columns: Tensor | None
-    ) -> Tensor:
-        """Per-token weights ``w`` of microbatch ``mb``'s main loss: ``Σ w·l`` is its :meth:`lm_share`."""
-        counts = pre.unit_counts(mb, 0, columns, whole=True)
-        return token_weights(
-            self.mode,
-            mask,
-            segment_ids=segment_ids,
-            fixed_length=self.fixed_length,
-            unit_counts=_shaped_like(counts, mask),
-            denominator=self.denominator(pre),
-        )
-
-    def mtp_weights(
-        self,
-        pre: PreCount,
-        mb: int,
-        masks: list[Tensor],
-        segment_ids: Tensor | None,
-        columns: Tensor | None,
-        weight: float,
-    ) -> list[Tensor]:
-        """Per-depth weights of microbatch ``mb``'s MTP term: ``Σ_k Σ w_k·l_k`` is its :meth:`mtp_share`."""
-        pooled = self.mtp_convention == "pooled"
-        counts = (
-            None
-            if pooled
-            else [
-                _shaped_like(pre.unit_counts(mb, k, columns, whole=True), m)
-                for k, m in zip(range(1, self.mtp_depths + 1), masks)
-            ]
-        )
-        return mtp_token_weights(
-            self.mode,
-            masks,
-            convention=self.mtp_convention,
-            segment_ids=segment_ids,
-            fixed_length=self.fixed_length,
-            unit_counts=counts,
-            denominators=self.mtp_denominators(pre),
-            scale=weight / (1 if pooled else self.mtp_depths),
-        )
-
     # ------------------------------------------------------------------ logged values
     def log_values(
         self, get: dict[str, list[float]], metrics: dict[str, float | None], weight: float
@@ -267,8 +213,7 @@ class Objective:
         """Per-depth MTP logs into ``out``; returns ``λ·term`` of the objective (semantics §4)."""
         depth = [get[f"mtp_{k}"] for k in range(1, self.mtp_depths + 1)]
         for k, (s_k, n_k, means_k, _) in enumerate(depth, start=1):
-            token_mean = self.mtp_log_estimator == "token_mean"
-            out[f"mtp_{k}_loss"] = ratio_or_none(s_k, n_k) if token_mean else means_k / max(nmb, 1.0)
+            out[f"mtp_{k}_loss"] = mtp_log_value(self.mtp_log_estimator, s_k, n_k, means_k, nmb)
             out[f"mtp_{k}_tokens"] = n_k
         dens = mtp_denominators(self.mode, self.mtp_convention, main_den, [d[1] for d in depth])
         if self.mtp_convention == "pooled":

@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..losses.modes import unit_count_map
 from ..losses.mtp import roll_mask
-from ..losses.stats import check_inputs, count_documents, rows_documents
+from ..losses.stats import check_inputs, count_documents, rows_documents, unit_count_map
 from .protocol import BufferSlots, fingerprint_slots, fingerprint_values
 
 __all__ = ["UNIT_COUNTS", "MicrobatchCounts", "PreCount", "as_2d", "same_storage"]

@@ -60,7 +60,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..losses.moe import max_violation, router_scores, router_z_loss_sums, switch_load_balancing_weights
+from ..losses.moe import (
+    max_violation,
+    router_scores,
+    router_z_loss_sums,
+    switch_load_balancing_weights,
+    topk_routing_map,
+)
 from ..losses.mtp import mtp_denominators, roll_mask
 from ..options import ALIASES
 from ._common import mode_numerator, unit_count
@@ -340,7 +346,7 @@ class MoETerms:
         probs_out, routing_map = output
         slot, e, n_layers = self._slot[id(router)], self.num_experts, self.n_layers
         _, p = router_scores(logits, self.score_function)
-        top = torch.zeros_like(p, dtype=torch.bool).scatter(-1, torch.topk(p.detach(), self.topk).indices, True)
+        top = topk_routing_map(p, self.topk)  # the plain top-k the aux loss counts
         counts = top.sum(dim=0).to(torch.float64)
         sums = p.sum(dim=0)
         if self.aux_scope == "global_lagged":

@@ -3,9 +3,11 @@
 Same formulas, names and float32 math as the PyTorch ``lossparity.losses.moe``. The caller chooses the
 token set ``X`` by what it passes in; with global (possibly sharded) arrays the natural scope is the
 whole global batch. Notation: ``E`` routed experts, top-``k`` routing, ``p[x,e]`` router scores,
-``c_e`` tokens whose plain top-k contains ``e``, ``T`` tokens in the scope. ``padding_mask`` is ``True``
-at padding positions (Megatron ``z_loss_func`` convention): padded tokens neither count nor carry
-probability. Value checks (e.g. ``total_num_tokens > 0``) run only on concrete values.
+``c_e`` tokens whose plain top-k contains ``e``, ``T`` tokens in the scope. ``keep_mask`` is ``True`` at
+the tokens that count (every lossparity mask's polarity); the others neither count nor carry probability.
+``padding_mask`` (``True`` = padding, Megatron ``z_loss_func``'s polarity) is deprecated: it still works for
+one release with a ``DeprecationWarning``; pass ``keep_mask=~padding_mask``. Value checks (e.g.
+``total_num_tokens > 0``) run only on concrete values.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import cast
 import jax
 import jax.numpy as jnp
 
-from ..options import SCORE_FUNCTIONS, check_option
+from ..options import SCORE_FUNCTIONS, check_option, deprecated_padding_mask
 from ._checks import concrete, value_check
 
 __all__ = [
@@ -66,21 +68,30 @@ def _check_nonneg(name: str, value) -> None:
         raise ValueError(f"{name} must be a finite number >= 0, got {value}")
 
 
-def _padding(padding_mask, leading: tuple[int, ...], against: str) -> jax.Array | None:
-    if padding_mask is None:
+def _padding(keep_mask, padding_mask, leading: tuple[int, ...], against: str, where: str) -> jax.Array | None:
+    """The tokens to drop (``True`` = dropped) from ``keep_mask`` or the deprecated ``padding_mask``."""
+    if padding_mask is not None:
+        deprecated_padding_mask(where, keep_mask, stacklevel=3)
+        return _mask01(padding_mask, leading, against, "padding_mask", "True = padding")
+    keep = _mask01(keep_mask, leading, against, "keep_mask", "True = keep")
+    return None if keep is None else ~keep
+
+
+def _mask01(mask, leading: tuple[int, ...], against: str, name: str, meaning: str) -> jax.Array | None:
+    if mask is None:
         return None
+    padding_mask = mask
     if tuple(padding_mask.shape) != tuple(leading):
         raise ValueError(
-            f"padding_mask shape {tuple(padding_mask.shape)} does not match the token dims {tuple(leading)} "
-            f"of {against}"
+            f"{name} shape {tuple(padding_mask.shape)} does not match the token dims {tuple(leading)} of {against}"
         )
     if padding_mask.dtype != jnp.bool_:
         if not jnp.issubdtype(padding_mask.dtype, jnp.integer):
-            raise TypeError(f"padding_mask must be bool or integer 0/1, got dtype {padding_mask.dtype}")
-        # eagerly and under `checked`; an unchecked traced program reads any non-zero value as padding
+            raise TypeError(f"{name} must be bool or integer 0/1, got dtype {padding_mask.dtype}")
+        # eagerly and under `checked`; an unchecked traced program reads any non-zero value as set
         value_check(
             ValueError,
-            "padding_mask values must be 0 or 1 (True = padding), found {}",
+            f"{name} values must be 0 or 1 ({meaning}), found {{}}",
             lambda xp, m: (m != 0) & (m != 1),
             (padding_mask,),
         )
@@ -90,13 +101,14 @@ def _padding(padding_mask, leading: tuple[int, ...], against: str) -> jax.Array 
 
 def router_probs(logits: jax.Array, score_function: str = "softmax") -> jax.Array:
     """Router scores ``p[x,e]`` in float32: ``softmax(logits[x])``, or (``sigmoid``, DeepSeek-V3)
-    ``s[x,e] / (Σ_e' s[x,e'] + 1e-20)`` with ``s = sigmoid(logits)``. Shape of ``logits`` (``[..., E]``)."""
+    ``s[x,e] / (Σ_e' s[x,e'] + 1e-20)`` with ``s = sigmoid(logits)`` (or, ``sqrtsoftplus``,
+    DeepSeek-V4, ``s = sqrt(softplus(logits))``). Shape of ``logits`` (``[..., E]``)."""
     _check_scores("logits", logits)
     score_function = check_option("score_function", score_function, SCORE_FUNCTIONS)
     x = logits.astype(jnp.float32)
     if score_function == "softmax":
         return jax.nn.softmax(x, axis=-1)
-    s = jax.nn.sigmoid(x)
+    s = jax.nn.sigmoid(x) if score_function == "sigmoid" else jnp.sqrt(jax.nn.softplus(x))
     return s / (s.sum(axis=-1, keepdims=True) + _SIGMOID_EPS)
 
 
@@ -109,12 +121,14 @@ def topk_routing_map(probs: jax.Array, topk: int) -> jax.Array:
     return jax.nn.one_hot(idx, probs.shape[-1], dtype=jnp.int32).sum(axis=-2) > 0
 
 
-def tokens_per_expert(routing_map: jax.Array, padding_mask: jax.Array | None = None) -> jax.Array:
-    """Counts ``c_e = Σ_x m[x,e]`` over the non-padding tokens as an integer ``[E]`` array.
-    ``routing_map`` is ``[..., E]`` (bool or 0/1); ``padding_mask`` (True = padding) has its leading shape."""
+def tokens_per_expert(
+    routing_map: jax.Array, padding_mask: jax.Array | None = None, *, keep_mask: jax.Array | None = None
+) -> jax.Array:
+    """Counts ``c_e = Σ_{x kept} m[x,e]`` as an integer ``[E]`` array. ``routing_map`` is ``[..., E]`` (bool or
+    0/1); ``keep_mask`` (True = the token counts; deprecated: ``padding_mask``) has its leading shape."""
     if routing_map.ndim < 1:
         raise ValueError(f"routing_map must be [..., num_experts], got shape {tuple(routing_map.shape)}")
-    pm = _padding(padding_mask, routing_map.shape[:-1], "routing_map")
+    pm = _padding(keep_mask, padding_mask, routing_map.shape[:-1], "routing_map", "tokens_per_expert")
     m = routing_map != 0
     if pm is not None:
         m = m & ~pm[..., None]
@@ -130,13 +144,14 @@ def switch_load_balancing_loss(
     coeff: float,
     *,
     padding_mask: jax.Array | None = None,
+    keep_mask: jax.Array | None = None,
 ) -> jax.Array:
     """Switch load-balancing loss ``A = coeff · E/(k·T²) · Σ_e c_e · Σ_x p[x,e]`` (float32 scalar).
 
     ``probs [tokens, E]``: scores of the tokens ``x``; ``tokens_per_expert [E]``: the counts ``c_e`` and
     ``total_num_tokens`` the ``T > 0`` of the chosen scope. Exactly ``coeff`` at perfect balance over one
-    token set. The gradient flows only through ``probs`` (counts are stop-gradient); padding rows
-    (``padding_mask`` True) carry no probability. Same evaluation order as Megatron-LM.
+    token set. The gradient flows only through ``probs`` (counts are stop-gradient); rows ``keep_mask`` drops
+    (deprecated: ``padding_mask`` True) carry no probability. Same evaluation order as Megatron-LM.
     """
     _check_num_experts(num_experts)
     _check_scores("probs", probs, num_experts)
@@ -153,7 +168,7 @@ def switch_load_balancing_loss(
     if t_val is not None:
         if t_val.size != 1 or t_val.dtype == bool or not math.isfinite(float(t_val)) or float(t_val) <= 0:
             raise ValueError(f"total_num_tokens must be a finite number > 0, got {total_num_tokens!r}")
-    pm = _padding(padding_mask, probs.shape[:-1], "probs")
+    pm = _padding(keep_mask, padding_mask, probs.shape[:-1], "probs", "switch_load_balancing_loss")
     p = probs.astype(jnp.float32)
     if pm is not None:
         p = jnp.where(pm[:, None], jnp.zeros_like(p), p)
@@ -178,6 +193,7 @@ def sequence_load_balancing_loss(
     num_experts: int,
     coeff: float,
     padding_mask: jax.Array | None = None,
+    keep_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """DeepSeek complementary sequence-wise loss as ``(Σ_j A(X_j), number of sequences)`` for rows as
     sequences: ``probs``, ``routing_map`` ``[N, L, E]``; ``A(X_j) = coeff · E/(k·n_j²) · Σ_e c[j,e] ·
@@ -192,7 +208,7 @@ def sequence_load_balancing_loss(
         )
     _check_topk(topk, num_experts)
     _check_nonneg("coeff", coeff)
-    pm = _padding(padding_mask, probs.shape[:-1], "probs")
+    pm = _padding(keep_mask, padding_mask, probs.shape[:-1], "probs", "sequence_load_balancing_loss")
     valid = jnp.ones(probs.shape[:-1], bool) if pm is None else ~pm
     p = jnp.where(valid[..., None], probs.astype(jnp.float32), 0.0)
     c = jax.lax.stop_gradient(((routing_map != 0) & valid[..., None]).sum(axis=1).astype(jnp.float32))
@@ -203,12 +219,14 @@ def sequence_load_balancing_loss(
     return per_seq.sum(), jnp.asarray(probs.shape[0])
 
 
-def router_z_loss_sum(logits: jax.Array, padding_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """``(Σ_x logsumexp(logits[x])², number of valid tokens)`` over the non-padding tokens (float32,
-    integer): the building block of the invariant z-loss ``β · Σ_x lse² / Ntok_global``. Padding rows are
-    selected away, so a NaN there does not leak into the value or the gradient."""
+def router_z_loss_sum(
+    logits: jax.Array, padding_mask: jax.Array | None = None, *, keep_mask: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """``(Σ_{x kept} logsumexp(logits[x])², number of kept tokens)`` (float32, integer): the building block
+    of the invariant z-loss ``β · Σ_x lse² / Ntok_global``. Dropped rows (``keep_mask`` False; deprecated:
+    ``padding_mask`` True) are selected away, so a NaN there does not leak into the value or the gradient."""
     _check_scores("logits", logits)
-    pm = _padding(padding_mask, logits.shape[:-1], "logits")
+    pm = _padding(keep_mask, padding_mask, logits.shape[:-1], "logits", "router_z_loss_sum")
     x = logits.astype(jnp.float32)
     if pm is not None:
         x = jnp.where(pm[..., None], jnp.zeros_like(x), x)
@@ -218,11 +236,15 @@ def router_z_loss_sum(logits: jax.Array, padding_mask: jax.Array | None = None) 
     return jnp.where(pm, jnp.zeros_like(lse2), lse2).sum(), (~pm).sum()
 
 
-def router_z_loss(logits: jax.Array, coeff: float, padding_mask: jax.Array | None = None) -> jax.Array:
-    """Router z-loss ``coeff · (1/|valid|) · Σ_{valid x} logsumexp(logits[x])²`` (float32 scalar); the
-    mean is over non-padding tokens (``padding_mask`` True = padding), all-padding gives exactly 0."""
+def router_z_loss(
+    logits: jax.Array, coeff: float, padding_mask: jax.Array | None = None, *, keep_mask: jax.Array | None = None
+) -> jax.Array:
+    """Router z-loss ``coeff · (1/|kept|) · Σ_{kept x} logsumexp(logits[x])²`` (float32 scalar); the mean is
+    over the tokens ``keep_mask`` keeps (deprecated: ``padding_mask``, True = padding); none kept gives 0."""
     _check_nonneg("coeff", coeff)
-    s, n = router_z_loss_sum(logits, padding_mask)
+    _check_scores("logits", logits)
+    pm = _padding(keep_mask, padding_mask, logits.shape[:-1], "logits", "router_z_loss")
+    s, n = router_z_loss_sum(logits, keep_mask=None if pm is None else ~pm)
     return s / jnp.maximum(n, 1).astype(s.dtype) * float(coeff)
 
 

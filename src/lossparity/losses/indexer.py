@@ -11,7 +11,13 @@ distributions live on the kept set: ``q_t`` is the softmax over kept keys, and e
 renormalized over kept keys *before* the heads are summed — exactly Megatron-LM's
 ``compute_dsa_indexer_loss`` (which adds the same ``-inf`` mask to the attention scores and the indexer
 scores before both softmaxes). When the main attention already has no mass outside the kept set (the
-dense loss with a causal mask) this renormalization is the identity.
+dense loss with a causal mask) this renormalization is the identity. A sparse indexer may instead pass the
+selected keys themselves (``topk_indices``).
+
+Queries without a kept key (the first rows of compressed attention, where no compressed key is causal yet):
+their two distributions are undefined, so by rule their ``KL_t`` is 0, they carry no gradient, and they are
+not *valid* queries; they still count among *all* queries. :func:`indexer_loss` offers both means and the
+log forms (coefficient included or not).
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["INDEXER_REDUCTIONS", "indexer_kl", "indexer_token_count"]
+__all__ = ["INDEXER_REDUCTIONS", "INDEXER_MEANS", "indexer_kl", "indexer_token_count", "indexer_loss"]
 
 INDEXER_REDUCTIONS = ("sum", "none")
+INDEXER_MEANS = ("all", "valid")
 
 
 def _check_mask(mask: Tensor | None, shape: torch.Size, device: torch.device) -> Tensor:
@@ -39,6 +46,62 @@ def _check_mask(mask: Tensor | None, shape: torch.Size, device: torch.device) ->
             raise ValueError(f"mask values must be 0 or 1 (1 = valid query token), found {bad}")
         mask = mask != 0
     return mask.to(device)
+
+
+def _check_floats(main_attn_probs: object, indexer_logits: object, reduction: str) -> None:
+    if reduction not in INDEXER_REDUCTIONS:
+        raise ValueError(f"reduction must be one of {INDEXER_REDUCTIONS}, got {reduction!r}")
+    for name, x in (("main_attn_probs", main_attn_probs), ("indexer_logits", indexer_logits)):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
+
+
+def _selected_keys(idx: Tensor, b: int, tq: int, tk: int, unbatched: bool, device: torch.device) -> Tensor:
+    """Bool ``[B, Tq, Tk]``: the keys listed in ``topk_indices`` (``-1`` entries ignored)."""
+    if not isinstance(idx, Tensor) or idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+        raise TypeError("topk_indices must be an integer tensor [B, Tq, k] (-1 = no key)")
+    if unbatched and idx.dim() == 2:
+        idx = idx.unsqueeze(0)
+    if idx.dim() != 3 or idx.shape[:2] != (b, tq):
+        raise ValueError(f"topk_indices shape {tuple(idx.shape)} must be [B, Tq, k] = [{b}, {tq}, k]")
+    idx = idx.to(device=device, dtype=torch.long)
+    if idx.numel() and bool(((idx < -1) | (idx >= tk)).any()):
+        raise ValueError(f"topk_indices must be in -1..{tk - 1} (-1 = no key)")
+    out = torch.zeros(b, tq, tk + 1, dtype=torch.bool, device=device)
+    return out.scatter_(-1, torch.where(idx < 0, tk, idx), True)[..., :tk]  # -1 lands in a dropped column
+
+
+def indexer_loss(
+    main_attn_probs: Tensor,
+    indexer_logits: Tensor,
+    mask: Tensor | None,
+    *,
+    coeff: float = 1.0,
+    include_coeff: bool = True,
+    mean_over: str = "all",
+    topk: int | None = None,
+    topk_indices: Tensor | None = None,
+) -> Tensor:
+    """The indexer loss of one set of queries in the forms frameworks train and log:
+    ``c · Σ_t KL_t / Q`` (:func:`indexer_kl`), with ``c = coeff`` when ``include_coeff`` (the objective term;
+    Megatron's ``compute_dsa_indexer_loss`` and MindFormers' trackers) else 1 (a log divided by its coefficient),
+    and ``Q`` the number of ``all`` queries (``mask`` ones, or ``B·Tq`` without a mask: Megatron's mean over
+    ``b·sq``) or of the ``valid`` ones (mask ones with at least one kept key). ``Q = 0`` gives 0."""
+    if mean_over not in INDEXER_MEANS:
+        raise ValueError(f"mean_over must be one of {INDEXER_MEANS}, got {mean_over!r}")
+    per_q = indexer_kl(main_attn_probs, indexer_logits, mask, topk=topk, reduction="none", topk_indices=topk_indices)
+    q = per_q.new_ones(per_q.shape) if mask is None else (mask != 0).to(per_q.dtype).reshape(per_q.shape)
+    if mean_over == "valid":  # a query keeps a key iff one is finite (and selected): topk keeps the largest
+        lg = indexer_logits.unsqueeze(0) if per_q.dim() == 1 else indexer_logits
+        has_key = torch.isfinite(lg)
+        if topk_indices is not None:
+            b, tq, tk = lg.shape
+            has_key = has_key & _selected_keys(topk_indices, b, tq, tk, per_q.dim() == 1, has_key.device)
+        q = q * has_key.any(dim=-1).reshape(per_q.shape).to(q.dtype)
+    scale = float(coeff) if include_coeff else 1.0
+    return per_q.sum() * scale / q.sum().clamp(min=1)
 
 
 def indexer_token_count(mask: Tensor) -> Tensor:
@@ -59,26 +122,22 @@ def indexer_kl(
     *,
     topk: int | None = None,
     reduction: str = "sum",
+    topk_indices: Tensor | None = None,
 ) -> Tensor:
     """Indexer KL loss ``Σ_{valid t} KL(p_t || softmax(I_t))`` (``reduction="sum"``, float32 scalar).
 
     ``main_attn_probs`` ``[B, H, Tq, Tk]`` (or ``[H, Tq, Tk]``) are the main attention probabilities,
     ``indexer_logits`` ``[B, Tq, Tk]`` (or ``[Tq, Tk]``) the indexer scores with ``-inf`` at invalid keys,
     ``mask`` ``[B, Tq]`` (or ``[Tq]``, ``None`` = all valid) marks valid query tokens. With ``K_t`` the
-    kept keys (finite logit, and among the ``topk`` largest when ``topk`` is given):
+    kept keys (finite logit, and among the ``topk`` largest when ``topk`` is given, or among ``topk_indices``
+    ``[B, Tq, k]`` (or ``[Tq, k]``) int, the keys a sparse indexer selected, ``-1`` = no key):
     ``p_t ∝ Σ_h a[h,t,·]|K_t / Σ_{K_t} a[h,t,·]`` (L1-normalized), ``q_t = softmax(I_t over K_t)``,
     ``KL_t = Σ_{j in K_t, p>0} p_t[j] (log p_t[j] − log q_t[j])`` (``0·log 0 = 0``). ``reduction="none"``
-    returns ``KL_t`` as ``[B, Tq]`` (``[Tq]``) with 0 at invalid queries. ``p_t`` is detached.
-    Errors: NaN/``+inf`` logits, negative/NaN probabilities, a valid query with no kept key or with no
-    attention mass on its kept keys.
+    returns ``KL_t`` as ``[B, Tq]`` (``[Tq]``) with 0 at masked queries and at queries with no kept key (the
+    module's rule). ``p_t`` is detached. Errors: NaN/``+inf`` logits, negative/NaN probabilities, a query with
+    kept keys but no attention mass on them, ``topk`` together with ``topk_indices``.
     """
-    if reduction not in INDEXER_REDUCTIONS:
-        raise ValueError(f"reduction must be one of {INDEXER_REDUCTIONS}, got {reduction!r}")
-    for name, x in (("main_attn_probs", main_attn_probs), ("indexer_logits", indexer_logits)):
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if not x.is_floating_point():
-            raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
+    _check_floats(main_attn_probs, indexer_logits, reduction)
     unbatched = main_attn_probs.dim() == 3
     if main_attn_probs.dim() not in (3, 4):
         raise ValueError(
@@ -98,6 +157,9 @@ def indexer_kl(
     valid_q = _check_mask(mask, torch.Size((b, tq)), logits.device)
     if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
         raise ValueError(f"topk must be a positive int or None, got {topk!r}")
+    if topk is not None and topk_indices is not None:
+        raise ValueError("pass topk (select by the indexer logits) or topk_indices (the selected keys), not both")
+    sel = None if topk_indices is None else _selected_keys(topk_indices, b, tq, tk, unbatched, logits.device)
 
     i = logits if logits.dtype == torch.float64 else logits.float()
     if i.numel() and bool((torch.isnan(i) | (i == float("inf"))).any()):
@@ -110,11 +172,10 @@ def indexer_kl(
     if topk is not None and topk < tk:
         top = torch.topk(i.detach(), k=topk, dim=-1).indices
         keep = keep & torch.zeros_like(keep).scatter(-1, top, True)
+    if sel is not None:
+        keep = keep & sel
     has_key = keep.any(dim=-1)
-    if bool((valid_q & ~has_key).any()):
-        bi, ti = (valid_q & ~has_key).nonzero()[0].tolist()
-        raise ValueError(f"valid query token (batch {bi}, position {ti}) has no key with a finite indexer logit")
-    active = valid_q  # every valid query has a kept key from here on
+    active = valid_q & has_key  # a query without a kept key: KL 0 by rule (module docstring)
 
     # Rows without any kept key get finite dummy logits so that no NaN enters the graph.
     i_safe = torch.where(keep, i, torch.where(has_key.unsqueeze(-1), float("-inf"), 0.0))

@@ -41,6 +41,7 @@ __all__ = [
     "Reduction",
     "Count",
     "mode_spec",
+    "check_mode",
     "check_fixed_length",
     "check_no_fixed_length",
     "reduce_units",
@@ -88,6 +89,13 @@ _ROWS: dict[Mode, tuple[Unit, Reduction, Count]] = {
 MODE_TABLE: Mapping[Mode, ModeSpec] = {
     m: ModeSpec(m, *_ROWS[m], formula=MODE_INFO[m][0], frameworks=MODE_INFO[m][1]) for m in MODES
 }
+
+
+def check_mode(mode: str) -> str:
+    """Return ``mode`` if it is one of :data:`MODES`, else raise ``ValueError`` listing the valid ones."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
+    return mode
 
 
 def mode_spec(mode: str) -> ModeSpec:

@@ -24,8 +24,8 @@ from ..options import MODE_INFO as _MODE_INFO
 from ..options import MODES as _MODES
 from ..options import Mode
 from ._checks import check_int, check_int_tensor, check_tensor, describe
-from .mode_table import MODE_TABLE, check_no_fixed_length, mode_spec, reduce_units
-from .stats import check_inputs, document_stats, masked_token_sum, rows_documents, sample_stats
+from .mode_table import MODE_TABLE, check_mode, check_no_fixed_length, mode_spec, reduce_units
+from .stats import check_inputs, document_stats, masked_token_sum, rows_documents, sample_stats, unit_count_map
 
 __all__ = [
     "DENOMINATOR_KEY",
@@ -47,13 +47,6 @@ MODE_INFO: Mapping[Mode, tuple[str, str]] = _MODE_INFO
 
 # Which global count (a field of Normalizers) divides each mode's numerators.
 DENOMINATOR_KEY: Mapping[str, str] = {m: spec.count for m, spec in MODE_TABLE.items()}
-
-
-def check_mode(mode: str) -> str:
-    """Return ``mode`` if it is one of :data:`MODES`, else raise ``ValueError`` listing the valid ones."""
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
-    return mode
 
 
 @dataclass(frozen=True)
@@ -105,39 +98,6 @@ def denominator(mode: str, norms: Normalizers, fixed_length: int | None = None) 
     return float(max(getattr(norms, mode_spec(mode).count), 1))
 
 
-def _per_unit(mode: str) -> bool:
-    return mode_spec(mode).per_unit
-
-
-def unit_count_map(
-    mode: str, mask: Tensor, segment_ids: Tensor | None = None, *, documents: tuple[Tensor, int] | None = None
-) -> Tensor | None:
-    """For the modes that normalize per unit (``per_sample``, ``per_document``, ``per_microbatch``): a
-    ``[b, S]`` map giving at every position the token count ``n`` of the unit (sample, document,
-    microbatch) that contains it, computed from whole rows; ``None`` for the other modes.
-
-    Context parallelism splits a row's columns over ranks; a shard's numerator is then
-    ``Σ_{shard positions} w·l / max(n_unit, 1)`` with ``n_unit`` read from this map, and the shards'
-    numerators add up to the unit's exact ``s_unit / max(n_unit, 1)``. ``documents``: the
-    ``rows_documents(segment_ids)`` of the rows when already known (the accountant numbers them at
-    ``begin_step``), which spares the numbering's host synchronization.
-    """
-    check_mode(mode)
-    if not _per_unit(mode):
-        return None
-    w = (mask if mask.dim() == 2 else mask.unsqueeze(0)).to(torch.float64)
-    if mode == "per_sample":
-        return w.sum(dim=-1, keepdim=True).expand_as(w)
-    if mode == "per_microbatch":
-        return w.sum().expand_as(w)
-    if segment_ids is None:
-        raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
-    doc, ndoc = rows_documents(segment_ids) if documents is None else documents
-    doc = doc.to(w.device).clamp(min=0)
-    n = torch.zeros(max(ndoc, 1), dtype=torch.float64, device=w.device).index_add(0, doc.flatten(), w.flatten())
-    return n[doc].view_as(w)
-
-
 def _check_arguments(
     mode: str, per_token_loss: Tensor, mask: Tensor, segment_ids: Tensor | None, fixed_length: int | None
 ) -> None:
@@ -178,7 +138,7 @@ def numerator(
     _check_arguments(mode, per_token_loss, mask, segment_ids if unit_counts is None else None, fixed_length)
     if unit_counts is not None:
         check_tensor("unit_counts", unit_counts)
-    if unit_counts is not None and _per_unit(mode):
+    if unit_counts is not None and mode_spec(mode).per_unit:
         if unit_counts.shape != mask.shape:
             raise ValueError(f"unit_counts shape {tuple(unit_counts.shape)} does not match mask {tuple(mask.shape)}")
         loss = per_token_loss
@@ -198,7 +158,7 @@ def _unit_stats(
         if segment_ids is None:
             raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
         return document_stats(loss, mask, segment_ids, documents=documents)
-    if not _per_unit(mode):
+    if not mode_spec(mode).per_unit:
         total = masked_token_sum(loss, mask)
         return total, total.new_ones(())
     s, n = sample_stats(loss, mask)

@@ -9,8 +9,12 @@ whose plain top-k contains ``e``, ``T`` tokens in the scope.
 
 Public path: ``lossparity.moe`` re-exports this module's ``__all__``; import the formulas from there.
 
-Masks: ``padding_mask`` is ``True`` at padding positions (Megatron ``z_loss_func`` convention); padded
-tokens neither count nor carry probability.
+Masks: ``keep_mask`` is ``True`` (or 1) at the tokens that count, the convention of every lossparity mask (loss
+masks, ``indexer_kl``'s ``mask``); the tokens it drops neither count nor carry probability. The older
+``padding_mask`` (``True`` = padding, Megatron ``z_loss_func``'s polarity) is still accepted for one release with a
+``DeprecationWarning``: pass ``keep_mask=~padding_mask``. What counts is the caller's choice: Megatron's and
+MindFormers' routers count every token the router sees (they ignore the loss mask, and Megatron drops only its
+``padding_mask``), so to match them pass the router's padding mask, not the loss mask (docs/moe.md).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ..options import SCORE_FUNCTIONS as _SCORE_FUNCTIONS
-from ..options import ScoreFunction, check_option
+from ..options import ScoreFunction, check_option, deprecated_padding_mask
 from ._checks import check_float_tensor as _check_float_tensor
 from ._checks import check_tensor as _check_tensor
 
@@ -81,20 +85,39 @@ def _check_num_experts(num_experts: int) -> None:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
 
 
-def _check_padding_mask(padding_mask: Tensor | None, leading: torch.Size, against: str) -> Tensor | None:
+def _token_mask(
+    keep_mask: Tensor | None, padding_mask: Tensor | None, leading: torch.Size, against: str, where: str
+) -> Tensor | None:
+    """The tokens to drop as a bool mask (``True`` = dropped) from ``keep_mask`` (``True`` = keep) or the
+    deprecated ``padding_mask`` (``True`` = padding, with a ``DeprecationWarning``); ``None`` when neither."""
+    if padding_mask is not None:
+        deprecated_padding_mask(where, keep_mask, stacklevel=3)
+        return _check_padding_mask(padding_mask, leading, against)
+    if keep_mask is None:
+        return None
+    keep = _check_padding_mask(keep_mask, leading, against, name="keep_mask", meaning="True = keep")
+    return None if keep is None else ~keep
+
+
+def _check_padding_mask(
+    padding_mask: Tensor | None,
+    leading: torch.Size,
+    against: str,
+    name: str = "padding_mask",
+    meaning: str = "True = padding",
+) -> Tensor | None:
     if padding_mask is None:
         return None
-    _check_tensor("padding_mask", padding_mask)
+    _check_tensor(name, padding_mask)
     if padding_mask.shape != leading:
         raise ValueError(
-            f"padding_mask shape {tuple(padding_mask.shape)} does not match the token dims "
-            f"{tuple(leading)} of {against}"
+            f"{name} shape {tuple(padding_mask.shape)} does not match the token dims {tuple(leading)} of {against}"
         )
     if padding_mask.dtype != torch.bool:
         if padding_mask.is_floating_point() or padding_mask.is_complex():
-            raise TypeError(f"padding_mask must be bool or integer 0/1, got dtype {padding_mask.dtype}")
+            raise TypeError(f"{name} must be bool or integer 0/1, got dtype {padding_mask.dtype}")
         if padding_mask.numel() and not bool(((padding_mask == 0) | (padding_mask == 1)).all()):
-            raise ValueError("padding_mask values must be 0 or 1 (True = padding)")
+            raise ValueError(f"{name} values must be 0 or 1 ({meaning})")
         padding_mask = padding_mask.bool()
     return padding_mask
 
@@ -120,12 +143,14 @@ def router_scores(logits: Tensor, score_function: ScoreFunction = "softmax") -> 
     ``softmax``: ``scores = probs = softmax(logits)``. ``sigmoid`` (DeepSeek-V3): ``scores =
     sigmoid(logits)`` (what expert selection and gates use) and ``probs[x,e] = scores[x,e] /
     (Σ_e' scores[x,e'] + 1e-20)`` (what the auxiliary losses use; the tiny constant, as in Megatron, only
-    avoids 0/0 when every sigmoid underflows). Computed in the dtype of ``logits``.
+    avoids 0/0 when every sigmoid underflows). ``sqrtsoftplus`` (DeepSeek-V4, Megatron-LM main):
+    ``scores = sqrt(softplus(logits)) = sqrt(log(1 + exp(logits)))``, ``probs`` normalized as for ``sigmoid``.
+    Computed in the dtype of ``logits``.
     """
     if score_function == "softmax":
         scores = torch.softmax(logits, dim=-1)
         return scores, scores
-    scores = torch.sigmoid(logits)
+    scores = torch.sigmoid(logits) if score_function == "sigmoid" else torch.nn.functional.softplus(logits).sqrt()
     return scores, scores / (scores.sum(dim=-1, keepdim=True) + _SIGMOID_EPS)
 
 
@@ -133,7 +158,8 @@ def router_probs(logits: Tensor, score_function: str = "softmax") -> Tensor:
     """Router scores ``p[x,e]`` used by the auxiliary losses, in float32 (float64 stays float64).
 
     ``softmax``: ``p[x,:] = softmax(logits[x,:])``. ``sigmoid`` (DeepSeek-V3): ``s = sigmoid(logits)``,
-    ``p[x,e] = s[x,e] / (Σ_e' s[x,e'] + 1e-20)`` (see :func:`router_scores`). ``logits`` is ``[..., E]``;
+    ``p[x,e] = s[x,e] / (Σ_e' s[x,e'] + 1e-20)``; ``sqrtsoftplus`` (DeepSeek-V4) the same with
+    ``s = sqrt(softplus(logits))`` (see :func:`router_scores`). ``logits`` is ``[..., E]``;
     the result has the same shape.
     """
     _check_scores("logits", logits)
@@ -154,16 +180,18 @@ def topk_routing_map(probs: Tensor, topk: int) -> Tensor:
     return torch.zeros(probs.shape, dtype=torch.bool, device=probs.device).scatter(-1, idx, True)
 
 
-def tokens_per_expert(routing_map: Tensor, padding_mask: Tensor | None = None) -> Tensor:
-    """Counts ``c_e = Σ_x m[x,e]`` over all non-padding tokens, as an int64 ``[E]`` tensor.
+def tokens_per_expert(
+    routing_map: Tensor, padding_mask: Tensor | None = None, *, keep_mask: Tensor | None = None
+) -> Tensor:
+    """Expert counts ``c_e = Σ_{x kept} m[x,e]``, as an int64 ``[E]`` tensor.
 
-    ``routing_map`` is ``[..., E]`` (bool or 0/1); ``padding_mask`` (``True`` = padding) has its
-    leading shape.
+    ``routing_map`` is ``[..., E]`` (bool or 0/1); ``keep_mask`` (``True`` = the token counts, default all)
+    has its leading shape. ``padding_mask`` (``True`` = padding) is the deprecated opposite polarity.
     """
     _check_tensor("routing_map", routing_map)
     if routing_map.dim() < 1:
         raise ValueError(f"routing_map must be [..., num_experts], got shape {tuple(routing_map.shape)}")
-    pm = _check_padding_mask(padding_mask, routing_map.shape[:-1], "routing_map")
+    pm = _token_mask(keep_mask, padding_mask, routing_map.shape[:-1], "routing_map", "tokens_per_expert")
     m = routing_map.bool()
     if pm is not None:
         m = m & ~pm.unsqueeze(-1)
@@ -184,15 +212,17 @@ def switch_load_balancing_loss(
     coeff: float,
     *,
     padding_mask: Tensor | None = None,
+    keep_mask: Tensor | None = None,
 ) -> Tensor:
-    """Switch load-balancing loss ``A = coeff · E/(k·T²) · Σ_e c_e · Σ_x p[x,e]`` (float32 scalar).
+    """Switch load-balancing loss ``A = coeff · E/(k·T²) · Σ_e c_e · Σ_x p[x,e]`` (float32 scalar), the
+    ``microbatch`` scope (Megatron and MindFormers ``aux_loss``) when counts and ``T`` are the microbatch's.
 
     ``probs`` ``[tokens, E]`` are the scores of the local tokens ``x``; ``tokens_per_expert`` ``[E]``
     are the counts ``c_e`` and ``total_num_tokens`` ``T > 0`` the token count, both at the chosen scope
     level (already reduced over ranks by the caller). At perfect balance over one token set the value
-    is exactly ``coeff``. Gradient flows only through ``probs`` (counts are detached). Rows of padding
-    tokens (``padding_mask`` True) carry no probability. Numerically equal to Megatron-LM's
-    ``switch_load_balancing_loss_func`` (same evaluation order).
+    is exactly ``coeff``. Gradient flows only through ``probs`` (counts are detached). Rows that
+    ``keep_mask`` drops (``False``) carry no probability (deprecated: ``padding_mask``, ``True`` =
+    padding). Numerically equal to Megatron-LM's ``switch_load_balancing_loss_func`` (same evaluation order).
     """
     _check_num_experts(num_experts)
     _check_scores("probs", probs, num_experts)
@@ -214,7 +244,7 @@ def switch_load_balancing_loss(
         t_val = total_num_tokens
     if isinstance(t_val, bool) or not isinstance(t_val, Real) or not math.isfinite(t_val) or t_val <= 0:
         raise ValueError(f"total_num_tokens must be a finite number > 0, got {total_num_tokens!r}")
-    pm = _check_padding_mask(padding_mask, probs.shape[:-1], "probs")
+    pm = _token_mask(keep_mask, padding_mask, probs.shape[:-1], "probs", "switch_load_balancing_loss")
     p = _wide(probs)
     if pm is not None:
         p = torch.where(pm.unsqueeze(-1), torch.zeros_like(p), p)
@@ -329,8 +359,10 @@ def _flatten_sequences(
     return x.reshape(-1, x.shape[-1]), gid, num_sequences
 
 
-def _valid_tokens(gid: Tensor, padding_mask: Tensor | None, token_shape: torch.Size, name: str) -> Tensor:
-    pm = _check_padding_mask(padding_mask, token_shape, name)
+def _valid_tokens(
+    gid: Tensor, padding_mask: Tensor | None, token_shape: torch.Size, name: str, keep_mask: Tensor | None, where: str
+) -> Tensor:
+    pm = _token_mask(keep_mask, padding_mask, token_shape, name, where)
     valid = gid >= 0
     return valid if pm is None else valid & ~pm.reshape(-1)
 
@@ -349,19 +381,23 @@ def sequence_tokens_per_expert(
     *,
     padding_mask: Tensor | None = None,
     num_sequences: int | None = None,
+    keep_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-sequence counts ``c[j,e] = Σ_{x in seq j} m[x,e]`` and ``n[j] = |seq j|`` (non-padding tokens).
 
     ``routing_map`` is ``[N, L, E]`` (each row a sequence; ``[L, E]`` is one sequence) or, with
     ``seq_ids``, any ``[..., E]`` whose tokens belong to sequence ``seq_ids[...]`` in
     ``0..num_sequences-1`` (``-1``: no sequence, e.g. padding; per-document ids come from
-    ``stats.rows_documents``). ``padding_mask`` (``True`` = padding) has the token shape
-    ``routing_map.shape[:-1]``. Returns int64 ``(c [G, E], n [G])``. Sum these over the context-parallel
-    shards of each sequence before passing them to ``sequence_load_balancing_loss(counts=...)``.
+    ``stats.rows_documents``). ``keep_mask`` (``True`` = the token counts; deprecated: ``padding_mask``,
+    ``True`` = padding) has the token shape ``routing_map.shape[:-1]``. Returns int64 ``(c [G, E], n [G])``.
+    Sum these over the context-parallel shards of each sequence before passing them to
+    ``sequence_load_balancing_loss(counts=...)``.
     """
     _check_tensor("routing_map", routing_map)
     m2, gid, g = _flatten_sequences(routing_map, seq_ids, num_sequences, "routing_map")
-    valid = _valid_tokens(gid, padding_mask, routing_map.shape[:-1], "routing_map")
+    valid = _valid_tokens(
+        gid, padding_mask, routing_map.shape[:-1], "routing_map", keep_mask, "sequence_tokens_per_expert"
+    )
     return _sequence_counts(m2, gid, g, valid)
 
 
@@ -376,6 +412,7 @@ def sequence_load_balancing_loss(
     padding_mask: Tensor | None = None,
     num_sequences: int | None = None,
     counts: tuple[Tensor, Tensor] | None = None,
+    keep_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """DeepSeek complementary sequence-wise balance loss, as ``(Σ_j A(X_j), number of sequences)``.
 
@@ -387,6 +424,9 @@ def sequence_load_balancing_loss(
     optionally supplies ``(c [G,E], n [G])`` already summed over the shards of each sequence (context
     parallel); ``probs`` is then the local shard only, and the sum over shards of the returned sums is the
     full-sequence loss (count each sequence on one shard only). Gradient flows only through ``probs``.
+    ``keep_mask`` (``True`` = the token counts; deprecated: ``padding_mask``) has the token shape.
+    The value (the mean) with an explicit ``[S, B]`` or ``[B, S]`` layout is
+    :func:`lossparity.losses.aux_scopes.seq_load_balancing_loss`.
     """
     _check_num_experts(num_experts)
     _check_scores("probs", probs, num_experts)
@@ -398,7 +438,7 @@ def sequence_load_balancing_loss(
     _check_topk(topk, num_experts)
     _check_nonneg("coeff", coeff)
     p2, gid, g = _flatten_sequences(probs, seq_ids, num_sequences, "probs")
-    valid = _valid_tokens(gid, padding_mask, probs.shape[:-1], "probs")
+    valid = _valid_tokens(gid, padding_mask, probs.shape[:-1], "probs", keep_mask, "sequence_load_balancing_loss")
     if counts is None:
         c, n = _sequence_counts(routing_map.reshape(-1, num_experts), gid, g, valid)
     else:
@@ -425,17 +465,20 @@ def sequence_load_balancing_loss(
 # ---------------------------------------------------------------------------------------------------
 
 
-def router_z_loss_sum(logits: Tensor, padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """``(Σ_x logsumexp(logits[x])², number of valid tokens)`` over the non-padding tokens, float32 / int64.
+def router_z_loss_sum(
+    logits: Tensor, padding_mask: Tensor | None = None, *, keep_mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``(Σ_{x kept} logsumexp(logits[x])², number of kept tokens)``, float32 / int64.
 
     Building block of the invariant z-loss ``β · Σ_x lse² / Ntok_global``: sum both values over
-    microbatches and ranks, then divide. ``logits`` is ``[..., E]``; ``padding_mask`` (``True`` = padding)
-    has its leading shape. Padding rows never enter the graph (a NaN there does not leak).
+    microbatches and ranks, then divide. ``logits`` is ``[..., E]``; ``keep_mask`` (``True`` = the token
+    counts; deprecated: ``padding_mask``, ``True`` = padding) has its leading shape. Dropped rows never
+    enter the graph (a NaN there does not leak).
     """
     _check_scores("logits", logits)
-    pm = _check_padding_mask(padding_mask, logits.shape[:-1], "logits")
+    pm = _token_mask(keep_mask, padding_mask, logits.shape[:-1], "logits", "router_z_loss_sum")
     x = _wide(logits).reshape(-1, logits.shape[-1])
-    total = router_z_loss_sums(x, padding_mask=None if pm is None else pm.reshape(-1))
+    total = router_z_loss_sums(x, keep_mask=None if pm is None else ~pm.reshape(-1))
     if pm is None:
         return total, torch.tensor(x.shape[0], dtype=torch.int64, device=x.device)
     return total, (~pm).sum(dtype=torch.int64)
@@ -447,26 +490,27 @@ def router_z_loss_sums(
     padding_mask: Tensor | None = None,
     weights: Tensor | None = None,
     valid: Tensor | None = None,
+    keep_mask: Tensor | None = None,
 ) -> Tensor:
     """``Σ_{x not padding} logsumexp(logits[..., x, :])²`` over the token dim (second to last): the one home
     of the z-loss term (semantics §5), for one layer ``[T, E]`` or stacked layers ``[L, T, E]`` (→ ``[L]``).
 
-    ``padding_mask [T]`` (bool, ``True`` = padding, as every function of this module) drops tokens; padding
-    rows never reach the sum (``where``, so a NaN in a padding row does not leak). ``weights [T]`` (0/1
-    floats, 1 = keep) instead multiplies (one matrix-vector product, the training path: padding rows must
-    then be finite). ``valid`` is the removed keyword of the opposite convention: passing it raises.
-    No validation, no host sync.
+    ``keep_mask [T]`` (bool, ``True`` = the token counts, as every lossparity mask) drops the other tokens;
+    they never reach the sum (``where``, so a NaN in a dropped row does not leak). ``weights [T]`` (0/1
+    floats, 1 = keep) instead multiplies (one matrix-vector product, the training path: dropped rows must
+    then be finite). ``padding_mask`` (``True`` = padding) is deprecated (``DeprecationWarning``); ``valid``
+    was a short-lived name of ``keep_mask`` and raises. No validation, no host sync.
     """
     if valid is not None:
-        raise TypeError(
-            "router_z_loss_sums: 'valid' (True = keep) was replaced by padding_mask (True = padding, the "
-            "convention of every lossparity.moe function): pass padding_mask=~valid"
-        )
+        raise TypeError("router_z_loss_sums: 'valid' was renamed keep_mask (True = the token counts): pass keep_mask=")
+    if padding_mask is not None:
+        deprecated_padding_mask("router_z_loss_sums", keep_mask, stacklevel=2)
+        keep_mask = ~padding_mask
     lse2 = torch.logsumexp(logits, dim=-1).square()
     if weights is not None:
         return lse2 @ weights
-    if padding_mask is not None:
-        lse2 = torch.where(padding_mask, torch.zeros_like(lse2), lse2)
+    if keep_mask is not None:
+        lse2 = torch.where(keep_mask, lse2, torch.zeros_like(lse2))
     return lse2.sum(dim=-1)
 
 
@@ -489,15 +533,19 @@ def router_z_loss_sums_and_grad(logits: Tensor, weights: Tensor, grad_scale: Ten
     return z, e.mul_(scale.div_(s))
 
 
-def router_z_loss(logits: Tensor, coeff: float, padding_mask: Tensor | None = None) -> Tensor:
-    """Router z-loss ``coeff · (1/|valid|) · Σ_{valid x} logsumexp(logits[x])²`` (float32 scalar).
+def router_z_loss(
+    logits: Tensor, coeff: float, padding_mask: Tensor | None = None, *, keep_mask: Tensor | None = None
+) -> Tensor:
+    """Router z-loss ``coeff · (1/|kept|) · Σ_{kept x} logsumexp(logits[x])²`` (float32 scalar).
 
-    The mean is over non-padding tokens (``padding_mask`` True = padding); an all-padding input gives
-    exactly 0. This is Megatron's per-microbatch ``z_loss_func`` (the parity form); the invariant form
-    uses ``router_z_loss_sum`` with a global count.
+    The mean is over the tokens ``keep_mask`` keeps (default all; deprecated: ``padding_mask``, ``True`` =
+    padding); an input with no kept token gives exactly 0. This is Megatron's per-microbatch ``z_loss_func``
+    (the parity form); the invariant form uses ``router_z_loss_sum`` with a global count.
     """
     _check_nonneg("coeff", coeff)
-    s, n = router_z_loss_sum(logits, padding_mask)
+    _check_scores("logits", logits)
+    pm = _token_mask(keep_mask, padding_mask, logits.shape[:-1], "logits", "router_z_loss")
+    s, n = router_z_loss_sum(logits, keep_mask=None if pm is None else ~pm)
     return s / n.clamp(min=1).to(s.dtype) * float(coeff)
 
 

@@ -23,7 +23,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from ..options import MTP_CONVENTIONS, MTPConvention, check_option
+from ..options import MTP_CONVENTIONS, MTP_LOG_ESTIMATORS, MTPConvention, MTPLogEstimator, check_option
 from ._checks import check_int, check_int_tensor, check_real, check_same_shape, check_tensor, describe
 from .modes import check_mode, numerator, objective
 from .stats import check_inputs, document_ids
@@ -37,7 +37,14 @@ __all__ = [
     "check_convention",
     "mtp_denominators",
     "mtp_scale",
+    "LOG_ESTIMATORS",
+    "token_mean",
+    "microbatch_mean",
+    "mtp_log_value",
+    "mtp_log_losses",
 ]
+
+LOG_ESTIMATORS: tuple[MTPLogEstimator, ...] = MTP_LOG_ESTIMATORS
 
 CONVENTIONS: tuple[MTPConvention, ...] = MTP_CONVENTIONS
 
@@ -67,6 +74,59 @@ def mtp_denominators(mode: str, convention: str, main_denominator: float, depth_
 def mtp_scale(weight: float, convention: str, depths: int) -> float:
     """The factor of the summed per-depth terms: ``λ/Dm`` (``own``/``main``), ``λ`` (``pooled``)."""
     return weight / (1 if convention == "pooled" else depths)
+
+
+def token_mean(loss_sum: float, tokens: float) -> float | None:
+    """The ``token_mean`` log estimator of a depth: ``S_k / Ntok_k`` (the global token mean), ``None``
+    (reported as missing) when ``Ntok_k = 0``. ``loss_sum``/``tokens`` are summed over microbatches and ranks."""
+    return None if tokens == 0 else loss_sum / tokens
+
+
+def microbatch_mean(local_means_sum: float, microbatches: float) -> float:
+    """The ``microbatch_mean`` log estimator (Megatron's tracker): ``(1/M) Σ_mb s_{k,mb} / max(n_{k,mb}, 1)``,
+    the mean over the ``M`` microbatches of every data-parallel (and CP) rank of their local token means;
+    ``local_means_sum`` is ``Σ_mb s_{k,mb}/max(n_{k,mb}, 1)``. 0 when ``M = 0``."""
+    return local_means_sum / max(microbatches, 1.0)
+
+
+def mtp_log_value(
+    estimator: str, loss_sum: float, tokens: float, local_means_sum: float, microbatches: float
+) -> float | None:
+    """The logged ``mtp_<k>_loss`` (not multiplied by ``λ``) under ``estimator``: :func:`token_mean` of
+    ``(S_k, Ntok_k)`` or :func:`microbatch_mean` of ``(Σ_mb local means, M)`` (semantics §4)."""
+    est = check_option("mtp_log_estimator", estimator, MTP_LOG_ESTIMATORS)
+    return token_mean(loss_sum, tokens) if est == "token_mean" else microbatch_mean(local_means_sum, microbatches)
+
+
+def mtp_log_losses(
+    losses: Sequence[Tensor],
+    masks: Sequence[Tensor],
+    *,
+    estimator: str = "token_mean",
+    microbatch_size: int | None = None,
+) -> list[float | None]:
+    """The logged ``mtp_<k>_loss`` of every depth on a whole global batch in one process: ``losses[k-1]`` and
+    ``masks[k-1]`` ``[N, S]`` (rolled, :func:`roll_mtp`). ``token_mean``: ``S_k / Ntok_k`` (``None`` without
+    tokens); ``microbatch_mean``: the rows cut into microbatches of ``microbatch_size`` rows, mean over them of
+    ``s_{k,mb} / max(n_{k,mb}, 1)`` (host floats: a log, not a hot path)."""
+    est = check_option("mtp_log_estimator", estimator, MTP_LOG_ESTIMATORS)
+    _check_depths(losses, masks)
+    out: list[float | None] = []
+    for k, (x, w) in enumerate(zip(losses, masks), start=1):
+        check_inputs(x, w, None, where=f"MTP depth {k}")
+        x2, w2 = (x, w) if x.dim() == 2 else (x.unsqueeze(0), w.unsqueeze(0))
+        lw = torch.where(w2 > 0, x2.double() * w2.double(), torch.zeros((), dtype=torch.float64))
+        if est == "token_mean":
+            out.append(token_mean(float(lw.sum()), float(w2.double().sum())))
+            continue
+        check_int("microbatch_size", microbatch_size, minimum=1)
+        assert microbatch_size is not None  # checked above
+        means = [
+            float(lw[i : i + microbatch_size].sum()) / max(float(w2[i : i + microbatch_size].double().sum()), 1.0)
+            for i in range(0, x2.shape[0], microbatch_size)
+        ]
+        out.append(microbatch_mean(sum(means), len(means)))
+    return out
 
 
 def pool_depths(xs: Sequence[Tensor]) -> Tensor:

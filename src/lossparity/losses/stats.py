@@ -2,6 +2,8 @@
 
 Pure tensor functions, no process groups. Every normalization mode of semantics §1 is a function of
 these statistics only, which is why they are the one place where per-token losses are reduced.
+:func:`unit_count_map` gives the counts at every position (the token count of the unit holding it), the
+input of the token weights (:mod:`lossparity.losses.token_weights`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._checks import describe
+from .mode_table import mode_spec
 
 __all__ = [
     "check_inputs",
@@ -22,6 +25,7 @@ __all__ = [
     "rows_documents",
     "count_documents",
     "masked_token_sum",
+    "unit_count_map",
 ]
 
 
@@ -203,3 +207,31 @@ def document_stats(
     s = torch.zeros(ndoc, dtype=l2.dtype, device=l2.device).index_add(0, idx, contrib.flatten())
     n = torch.zeros(ndoc, dtype=l2.dtype, device=l2.device).index_add(0, idx, w2.flatten())
     return s, n
+
+
+def unit_count_map(
+    mode: str, mask: Tensor, segment_ids: Tensor | None = None, *, documents: tuple[Tensor, int] | None = None
+) -> Tensor | None:
+    """For the modes that normalize per unit (``per_sample``, ``per_document``, ``per_microbatch``): a
+    ``[b, S]`` map giving at every position the token count ``n`` of the unit (sample, document,
+    microbatch) that contains it, computed from whole rows; ``None`` for the other modes.
+
+    Context parallelism splits a row's columns over ranks; a shard's numerator is then
+    ``Σ_{shard positions} w·l / max(n_unit, 1)`` with ``n_unit`` read from this map, and the shards'
+    numerators add up to the unit's exact ``s_unit / max(n_unit, 1)``. ``documents``: the
+    ``rows_documents(segment_ids)`` of the rows when already known (the accountant numbers them at
+    ``begin_step``), which spares the numbering's host synchronization.
+    """
+    if not mode_spec(mode).per_unit:
+        return None
+    w = (mask if mask.dim() == 2 else mask.unsqueeze(0)).to(torch.float64)
+    if mode == "per_sample":
+        return w.sum(dim=-1, keepdim=True).expand_as(w)
+    if mode == "per_microbatch":
+        return w.sum().expand_as(w)
+    if segment_ids is None:
+        raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
+    doc, ndoc = rows_documents(segment_ids) if documents is None else documents
+    doc = doc.to(w.device).clamp(min=0)
+    n = torch.zeros(max(ndoc, 1), dtype=torch.float64, device=w.device).index_add(0, doc.flatten(), w.flatten())
+    return n[doc].view_as(w)

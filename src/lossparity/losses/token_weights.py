@@ -32,9 +32,9 @@ import torch
 from torch import Tensor
 
 from ._checks import check_int, check_int_tensor, check_real, check_tensor, describe
-from .mode_table import check_fixed_length, mode_spec
-from .modes import check_mode, unit_count_map
+from .mode_table import check_fixed_length, check_mode, mode_spec
 from .mtp import check_convention, pool_depths, pool_ids
+from .stats import unit_count_map
 
 __all__ = ["token_weights", "mtp_token_weights"]
 
@@ -52,8 +52,9 @@ def token_weights(
     denominator`` for every per-token loss ``l`` (module table): ``w = mask / (max(n_unit, 1) ·
     denominator)`` for the unit modes (``n_unit`` the token count of the sample, document or microbatch
     holding the position, from ``unit_counts`` when given, e.g. whole-row counts under context
-    parallelism, else from these rows), ``mask / (L · denominator)`` for ``sample_sum_norm`` and
-    ``mask / denominator`` otherwise. ``mask`` is ``[b, S]`` or ``[S]`` of 0/1."""
+    parallelism, else from these rows; ``unit_counts`` with as many entries as ``mask`` is read in its
+    shape), ``mask / (L · denominator)`` for ``sample_sum_norm`` and ``mask / denominator`` otherwise.
+    ``mask`` is ``[b, S]`` or ``[S]`` of 0/1."""
     check_mode(mode)
     check_tensor("mask", mask, dims=(1, 2), shape_text="[b, S] or [S]")
     check_real("denominator", denominator, positive=True)
@@ -74,6 +75,8 @@ def token_weights(
         counts = unit_count_map(mode, w.reshape(-1, w.shape[-1]), seg2)
         assert counts is not None  # every unit mode has a count map
         unit_counts = counts.view_as(w)
+    elif unit_counts.shape != mask.shape and unit_counts.numel() == mask.numel():
+        unit_counts = unit_counts.reshape(mask.shape)  # whole-row counts of a [S] mask come as [1, S]
     elif unit_counts.shape != mask.shape:
         raise ValueError(f"unit_counts shape {tuple(unit_counts.shape)} does not match mask {tuple(mask.shape)}")
     return torch.where(w > 0, w / (unit_counts.to(torch.float64).clamp(min=1) * denominator), torch.zeros_like(w))

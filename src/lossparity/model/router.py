@@ -8,10 +8,12 @@ Three routing views of one forward (semantics §5):
 - ``dispatch_map``: top-k of ``scores + expert_bias`` (``scores`` = softmax, or the raw sigmoid): the
   experts that actually process the token.
 
-The bias only selects experts; the gate weights are the unbiased ``scores`` at the dispatched experts.
-For ``sigmoid`` they are renormalized over the ``k`` selected experts (DeepSeek-V3). For ``softmax`` they
-are the full-softmax probabilities, NOT renormalized over the selected experts (DeepSeek-V2, torchtitan
-``route_norm=False``): renormalizing would make top-1 routing blind to the LM-loss gradient.
+The bias only selects experts; the gate weights are the unbiased ``scores`` at the dispatched experts
+(:func:`lossparity.losses.router.gate_weights`). By default, for ``sigmoid``/``sqrtsoftplus`` they are
+renormalized over the ``k`` selected experts (DeepSeek-V3/V4). For ``softmax`` they are the full-softmax
+probabilities, NOT renormalized over the selected experts (DeepSeek-V2, torchtitan ``route_norm=False``):
+renormalizing would make top-1 routing blind to the LM-loss gradient. ``norm_topk_prob`` and
+``scaling_factor`` set both independently of the score function (Megatron, MindFormers).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..losses.moe import router_scores
+from ..losses.router import gate_weights, topk_routing
 from ..options import SCORE_FUNCTIONS, ScoreFunction, check_option
 from .recompute import is_recomputing
 
@@ -63,11 +66,24 @@ class Router(nn.Module):
     expert_bias: Tensor
     tokens_per_expert: Tensor
 
-    def __init__(self, dim: int, num_experts: int, topk: int, score_function: ScoreFunction, layer_id: int) -> None:
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        topk: int,
+        score_function: ScoreFunction,
+        layer_id: int,
+        *,
+        norm_topk_prob: bool | None = None,
+        scaling_factor: float = 1.0,
+    ) -> None:
         super().__init__()
         score_function = check_option("score_function", score_function, SCORE_FUNCTIONS)
         self.num_experts, self.topk, self.layer_id = num_experts, topk, layer_id
         self.score_function = score_function
+        # renormalize the gates over the selected experts: by default for sigmoid/sqrtsoftplus only
+        self.norm_topk_prob = score_function != "softmax" if norm_topk_prob is None else bool(norm_topk_prob)
+        self.scaling_factor = float(scaling_factor)
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
         nn.init.normal_(self.weight, std=1.0 / math.sqrt(dim))
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
@@ -90,7 +106,8 @@ class Router(nn.Module):
 
     def forward(self, x: Tensor, valid: Tensor | None = None) -> tuple[Tensor, RouterRecord]:
         """Route ``x [T, dim]``. Returns ``(gates [T, E], record)``: ``gates`` is 0 outside
-        ``dispatch_map`` and the unbiased score (normalized over the selected experts for sigmoid) inside.
+        ``dispatch_map`` and ``scaling_factor`` × the unbiased score (normalized over the selected experts with
+        ``norm_topk_prob``, by default for sigmoid and sqrtsoftplus) inside.
 
         Side effect: when autograd is enabled and this is not an activation-recompute re-run,
         ``tokens_per_expert += Σ_t dispatch_map[t] · valid[t]`` (``valid [T]`` bool, all True if None), so
@@ -102,10 +119,11 @@ class Router(nn.Module):
             logits = F.linear(x.to(dtype), weight.to(dtype))
             scores, probs = router_scores(logits, self.score_function)  # the aux losses' normalization
             plain = topk_map(probs.detach(), self.topk)
-            dispatch = topk_map(scores.detach() + self.expert_bias.to(dtype), self.topk)
-            gates = scores * dispatch
-            if self.score_function == "sigmoid":
-                gates = gates / gates.sum(dim=-1, keepdim=True)
+            _, dispatch = topk_routing(scores, self.topk, expert_bias=self.expert_bias.to(dtype))
+            # eps 0: the historical division by the plain sum (bit for bit the former gates)
+            gates = gate_weights(
+                scores, dispatch, normalize=self.norm_topk_prob, scaling_factor=self.scaling_factor, eps=0.0
+            )
         if torch.is_grad_enabled() and not is_recomputing():
             with torch.no_grad():
                 used = dispatch if valid is None else dispatch & valid.reshape(-1, 1)

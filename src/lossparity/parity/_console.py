@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import re
 
+from ..input_files import MAX_STEP
 from ._record import (
     LogParseError,
     Recorder,
+    console_step,
     decorated_number,
     int_step,
     is_number_array,
@@ -38,6 +40,8 @@ __all__ = [
     "read_torchtitan",
     "read_mindformers",
     "read_loss_export",
+    "titan_fields",
+    "mindformers_fields",
 ]
 
 
@@ -74,7 +78,7 @@ def _megatron_record(path: str, ln: int, text: str, rec: Recorder) -> None:
     m = _MEG_LINE_RE.search(text)
     if m is None:
         raise LogParseError(path, ln, "a Megatron line 'iteration N/ M | name: value | ...'")
-    step = int(m.group(1))
+    step = console_step(m.group(1), path, ln)
     rec.begin(step)
     for fld in m.group(3).split("|"):
         fld = fld.strip()
@@ -169,7 +173,41 @@ ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # "step:" as the first token of the message: after a log prefix ending in '-', ']' or '|', or at the start
 TITAN_START_RE = re.compile(r"(?:^|[-\]|])\s*step:")
 _TITAN_LINE_RE = re.compile(r"(?:^|[-\]|])\s*step:\s*(\d+)\s+(loss:.*)$")
-_TITAN_FIELD_RE = re.compile(r"([A-Za-z_][\w/]*):\s*(\S+)")
+_TITAN_KEY_RE = re.compile(r"[\w/]+")
+_KEY_START_RE = re.compile(r"[A-Za-z_]")
+_SPACES_RE = re.compile(r"\s*")
+_NON_SPACE_RE = re.compile(r"\S+")
+
+
+def _blank_end(text: str, pos: int) -> int:
+    """The position after the whitespace that starts at ``pos``."""
+    m = _SPACES_RE.match(text, pos)
+    return pos if m is None else m.end()
+
+
+def titan_fields(text: str) -> list[tuple[str, str]]:
+    """The ``(name, value)`` pairs ``name: value`` of a torchtitan line: a name is ``[A-Za-z_][\\w/]*``
+    right before a colon, the value the next run of non-space characters. What
+    ``re.findall(r"([A-Za-z_][\\w/]*):\\s*(\\S+)", text)`` returns, in time linear in the length (that
+    regex rescans a long word from each of its characters: quadratic)."""
+    out: list[tuple[str, str]] = []
+    pos, n = 0, len(text)
+    while pos < n:
+        run = _TITAN_KEY_RE.search(text, pos)
+        if run is None:
+            break
+        start = _KEY_START_RE.search(text, run.start(), run.end())
+        end = run.end()
+        if start is None or end >= n or text[end] != ":":
+            pos = end  # no start inside the run ends before a colon
+            continue
+        value = _NON_SPACE_RE.match(text, _blank_end(text, end + 1))
+        if value is None:
+            pos = end
+            continue
+        out.append((text[start.start() : end], value.group()))
+        pos = value.end()
+    return out
 
 
 def read_torchtitan(path: str, rec: Recorder) -> None:
@@ -185,9 +223,9 @@ def read_torchtitan(path: str, rec: Recorder) -> None:
         m = _TITAN_LINE_RE.search(line)
         if m is None:
             raise LogParseError(path, ln, "a torchtitan line 'step: N  loss: x  ...'")
-        step = int(m.group(1))
+        step = console_step(m.group(1), path, ln)
         rec.begin(step)
-        for key, text in _TITAN_FIELD_RE.findall(m.group(2)):
+        for key, text in titan_fields(m.group(2)):
             _put_field(rec, path, ln, step, key, text)
 
 
@@ -196,8 +234,46 @@ def read_torchtitan(path: str, rec: Recorder) -> None:
 
 MF_START_RE = re.compile(r"Epoch:\s*\[")
 _MF_LINE_RE = re.compile(r"Epoch:\s*\[\s*(\d+)\s*/\s*(\d+)\s*\]\s*,\s*step:\s*\[\s*(\d+)\s*/\s*(\d+)\s*\]\s*,?(.*)$")
-# "name: value" or, as some releases print global_norm, "name [value]" without the colon
-_MF_FIELD_RE = re.compile(r"([A-Za-z_][\w ]*?)\s*(?::\s*|\s(?=\[))(\[[^\]]*\]|[^,]*)")
+_MF_KEY_RE = re.compile(r"[A-Za-z_][\w ]*")
+
+
+def mindformers_fields(text: str) -> list[tuple[str, str]]:
+    """The ``(name, value)`` pairs of a MindFormers line: ``name: value`` or, as some releases print
+    global_norm, ``name [value]`` without the colon; a value is ``[...]`` or the text up to the next comma.
+    What ``re.findall(r"([A-Za-z_][\\w ]*?)\\s*(?::\\s*|\\s(?=\\[))(\\[[^\\]]*\\]|[^,]*)", text)`` returns, in
+    time linear in the length (that regex is quadratic on a long run of words without a colon)."""
+    out: list[tuple[str, str]] = []
+    pos, n = 0, len(text)
+    no_close_from = n + 1  # no ']' at or after this position (found once, never searched again)
+    while pos < n:
+        run = _MF_KEY_RE.search(text, pos)
+        if run is None:
+            break
+        start, end = run.start(), run.end()
+        after = _blank_end(text, end)  # the key's trailing blanks: its spaces, then any other whitespace
+        key_end = start + len(text[start:end].rstrip(" "))
+        if after < n and text[after] == ":":
+            value_at = _blank_end(text, after + 1)
+        elif after < n and text[after] == "[" and after > key_end:
+            value_at = after  # "name [value]"
+        else:
+            pos = end  # every start inside this run fails the same way
+            continue
+        key = text[start:key_end]
+        close = -1
+        if value_at < n and text[value_at] == "[" and value_at < no_close_from:
+            close = text.find("]", value_at + 1)
+            if close < 0:
+                no_close_from = value_at
+        if close >= 0:
+            out.append((key, text[value_at : close + 1]))
+            pos = close + 1
+        else:
+            comma = text.find(",", value_at)
+            stop = n if comma < 0 else comma
+            out.append((key, text[value_at:stop]))
+            pos = stop
+    return out
 
 
 def read_mindformers(path: str, rec: Recorder) -> None:
@@ -212,10 +288,13 @@ def read_mindformers(path: str, rec: Recorder) -> None:
         m = _MF_LINE_RE.search(line)
         if m is None:
             raise LogParseError(path, ln, "a MindFormers line '{ Epoch:[e/E], step:[s/S], loss: x, ...'")
-        epoch, step_in_epoch, per_epoch = int(m.group(1)), int(m.group(3)), int(m.group(4))
+        epoch, step_in_epoch = console_step(m.group(1), path, ln, "epoch"), console_step(m.group(3), path, ln)
+        per_epoch = console_step(m.group(4), path, ln, "steps per epoch")
         step = (epoch - 1) * per_epoch + step_in_epoch
+        if step >= MAX_STEP:
+            raise LogParseError(path, ln, f"a global step (epoch - 1)·steps per epoch + step below 2**53, got {step}")
         rec.begin(step)
-        for key, text in _MF_FIELD_RE.findall(m.group(5)):
+        for key, text in mindformers_fields(m.group(5)):
             key, text = key.strip(), text.strip()
             if key == "overflow cond":
                 if text not in ("True", "False"):
@@ -245,6 +324,6 @@ def read_loss_export(path: str, rec: Recorder) -> None:
         value = to_float(m.group(2)) if m else None
         if m is None or value is None:
             raise LogParseError(path, ln, f"'<step> <loss>' (two numbers), got {line.strip()!r}")
-        step = int(m.group(1))
+        step = console_step(m.group(1), path, ln)
         rec.begin(step)
         rec.put("loss", step, value, ln)

@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
+from ..input_files import MAX_STEP, InputFileError, bounded_step, capped_lines
 from .names import canonical_name, is_canonical
 
 __all__ = [
@@ -24,6 +25,8 @@ __all__ = [
     "is_number_array",
     "json_number",
     "int_step",
+    "console_step",
+    "input_error",
     "lines",
     "SAMPLES_KEYS",
 ]
@@ -31,10 +34,15 @@ __all__ = [
 SAMPLES_KEYS = ("consumed_samples", "consumed samples")
 
 
+_MAX_MESSAGE = 600
+
+
 class LogParseError(ValueError):
     """A log that cannot be read: names the file, the 1-based line (when known) and what was expected."""
 
     def __init__(self, path: str, line: int | None, expected: str, where: str | None = None):
+        if len(expected) > _MAX_MESSAGE:  # a quoted piece of a crafted line: the message stays one short line
+            expected = f"{expected[: _MAX_MESSAGE - 100]}... ({len(expected)} characters)"
         self.path, self.line, self.expected, self.where = str(path), line, expected, where
         loc = self.path if line is None else f"{self.path}:{line}"
         if where:
@@ -116,6 +124,15 @@ class Recorder:
         self._last_step: int | None = None
         self._last_by_metric: dict[str, int] = {}
         self.unreadable: dict[str, tuple[str, int]] = {}  # name -> (first "line N: 'raw: text'", count)
+        self._canonical: dict[str, str | None] = {}  # canonical_name of each raw name seen (called per value)
+
+    def canonical(self, raw: str) -> str | None:
+        """:func:`~.names.canonical_name` of ``raw`` with this log's name map (computed once per raw name)."""
+        try:
+            return self._canonical[raw]
+        except KeyError:
+            name = self._canonical[raw] = canonical_name(raw, self.name_map)
+            return name
 
     def note(self, text: str) -> None:
         """Record one sentence for ``Run.notes`` (said once)."""
@@ -155,7 +172,7 @@ class Recorder:
 
     def name(self, raw: str, line: int | None = None) -> str | None:
         """Canonical name of ``raw`` (``None``: dropped by the name map); two raw names for one metric raise."""
-        name = canonical_name(raw, self.name_map)
+        name = self.canonical(raw)
         if name is None:
             return None
         prev = self.raw_names.setdefault(name, raw)
@@ -215,28 +232,40 @@ class Recorder:
 
     def strict(self, raw: str) -> bool:
         """Whether the value of ``raw`` must be a plain number: canonical metrics and any ``*loss*``."""
-        name = canonical_name(raw, self.name_map) or raw
+        name = self.canonical(raw) or raw
         return is_canonical(name) or "loss" in raw.lower()
 
-    def run(self) -> Run:
-        """The collected :class:`Run` (series sorted by step, empty metrics left out)."""
+    def run(self, release: bool = False) -> Run:
+        """The collected :class:`Run` (series sorted by step, empty metrics left out). ``release``: the recorder
+        is done (a whole log was read): each series is sorted and its original released in turn, instead of
+        every series being held twice."""
         for name, (first, count) in self.unreadable.items():
             raw = self.raw_names.get(name, name)
             self.note(
                 f"{raw!r} ({name}): {count} value(s) that are not one number skipped (first at {first}); "
                 "the other fields of those lines were read"
             )
+        if release:  # each series sorted and its unsorted original released in turn
+            metrics = {}
+            for name in list(self.metrics):
+                values = self.metrics.pop(name)
+                if values:
+                    metrics[name] = dict(sorted(values.items()))
+                del values
+            self.metrics = {k: {} for k in metrics}  # the names stay known (raw_names below)
+        else:
+            metrics = {k: dict(sorted(v.items())) for k, v in self.metrics.items() if v}
         return Run(
             source=self.path,
             format=self.fmt,
-            metrics={k: dict(sorted(v.items())) for k, v in self.metrics.items() if v},
+            metrics=metrics,
             consumed_samples=dict(sorted(self.samples.items())),
             step_base=self.step_base,
             skipped_lines=self.skipped_lines,
             skipped_steps=set(self.skipped_steps),
             restarts=self.restarts,
             dropped_values=self.dropped,
-            raw_names={k: v for k, v in self.raw_names.items() if self.metrics.get(k)},
+            raw_names={k: v for k, v in self.raw_names.items() if metrics.get(k)},
             notes=list(self.notes),
             live=self.live,
             unreadable={k: first for k, (first, _) in self.unreadable.items()},
@@ -255,7 +284,8 @@ _NONFINITE = {
     "+infinity": math.inf,
     "-infinity": -math.inf,
 }
-_PLAIN_RE = re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$")
+# one way to match each number (no `\d+\.?\d*`, which backtracks quadratically on a long digit run)
+_PLAIN_RE = re.compile(r"^[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?$")
 # a console number with decoration: thousands separators, a unit or percent sign, a parenthesized remark
 _DECORATED_RE = re.compile(
     r"^([-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][-+]?\d+)?)(?:%|[A-Za-z/]+)?(?:\([^()]*\))?$"
@@ -281,16 +311,21 @@ def to_number(text: str) -> float | None:
     return to_float(t)
 
 
-_ARRAY_RE = re.compile(r"^\[\s*[^\[\],\s]+(?:\s*,?\s+|\s*,\s*)[^\[\]]*\]$")
+_ARRAY_SEP_RE = re.compile(r"[\s,]+")
 
 
 def is_number_array(text: str) -> bool:
     """Whether ``text`` is visibly several numbers in one pair of brackets (``[1 31049]``, ``[0.5, 2]``): a
-    value that is not one number, as opposed to a corrupted number (``4.6O72``, ``[4.6O72]``)."""
+    value that is not one number, as opposed to a corrupted number (``4.6O72``, ``[4.6O72]``). The
+    numbers are separated by spaces and commas, the first comes before any comma. Linear in the length
+    (a split, no backtracking regex)."""
     t = text.strip()
-    if not _ARRAY_RE.match(t):
+    if len(t) < 2 or t[0] != "[" or t[-1] != "]":
         return False
-    parts = [p for p in re.split(r"[\s,]+", t[1:-1]) if p]
+    inner = t[1:-1]
+    if "[" in inner or "]" in inner or inner.lstrip().startswith(","):
+        return False
+    parts = [p for p in _ARRAY_SEP_RE.split(inner) if p]
     return len(parts) >= 2 and all(to_float(p) is not None for p in parts)
 
 
@@ -310,31 +345,55 @@ def json_number(value: object) -> float | None:
     """Numeric value of a JSON scalar: numbers, and the strings ``nan``/``inf``; anything else ``None``."""
     if isinstance(value, bool):
         return None
-    if isinstance(value, (int, float)):
-        return float(value)
+    if isinstance(value, float):
+        return value
+    if isinstance(value, int):
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond float64 (JSON is parsed with long ints as floats already)
+            return math.inf if value > 0 else -math.inf
     if isinstance(value, str) and value.strip().lower() in _NONFINITE:
         return _NONFINITE[value.strip().lower()]
     return None
 
 
 def int_step(value: object) -> int | None:
-    """Integer step of a JSON/CSV value (``3``, ``3.0``, ``"3"``), or ``None``."""
-    if isinstance(value, bool):
-        return None
+    """Integer step of a JSON/CSV value (``3``, ``3.0``, ``"3"``) with ``|step| < 2**53``, or ``None``."""
     if isinstance(value, str):
-        v = to_float(value)
-        value = v if v is not None else value
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and math.isfinite(value) and value == int(value):
-        return int(value)
-    return None
+        value = to_float(value) if len(value) < 64 else None
+    return bounded_step(value)
+
+
+_MAX_STEP_DIGITS = len(str(MAX_STEP))
+
+
+def console_step(digits: str, path: str, line: int, what: str = "step") -> int:
+    """The step of a console line's digit run (matched by ``\\d+``); a number of ``2**53`` or more is a
+    :class:`LogParseError` naming file:line (never Python's int-digits error, never an int64 overflow)."""
+    value = int(digits) if len(digits) <= _MAX_STEP_DIGITS else MAX_STEP
+    if value >= MAX_STEP:
+        shown = digits if len(digits) <= 24 else f"{digits[:20]}... ({len(digits)} digits)"
+        raise LogParseError(path, line, f"a {what} below 2**53, got {shown}")
+    return value
 
 
 def lines(path: str) -> Iterator[tuple[int, str, bool]]:
     """``(1-based number, text without the line break, complete)`` of every line; ``complete`` is False only
-    for a last line that does not end with a newline (a log cut while being written)."""
-    with open(path, encoding="utf-8", errors="replace", newline="") as f:
-        for i, line in enumerate(f, start=1):
+    for a last line that does not end with a newline (a log cut while being written). Only a regular file
+    is read, and a line longer than :data:`lossparity.input_files.MAX_LINE_CHARS` is a
+    :class:`LogParseError` naming file:line."""
+    try:
+        for i, line in capped_lines(path):
             complete = line.endswith(("\n", "\r"))
             yield i, line.rstrip("\r\n").replace("\r", ""), complete
+    except InputFileError as e:
+        raise input_error(e) from None
+
+
+def input_error(e: InputFileError) -> LogParseError:
+    """The readers' own error for a file refused by :mod:`lossparity.input_files` (not a regular file, too
+    large, a line too long)."""
+    reason = e.reason
+    return LogParseError(
+        e.path, e.line, reason[len("expected ") :] if reason.startswith("expected ") else f"a log file ({reason})"
+    )

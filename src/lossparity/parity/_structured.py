@@ -12,10 +12,21 @@ import io
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from ._record import SAMPLES_KEYS, LogParseError, Recorder, _drop_from, int_step, json_number, lines, to_float
+from ..input_files import MAX_STEP, InputFileError, loads_json, open_regular, read_capped
+from ._record import (
+    SAMPLES_KEYS,
+    LogParseError,
+    Recorder,
+    _drop_from,
+    input_error,
+    int_step,
+    json_number,
+    lines,
+    to_float,
+)
 
 __all__ = [
     "read_jsonl",
@@ -38,9 +49,9 @@ _LFS_MAGIC = b"version https://git-lfs.github.com/spec/"
 def is_lfs_pointer(path: str) -> bool:
     """Whether ``path`` is a Git LFS pointer file (what a clone without git-lfs holds instead of the content)."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # never blocks on a FIFO, never reads a device
             return f.read(len(_LFS_MAGIC)) == _LFS_MAGIC
-    except OSError:
+    except (OSError, InputFileError):  # not a readable regular file: refused where it is read
         return False
 
 
@@ -68,23 +79,24 @@ def _json_value(
 # JSONL
 
 
-def _jsonl_objects(path: str, rec: Recorder) -> list[tuple[int, dict[str, object]]]:
-    out = []
+def _jsonl_objects(path: str, rec: Recorder) -> Iterator[tuple[int, dict[str, object]]]:
+    # one object at a time: the parsed objects of a long log are never all held at once
     for ln, line, complete in lines(path):
         if not line.strip():
             rec.skipped_lines += 1
             continue
         try:
-            obj = json.loads(line)
+            obj = loads_json(line)
         except json.JSONDecodeError as e:
             if not complete:
                 rec.torn(ln)
                 continue
             raise LogParseError(path, ln, f"one JSON object per line ({e.msg})") from None
+        except ValueError as e:  # nested too deeply
+            raise LogParseError(path, ln, f"one JSON object per line ({e})") from None
         if not isinstance(obj, dict):
             raise LogParseError(path, ln, "a JSON object")
-        out.append((ln, obj))
-    return out
+        yield ln, obj
 
 
 def _read_json_lines(path: str, rec: Recorder, step_key: str) -> None:
@@ -93,7 +105,7 @@ def _read_json_lines(path: str, rec: Recorder, step_key: str) -> None:
             raise LogParseError(path, ln, f"a JSON object with a {step_key!r} key")
         step = int_step(obj[step_key])
         if step is None:
-            raise LogParseError(path, ln, f"an integer {step_key!r}, got {obj[step_key]!r}")
+            raise LogParseError(path, ln, f"an integer {step_key!r} below 2**53, got {obj[step_key]!r}")
         if any(k.startswith(MAXTEXT_KEY_PREFIXES) for k in obj):
             rec.step_base = 0
         long_key = "metric" if "metric" in obj else "name" if "name" in obj else None
@@ -182,13 +194,19 @@ def _csv_rows(
 def _csv_text(path: str, rec: Recorder) -> str:
     """The file's text; a last row without a newline and with fewer cells than the header (a table still
     being written) is removed with a note."""
-    with open(path, encoding="utf-8-sig", errors="replace", newline="") as f:
-        text = f.read()
+    try:
+        text = read_capped(path).decode("utf-8-sig", errors="replace")
+    except InputFileError as e:
+        raise input_error(e) from None
     if text.endswith(("\n", "\r")) or "\n" not in text:
         return text
     head, _, last = text.rpartition("\n")
-    header = next(csv.reader([text.partition("\n")[0]]), [])
-    if len(next(csv.reader([last]), [])) < len(header):
+    try:
+        header = next(csv.reader([text.partition("\n")[0]]), [])
+        last_cells = next(csv.reader([last]), [])
+    except csv.Error as e:
+        raise LogParseError(path, None, f"a well-formed CSV table ({e})") from None
+    if len(last_cells) < len(header):
         rec.torn(head.count("\n") + 2)
         return head + "\n"
     return text
@@ -197,6 +215,13 @@ def _csv_text(path: str, rec: Recorder) -> str:
 def read_csv(path: str, rec: Recorder) -> None:
     """A table with a step column, e.g. a W&B export (see :mod:`lossparity.parity.readers`)."""
     reader = csv.reader(io.StringIO(_csv_text(path, rec), newline=""))
+    try:
+        _read_csv_table(path, reader, rec)
+    except csv.Error as e:  # a cell beyond csv's field size limit, a line break inside an unquoted cell
+        raise LogParseError(path, reader.line_num, f"a well-formed CSV row ({e})") from None
+
+
+def _read_csv_table(path: str, reader: Any, rec: Recorder) -> None:
     header = next(reader, None)
     if header is None:
         raise LogParseError(path, 1, "a CSV header row")
@@ -223,19 +248,25 @@ def read_csv(path: str, rec: Recorder) -> None:
 
 
 def load_json(path: str) -> object:
-    """The parsed JSON document; a broken or empty one raises naming line and column."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        text = f.read()
+    """The parsed JSON document (a regular file of at most
+    :data:`lossparity.input_files.MAX_DOCUMENT_BYTES`); a broken, empty or too deeply nested one raises
+    naming line and column."""
+    try:
+        text = read_capped(path).decode("utf-8", errors="replace")
+    except InputFileError as e:
+        raise input_error(e) from None
     if not text.strip():
         raise LogParseError(path, None, "a JSON document, got an empty file")
     try:
-        return json.loads(text)
+        return loads_json(text)
     except json.JSONDecodeError as e:
         raise LogParseError(
             path,
             e.lineno,
             f"valid JSON: the file is JSON but broken at line {e.lineno} column {e.colno} ({e.msg}; truncated?)",
         ) from None
+    except ValueError as e:  # nested too deeply
+        raise LogParseError(path, None, f"a JSON document ({e})") from None
 
 
 def _golden_items(path: str, metric: str, spec: dict[str, object]) -> list[tuple[int, object]]:
@@ -251,12 +282,13 @@ def _golden_items(path: str, metric: str, spec: dict[str, object]) -> list[tuple
         return items
     if not isinstance(values, list):
         raise LogParseError(path, None, "'values' as an object or a list", where=where)
-    try:
-        start, interval = int(spec["start_step"]), int(spec["step_interval"])  # type: ignore[call-overload]
-    except (KeyError, TypeError, ValueError):
+    start, interval = int_step(spec.get("start_step")), int_step(spec.get("step_interval"))
+    last = None if start is None or interval is None else start + (len(values) - 1) * interval + 1
+    if last is None or not (-MAX_STEP < last < MAX_STEP and start + 1 < MAX_STEP):  # type: ignore[operator]
         raise LogParseError(
-            path, None, "integer 'start_step' and 'step_interval' for a list of values", where=where
-        ) from None
+            path, None, "integer 'start_step' and 'step_interval' (steps below 2**53) for a list of values", where=where
+        )
+    assert start is not None and interval is not None
     # legacy list form: values[i] is TensorBoard event start + i·interval (0-based), i.e. iteration +1
     return [(start + i * interval + 1, v) for i, v in enumerate(values)]
 
@@ -360,21 +392,112 @@ def event_files(path: str) -> list[str]:
     return sorted(files, key=order)
 
 
-def _tb_series(acc: object, tensor_util: object) -> dict[str, list[tuple[int, float]]]:
-    tags = acc.Tags()  # type: ignore[attr-defined]
+# TensorFlow DataType numbers of real and integer tensors (float, double, int32, uint8, int16, int8, int64,
+# bfloat16, uint16, half, uint32, uint64): the dtypes a scalar summary can hold
+_TB_NUMERIC_DTYPES = frozenset({1, 2, 3, 4, 5, 6, 9, 14, 17, 19, 22, 23})
+_TB_MAX_DIMS = 8
+
+
+def _tb_scalar(proto: Any, tensor_util: Any) -> float | None:
+    """The value of a tensor summary holding one real or integer number; ``None`` for any other tensor.
+    The dtype and the shape are checked before the tensor is built: a crafted shape of ``2**40``
+    elements is never allocated, an unknown dtype never reaches ``make_ndarray``."""
+    dims = [d.size for d in proto.tensor_shape.dim]
+    if proto.dtype not in _TB_NUMERIC_DTYPES or len(dims) > _TB_MAX_DIMS or any(d != 1 for d in dims):
+        return None
+    try:
+        arr = tensor_util.make_ndarray(proto)
+        return float(arr.reshape(())) if arr.size == 1 and arr.dtype.kind in "fiu" else None
+    except Exception:  # noqa: BLE001 - a malformed tensor (content of the wrong length...) is not a scalar
+        return None
+
+
+def _tb_step(step: int, file: str, tag: str) -> int:
+    if not -MAX_STEP < step < MAX_STEP:
+        raise LogParseError(file, None, f"steps below 2**53, got {step}", where=f"tag {tag!r}")
+    return int(step)
+
+
+def _tb_series(acc: Any, tensor_util: Any, file: str) -> dict[str, list[tuple[int, float]]]:
+    tags = acc.Tags()
     series: dict[str, list[tuple[int, float]]] = {}
     for tag in tags.get("scalars", []):
-        series[tag] = [(int(e.step), float(e.value)) for e in acc.Scalars(tag)]  # type: ignore[attr-defined]
+        series[tag] = [(_tb_step(e.step, file, tag), float(e.value)) for e in acc.Scalars(tag)]
     for tag in tags.get("tensors", []):
         points = []
-        for e in acc.Tensors(tag):  # type: ignore[attr-defined]
-            arr = tensor_util.make_ndarray(e.tensor_proto)  # type: ignore[attr-defined]
-            if arr.size != 1 or arr.dtype.kind not in "fiu":
+        for e in acc.Tensors(tag):
+            value = _tb_scalar(e.tensor_proto, tensor_util)
+            if value is None:
                 break
-            points.append((int(e.step), float(arr.reshape(()))))
+            points.append((_tb_step(e.step, file, tag), value))
         else:
             series.setdefault(tag, points)
     return series
+
+
+class _CountingLoader:
+    """Wraps an event-file loader and counts the events it yields (it stops quietly at a damaged record)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.count = inner, 0
+
+    def Load(self) -> Any:  # noqa: N802 - the loader interface of tensorboard
+        for event in self.inner.Load():
+            self.count += 1
+            yield event
+
+
+_TB_MAX_CUT_RECORD = 64 * 1024 * 1024
+
+
+def _tfrecord_frames(file: str) -> tuple[int, str | None, bool]:
+    """Walk the TFRecord framing of an event file (8-byte length, its 4-byte masked CRC32C, data, 4-byte CRC):
+    ``(complete records, damage, cut)``. ``damage`` says where a length fails its checksum; ``cut``: the
+    file ends inside its last record (a write in progress or a copy cut short). Data checksums are left to
+    tensorboard's reader, which stops at the first bad one (compared by the caller)."""
+    import struct
+
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    records = 0
+    with open_regular(file) as f:
+        size = os.fstat(f.fileno()).st_size
+        pos = 0
+        while pos < size:
+            header = f.read(12)
+            if len(header) < 12:
+                return records, None, True
+            (length,) = struct.unpack("<Q", header[:8])
+            if struct.unpack("<I", header[8:])[0] != masked_crc32c(header[:8]):
+                return records, f"the length of record {records + 1} (byte {pos}) fails its checksum", False
+            pos += 12 + length + 4
+            if pos > size:
+                if length > _TB_MAX_CUT_RECORD:  # tensorboard's reader would allocate the declared length
+                    return records, f"record {records + 1} declares {length} bytes, the file ends first", False
+                return records, None, True
+            f.seek(pos)
+            records += 1
+    return records, None, False
+
+
+def _tb_check_frames(file: str, frames: tuple[int, str | None, bool], loaded: int | None, rec: Recorder) -> None:
+    """Say what a damaged event file lost: an error for damage inside the file, a note for a cut last record.
+    ``frames``: :func:`_tfrecord_frames` of the file; ``loaded``: the events tensorboard's reader yielded."""
+    records, damage, cut = frames
+    if damage is None and loaded is not None and loaded < records:
+        damage = f"record {loaded + 1} fails its data checksum"
+    if damage is not None:
+        raise LogParseError(
+            file,
+            None,
+            f"an intact TensorBoard event file: {damage}; the events after it cannot be read (damaged file)",
+        )
+    if cut:
+        rec.live = True
+        rec.note(
+            f"{file}: the last record is incomplete (cut after {records} complete records; the file may still "
+            "be written, or was copied before it was complete): ignored"
+        )
 
 
 def _tb_record(series: dict[str, list[tuple[int, float]]], rec: Recorder) -> None:
@@ -400,6 +523,10 @@ def read_tensorboard(path: str, rec: Recorder) -> None:
     if not files:
         raise LogParseError(path, None, "TensorBoard event files (*tfevents*)")
     for file in files:
+        try:
+            open_regular(file, "a regular TensorBoard event file").close()
+        except InputFileError as e:
+            raise input_error(e) from None
         if is_lfs_pointer(file):
             raise lfs_error(file, "a TensorBoard event file")
     try:
@@ -410,12 +537,20 @@ def read_tensorboard(path: str, rec: Recorder) -> None:
             f"reading the TensorBoard log {path} needs the 'tensorboard' package (lossparity[tensorboard])"
         ) from None
     for file in files:
+        frames = _tfrecord_frames(file)
+        if frames[1] is not None:  # damaged framing: refused before tensorboard's reader sees it
+            _tb_check_frames(file, frames, None, rec)
         acc = ea.EventAccumulator(file, size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
+        loader = getattr(acc, "_generator", None)
+        counting = _CountingLoader(loader) if hasattr(loader, "Load") else None
+        if counting is not None:
+            acc._generator = counting  # counts the events read: the loader stops quietly at damage
         try:
             acc.Reload()
         except Exception as e:  # corrupt records surface as assorted protobuf/IO errors
             raise LogParseError(file, None, f"a readable TensorBoard event file ({e})") from None
-        _tb_record(_tb_series(acc, tensor_util), rec)
+        _tb_check_frames(file, frames, None if counting is None else counting.count, rec)
+        _tb_record(_tb_series(acc, tensor_util, file), rec)
 
 
 READERS: dict[str, Callable[[str, Recorder], None]] = {

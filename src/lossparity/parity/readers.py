@@ -85,12 +85,13 @@ Conventions shared by all readers:
 from __future__ import annotations
 
 import csv
-import json
+import io
 import os
 from collections.abc import Callable, Mapping
 
+from ..input_files import InputFileError, check_regular, loads_json, open_regular
 from . import _console, _structured
-from ._record import LogParseError, Recorder, Run, to_float
+from ._record import LogParseError, Recorder, Run, input_error, to_float
 
 __all__ = ["FORMATS", "FORMAT_ALIASES", "LogParseError", "Run", "detect_format", "read_log"]
 
@@ -134,6 +135,7 @@ _READERS: dict[str, Callable[[str, Recorder], None]] = {
 
 _STEP_BASE = {"maxtext": 0}
 _DETECT_MAX_LINES = 5000
+_DETECT_MAX_CHARS = 1024 * 1024  # detection reads at most this much of the head of a file
 
 
 def _normalize_format(fmt: str) -> str:
@@ -167,8 +169,8 @@ def _detect_json(path: str, first: str) -> str | None:
     if not first.startswith("{"):
         return None
     try:
-        return _json_kind(json.loads(first))  # JSONL, or a document written on one line
-    except json.JSONDecodeError:
+        return _json_kind(loads_json(first))  # JSONL, or a document written on one line
+    except ValueError:  # not one JSON value per line (or nested too deeply): read as a document below
         pass
     kind = _json_kind(_structured.load_json(path))  # a pretty-printed document (raises when broken)
     if kind is None:
@@ -185,7 +187,10 @@ def _detect_json(path: str, first: str) -> str | None:
 def _detect_text(head_lines: list[str]) -> str | None:
     first = next((line.strip() for line in head_lines if line.strip()), "")
     if "," in first:
-        cols = [c.strip().strip('"').lower() for c in next(csv.reader([first]))]
+        try:
+            cols = [c.strip().strip('"').lower() for c in next(csv.reader([first]))]
+        except csv.Error:  # a header cell beyond csv's field size limit: not a table this reader reads
+            cols = []
         if any(c in _structured.CSV_STEP_COLUMNS for c in cols):
             return "csv"
     m = _console.LOSS_EXPORT_RE.match(first)
@@ -201,6 +206,21 @@ def _detect_text(head_lines: list[str]) -> str | None:
         if _console.TITAN_START_RE.search(_console.ANSI_RE.sub("", line)):
             return "torchtitan"
     return None
+
+
+def _head_lines(path: str) -> list[str]:
+    """The first :data:`_DETECT_MAX_LINES` lines of ``path``, at most :data:`_DETECT_MAX_CHARS` characters in
+    all (a longer line is cut there: detection looks at its start only)."""
+    head: list[str] = []
+    total = 0
+    with open_regular(path) as raw, io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline="") as f:
+        while len(head) < _DETECT_MAX_LINES and total < _DETECT_MAX_CHARS:
+            line = f.readline(_DETECT_MAX_CHARS - total)
+            if not line:
+                break
+            head.append(line)
+            total += len(line)
+    return head
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
@@ -222,12 +242,15 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         if _structured.event_files(p):
             return "tensorboard"
         raise LogParseError(p, None, "a directory with TensorBoard event files (*tfevents*)")
-    if _structured.is_lfs_pointer(p):
-        raise _structured.lfs_error(p, "a training log")
-    if "tfevents" in os.path.basename(p):
-        return "tensorboard"
-    with open(p, encoding="utf-8", errors="replace", newline="") as f:
-        head_lines = [line for _, line in zip(range(_DETECT_MAX_LINES), f)]
+    try:
+        check_regular(p, "a log file (a regular file) or a TensorBoard folder")
+        if _structured.is_lfs_pointer(p):
+            raise _structured.lfs_error(p, "a training log")
+        if "tfevents" in os.path.basename(p):
+            return "tensorboard"
+        head_lines = _head_lines(p)
+    except InputFileError as e:
+        raise input_error(e) from None
     first = next((line.strip() for line in head_lines if line.strip()), "")
     if not first:
         raise LogParseError(p, None, "a training log, got an empty file")
@@ -260,4 +283,4 @@ def read_log(
     key = detect_format(p) if fmt is None else _normalize_format(fmt)
     rec = Recorder(p, key, name_map, step_base=_STEP_BASE.get(key, 1))
     _READERS[key](p, rec)
-    return rec.run()
+    return rec.run(release=True)

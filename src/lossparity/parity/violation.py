@@ -15,7 +15,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .compare import CompareResult, MetricResult, Tolerance, _num
+from .compare_result import CompareResult, MetricResult, _num
+from .tolerance import Tolerance
 
 __all__ = ["REPORT_JSON", "REPORT_MD", "Violation", "violation_from_result", "write_violation_report"]
 

@@ -132,6 +132,11 @@ class TrainConfig:
     lr: float = _f(3e-3, "peak learning rate")
     min_lr: float = _f(3e-4, "learning rate at the last step (cosine decay)")
     warmup: int = _f(2, "linear warm-up steps")
+    decay_steps: int | None = _f(
+        None,
+        "step at which the cosine decay reaches min_lr, held after it (default: --steps; a resumed run keeps "
+        "the saved one: extending a run holds min_lr over the added steps)",
+    )
     weight_decay: float = _f(0.1, "AdamW weight decay of matrices")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this value (<= 0: no clipping)")
     seed: int = _f(0, "seed of the initialization and the synthetic data")
@@ -353,6 +358,7 @@ def check_field(name: str, value: Any) -> None:
         "warmup": 0,
         "ckpt_interval": 0,
         "fixed_length": 1,
+        "decay_steps": 1,
         **dict.fromkeys(_OPTIONAL_NON_NEGATIVE_INTS, 0),
     }.get(name)
     if low is not None and value is not None and value < low:

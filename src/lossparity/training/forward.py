@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ..distributed.accountant import Accountant
-from ..distributed.moe_accounting import ROUTER_TOKENS
+from ..distributed.moe.accounting import ROUTER_TOKENS
 from ..losses.cross_entropy import chunked_cross_entropy
 from ..losses.fused_cross_entropy import fused_linear_cross_entropy
 from ..losses.indexer import indexer_kl

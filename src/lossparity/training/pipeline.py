@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..distributed.accountant import Accountant
-from ..distributed.moe_accounting import MoEAccounting
+from ..distributed.moe.accounting import MoEAccounting
 from ..distributed.parallel_dims import ParallelDims
 from ..losses.mtp import roll_mtp
 from ..model import GPT

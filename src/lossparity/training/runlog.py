@@ -22,9 +22,10 @@ import os
 from typing import Any
 
 from ..atomic_io import atomic_write_bytes
-from .notes import Notify, warn_note
+from ..input_files import bounded_step, loads_json, read_capped
+from ..notes import Notify, warn_note
 
-__all__ = ["METRICS_FILE", "MetricsLog", "truncate_metrics"]
+__all__ = ["METRICS_FILE", "MetricsLog", "truncate_metrics", "check_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -45,13 +46,24 @@ def _parse_lines(path: str, data: bytes) -> tuple[list[tuple[int, bytes]], list[
         if not raw.strip():
             continue
         try:
-            step = json.loads(raw)["step"]
-        except (ValueError, KeyError, TypeError):
+            obj = loads_json(raw)
+        except ValueError:  # not JSON, or nested too deeply
+            obj = None
+        step = bounded_step(obj.get("step")) if isinstance(obj, dict) else None
+        if step is None or step < 0:
             raise ValueError(
-                f"{path}:{lineno}: not a metrics line (a JSON object with a 'step'); repair or remove the file"
-            ) from None
-        out.append((int(step), raw + b"\n"))
+                f"{path}:{lineno}: not a metrics line (a JSON object with an integer 'step' >= 0 below 2**53); "
+                "repair or remove the file"
+            )
+        out.append((step, raw + b"\n"))
     return out, notes
+
+
+def check_metrics(path: str) -> None:
+    """Raise unless ``path`` is a metrics file a resume can continue: a regular file of at most
+    :data:`lossparity.input_files.MAX_DOCUMENT_BYTES` (``InputFileError``) whose lines, a torn last one
+    aside, are JSON objects with an integer ``step`` (``ValueError`` naming ``path:line``). Reads only."""
+    _parse_lines(path, read_capped(path))
 
 
 def truncate_metrics(path: str, step: int) -> list[str]:
@@ -60,8 +72,7 @@ def truncate_metrics(path: str, step: int) -> list[str]:
     Returns notes for the user (dropped lines, torn line)."""
     if not os.path.exists(path):
         return []
-    with open(path, "rb") as f:
-        data = f.read()
+    data = read_capped(path)  # a regular file of bounded size (checked before the resume, read again here)
     lines, notes = _parse_lines(path, data)
     kept = [raw for s, raw in lines if s <= step]
     if len(kept) < len(lines):

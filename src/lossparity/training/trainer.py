@@ -16,36 +16,37 @@ One optimizer step (``train_step``) of data-parallel rank ``d``:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import sys
 import time
-import warnings
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..checkpoint.checkpointer import Checkpointer
 from ..distributed.accountant import Accountant
-from ..distributed.moe_accounting import MoEAccounting
+from ..distributed.moe.accounting import MoEAccounting
 from ..distributed.parallel_dims import ParallelDims
 from ..losses.cross_entropy import check_label_values
 from ..losses.logchannel import IntervalMean
 from ..losses.mtp import roll_mtp
 from ..losses.stats import sample_stats
-from ..model import GPT, RouterRecord, get_config
+from ..model import RouterRecord, get_config
 from ..model.context_parallel import ContextParallel
 from ..model.sequence_parallel import sp_shard
-from .checkpoint import Checkpointer
+from ..notes import Notify, warn_note
+from .build import build_model, build_moe_accounting, build_optimizer, wrap_engine
 from .config import TrainConfig
 from .data import IGNORE_INDEX, Batch, Corpus, JsonlCorpus, SyntheticCorpus, TextFileCorpus, global_batch, split_batch
 from .forward import LossForward, head_loss_fn, head_weights, indexer_share, microbatch_share, run_dtypes
 from .grads import clip_grad_norm, sum_replicated_grads_over_tp
-from .notes import Notify, warn_note
 from .parity_stop import make_guard, parity_check
 from .pipeline import PipelineRunner
-from .rundir import prepare_run_dir
+from .rundir import extended_config, prepare_run_dir
 from .runlog import MetricsLog
 
 if TYPE_CHECKING:
@@ -88,10 +89,13 @@ def _valid_tokens(mb: Batch) -> tuple[Tensor, Tensor]:
 
 
 def _lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine from ``lr`` to ``min_lr`` at the last step."""
+    """Learning rate of the step of index ``step`` (0-based): linear warm-up over ``warmup`` steps, then cosine
+    from ``lr`` to ``min_lr`` over ``E - warmup`` steps, ``min_lr`` from index ``E`` on, where ``E`` =
+    ``decay_steps`` (default ``steps``; an extended run keeps its saved ``E``: training/extend.py)."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    span = max(cfg.steps - cfg.warmup, 1)
+    end = cfg.steps if cfg.decay_steps is None else cfg.decay_steps
+    span = max(end - cfg.warmup, 1)
     t = min((step - cfg.warmup) / span, 1.0)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * t))
 
@@ -132,6 +136,7 @@ class Trainer:
         checkpointer. ``notify``: where rank 0's operational notes go (a checkpoint skipped on resume,
         metrics lines dropped); default a ``UserWarning``."""
         cfg = cfg.resolved()  # validated copy with the derived values (the caller's config is not changed)
+        cfg, extension_note = extended_config(cfg)  # --resume with more steps: the saved schedule is kept
         self.cfg = cfg
         self.model_config = get_config(cfg.model, **dict(cfg.model_overrides))
         self.dims = parallel_dims(cfg) if dims is None else _agreeing_dims(cfg, dims)
@@ -145,8 +150,8 @@ class Trainer:
             if self.dims.cp > 1
             else None
         )
-        self.raw = self._build_model()
-        self.model = self._wrap_engine(LossForward(self.raw))
+        self.raw, self.expert_params = build_model(cfg, self.model_config, self.dims, self.device, self.cp_ctx)
+        self.model = wrap_engine(self.raw, LossForward(self.raw), self.dims, self.world)
         self.corpus = build_corpus(cfg, self.model_config.vocab_size)
         self.acc = Accountant(
             cfg.mode,
@@ -159,101 +164,29 @@ class Trainer:
             dims=self.dims,
         )
         self.routers = self.raw.moe_routers()
+        moe_accounting = functools.partial(build_moe_accounting, cfg, self.model_config, self.acc)
         if self.model_config.indexer_layer is not None:
             self.acc.declare_metric("indexer_loss", "ratio", per_rank=self.dims.sp)
         self.pipeline = (
-            PipelineRunner(cfg, self.raw, self.acc, self.dims, self.device, self._moe_accounting)
+            PipelineRunner(cfg, self.raw, self.acc, self.dims, self.device, moe_accounting)
             if self.dims.pp > 1
             else None
         )
         # Under pipeline parallelism every chunk has its own MoE accounting (see training/pipeline.py).
         self.moe = (
-            self._moe_accounting(len(self.routers), log_layer_ids=[r.layer_id for r in self.routers])
+            moe_accounting(len(self.routers), log_layer_ids=[r.layer_id for r in self.routers])
             if self.pipeline is None
             else None
         )
-        self.optimizer = self._build_optimizer()
+        named = list(self.raw.named_parameters()) if self.pipeline is None else list(self.pipeline.params.items())
+        self.optimizer = build_optimizer(cfg, named, self.dims)
         self.notify: Notify = (notify or warn_note) if self.rank == 0 else _quiet
+        if extension_note:
+            self.notify(extension_note)
         self.checkpointer = self._build_checkpointer()
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.dump: SampleDumpWriter | None = None  # per-sample (n_i, s_i) writer of `lossparity gap`, opened by fit()
-
-    def _build_model(self) -> GPT:
-        """The model in the run's dtype (seeded: identical on every rank), then sharded: context
-        parallelism over ``cp``, tensor (and sequence) parallelism over the ``tp`` sub-mesh, routed experts
-        over the ``ep`` ranks (``self.expert_params``: their shards)."""
-        cfg = self.cfg
-        torch.manual_seed(cfg.seed)
-        raw = GPT(self.model_config)
-        raw.to(device=self.device, dtype=run_dtypes(cfg.dtype).params)
-        raw.enable_context_parallel(self.cp_ctx)
-        dims = self.dims
-        if dims.tp > 1:
-            from ..model.tensor_parallel import apply_tensor_parallel
-
-            # Under EP the experts stay whole on every TP rank (expert TP size 1) and EP shards them.
-            apply_tensor_parallel(raw, dims.submesh("tp"), sequence_parallel=dims.sp, shard_experts=dims.ep == 1)
-        self.expert_params: list[nn.Parameter] = []
-        if dims.ep > 1:  # routed experts sharded over the EP ranks; their gradients bypass the engine
-            from ..model.expert_parallel import apply_expert_parallel, expert_parameters
-
-            apply_expert_parallel(raw, dims.ep_mesh)
-            self.expert_params = expert_parameters(raw)
-        return raw
-
-    def _wrap_engine(self, fwd: LossForward) -> nn.Module:
-        """The gradient engine of ``dims.grad_engine``: FSDP2 (DTensor parameters sharded over DP,
-        gradients reduce-scattered and averaged, the accountant multiplies them by D), DDP over the
-        gradient group ``dp × cp``, or the plain module (the accountant sums gradients itself)."""
-        engine = self.dims.grad_engine
-        if self.world == 1 or engine == "plain":
-            return fwd
-        if engine == "fsdp":
-            from torch.distributed.fsdp import fully_shard
-
-            for block in [*self.raw.layers, *(m.block for m in self.raw.mtp)]:
-                fully_shard(cast(nn.Module, block))  # router buffers stay per-rank (FSDP does not sync them)
-            return cast(nn.Module, fully_shard(fwd))  # an FSDPModule is the module, sharded in place
-        # broadcast_buffers=False: the routers' dispatch counters are per-rank until end_step sums them.
-        # find_unused_parameters: an expert may receive no token of this rank's microbatch.
-        with warnings.catch_warnings():
-            # torch >= 2.12 deprecates broadcast_buffers; its replacement still syncs buffers at init.
-            warnings.simplefilter("ignore", FutureWarning)
-            return nn.parallel.DistributedDataParallel(
-                fwd, broadcast_buffers=False, find_unused_parameters=True, process_group=self.dims.grad_group
-            )
-
-    def _moe_accounting(self, num_layers: int, **kwargs: Any) -> MoEAccounting:
-        """MoE accounting of ``num_layers`` routers with the run's scope and coefficients."""
-        cfg, mc = self.cfg, self.model_config
-        return MoEAccounting(
-            self.acc,
-            num_layers,
-            max(mc.num_experts, 1),
-            max(mc.topk, 1) if mc.num_experts else 1,  # a dense model has no router: any valid k
-            scope=cfg.aux_scope,
-            aux_coeff=cfg.aux_coeff,
-            z_coeff=cfg.z_coeff,
-            z_form=cfg.z_form,
-            megatron_quirks=cfg.megatron_quirks,
-            **kwargs,
-        )
-
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW over the parameters this rank owns (weight decay on matrices only). ``foreach`` is off
-        under TP and EP: DTensor and plain parameters cannot share one foreach kernel."""
-        cfg = self.cfg
-        named = list(self.raw.named_parameters()) if self.pipeline is None else list(self.pipeline.params.items())
-        decay = [p for n, p in named if p.dim() >= 2]
-        no_decay = [p for n, p in named if p.dim() < 2]
-        return torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr,
-            betas=(0.9, 0.95),
-            eps=1e-8,
-            foreach=False if self.dims.tp > 1 or self.dims.ep > 1 else None,
-        )
 
     # ------------------------------------------------------------------ one step
     def mtp_weight(self, step: int) -> float:
@@ -397,7 +330,7 @@ class Trainer:
         pipe.end_step_moe(self.bias_rate(self.step), cfg.bias_zero_mean)
         return self._optimizer_step(pipe.grad_norm_and_clip(cfg.grad_clip), {}, t0)
 
-    # ------------------------------------------------------------------ state (training/checkpoint.py)
+    # ------------------------------------------------------------------ state (checkpoint/checkpointer.py)
     def _build_checkpointer(self) -> Checkpointer:
         return Checkpointer(
             self.raw,
@@ -447,6 +380,8 @@ class Trainer:
         step = self.checkpointer.restore(ckpt_dir)
         if step is not None:
             self.step = step
+            if self.rank == 0 and self.cfg.progress:  # which one, after any fallback notes above it
+                print(f"resumed from {self.checkpointer.loaded_path} (step {step})", flush=True)
         return step is not None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

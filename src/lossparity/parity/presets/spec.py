@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ...options import (
+    FRAMEWORK_AUX_SCOPES,
     AuxScope,
     GradReduction,
     Mode,
@@ -35,12 +36,7 @@ _VERL_MODES: dict[str, Mode] = {
     "seq-mean-token-sum": "sample_sum",
     "seq-mean-token-sum-norm": "sample_sum_norm",
 }
-_MEGATRON_LB: dict[str, AuxScope] = {
-    "aux_loss": "microbatch",
-    "seq_aux_loss": "sequence",
-    "global_aux_loss": "global_running",
-    "none": "none",
-}
+_MEGATRON_LB: dict[str, AuxScope] = FRAMEWORK_AUX_SCOPES["megatron"]  # public: lossparity.moe.aux_scope_for
 _QUIRKS = (
     "Megatron parity quirks (semantics §5) are reproduced only by lossparity's megatron preset: they "
     "matter with global_aux_loss (aux gradient 1/D of its logged value), with a router z-loss in MTP "
@@ -55,7 +51,7 @@ class Preset:
 
     ``mode``/``normalization``/``grad_reduction``/``mtp_convention``/``mtp_log_estimator`` are
     :class:`~lossparity.distributed.accountant.Accountant` arguments, ``aux_scope``/``z_form`` those of
-    :class:`~lossparity.distributed.moe_accounting.MoEAccounting`. ``has_mtp``/``has_router_z_loss``: the
+    :class:`~lossparity.distributed.moe.accounting.MoEAccounting`. ``has_mtp``/``has_router_z_loss``: the
     framework implements the feature at all. ``log_names``: the framework's names for lossparity's
     ``lm_loss`` (global token mean), ``objective`` and ``mtp_loss`` (per depth) when it logs them.
     ``aux_note``: how its load-balancing coefficient maps to lossparity's ``aux_coeff``.

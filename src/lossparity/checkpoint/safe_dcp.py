@@ -11,6 +11,7 @@ present as a tensor of the same global shape) before any rank reads data.
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any
 
@@ -20,9 +21,10 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from .checkpoint_format import CheckpointFormatError
+from ..input_files import InputFileError, open_regular
+from .format import CheckpointFormatError
 
-__all__ = ["SafeFileSystemReader", "check_metadata", "read_metadata_safely"]
+__all__ = ["SafeFileSystemReader", "check_metadata", "check_storage_paths", "read_metadata_safely"]
 
 _METADATA_CLASSES = {
     "Metadata",
@@ -69,13 +71,45 @@ def read_metadata_safely(path: str) -> dcp_metadata.Metadata:
     :class:`CheckpointFormatError` when it needs anything beyond the metadata classes or is not one."""
     meta_path = f"{path}/.metadata"
     try:
-        with open(meta_path, "rb") as f:
+        with open_regular(meta_path, "a checkpoint metadata file (a regular file)") as f:
             meta = _MetadataUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
+    except InputFileError as e:
+        raise CheckpointFormatError(str(e)) from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError, KeyError) as e:
         raise CheckpointFormatError(f"{meta_path}: not a checkpoint metadata file ({e}); not loaded") from None
     if not isinstance(meta, dcp_metadata.Metadata) or not isinstance(meta.state_dict_metadata, dict):
         raise CheckpointFormatError(f"{meta_path}: not a checkpoint metadata object ({type(meta).__name__})")
+    check_storage_paths(meta, path)
     return meta
+
+
+def check_storage_paths(meta: dcp_metadata.Metadata, path: str) -> None:
+    """Raise :class:`CheckpointFormatError` unless every storage entry of ``meta`` names a file inside the
+    checkpoint folder ``path`` (a relative path without ``..``, not absolute, not through a link that
+    leaves the folder) at a non-negative offset and length: the data of a checkpoint is never read from
+    elsewhere."""
+    storage = meta.storage_data
+    if storage is None:
+        return
+    if not isinstance(storage, dict):
+        raise CheckpointFormatError(f"{path}/.metadata: storage data is a {type(storage).__name__}, not a dict")
+    root = os.path.realpath(path)
+    for info in storage.values():
+        rel = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not isinstance(rel, str) or not rel or os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
+            raise CheckpointFormatError(
+                f"{path}/.metadata: storage path {rel!r} is not a file name inside the checkpoint folder; not loaded"
+            )
+        full = os.path.realpath(os.path.join(path, rel))
+        if os.path.commonpath([root, full]) != root:
+            raise CheckpointFormatError(
+                f"{path}/.metadata: storage path {rel!r} leads outside the checkpoint folder; not loaded"
+            )
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in (offset, length)):
+            raise CheckpointFormatError(
+                f"{path}/.metadata: storage of {rel!r} at offset {offset!r}, length {length!r}; expected integers >= 0"
+            )
 
 
 def check_metadata(meta: dcp_metadata.Metadata, flat_shapes: dict[str, tuple[int, ...]], path: str) -> None:

@@ -34,6 +34,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from ..input_files import open_regular
+
 __all__ = [
     "FORMAT",
     "VERSION",
@@ -82,8 +84,9 @@ def load_weights_only(path: str) -> Any:
     plain values (an unpickled object would run code) raises :class:`CheckpointFormatError` with the way
     to convert a trusted file of format 1."""
     try:
-        with _no_extra_safe_globals():
-            return torch.load(path, map_location="cpu", weights_only=True)
+        # a regular file only: a FIFO named step_<n>.pt would block the load, a device never end it
+        with open_regular(path, "a checkpoint file (a regular file)") as f, _no_extra_safe_globals():
+            return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         # torch's message names the refused global (e.g. "Unsupported global: GLOBAL posix.system")
         what = next((ln.strip() for ln in str(e).splitlines() if "global" in ln.lower()), "refused by weights_only")
@@ -196,6 +199,36 @@ def validate_rng_state(state: Any, where: str) -> None:
             raise _fail(f"{where}.cuda", f"expected a list, got {type(state['cuda']).__name__}")
         for i, t in enumerate(state["cuda"]):
             _tensor(t, f"{where}.cuda[{i}]", dtype=torch.uint8)
+            if t.dim() != 1:
+                raise _fail(f"{where}.cuda[{i}]", f"expected a 1-D tensor, got shape {list(t.shape)}")
+    _check_rng_values(state, where)
+
+
+def _check_rng_values(state: Mapping[str, Any], where: str) -> None:
+    """Each state is applied to a scratch generator (never the process's own): a value Python, NumPy or
+    torch refuses (a Mersenne word beyond 32 bits, a position past 624, a torch state of the wrong size)
+    fails here, while the checkpoint is still being chosen, instead of in :func:`set_rng_state` after."""
+    py, npy = state["python"], state["numpy"]
+    words = py["state"]
+    if bool((words[:-1] < 0).any()) or bool((words[:-1] >= 2**32).any()) or not 0 <= int(words[-1]) <= _PY_WORDS - 1:
+        raise _fail(f"{where}.python.state", "expected 624 32-bit unsigned words and a position in [0, 624]")
+    try:
+        random.Random().setstate((py["version"], tuple(int(w) for w in py["state"].tolist()), py["gauss_next"]))
+    except (ValueError, TypeError, OverflowError) as e:
+        raise _fail(f"{where}.python", f"not a state of Python's random ({e})") from None
+    keys = npy["keys"]
+    if bool((keys < 0).any()) or bool((keys >= 2**32).any()):
+        raise _fail(f"{where}.numpy.keys", "expected 32-bit unsigned words")
+    try:
+        np.random.RandomState().set_state(
+            (npy["kind"], keys.numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+        )
+    except (ValueError, TypeError, OverflowError) as e:
+        raise _fail(f"{where}.numpy", f"not a state of NumPy's RandomState ({e})") from None
+    try:
+        torch.Generator().set_state(state["torch"])
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise _fail(f"{where}.torch", f"not a state of torch's CPU generator ({' '.join(str(e).split())})") from None
 
 
 def _header(state: Any, keys: tuple[str, ...], path: str, name: str) -> None:

@@ -6,9 +6,9 @@ previous checkpoint intact and never a truncated file under a final name. ``late
 the name) is replaced the same way after the checkpoint itself. A multi-rank checkpoint is a
 ``torch.distributed.checkpoint`` folder ``step_<n>/`` (renamed into place by rank 0 after every rank
 wrote) plus one ``extra_rank<r>.pt`` per rank. Which checkpoints are kept and which one a resume loads
-(the newest intact one, by step number) is decided in ``training/rundir.py``.
+(the newest intact one, by step number) is decided in ``checkpoint/folder.py``.
 
-Loading never runs code (``training/checkpoint_format.py``, ``training/safe_dcp.py``): every ``.pt`` is
+Loading never runs code (``checkpoint/format.py``, ``checkpoint/safe_dcp.py``): every ``.pt`` is
 read with ``torch.load(weights_only=True)``, the DCP metadata with an unpickler restricted to its own
 classes, and the contents are validated against the model before anything is applied; a checkpoint that
 fails is skipped with a note naming it and why, in favour of the previous intact one.
@@ -20,7 +20,7 @@ import dataclasses
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +28,9 @@ import torch
 from torch import Tensor, nn
 
 from ..atomic_io import atomic_write, atomic_write_bytes
-from .checkpoint_format import (
+from ..notes import Notify, warn_note
+from .folder import load_newest_intact, rotate_checkpoints, sharded_checkpoint_intact
+from .format import (
     FORMAT,
     VERSION,
     CheckpointFormatError,
@@ -38,12 +40,10 @@ from .checkpoint_format import (
     validate_extra_state,
     validate_single_state,
 )
-from .notes import Notify, warn_note
-from .rundir import load_newest_intact, rotate_checkpoints, sharded_checkpoint_intact
 
 if TYPE_CHECKING:
-    from ..distributed.moe_accounting import MoEAccounting
-    from .config import TrainConfig
+    from ..distributed.moe.accounting import MoEAccounting
+    from ..training.config import TrainConfig
 
 __all__ = [
     "Checkpointer",
@@ -101,11 +101,15 @@ def save_checkpoint(directory: str, step: int, state: dict[str, Any], keep: int 
 
 
 def load_latest(
-    directory: str, validate: Callable[[Any, str], None] | None = None, notify: Notify = warn_note
+    directory: str,
+    validate: Callable[[Any, str], None] | None = None,
+    notify: Notify = warn_note,
+    loaded: Callable[[str], None] | None = None,
 ) -> dict[str, Any] | None:
     """The state of the newest intact checkpoint in ``directory``, read with ``weights_only=True`` and
     checked by ``validate(state, path)`` when given (a corrupt, pickled-object or invalid one falls back to
-    the previous one with a note through ``notify``, see ``training/rundir.py``), or ``None`` without one."""
+    the previous one with a note through ``notify``, see ``checkpoint/folder.py``), or ``None`` without one.
+    ``loaded`` is called with the path of the checkpoint read."""
 
     def load(path: str) -> Any:
         state = load_weights_only(path)
@@ -113,7 +117,7 @@ def load_latest(
             validate(state, path)
         return state
 
-    found = load_newest_intact(directory, load, notify)
+    found = load_newest_intact(directory, load, notify, loaded)
     return None if found is None else found[1]
 
 
@@ -164,12 +168,22 @@ def save_sharded_checkpoint(
     return final
 
 
-def _flat_shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """``{"model.<fqn>": global shape, ...}``: the keys DCP stores for ``state`` (nested dicts joined by dots)."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    flat, _ = flatten_state_dict(state)
-    return {k: tuple(v.shape) for k, v in flat.items() if isinstance(v, Tensor)}
+def _flat_shapes(state: Any, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """``{"model.<fqn>": global shape, ...}``: the keys under which ``torch.distributed.checkpoint`` stores
+    the tensors of ``state`` (mapping keys and list positions joined by dots, as its ``flatten_state_dict``
+    does; written here because that function is private to torch)."""
+    if isinstance(state, Tensor):
+        return {prefix: tuple(state.shape)}
+    if isinstance(state, Mapping):
+        items: Iterable[tuple[object, Any]] = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    else:
+        return {}  # plain values (learning rates, flags) are not tensors of the metadata
+    out: dict[str, tuple[int, ...]] = {}
+    for key, value in items:
+        out.update(_flat_shapes(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
 
 
 def _check_sharded(path: str, state: dict[str, Any]) -> dict[str, Any]:
@@ -227,12 +241,14 @@ def load_sharded_latest(
     *,
     state: dict[str, Any] | None = None,
     notify: Notify = warn_note,
+    loaded: Callable[[str], None] | None = None,
 ) -> dict[str, Any] | None:
     """Restore the newest intact :func:`save_sharded_checkpoint` into ``model``/``optimizer`` (resharding as
     ``torch.distributed.checkpoint`` does) and return this rank's validated ``extra`` (rank 0's when the
     checkpoint was written by fewer ranks); ``None`` without one. ``state``: load into this state dict in
     place instead (its keys and shapes say what to read; the caller applies it). Every rank takes the same
-    decision (a checkpoint any rank finds invalid is skipped by all, with a note through ``notify``)."""
+    decision (a checkpoint any rank finds invalid is skipped by all, with a note through ``notify``); ``loaded``
+    is called with the path of the checkpoint read."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -244,7 +260,7 @@ def load_sharded_latest(
         target: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     else:
         target = state
-    found = load_newest_intact(directory, lambda p: (p, _agree(lambda: _check_sharded(p, target))), notify)
+    found = load_newest_intact(directory, lambda p: (p, _agree(lambda: _check_sharded(p, target))), notify, loaded)
     if found is None:
         return None
     path, extra = found[1]
@@ -259,7 +275,7 @@ class Checkpointer:
     expert biases), the optimizer, the MoE accounting state, the step (the data position: batches are a
     function of the step), the RNG states and the configuration.
 
-    One process: one file of format 2 (``training/checkpoint_format.py``). Several ranks: a DCP folder in a
+    One process: one file of format 2 (``checkpoint/format.py``). Several ranks: a DCP folder in a
     layout-independent form (:meth:`distributed_state`: model and AdamW state by parameter FQN, MoE counts
     by layer id), so any multi-rank layout resumes from any other. ``moes``: the MoE accounting instances
     with their routers (one per pipeline chunk under PP); ``owned``: the FQNs this pipeline rank holds
@@ -279,6 +295,7 @@ class Checkpointer:
     ) -> None:
         self.model, self.optimizer, self.moes, self.cfg = model, optimizer, moes, cfg
         self.world, self.owned, self.notify = world, owned, notify
+        self.loaded_path: str | None = None  # the checkpoint the last restore read
 
     @property
     def sharded(self) -> bool:
@@ -374,20 +391,25 @@ class Checkpointer:
             return save_sharded_checkpoint(ckpt_dir, step, self.model, self.optimizer, extra, state=state)
         return save_checkpoint(ckpt_dir, step, self.state_dict(step, mtp_weight))
 
+    def _loaded(self, path: str) -> None:
+        self.loaded_path = path
+
     def restore(self, ckpt_dir: str) -> int | None:
         """Load the newest intact checkpoint of ``ckpt_dir`` (under any multi-rank layout from one of any
         other), skipping invalid ones with a note; returns its step, ``None`` when there is none."""
         if self.sharded:
             state = self.distributed_state()
             osd = state.pop("_osd")
-            extra = load_sharded_latest(ckpt_dir, self.model, self.optimizer, state=state, notify=self.notify)
+            extra = load_sharded_latest(
+                ckpt_dir, self.model, self.optimizer, state=state, notify=self.notify, loaded=self._loaded
+            )
             if extra is None:
                 return None
             self._apply_distributed_state({**state, "_osd": osd})
             if extra["world"] == self.world:  # RNG states are per rank (unused by the float64 runs)
                 set_rng_state(extra["rng"])
             return int(extra["step"])
-        single = load_latest(ckpt_dir, self.validate, self.notify)
+        single = load_latest(ckpt_dir, self.validate, self.notify, self._loaded)
         if single is None:
             return None
         return self.load_state_dict(single)

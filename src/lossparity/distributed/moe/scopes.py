@@ -13,32 +13,64 @@ Every load-balancing scope evaluates the one formula ``A(X) = Σ_e K_e(X)·P_e(X
 
 The z-loss forms (:class:`ZLossForm`) likewise only choose the divisor of ``Σ_x lse(x)²``. The common work
 (stacking the records, the token sums, the share and its gradient, the logs) stays in
-:class:`~lossparity.distributed.moe_accounting.MoEAccounting`, which owns one scope and one z form.
+:class:`~lossparity.distributed.moe.accounting.MoEAccounting`, which owns one scope and one z form.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..losses import moe as F_moe
-from ..options import AuxScope as AuxScopeName
-from ..options import ZForm
-from .moe_grad import GradPlan, token_sum
-
-if TYPE_CHECKING:
-    from .moe_accounting import MoEAccounting
+from ...losses import moe as F_moe
+from ...losses.aux_scopes import global_lagged_weights
+from ...options import AuxScope as AuxScopeName
+from ...options import ZForm
+from ..accountant import Accountant
+from .grad import GradPlan, token_sum
 
 # The strategies are the owner's parts: they call its private helpers (counts, row-group sums, switch weights).
+# ``ScopeOwner`` names exactly what they use, so this module does not import the accounting that owns them.
+
+
+class ScopeOwner(Protocol):
+    """What a scope or z form reads from its owner (:class:`~lossparity.distributed.moe.accounting.MoEAccounting`)."""
+
+    acc: Accountant
+    device: torch.device
+    num_layers: int
+    num_experts: int
+    num_slots: int
+    log_layers: int
+    topk: int
+    aux_coeff: float
+    z_coeff: float
+    megatron_quirks: bool
+    repeated_calls: int
+    lagged_counts: Tensor
+    lagged_tokens: float
+    _den_frac: float
+    _row_size: int
+
+    def _count(self, name: str) -> float: ...
+    def _local_microbatches(self) -> float: ...
+    def _log_scale(self) -> float: ...
+    def _row_sum(self, *parts: Tensor) -> list[Tensor]: ...
+    def _switch_weights(
+        self, counts: Tensor, t_counts: Tensor | float, t_probs: Tensor | float | None = None
+    ) -> Tensor: ...
+    def _z_weights(self, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]: ...
+    def _pair(self, w: Tensor, a: float, w2: Tensor, c: float) -> Tensor: ...
+
 
 ROUTER_TOKENS = "router_tokens"  # the accountant's count of the step's non-padding router tokens
 
 __all__ = [
     "ROUTER_TOKENS",
+    "ScopeOwner",
     "Microbatch",
     "ScopeSets",
     "LoadBalancingScope",
@@ -115,7 +147,7 @@ class LoadBalancingScope:
     needs_token_sums: ClassVar[bool] = True  # the sets include the whole microbatch: [2L, E] token sums
     counts_without_aux: ClassVar[bool] = False  # its counts are needed even with aux_coeff 0
 
-    def __init__(self, owner: MoEAccounting) -> None:
+    def __init__(self, owner: ScopeOwner) -> None:
         self.owner = owner
 
     @property
@@ -238,7 +270,7 @@ class GlobalLaggedScope(LoadBalancingScope):
     log_name = "global_load_balancing_loss"
     counts_without_aux = True
 
-    def __init__(self, owner: MoEAccounting) -> None:
+    def __init__(self, owner: ScopeOwner) -> None:
         super().__init__(owner)
         self._cache: dict[tuple[torch.dtype, torch.device, int], Tensor] = {}
         self._topk_counts = torch.zeros(owner.num_layers, owner.num_experts, dtype=torch.float64, device=owner.device)
@@ -266,7 +298,14 @@ class GlobalLaggedScope(LoadBalancingScope):
         if key not in self._cache:
             self._cache.clear()
             counts = o.lagged_counts.to(device=device, dtype=dtype)
-            self._cache[key] = o._switch_weights(counts, o.lagged_tokens, max(o._count(ROUTER_TOKENS), 1.0))
+            self._cache[key] = global_lagged_weights(
+                counts,
+                o.lagged_tokens,
+                max(o._count(ROUTER_TOKENS), 1.0),
+                topk=o.topk,
+                num_experts=o.num_experts,
+                coeff=o.aux_coeff,
+            )
         return self._cache[key]
 
     def step_counts(self) -> Tensor | None:
@@ -295,7 +334,7 @@ class GlobalRunningScope(LoadBalancingScope):
     name = "global_running"
     log_name = "global_load_balancing_loss"
 
-    def __init__(self, owner: MoEAccounting) -> None:
+    def __init__(self, owner: ScopeOwner) -> None:
         super().__init__(owner)
         slots, ne, dev = owner.num_slots, owner.num_experts, owner.device
         self._running = torch.zeros(slots, ne, dtype=torch.float64, device=dev)
@@ -356,7 +395,7 @@ SCOPE_CLASSES: dict[str, type[LoadBalancingScope]] = {
 }
 
 
-def make_scope(name: AuxScopeName, owner: MoEAccounting) -> LoadBalancingScope:
+def make_scope(name: AuxScopeName, owner: ScopeOwner) -> LoadBalancingScope:
     """The strategy of the (validated) scope ``name`` for ``owner``."""
     return SCOPE_CLASSES[name](owner)
 
@@ -368,7 +407,7 @@ class ZLossForm:
     name: ClassVar[ZForm]
     den_on_device: ClassVar[bool]  # the logged denominator is the router-token count (a device value)
 
-    def __init__(self, owner: MoEAccounting) -> None:
+    def __init__(self, owner: ScopeOwner) -> None:
         self.owner = owner
 
     def share(self, logits: Tensor, mb: Microbatch, plan: GradPlan) -> tuple[Tensor, Tensor, float]:
@@ -415,6 +454,6 @@ class MicrobatchZ(ZLossForm):
         return (zsum @ wz) * torch.cat([c.reshape(1), mean.reshape(1)]), zsum, o._den_frac / o._row_size
 
 
-def make_z_form(name: ZForm, owner: MoEAccounting) -> ZLossForm:
+def make_z_form(name: ZForm, owner: ScopeOwner) -> ZLossForm:
     """The strategy of the (validated) z-loss form ``name`` for ``owner``."""
     return (GlobalZ if name == "global" else MicrobatchZ)(owner)

@@ -1,4 +1,4 @@
-"""The logged values of :class:`~lossparity.distributed.moe_accounting.MoEAccounting` (semantics §5, §6).
+"""The logged values of :class:`~lossparity.distributed.moe.accounting.MoEAccounting` (semantics §5, §6).
 
 Logged names follow Megatron: each term divided by its coefficient and averaged over the model's MoE layers
 (``load_balancing_loss``, ``seq_load_balancing_loss``, ``global_load_balancing_loss``, ``z_loss``) and the
@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .accountant import Accountant
+from ..accountant import Accountant
 
 if TYPE_CHECKING:  # the model package imports the losses; these are only types here
-    from ..model.router import Router, RouterRecord
+    from ...model.router import Router, RouterRecord
 
 __all__ = ["MoEStepLog"]
 

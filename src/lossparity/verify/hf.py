@@ -32,8 +32,8 @@ from torch import Tensor, nn
 from ..integrations.hf import IGNORE_INDEX, shifted_labels
 from ..losses.hf_aux import hf_lagged_aux, hf_load_balancing_loss, hf_router_sums
 from ..losses.modes import MODES
-from .verify import Layout, parse_layout
-from .verify_hf_compare import compare_runs
+from .hf_compare import compare_runs
+from .layouts import Layout, parse_layout
 
 __all__ = [
     "HF_AUX_SCOPES",

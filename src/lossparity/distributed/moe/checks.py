@@ -1,4 +1,4 @@
-"""Argument and input checks of :class:`~lossparity.distributed.moe_accounting.MoEAccounting`: the rules
+"""Argument and input checks of :class:`~lossparity.distributed.moe.accounting.MoEAccounting`: the rules
 tying the MoE auxiliary terms to the accountant's normalization and to sharded sequences (semantics §5),
 and the shapes of the router records and routers it is handed. Each raises before any state changes.
 """
@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from ..options import Z_FORMS, AuxScope, ZForm, check_option, check_sharded_moe
-from .accountant import Accountant
-from .protocol import ProtocolError, StepState
+from ...options import Z_FORMS, AuxScope, ZForm, check_option, check_sharded_moe
+from ..accountant import Accountant
+from ..protocol import ProtocolError, StepState
 
 if TYPE_CHECKING:  # the model package imports the losses; these are only types here
-    from ..model.router import Router, RouterRecord
+    from ...model.router import Router, RouterRecord
 
 __all__ = [
     "check_coeff",

@@ -6,7 +6,7 @@ gradient gets, so that the objective is exactly the one semantics §5 defines. T
 over the MoE layers of a forward (one stacked ``[L, T, E]`` tensor per routing view).
 
 Which token sets and counts each scope and z-loss form uses is one strategy each in
-:mod:`lossparity.distributed.moe_scopes` (``microbatch``: the microbatch; ``sequence``: each row or
+:mod:`lossparity.distributed.moe.scopes` (``microbatch``: the microbatch; ``sequence``: each row or
 document; ``global_lagged``: the global batch with the previous step's counts; ``global_running``: Megatron's
 running-mean counts); this class does the work common to all of them.
 
@@ -21,7 +21,7 @@ numbers instead, including its documented deviations from semantics §5 (see :cl
 Every term is :func:`lossparity.losses.moe.switch_load_balancing_weights` (``A = Σ_e K_e·P_e``) or
 :func:`~lossparity.losses.moe.router_z_loss_sums_and_grad` evaluated on the scope's token set (one home per
 formula). Both are computed without an autograd graph and their gradients formed in the forward pass
-(:mod:`lossparity.distributed.moe_grad`).
+(:mod:`lossparity.distributed.moe.grad`).
 Per step the logged values and the objective contribution accumulate on the device and reach the
 accountant in :meth:`MoEAccounting.end_step`, together with the module's one collective (dispatch and
 top-k counts) and the expert-load metrics ``max_vio``. ``end_step`` is part of the accountant's protocol
@@ -49,10 +49,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..losses import moe as F_moe
-from ..options import AUX_SCOPES, Z_FORMS, AuxScope, ZForm, check_option
-from .accountant import Accountant
-from .moe_checks import (
+from ...losses import moe as F_moe
+from ...options import AUX_SCOPES, Z_FORMS, AuxScope, ZForm, check_option
+from ..accountant import Accountant
+from .checks import (
     check_coeff,
     check_int,
     check_normalization,
@@ -61,12 +61,13 @@ from .moe_checks import (
     check_routers,
     check_z_form,
 )
-from .moe_grad import GradPlan, ShareWithGrad, token_sum
-from .moe_logs import MoEStepLog
-from .moe_scopes import ROUTER_TOKENS, SCOPE_CLASSES, Microbatch, make_scope, make_z_form
+from .grad import GradPlan, ShareWithGrad, token_sum
+from .helpers import ScopeHelpers
+from .logs import MoEStepLog
+from .scopes import ROUTER_TOKENS, SCOPE_CLASSES, Microbatch, make_scope, make_z_form
 
 if TYPE_CHECKING:  # the model package imports the losses; these are only types here
-    from ..model.router import Router, RouterRecord
+    from ...model.router import Router, RouterRecord
 
 __all__ = ["SCOPES", "Z_FORMS", "LOG_NAMES", "ROUTER_TOKENS", "MoEAccounting"]
 
@@ -84,7 +85,7 @@ class MoEAccountingState(TypedDict):
 _END_STEP = "MoEAccounting.end_step(routers)"
 
 
-class MoEAccounting:
+class MoEAccounting(ScopeHelpers):
     """Auxiliary MoE losses of one model (or of one pipeline chunk) for one accountant (see the module docstring).
 
     Protocol per step: pass :meth:`router_tokens` of the step's microbatches to
@@ -212,18 +213,6 @@ class MoEAccounting:
             ),
         )
 
-    def _set_layer_weights(self) -> None:
-        nl, rep = self.num_layers, self.repeated_calls
-        w = torch.ones(nl, dtype=torch.float64)
-        if rep:
-            w[nl - rep :] = 1.0 / rep
-        self._w_aux = w  # a repeated layer's term is the mean over its calls (Megatron: aux / mtp_num_layers)
-        # Megatron divides a repeated MTP layer's z-loss by its calls only in the log (TODO in router.py).
-        self._w_zgrad = torch.ones(nl, dtype=torch.float64) if self.megatron_quirks else w
-        self._w_zlog = w
-        self._z_split = bool(rep) and self.megatron_quirks
-        self._wcache: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor, Tensor]] = {}
-
     def _init_state(self) -> None:
         nl, ne = self.num_layers, self.num_experts
         # global_lagged: previous step's global top-k counts and token count (uniform at step 0); the
@@ -244,28 +233,6 @@ class MoEAccounting:
                 raise TypeError(f"valid_masks[{i}] must be a torch.Tensor, got {type(v).__name__}")
             total += float((v > 0).sum())
         return {ROUTER_TOKENS: total}
-
-    def _weights(self, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-        key = (dtype, device)
-        if key not in self._wcache:
-            a, zg, zl = (w.to(device=device, dtype=dtype) for w in (self._w_aux, self._w_zgrad, self._w_zlog))
-            self._wcache[key] = (a, zg, zl)
-        return self._wcache[key]
-
-    def _count(self, name: str) -> float:
-        """A step count of the accountant (a host number read once at begin_step: no sync)."""
-        try:
-            return self.acc.global_count(name)
-        except KeyError:
-            raise KeyError(
-                f"MoEAccounting needs the count {name!r} of this step: pass "
-                "extra_counts=MoEAccounting.router_tokens(valids) to acc.begin_step"
-            ) from None
-
-    def _local_microbatches(self) -> float:
-        """``K``: microbatches of this rank (every data-parallel rank runs the same number)."""
-        n = self._count("microbatches")
-        return n if self.acc.normalization == "deferred" else n / self.acc.groups.dp_size
 
     def microbatch_loss(
         self, records: Sequence[RouterRecord], valid: Tensor, segment_ids: Tensor | None = None
@@ -383,49 +350,6 @@ class MoEAccounting:
             plan.set_scores(weights, wl[:, 0], sets.tokens, rows=sets.rows, index=sets.index)
         self._log.lb_den += sets.den
         return pair, terms
-
-    def _pre(self, tt: Tensor) -> Tensor | None:
-        """Megatron ``calculate_per_token_loss``: ``n_mb`` (deferred) or ``n_mb / Ntok`` (precount)."""
-        if not self.calculate_per_token_loss:
-            return None
-        return tt if self.acc.normalization == "deferred" else tt / max(self._count("tokens"), 1.0)
-
-    def _row_sum(self, *parts: Tensor) -> list[Tensor]:
-        """``parts`` summed over the row group (the ranks holding pieces of the same rows: context and
-        sequence parallelism) in one all-reduce; unchanged without such a group."""
-        if self._row_group is None:
-            return list(parts)
-        buf = torch.cat([p.reshape(-1) for p in parts])
-        dist.all_reduce(buf, group=self._row_group)
-        return [x.view(p.shape) for x, p in zip(buf.split([p.numel() for p in parts]), parts)]
-
-    def _switch_weights(
-        self, counts: Tensor, t_counts: Tensor | float, t_probs: Tensor | float | None = None
-    ) -> Tensor:
-        return F_moe.switch_load_balancing_weights(
-            counts, t_counts, t_probs, topk=self.topk, num_experts=self.num_experts, coeff=self.aux_coeff
-        )
-
-    def _log_scale(self) -> float:
-        """The logged load-balancing value per unit of share: ``1/(α·layers)`` (each term divided by its
-        coefficient, mean over the model's MoE layers)."""
-        return 1.0 / (self.aux_coeff * self.log_layers)
-
-    def _z_weights(self, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-        """Per-layer z-loss weights ``(gradient, logged)`` (they differ only for Megatron's repeated MTP layer)."""
-        _, w_grad, w_log = self._weights(dtype, device)
-        return w_grad, (w_log if self._z_split else w_grad)
-
-    def _pair(self, w: Tensor, a: float, w2: Tensor, c: float) -> Tensor:
-        """``[L, 2]`` columns ``w·a`` and ``w2·c``: one matrix-vector product gives (share, logged value)
-        of the per-layer terms (cached: the factors are constant within a step)."""
-        key = (w.dtype, w.device, id(w), a, id(w2), c)
-        out = self._pair_cache.get(key)
-        if out is None:
-            if len(self._pair_cache) > 64:  # factors that change every step (e.g. their token counts)
-                self._pair_cache.clear()
-            out = self._pair_cache[key] = torch.stack([w * a, w2 * c], dim=1)
-        return out
 
     # ---------------------------------------------------------------- end of step
     def end_step(

@@ -1,0 +1,153 @@
+"""Time and peak memory of every hostile input of issue 39 through the command line (a measurement, not a test).
+
+    nice -n 10 python scripts/measure_hostile_inputs.py [--rows 1-12] [--no-train]
+
+Rows 1-12 (``tests/_hostile.py``, row 12 at its full size: a 1,000,000-column CSV and a 590,000-step JSONL)
+run ``lossparity compare``; rows 13-17, 19 and 20 run ``lossparity train --resume`` on a damaged copy of a
+4-step run and ``lossparity convert-checkpoint`` on bad files (row 18 has no command-line case: a sharded
+checkpoint needs several ranks; its test calls the loader). Each command runs in its own process; the
+table gives its exit code, its stderr line count, its wall time and its peak resident memory (``wait4``),
+and the size of the input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import _hostile  # noqa: E402
+
+TRAIN = ["--steps", "4", "--ckpt-interval", "2", "--global-batch", "4", "--seq-len", "32", "--warmup", "1"]
+TRAIN += ["--no-progress", "--no-tensorboard"]
+
+
+_TIME = shutil.which("time") or "/usr/bin/time"
+
+
+def run(argv: list[str], timeout: float = 300.0) -> tuple[int, int, float, float]:
+    """``(exit code, stderr lines, seconds, peak MiB)`` of ``python -m lossparity ARGV``. The peak resident
+    memory is what GNU ``time -f %M`` reports for the command: a process started directly from this script
+    would inherit this script's own high-water mark (Linux keeps it across fork and exec)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    with tempfile.NamedTemporaryFile("r", suffix=".rss") as rss_file:
+        start = time.monotonic()
+        try:
+            proc = subprocess.run(
+                [_TIME, "-q", "-f", "%M", "-o", rss_file.name, sys.executable, "-m", "lossparity", *argv],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                env=env,
+                timeout=timeout,  # a hang guard
+            )
+            code, err = proc.returncode, proc.stderr.decode(errors="replace")
+        except subprocess.TimeoutExpired:
+            return -9, 0, time.monotonic() - start, float("nan")
+        seconds = time.monotonic() - start
+        text = rss_file.read().strip().splitlines()
+    rss = float(text[-1]) / 1024 if text and text[-1].isdigit() else float("nan")
+    return code, len(err.splitlines()), seconds, rss
+
+
+def _size(paths: list[str]) -> int:
+    total = 0
+    for p in paths:
+        if os.path.isdir(p):
+            total += sum(f.stat().st_size for f in Path(p).rglob("*") if f.is_file())
+        elif os.path.isfile(p):
+            total += os.path.getsize(p)
+    return total
+
+
+def train_cases(d: Path) -> list[tuple[int, str, list[str], list[str]]]:
+    """``(row, name, argv, files)`` of the run-folder and checkpoint rows, each on its own damaged copy."""
+    import torch
+
+    base = d / "base"
+    code, *_ = run(["train", *TRAIN, "--out", str(base)], timeout=900)
+    assert code == 0, "the base run failed"
+    cases = []
+
+    def copy(name: str) -> Path:
+        out = d / name
+        shutil.copytree(base, out, symlinks=True)
+        return out
+
+    def resume(row: int, name: str, out: Path, files: list[str]) -> None:
+        cases.append((row, name, ["train", *TRAIN, "--out", str(out), "--resume"], files))
+
+    out = copy("r13")
+    (out / "checkpoints" / "latest").unlink()
+    (out / "checkpoints" / "latest").symlink_to("/dev/zero")
+    resume(13, "latest_dev_zero", out, [])
+    out = copy("r14")
+    for name in ("step_00000002.pt", "step_00000004.pt"):
+        (out / "checkpoints" / name).unlink()
+    os.mkfifo(out / "checkpoints" / "step_00000004.pt")
+    resume(14, "only_checkpoint_fifo", out, [])
+    out = copy("r15")
+    (out / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    resume(15, "config_nested", out, [str(out / "config.json")])
+    out = copy("r16")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": Infinity}\n')
+    resume(16, "metrics_infinity", out, [str(out / "metrics.jsonl")])
+    out = copy("r17")
+    state = torch.load(out / "checkpoints" / "step_00000004.pt", weights_only=True)
+    state["rng"]["torch"] = torch.zeros(10, dtype=torch.uint8)
+    torch.save(state, out / "checkpoints" / "step_00000004.pt")
+    resume(17, "rng_torch_size", out, [])
+    out = copy("r19")
+    shutil.rmtree(out / "checkpoints")
+    (out / "checkpoints").write_text("x\n")
+    resume(19, "checkpoints_is_a_file", out, [])
+    bad = d / "r20"
+    bad.mkdir()
+    good = (base / "checkpoints" / "step_00000002.pt").read_bytes()
+    (bad / "step_00000001.pt").write_bytes(good[: len(good) // 2])
+    os.mkfifo(bad / "step_00000002.pt")
+    for f in sorted(bad.iterdir()):
+        cases.append((20, f"convert_{f.name}", ["convert-checkpoint", "--i-trust-these-files", str(f)], [str(f)]))
+    return cases
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1-12", help="log rows to run, e.g. 1-12 or 4,12 (default 1-12)")
+    p.add_argument("--no-train", action="store_true", help="skip rows 13-20 (they import torch and train once)")
+    args = p.parse_args()
+    rows: list[int] = []
+    for part in args.rows.split(","):
+        lo, _, hi = part.partition("-")
+        rows += range(int(lo), int(hi or lo) + 1)
+    print("| row | case | exit | stderr lines | seconds | peak MiB | input bytes |")
+    print("|---|---|---|---|---|---|---|")
+    worst_time = worst_mem = (0.0, "")
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        measured: list[tuple[int, str, list[str], list[str]]] = []
+        for row in rows:
+            for case in _hostile.ROWS[row](d):
+                measured.append((row, case.name, ["compare", *case.argv], case.argv))
+        if not args.no_train:
+            measured += train_cases(d)
+        for row, name, argv, files in measured:
+            code, lines, seconds, rss = run(argv)
+            print(f"| {row} | {name} | {code} | {lines} | {seconds:.2f} | {rss:.0f} | {_size(files)} |", flush=True)
+            worst_time = max(worst_time, (seconds, f"row {row} {name}"))
+            worst_mem = max(worst_mem, (rss, f"row {row} {name}"))
+    print(f"\nslowest: {worst_time[1]} {worst_time[0]:.2f} s")
+    print(f"largest peak memory: {worst_mem[1]} {worst_mem[0]:.0f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
