@@ -134,6 +134,27 @@ def _coefficients(mode: str, mask: Tensor, segment_ids: Tensor | None, fixed_len
     return torch.zeros_like(s) if c is None else c.detach()
 
 
+def _router_slots(chunks: list[torch.nn.Module], router_cls: Any, pp: int) -> tuple[dict[int, int], int]:
+    """A slot per MoE layer of the whole model, the same on every rank: with pipeline stages, the
+    routers' (MTP?, global layer number) keys are gathered once over the world."""
+    local = [
+        (id(m), ("mtp" in name.split("."), int(m.layer_number)))
+        for c in chunks
+        for name, m in c.named_modules()
+        if isinstance(m, router_cls)
+    ]
+    if pp == 1:
+        return {rid: i for i, (rid, _) in enumerate(local)}, len(local)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [key for _, key in local])
+    keys = sorted({tuple(k) for ks in gathered for k in ks})
+    return {rid: keys.index(key) for rid, key in local}, len(keys)
+
+
+def _row_size(ps: Any) -> int:
+    return int(ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size())
+
+
 class MoETerms:
     """Exact MoE (router aux, z-loss) and MTP terms for megatron-core training (module docstring).
 
@@ -165,7 +186,7 @@ class MoETerms:
         check_model_chunks(chunks, config)
         self._check_config(config, ps)
         # (with pipeline stages one collective: a stage without MoE layers is fine, a model without any is not)
-        self._slot, self.n_layers = self._slots(chunks, TopKRouter, ps.get_pipeline_model_parallel_world_size())
+        self._slot, self.n_layers = _router_slots(chunks, TopKRouter, ps.get_pipeline_model_parallel_world_size())
         if not self.n_layers:
             raise ValueError("model: no MoE layer (megatron TopKRouter) found; MoETerms needs a MoE model")
         self.alpha = float(config.moe_aux_loss_coeff or 0.0) if aux_scope != "none" else 0.0
@@ -178,7 +199,7 @@ class MoETerms:
         self.dp, self.cp = ps.get_data_parallel_world_size(), ps.get_context_parallel_world_size()
         self.cp_rank = ps.get_context_parallel_rank()
         self.cp_group = ps.get_context_parallel_group() if self.cp > 1 else None
-        self.row_group = ps.get_tensor_and_context_parallel_group() if self._row_size(ps) > 1 else None
+        self.row_group = ps.get_tensor_and_context_parallel_group() if _row_size(ps) > 1 else None
         # Megatron's own application is replaced: zero its coefficients (routers share this config).
         for cfg in {id(c): c for c in [config] + [r.config for r in self.routers]}.values():
             cfg._lossparity_moe_terms = True
@@ -205,23 +226,6 @@ class MoETerms:
         # context parallelism: per microbatch, per depth (0 = the LM term), (shard mask, shard coefficients)
         self._cp_tables: list[list[tuple[Tensor, Tensor]]] | None = None
 
-    @staticmethod
-    def _slots(chunks: list[torch.nn.Module], router_cls: Any, pp: int) -> tuple[dict[int, int], int]:
-        """A slot per MoE layer of the whole model, the same on every rank: with pipeline stages, the
-        routers' (MTP?, global layer number) keys are gathered once over the world."""
-        local = [
-            (id(m), ("mtp" in name.split("."), int(m.layer_number)))
-            for c in chunks
-            for name, m in c.named_modules()
-            if isinstance(m, router_cls)
-        ]
-        if pp == 1:
-            return {rid: i for i, (rid, _) in enumerate(local)}, len(local)
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, [key for _, key in local])
-        keys = sorted({tuple(k) for ks in gathered for k in ks})
-        return {rid: keys.index(key) for rid, key in local}, len(keys)
-
     def remove(self) -> None:
         """Remove the forward hooks (Megatron's coefficients stay zero on the config)."""
         for h in self._handles:
@@ -229,10 +233,6 @@ class MoETerms:
         self._handles = []
 
     # ------------------------------------------------------------------ configuration
-    @staticmethod
-    def _row_size(ps: Any) -> int:
-        return int(ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size())
-
     def _check_config(self, config: Any, ps: Any) -> None:
         if isinstance(getattr(config, "moe_aux_loss_coeff", 0.0), (list, tuple)):
             raise ValueError("config.moe_aux_loss_coeff: a list (several aux types) is not supported by MoETerms")
@@ -361,7 +361,7 @@ class MoETerms:
             )
             aux = (weights * sums).sum() / (self.dp * self.num_microbatches)
         elif self.aux_scope == "sequence":
-            aux = self._sequence_aux(hidden, top, p)
+            aux = _sequence_aux(self, hidden, top, p)
         else:
             aux = sums.sum() * 0.0
         z_sum = router_z_loss_sums(logits) / self._tokens
@@ -376,23 +376,6 @@ class MoETerms:
         acc[off + slot * e : off + (slot + 1) * e] += routing_map.reshape(-1, e).sum(dim=0).to(torch.float64)
         probs_out = _AttachGrad.apply(probs_out, term, self.router_weight, self.config)
         return probs_out, routing_map
-
-    def _sequence_aux(self, hidden: Tensor, top: Tensor, p: Tensor) -> Tensor:
-        """This shard's part of ``Σ_rows A(row) / N``: the router input is ``[s, b, H]`` (``s`` this rank's
-        TP-SP and CP part of each row), each row's top-k counts are all-reduced over the row group, and
-        ``A(row) = α·E/(k·L²)·Σ_e c_e(row)·Σ_{x in row} p[x,e]`` with ``L`` the whole row's length."""
-        if hidden.dim() != 3:
-            raise ValueError(f"router input: shape {tuple(hidden.shape)}; the sequence scope needs [s, b, H] rows")
-        s_loc, b, e = hidden.shape[0], hidden.shape[1], self.num_experts
-        counts = top.view(s_loc, b, e).sum(dim=0).to(torch.float64)  # [b, E]
-        length = torch.full((1,), float(s_loc), dtype=torch.float64, device=counts.device)
-        ct = torch.cat([counts.reshape(-1), length])
-        if self.row_group is not None:  # a row's tokens are split over TP-SP and CP
-            dist.all_reduce(ct, group=self.row_group)
-        weights = switch_load_balancing_weights(
-            ct[:-1].view(b, e), ct[-1], topk=self.topk, num_experts=e, coeff=self.alpha
-        ).to(p.dtype)
-        return (weights * p.view(s_loc, b, e).sum(dim=0)).sum() / self._rows
 
     # ------------------------------------------------------------------ MTP capture
     def _model_pre_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
@@ -520,3 +503,21 @@ class MoETerms:
         logs["z_loss"] = float(z_l.mean())
         logs["max_vio"] = float(max_violation(disp).mean())
         return logs
+
+
+def _sequence_aux(terms: MoETerms, hidden: Tensor, top: Tensor, p: Tensor) -> Tensor:
+    """This shard's part of ``Σ_rows A(row) / N``: the router input is ``[s, b, H]`` (``s`` this rank's
+    TP-SP and CP part of each row), each row's top-k counts are all-reduced over the row group, and
+    ``A(row) = α·E/(k·L²)·Σ_e c_e(row)·Σ_{x in row} p[x,e]`` with ``L`` the whole row's length."""
+    if hidden.dim() != 3:
+        raise ValueError(f"router input: shape {tuple(hidden.shape)}; the sequence scope needs [s, b, H] rows")
+    s_loc, b, e = hidden.shape[0], hidden.shape[1], terms.num_experts
+    counts = top.view(s_loc, b, e).sum(dim=0).to(torch.float64)  # [b, E]
+    length = torch.full((1,), float(s_loc), dtype=torch.float64, device=counts.device)
+    ct = torch.cat([counts.reshape(-1), length])
+    if terms.row_group is not None:  # a row's tokens are split over TP-SP and CP
+        dist.all_reduce(ct, group=terms.row_group)
+    weights = switch_load_balancing_weights(
+        ct[:-1].view(b, e), ct[-1], topk=terms.topk, num_experts=e, coeff=terms.alpha
+    ).to(p.dtype)
+    return (weights * p.view(s_loc, b, e).sum(dim=0)).sum() / terms._rows
