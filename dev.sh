@@ -32,13 +32,67 @@ ensure_env() {  # $1 = extras profile: main | test
   touch "$stamp"
 }
 
+# The Megatron integration tests also run against megatron-core 0.19.2, which needs Python >= 3.12, in a second
+# venv. On Python 3.12 the registry's torch==2.13.0 is a CUDA build; it runs on the CPU but imports only with the
+# CUDA libraries it links: those wheels alone (--no-deps), not cuda-toolkit/cuda-bindings/cusolver/cupti/nvtx/cudart.
+MEGATRON_VENV="${LOSSPARITY_MEGATRON_VENV:-.venv-megatron}"
+MEGATRON_TESTS=(  # the representative subset run in it (the full matrix: scripts/megatron_matrix.sh)
+  tests/integrations/test_integration_megatron.py
+  tests/integrations/test_integration_megatron_moe.py
+  tests/integrations/test_integration_megatron_ragged_cp.py
+  tests/integrations/test_integration_megatron_schedules.py
+  tests/integrations/test_integration_megatron_scopes.py
+)
+
+find_python312() {  # prints a Python 3.12 interpreter (PYTHON312, python3.12 on PATH, or pyenv's), or nothing
+  local c v
+  for c in "${PYTHON312:-}" python3.12; do
+    if [ -n "$c" ] && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
+      echo "$c"
+      return 0
+    fi
+  done
+  if command -v pyenv >/dev/null 2>&1; then
+    v="$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.|$)' | tail -1)"
+    [ -n "$v" ] && [ -x "$(pyenv root)/versions/$v/bin/python3.12" ] && echo "$(pyenv root)/versions/$v/bin/python3.12"
+  fi
+  return 0
+}
+
+ensure_megatron_env() {  # the Python 3.12 venv with megatron-core 0.19.2; returns 1 when no Python 3.12 exists
+  local py stamp pip
+  stamp="$MEGATRON_VENV/.lossparity-megatron-$( (cat pyproject.toml; declare -f ensure_megatron_env) | sha1sum | cut -c1-12)"
+  [ -f "$stamp" ] && return 0
+  py="$(find_python312)"
+  [ -n "$py" ] || return 1
+  # (called in an `if`, where set -e does not apply: each step returns on failure itself)
+  [ -x "$MEGATRON_VENV/bin/python" ] || "$py" -m venv "$MEGATRON_VENV" || return 1
+  pip="$MEGATRON_VENV/bin/pip"
+  "$pip" install -q --no-deps "torch==2.13.0" "triton==3.7.1" \
+    "nvidia-cudnn-cu13==9.20.0.48" "nvidia-cusparselt-cu13==0.8.1" "nvidia-nccl-cu13==2.29.7" \
+    "nvidia-nvshmem-cu13==3.4.5" "nvidia-cublas==13.1.1.3" "nvidia-cuda-nvrtc==13.0.88" "nvidia-cufft==12.0.0.61" \
+    "nvidia-cufile==1.15.1.6" "nvidia-curand==10.4.0.35" "nvidia-cusparse==12.6.3.3" "nvidia-nvjitlink==13.5.37" \
+    "megatron-core==0.19.2" || return 1
+  # torch's and megatron-core's pure-Python imports (setuptools: torch.utils.cpp_extension), and pytest
+  "$pip" install -q filelock "typing-extensions>=4.10.0" "sympy>=1.13.3" "networkx>=2.5.1" jinja2 "fsspec>=0.8.5" \
+    "setuptools>=77.0.3" numpy "packaging>=24.2" pytest || return 1
+  "$pip" install -q --no-deps -e . || return 1
+  touch "$stamp"
+}
+
+megatron_tests() {  # the Megatron subset against megatron-core 0.19.2 (a second pytest run)
+  if ! ensure_megatron_env; then
+    echo "megatron-core 0.19.2 tests: no venv (no Python 3.12 interpreter: set PYTHON312; or a step above failed)" >&2
+    return 1
+  fi
+  "$MEGATRON_VENV/bin/python" -m pytest -q -p no:cacheprovider "${MEGATRON_TESTS[@]}"
+}
+
 MAXTEXT_VENV="${LOSSPARITY_MAXTEXT_VENV:-.venv-maxtext}"
 ensure_maxtext_env() {  # Python 3.12 venv with MaxText 0.2.5 on CPU and lossparity without torch (tests/maxtext)
   if [ ! -x "$MAXTEXT_VENV/bin/python" ]; then
-    local c py=""  # a Python 3.12: $PYTHON312, python3.12 on PATH, or a pyenv-installed 3.12
-    for c in "${PYTHON312:-}" python3.12 "$(pyenv root 2>/dev/null || echo /nonexistent)"/versions/3.12*/bin/python3.12; do
-      if [ -n "$c" ] && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then py="$c"; break; fi
-    done
+    local py
+    py="$(find_python312)"
     [ -n "$py" ] || { echo "dev.sh: MaxText 0.2.5 needs Python 3.12 (set PYTHON312)" >&2; exit 2; }
     "$py" -m venv "$MAXTEXT_VENV"
   fi
@@ -91,14 +145,20 @@ case "$cmd" in
     else
       lint
       "$VENV/bin/python" -m pytest -q "$@"
-      maxtext_tests
+      if [ "$#" -eq 0 ]; then  # the whole suite: also the second environments (Python 3.12)
+        megatron_tests  # the Megatron subset against megatron-core 0.19.2
+        maxtext_tests  # the real MaxText 0.2.5 training loop
+      fi
     fi
     ;;
-  maxtext-test)
+  test-megatron)
+    megatron_tests
+    ;;
+  test-maxtext)
     maxtext_tests
     ;;
   *)
-    echo "usage: ./dev.sh main|test|lint|wheel|docs|maxtext-test [args...]" >&2
+    echo "usage: ./dev.sh main|test|test-megatron|test-maxtext|lint|wheel|docs [args...]" >&2
     exit 2
     ;;
 esac

@@ -7,6 +7,7 @@ layout the second step's logged values and gradients are compared with the same 
 (micro-batch size 2); the table prints the largest relative difference over ranks.
 
     PYTHONPATH=src python -m benchmarks.megatron_moe_parity [--layouts DP2,TP2+SP,CP2,TP2+SP×CP2,PP2]
+    PYTHONPATH=src python -m benchmarks.megatron_moe_parity --help
     PYTHONPATH=src python -m benchmarks.megatron_moe_parity --objective CP2,TP2+SP×CP2
 
 ``--objective``: every mode (per_token, per_sample, per_document), scope and ``calculate_per_token_loss``
@@ -18,8 +19,10 @@ Megatron's own CP attention needs Transformer Engine.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integrations"))
@@ -102,25 +105,72 @@ def objective_check(chosen: list[str]) -> None:
             print(f"| {name} | {case[0]} | {case[1]} | {case[2]} | {g_worst:.1e} | {l_worst:.1e} | {same} |")
 
 
-def main() -> None:
+ALL_LAYOUTS = {  # (world, tp, cp, pp) of each layout
+    "DP2": (2, 1, 1, 1),
+    "TP2+SP": (2, 2, 1, 1),
+    "CP2": (2, 1, 2, 1),
+    "TP2+SP×CP2": (4, 2, 2, 1),
+    "PP2": (2, 1, 1, 2),
+}
+
+
+def _layouts(text: str, known: Any) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown layout(s) {bad or text!r}; choose from {', '.join(known)}")
+    return names
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``--help`` prints it and runs nothing)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.megatron_moe_parity",
+        description="Megatron-core's own MoE aux / z-loss / MTP terms vs lossparity's MoETerms: each layout's "
+        "second step against the same system on one rank (a markdown table).",
+    )
+    parser.add_argument(
+        "--layouts",
+        type=lambda t: _layouts(t, ALL_LAYOUTS),
+        default=list(ALL_LAYOUTS),
+        help=f"comma-separated layouts to compare with one rank (default: all of {','.join(ALL_LAYOUTS)})",
+    )
+    parser.add_argument(
+        "--objective",
+        type=lambda t: _layouts(t, OBJECTIVE_LAYOUTS),
+        default=None,
+        help="instead: MoETerms against the hand-written objective, every mode, scope and flag, on these "
+        f"context-parallel layouts ({','.join(OBJECTIVE_LAYOUTS)})",
+    )
+    return parser.parse_args(argv)
+
+
+def megatron_version() -> str:
+    """The installed megatron-core release (its distribution's metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    print(
+        f"megatron-core {megatron_version()}, torch {__import__('torch').__version__}, Python {sys.version.split()[0]}"
+    )
     from _megatron_gpt_workers import run_megatron_own
 
     from lossparity.distributed.launch import spawn
 
-    if "--objective" in sys.argv:
-        objective_check(sys.argv[sys.argv.index("--objective") + 1].split(","))
+    if args.objective:
+        objective_check(args.objective)
         return
 
     flags = (True, False)
-    # (world, tp, cp) of each layout; ``--layouts CP2,...`` runs a subset (the one-rank reference always)
-    all_layouts = {
-        "DP2": (2, 1, 1, 1),
-        "TP2+SP": (2, 2, 1, 1),
-        "CP2": (2, 1, 2, 1),
-        "TP2+SP×CP2": (4, 2, 2, 1),
-        "PP2": (2, 1, 1, 2),
-    }
-    chosen = sys.argv[sys.argv.index("--layouts") + 1].split(",") if "--layouts" in sys.argv else list(all_layouts)
+    chosen = args.layouts
+    all_layouts = ALL_LAYOUTS
     one = spawn(run_megatron_own, 1, 1, _cases(flags, 2) + _cases((True,), 1), timeout_s=900)
     layouts = {
         name: spawn(run_megatron_own, world, tp, _cases(flags, 2), 8, 2, cp, pp, timeout_s=900)

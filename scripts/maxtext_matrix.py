@@ -1,7 +1,7 @@
 """Upstream MaxText vs lossparity.maxtext on the ragged 8-row batch of tests/maxtext (target lengths
 64, 48, 0, 8, 64, 1, 32, 16), step 0 of a tiny float32 model on CPU: GA × tunix × MTP × packed.
 
-Run in the MaxText venv (``./dev.sh maxtext-test`` creates it)::
+Run in the MaxText venv (``./dev.sh test-maxtext`` creates it)::
 
     DECOUPLE_GCLOUD=TRUE JAX_PLATFORMS=cpu nice .venv-maxtext/bin/python scripts/maxtext_matrix.py [--quick]
 

@@ -24,6 +24,10 @@ from torch import nn
 
 V, S, H, E, TOPK = 64, 32, 32, 4, 2
 ALPHA, BETA, LAM = 0.01, 0.001, 0.3
+# the pipeline model: 4 MoE layers (+ the MTP layer), tied embeddings (build_model(share=True)); gloo pairs
+# messages per peer in posting order, so with batch_p2p_comm=True PP2×VPP2 (previous and next stage on the
+# same rank) swaps same-shaped activations and gradients: the sends and receives go one by one
+DEEP = dict(num_layers=4, batch_p2p_comm=False)
 
 
 def install_cpu_bridges() -> None:
@@ -208,9 +212,11 @@ def make_config(tp=1, cp=1, per_token=True, recompute=None, **over):
     return TransformerConfig(**kw)
 
 
-def build_model(config, tp, full_state=None):
+def build_model(config, tp, full_state=None, vp_stage=None, share=False):
     """GPTModel, float64, the same weights for every layout (same seed, CPU master init then split).
-    Pipeline stages: this stage's part, its weights copied from ``full_state`` (the one-stage model's)."""
+    Pipeline stages: this stage's part (model chunk ``vp_stage`` under virtual stages, built like
+    Megatron-LM's model_provider: pre/post_process of the chunk, the MTP block on the last chunk of the last
+    stage), its weights copied from ``full_state`` (the one-stage model's). ``share``: tied embeddings."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -220,8 +226,10 @@ def build_model(config, tp, full_state=None):
         spec.submodules.self_attention.submodules.core_attention = CPGatherAttention
     from megatron.core import parallel_state as ps
 
-    pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if post else None
+    pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage) if post else None
+    extra = {"vp_stage": vp_stage} if vp_stage is not None else {}
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -231,24 +239,42 @@ def build_model(config, tp, full_state=None):
         position_embedding_type="rope",
         pre_process=pre,
         post_process=post,
+        share_embeddings_and_output_weights=share,
+        **extra,
     )
     gpt.double()
     if full_state is not None:
         with torch.no_grad():
-            for name, p in gpt.named_parameters():
-                p.copy_(full_state[global_name(name)])
+            tp_rank = ps.get_tensor_model_parallel_rank()
+            for name, p in params(gpt):
+                w = full_state[global_name(name, gpt)]
+                if getattr(p, "tensor_model_parallel", False) and tp > 1:  # this TP rank's part
+                    w = w.chunk(tp, dim=p.partition_dim)[tp_rank]
+                p.copy_(w)
     return CPUDDP(gpt, config)
 
 
-def global_name(name):
-    """The one-stage model's name of this pipeline stage's parameter (decoder layers are numbered per stage)."""
+def params(gpt):
+    """``gpt.named_parameters()`` less the output layer's own weight on a last stage that shares the embedding
+    and holds the MTP block: Megatron allocates it there but uses the embedding's weight (its gradient stays
+    None)."""
+    dead = gpt.share_embeddings_and_output_weights and getattr(gpt, "mtp_process", False) and not gpt.pre_process
+    for name, p in gpt.named_parameters():
+        if dead and name == "output_layer.weight":
+            assert p.grad is None, "the unused output_layer.weight got a gradient"
+            continue
+        yield name, p
+
+
+def global_name(name, gpt):
+    """The one-stage model's name of a parameter of the stage or chunk ``gpt`` (decoder layers are numbered
+    per chunk; each layer's ``layer_number`` is the global one, from 1)."""
     import re
 
-    from megatron.core import parallel_state as ps
+    def renumber(m):
+        return f"decoder.layers.{gpt.decoder.layers[int(m[1])].layer_number - 1}."
 
-    pp = ps.get_pipeline_model_parallel_world_size()
-    offset = ps.get_pipeline_model_parallel_rank() * (2 // pp)
-    return re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + offset}.", name)
+    return re.sub(r"^decoder\.layers\.(\d+)\.", renumber, name)
 
 
 def global_batch(step, n_rows=8):
@@ -261,6 +287,24 @@ def global_batch(step, n_rows=8):
     cut = torch.randint(2, S - 2, (n_rows, 1), generator=g)
     seg = torch.where(pos < cut, 1, 2)
     return tokens, labels, mask, seg
+
+
+def ragged_batch(step, n_rows=8):
+    """:func:`global_batch` with hostile rows for context parallelism (CP2: the row cut into 4 chunks of
+    ``S/4``, CP rank 0 holding chunks 0 and 3): microbatch 0 (rows 0, 1) has every LM and MTP loss token in
+    chunk 0, so CP rank 1 holds none of them; row 1 is packed with a third document without any loss token;
+    row 2's loss tokens all sit in chunk 1 (CP rank 1's)."""
+    tokens, labels, mask, seg = global_batch(step, n_rows)
+    c = S // 4
+    mask[0:3] = 0.0
+    mask[0, 1 : c - 1] = 1.0
+    mask[1, 0 : c - 1] = 1.0
+    seg[1] = torch.cat([torch.full((c // 2,), 1), torch.full((c - c // 2,), 2), torch.full((S - c,), 3)])
+    mask[2, c + 1 : 2 * c - 1] = 1.0
+    return tokens, labels, mask, seg
+
+
+BATCHES = {"random": global_batch, "ragged": ragged_batch}
 
 
 def _forward_step(loss_fn, data_iterator, model):
@@ -279,7 +323,9 @@ def full_grad(p, tp_group):
     return g.clone()
 
 
-def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=(), bad=False, cp=1, pp=1):
+def run_layout(
+    rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=(), bad=False, cp=1, pp=1, batch="random", depth=1
+):
     """For each case ``(mode, scope, per_token, recompute)``: two steps of Megatron's schedule with
     MoETerms; returns ``{case: [(logs, {name: full grad}), ...per step]}`` of this rank, and with
     ``naive`` (``(mode, scope)`` pairs) the hand-written objective of each pair under ``"naive"`` (rank 0)."""
@@ -291,12 +337,12 @@ def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=(), bad=F
         tensor_model_parallel_size=tp, context_parallel_size=cp, pipeline_model_parallel_size=pp
     )
     try:
-        res = {
-            case: _run_case(rank, world, tp, *case, n_rows=n_rows, mbs=mbs, steps=steps, cp=cp, pp=pp, full=full)
-            for case in cases
-        }
+        kw = dict(n_rows=n_rows, mbs=mbs, steps=steps, cp=cp, pp=pp, full=full, batch=batch, depth=depth)
+        res = {case: _run_case(rank, world, tp, *case, **kw) for case in cases}
         if naive and rank == 0:
-            res["naive"] = {pair: naive_reference((*pair, None, None), n_rows, mbs, steps) for pair in naive}
+            res["naive"] = {
+                pair: naive_reference((*pair, None, None), n_rows, mbs, steps, batch, depth=depth) for pair in naive
+            }
         if bad:
             res["bad"] = bad_inputs() if cp == 1 else bad_cp_inputs(cp)
         return res
@@ -304,12 +350,13 @@ def run_layout(rank, world, tp, cases, n_rows=8, mbs=2, steps=2, naive=(), bad=F
         ps.destroy_model_parallel()
 
 
-def _full_state():
+def _full_state(deep=False):
     """The one-stage model's weights, which every pipeline stage copies its part of."""
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel()
-    full = {n: p.detach().clone() for n, p in build_model(make_config(), 1).module.named_parameters()}
+    config = make_config(**DEEP) if deep else make_config()
+    full = {n: p.detach().clone() for n, p in build_model(config, 1, share=deep).module.named_parameters()}
     ps.destroy_model_parallel()
     return full
 
@@ -332,7 +379,24 @@ def _doc_namespace():
     return ns
 
 
-def _run_case(rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs, steps, cp=1, pp=1, full=None):
+def _run_case(
+    rank,
+    world,
+    tp,
+    mode,
+    scope,
+    per_token,
+    recompute,
+    *,
+    n_rows,
+    mbs,
+    steps,
+    cp=1,
+    pp=1,
+    full=None,
+    batch="random",
+    depth=1,
+):
     """``recompute="doc"``: no recompute, the step driven by the functions of docs/megatron.md;
     ``"bias"``: sigmoid router with aux-loss-free expert biases."""
     from megatron.core import parallel_state as ps
@@ -344,6 +408,8 @@ def _run_case(rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs
     over = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True) if recompute == "bias" else {}
     if pp > 1:
         over["pipeline_model_parallel_size"] = pp
+    if depth != 1:
+        over["mtp_num_layers"] = depth
     config = make_config(
         tp=tp, cp=cp, per_token=per_token, recompute=recompute if recompute in ("full", "selective") else None, **over
     )
@@ -353,23 +419,14 @@ def _run_case(rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs
     else:
         terms = MoETerms([model], config, aux_scope=scope)
         loss_fn = LossFunc(mode, config=config, terms=terms)
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    per_rank = n_rows // dp
-    num_mbs = per_rank // mbs
     out = []
     for step in range(steps):
-        tokens, labels, mask, seg = global_batch(step, n_rows)
-        rows = [slice(dp_rank * per_rank + k * mbs, dp_rank * per_rank + (k + 1) * mbs) for k in range(num_mbs)]
-        pos = torch.arange(S)[None, :].expand(mbs, -1)
-        whole = [(mask[r], seg[r]) for r in rows]  # begin_step takes the whole rows (context parallelism)
-        if cp > 1:
-            cp_rank = ps.get_context_parallel_rank()
-            tokens, labels, mask, seg, pos = (cp_shard(x, cp_rank, cp) for x in (tokens, labels, mask, seg, pos))
+        rows, (tokens, pos, labels, mask, seg), whole = microbatches(step, n_rows, mbs, batch)
         if doc:
             batches = [
                 {
                     "tokens": tokens[r],
-                    "position_ids": pos,
+                    "position_ids": pos[r],
                     "labels": labels[r],
                     "loss_mask": mask[r],
                     "segment_ids": seg[r],
@@ -380,14 +437,51 @@ def _run_case(rank, world, tp, mode, scope, per_token, recompute, *, n_rows, mbs
             ]
             logs = doc["train_step"]([model], terms, loss_fn, batches, S, mbs)
         else:
-            data = [(tokens[r], pos, labels[r], mask[r], seg[r]) for r in rows]
+            data = [(tokens[r], pos[r], labels[r], mask[r], seg[r]) for r in rows]
             logs = _step(terms, loss_fn, model, data, whole, mbs)
         tp_group = ps.get_tensor_model_parallel_group()
-        grads = {global_name(n): full_grad(p, tp_group) for n, p in model.module.named_parameters()}
+        grads = {global_name(n, model.module): full_grad(p, tp_group) for n, p in model.module.named_parameters()}
         biases = [m.expert_bias.clone() for m in model.modules() if getattr(m, "expert_bias", None) is not None]
         out.append((logs, grads, biases))
         model.zero_grad_buffer()
     return out
+
+
+def microbatches(step, n_rows, mbs, batch="random"):
+    """This rank's microbatch row slices, the batch's ``(tokens, pos, labels, mask, seg)`` (this CP rank's
+    shard, cut by Megatron's own ``get_batch_on_this_cp_rank``) and the whole rows ``(mask, seg)`` of each
+    microbatch (what ``terms.begin_step`` takes)."""
+    from megatron.core import parallel_state as ps
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    per_rank = n_rows // dp
+    tokens, labels, mask, seg = BATCHES[batch](step, n_rows)
+    rows = [slice(dp_rank * per_rank + k * mbs, dp_rank * per_rank + (k + 1) * mbs) for k in range(per_rank // mbs)]
+    pos = torch.arange(S)[None, :].expand(n_rows, -1)
+    whole = [(mask[r], seg[r]) for r in rows]  # begin_step takes the whole rows (context parallelism)
+    if ps.get_context_parallel_world_size() > 1:
+        batch_ = megatron_cp_batch(
+            {"tokens": tokens, "position_ids": pos, "labels": labels, "loss_mask": mask, "segment_ids": seg}
+        )
+        tokens, pos, labels, mask, seg = (
+            batch_[k] for k in ("tokens", "position_ids", "labels", "loss_mask", "segment_ids")
+        )
+    return rows, (tokens, pos, labels, mask, seg), whole
+
+
+def megatron_cp_batch(batch):
+    """This CP rank's shard of ``batch`` (``[b, S]`` tensors) by Megatron's ``get_batch_on_this_cp_rank``.
+    Its signature is detected, not its version: 0.19 added ``is_hybrid_cp`` (dispatching on ``cu_seqlens``)
+    and, given ``cp_group=None``, shards over the WORLD size (wrong under TP×CP), so the CP group is passed."""
+    import inspect
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    group = ps.get_context_parallel_group()
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(dict(batch), is_hybrid_cp=False, cp_group=group)
+    return get_batch_on_this_cp_rank(dict(batch), cp_group=group)
 
 
 def _step(terms, loss_fn, model, data, whole, mbs):
@@ -405,7 +499,7 @@ def _step(terms, loss_fn, model, data, whole, mbs):
     return terms.end_step()
 
 
-def naive_reference(case, n_rows=8, mbs=2, steps=2):
+def naive_reference(case, n_rows=8, mbs=2, steps=2, batch="random", deep=False, depth=1):
     """The objective J of docs/semantics.md §4-§5 written out by hand on the whole global batch in one
     forward (Megatron's per-token cross-entropy for the main loss; MTP cross-entropy, router softmax,
     top-k counts, Switch and z terms in float64 loops here), back-propagated once. Megatron's own terms
@@ -413,8 +507,8 @@ def naive_reference(case, n_rows=8, mbs=2, steps=2):
     import torch.nn.functional as F
 
     mode, scope, _, _ = case
-    config = make_config()
-    model = build_model(config, 1).module
+    config = make_config(**DEEP) if deep else make_config(mtp_num_layers=depth)
+    model = build_model(config, 1, share=deep).module
     config.moe_aux_loss_coeff, config.moe_z_loss_coeff, config.mtp_loss_scaling_factor = 0.0, None, 0.0
     routers = [m for m in model.modules() if type(m).__name__ == "TopKRouter"]
     seen, mtp_logits = {}, []
@@ -432,17 +526,21 @@ def naive_reference(case, n_rows=8, mbs=2, steps=2):
     for step in range(steps):
         seen.clear()
         mtp_logits.clear()
-        tokens, labels, mask, seg = global_batch(step, n_rows)
+        tokens, labels, mask, seg = BATCHES[batch](step, n_rows)
         pos = torch.arange(S)[None, :].expand(n_rows, -1)
         loss = model(tokens, pos, None, labels=labels, loss_mask=mask).double()
-        # MTP depth 1: labels and mask rolled left by one inside the row (and document for per_document)
-        lab1 = torch.cat([labels[:, 1:], torch.zeros_like(labels[:, :1])], dim=1)
-        w1 = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
-        if mode == "per_document":
-            w1 = w1 * (torch.cat([seg[:, 1:], torch.zeros_like(seg[:, :1])], dim=1) == seg)
-        lg = mtp_logits[0].transpose(0, 1).double()
-        loss1 = F.cross_entropy(lg.reshape(-1, V), lab1.reshape(-1), reduction="none").view(n_rows, S)
-        J = _naive_mode(mode, loss, mask, seg) + LAM * _naive_mode(mode, loss1, w1, seg)
+        # MTP depth k: labels and mask rolled left by k inside the row (and document for per_document)
+        J = _naive_mode(mode, loss, mask, seg)
+        mtp_logs = {}
+        for k in range(1, depth + 1):
+            lab = torch.cat([labels[:, k:], torch.zeros_like(labels[:, :k])], dim=1)
+            w = torch.cat([mask[:, k:], torch.zeros_like(mask[:, :k])], dim=1)
+            if mode == "per_document":
+                w = w * (torch.cat([seg[:, k:], torch.zeros_like(seg[:, :k])], dim=1) == seg)
+            lg = mtp_logits[k - 1].transpose(0, 1).double()
+            loss_k = F.cross_entropy(lg.reshape(-1, V), lab.reshape(-1), reduction="none").view(n_rows, S)
+            J = J + LAM / depth * _naive_mode(mode, loss_k, w, seg)
+            mtp_logs[f"mtp_{k}_loss"] = float((loss_k * w).sum() / w.sum())
         aux_logs, z_logs, fracs = [], [], []
         for li, r in enumerate(routers):
             h = seen[id(r)]  # [S, n_rows, H]
@@ -456,6 +554,12 @@ def naive_reference(case, n_rows=8, mbs=2, steps=2):
                     c, pp, t = top[:, r0 : r0 + mbs].sum((0, 1)), p[:, r0 : r0 + mbs].sum((0, 1)), S * mbs
                     terms.append(ALPHA * E / (TOPK * t * t) * (c * pp).sum())
                 a = torch.stack(terms).mean()
+            elif scope == "sequence":  # each row's own Switch term, averaged over the rows
+                terms = []
+                for r0 in range(n_rows):
+                    c, pp = top[:, r0].sum(0), p[:, r0].sum(0)
+                    terms.append(ALPHA * E / (TOPK * S * S) * (c * pp).sum())
+                a = torch.stack(terms).mean()
             else:
                 a = ALPHA * E / TOPK * (frac_prev[li] * p.sum((0, 1))).sum() / (S * n_rows)
             z = torch.logsumexp(logits, -1).square().sum() / (S * n_rows)
@@ -467,11 +571,12 @@ def naive_reference(case, n_rows=8, mbs=2, steps=2):
         J.backward()
         logs = {
             "lm_loss": float((loss * mask).sum() / mask.sum()),
-            "mtp_1_loss": float((loss1 * w1).sum() / w1.sum()),
+            **mtp_logs,
             "objective": float(J),
             "z_loss": sum(z_logs) / len(z_logs),
-            ("load_balancing_loss" if scope == "microbatch" else "global_load_balancing_loss"): sum(aux_logs)
-            / len(aux_logs),
+            {"microbatch": "load_balancing_loss", "sequence": "seq_load_balancing_loss"}.get(
+                scope, "global_load_balancing_loss"
+            ): sum(aux_logs) / len(aux_logs),
         }
         out.append((logs, {n: p.grad.clone() for n, p in model.named_parameters()}))
     for h in hooks:
@@ -502,7 +607,7 @@ def bad_inputs():
     errors, kept = [], {}
     for call in [
         lambda: MoETerms([torch.nn.Linear(2, 2)], make_config()),
-        lambda: MoETerms([model], make_config(), aux_scope="sequence"),
+        lambda: MoETerms([model], make_config(), aux_scope="global_running"),
         lambda: MoETerms([model], config, aux_scope="microbatch"),
         lambda: kept["terms"].end_step(),
         lambda: MoETerms([model], config),
@@ -653,7 +758,7 @@ def _own_case(tp, scope, per_token, mbs, n_rows, steps, cp=1, pp=1, full=None):
             dist.all_reduce(val, group=ps.get_data_parallel_group(with_context_parallel=True))
             logs["lm loss"] = float(val[0] / val[1])
         tp_group = ps.get_tensor_model_parallel_group()
-        grads = {global_name(n): full_grad(p, tp_group) for n, p in model.module.named_parameters()}
+        grads = {global_name(n, model.module): full_grad(p, tp_group) for n, p in model.module.named_parameters()}
         if step < steps - 1:
             model.zero_grad_buffer()
     return logs, grads

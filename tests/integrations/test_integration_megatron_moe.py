@@ -88,7 +88,7 @@ def test_moe_terms_dp2_tp2_sp_cp2_pp2_give_the_objective_gradients_and_logs():
     for rank in range(2):
         bad = dp2[rank]["bad"]
         assert "model: no MoE layer" in bad[0]
-        assert "aux_scope: 'sequence'" in bad[1]
+        assert "aux_scope: 'global_running' is not fed by MoETerms: it is Megatron's running mean" in bad[1]
         assert bad[2] is None  # the valid MoETerms
         assert bad[3].startswith("RuntimeError: terms.end_step: MoETerms.begin_step(loss_masks) was not called")
         assert "config: its MoE/MTP coefficients were already taken over" in bad[4]

@@ -42,8 +42,9 @@ from ..options import MODES, Mode, check_option
 from . import require
 from ._common import document_sums, mode_numerator
 from .megatron_moe import MoETerms
+from .megatron_pipeline import check_pipeline_split
 
-__all__ = ["LossFunc", "MoETerms", "document_sums"]
+__all__ = ["LossFunc", "MoETerms", "check_pipeline_split", "document_sums"]
 
 
 class LossFunc:

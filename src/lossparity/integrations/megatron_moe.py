@@ -10,7 +10,9 @@ it captures, with PyTorch forward hooks (Megatron is not patched):
   ``router_gating_linear`` (the same weights, so the gradient reaches the router and the layer below),
   giving the scores ``p`` (:func:`lossparity.losses.moe.router_scores`) and the plain top-k map;
 - the MTP logits of every depth (the first ``Dm`` calls of the output layer in a forward) and the labels
-  passed to the model, whose per-token losses are Megatron's own ``compute_language_model_loss``.
+  passed to the model, whose per-token losses are Megatron's own ``compute_language_model_loss``; Megatron
+  gets those logits detached, so its own (zero-weighted) MTP term stays out of the graph (megatron-core
+  0.16.1 divides it by the shard's MTP token count: NaN on a context-parallel shard without MTP tokens).
 
 The objective of the step is ``J = J_lm + λ/Dm · Σ_k J_k + Σ_l A_l + β · Σ_l Σ_x lse_l(x)² / T``
 (``T`` the router tokens of the global batch, ``J_k`` the active mode on depth ``k`` with the
@@ -20,6 +22,8 @@ accountant's ``own`` convention, ``A_l`` the Switch term of layer ``l`` at the c
 |-----------------|-------------------------------------------------------------------------------|
 | ``microbatch`` | mean over the ``D·M`` microbatches of ``A(X_mb)``, ``X_mb`` with its TP-SP    |
 |                 | and CP shards (counts all-reduced over that row group)                        |
+| ``sequence``     | mean over the ``N`` rows of the global batch of ``A(row)``, each row's counts |
+|                 | all-reduced over its TP-SP and CP shards (Megatron's ``seq_aux_loss``)        |
 | ``global_lagged``| ``α·E/k · Σ_e f_e^prev · Σ_{x in batch} p[x,e] / T``; ``f^prev`` the previous |
 |                 | step's global top-k fractions (``k/E`` at the first step)                     |
 | ``none``        | 0                                                                             |
@@ -66,11 +70,22 @@ from ..losses.moe import (
 from ..losses.mtp import mtp_denominators, roll_mask
 from ..options import ALIASES
 from ._common import mode_numerator, unit_count
+from .megatron_pipeline import check_model_chunks
 
 __all__ = ["TERMS_SCOPES", "MoETerms", "zigzag_positions"]
 
-TERMS_SCOPES = ("microbatch", "global_lagged", "none")
-_AUX_LOG = {"microbatch": "load_balancing_loss", "global_lagged": "global_load_balancing_loss"}
+TERMS_SCOPES = ("microbatch", "sequence", "global_lagged", "none")
+_AUX_LOG = {
+    "microbatch": "load_balancing_loss",
+    "sequence": "seq_load_balancing_loss",
+    "global_lagged": "global_load_balancing_loss",
+}
+# why a scope of docs/semantics.md §5 is not fed by MoETerms (one error on every rank, at construction)
+_REFUSED = {
+    "global_running": "it is Megatron's running mean over the step's microbatches, which depends on the "
+    "microbatch order and the layout by construction (docs/semantics.md §5); MoETerms applies layout-invariant "
+    "scopes: use 'global_lagged' (or Megatron's own moe_router_load_balancing_type='global_aux_loss' for parity)",
+}
 
 
 class _AttachGrad(torch.autograd.Function):
@@ -119,6 +134,27 @@ def _coefficients(mode: str, mask: Tensor, segment_ids: Tensor | None, fixed_len
     return torch.zeros_like(s) if c is None else c.detach()
 
 
+def _router_slots(chunks: list[torch.nn.Module], router_cls: Any, pp: int) -> tuple[dict[int, int], int]:
+    """A slot per MoE layer of the whole model, the same on every rank: with pipeline stages, the
+    routers' (MTP?, global layer number) keys are gathered once over the world."""
+    local = [
+        (id(m), ("mtp" in name.split("."), int(m.layer_number)))
+        for c in chunks
+        for name, m in c.named_modules()
+        if isinstance(m, router_cls)
+    ]
+    if pp == 1:
+        return {rid: i for i, (rid, _) in enumerate(local)}, len(local)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [key for _, key in local])
+    keys = sorted({tuple(k) for ks in gathered for k in ks})
+    return {rid: keys.index(key) for rid, key in local}, len(keys)
+
+
+def _row_size(ps: Any) -> int:
+    return int(ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size())
+
+
 class MoETerms:
     """Exact MoE (router aux, z-loss) and MTP terms for megatron-core training (module docstring).
 
@@ -136,6 +172,8 @@ class MoETerms:
         from megatron.core.transformer.moe.router import TopKRouter
 
         scope = ALIASES["aux_scope"].get(aux_scope, aux_scope) if isinstance(aux_scope, str) else aux_scope
+        if scope in _REFUSED:
+            raise ValueError(f"aux_scope: {aux_scope!r} is not fed by MoETerms: {_REFUSED[scope]}")
         if scope not in TERMS_SCOPES:
             raise ValueError(
                 f"aux_scope: {aux_scope!r} is not one MoETerms can feed from Megatron's router; "
@@ -145,9 +183,10 @@ class MoETerms:
         self.config = config
         chunks = _chunks(model)
         self.routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
+        check_model_chunks(chunks, config)
         self._check_config(config, ps)
         # (with pipeline stages one collective: a stage without MoE layers is fine, a model without any is not)
-        self._slot, self.n_layers = self._slots(chunks, TopKRouter, ps.get_pipeline_model_parallel_world_size())
+        self._slot, self.n_layers = _router_slots(chunks, TopKRouter, ps.get_pipeline_model_parallel_world_size())
         if not self.n_layers:
             raise ValueError("model: no MoE layer (megatron TopKRouter) found; MoETerms needs a MoE model")
         self.alpha = float(config.moe_aux_loss_coeff or 0.0) if aux_scope != "none" else 0.0
@@ -160,7 +199,7 @@ class MoETerms:
         self.dp, self.cp = ps.get_data_parallel_world_size(), ps.get_context_parallel_world_size()
         self.cp_rank = ps.get_context_parallel_rank()
         self.cp_group = ps.get_context_parallel_group() if self.cp > 1 else None
-        self.row_group = ps.get_tensor_and_context_parallel_group() if self._row_size(ps) > 1 else None
+        self.row_group = ps.get_tensor_and_context_parallel_group() if _row_size(ps) > 1 else None
         # Megatron's own application is replaced: zero its coefficients (routers share this config).
         for cfg in {id(c): c for c in [config] + [r.config for r in self.routers]}.values():
             cfg._lossparity_moe_terms = True
@@ -187,23 +226,6 @@ class MoETerms:
         # context parallelism: per microbatch, per depth (0 = the LM term), (shard mask, shard coefficients)
         self._cp_tables: list[list[tuple[Tensor, Tensor]]] | None = None
 
-    @staticmethod
-    def _slots(chunks: list[torch.nn.Module], router_cls: Any, pp: int) -> tuple[dict[int, int], int]:
-        """A slot per MoE layer of the whole model, the same on every rank: with pipeline stages, the
-        routers' (MTP?, global layer number) keys are gathered once over the world."""
-        local = [
-            (id(m), ("mtp" in name.split("."), int(m.layer_number)))
-            for c in chunks
-            for name, m in c.named_modules()
-            if isinstance(m, router_cls)
-        ]
-        if pp == 1:
-            return {rid: i for i, (rid, _) in enumerate(local)}, len(local)
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, [key for _, key in local])
-        keys = sorted({tuple(k) for ks in gathered for k in ks})
-        return {rid: keys.index(key) for rid, key in local}, len(keys)
-
     def remove(self) -> None:
         """Remove the forward hooks (Megatron's coefficients stay zero on the config)."""
         for h in self._handles:
@@ -211,10 +233,6 @@ class MoETerms:
         self._handles = []
 
     # ------------------------------------------------------------------ configuration
-    @staticmethod
-    def _row_size(ps: Any) -> int:
-        return int(ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size())
-
     def _check_config(self, config: Any, ps: Any) -> None:
         if isinstance(getattr(config, "moe_aux_loss_coeff", 0.0), (list, tuple)):
             raise ValueError("config.moe_aux_loss_coeff: a list (several aux types) is not supported by MoETerms")
@@ -232,6 +250,11 @@ class MoETerms:
         """Called by ``LossFunc(..., terms=self)``: the mode of ``J_lm`` and ``J_k``."""
         if self.mode is not None and self.mode != mode:
             raise ValueError(f"terms: already bound to a LossFunc of mode {self.mode!r}, got {mode!r}")
+        if self.aux_scope == "sequence" and mode == "per_document":
+            raise ValueError(
+                "mode: 'per_document' with aux_scope 'sequence' would make each document a sequence (docs/"
+                "semantics.md §5), but Megatron's router sees rows: use aux_scope 'microbatch' or 'global_lagged'"
+            )
         self.mode, self.fixed_length = mode, fixed_length
 
     # ------------------------------------------------------------------ protocol
@@ -285,6 +308,7 @@ class MoETerms:
             stats.zero_()
         dist.all_reduce(stats)
         units, ntok, self._tokens = (float(x) for x in stats[:3].tolist())
+        self._rows = self._tokens / masks[0].shape[1]  # whole rows of the global batch (sequence scope)
         self._ntok = ntok
         self._den = max(ntok, 1.0) if self.mode == "per_token" else max(units, 1.0)
         self._depth_tokens = [float(x) for x in stats[3:].tolist()]
@@ -336,6 +360,8 @@ class MoETerms:
                 sums.dtype
             )
             aux = (weights * sums).sum() / (self.dp * self.num_microbatches)
+        elif self.aux_scope == "sequence":
+            aux = _sequence_aux(self, hidden, top, p)
         else:
             aux = sums.sum() * 0.0
         z_sum = router_z_loss_sums(logits) / self._tokens
@@ -356,9 +382,17 @@ class MoETerms:
         self._mtp_logits = []
         self._labels = kwargs.get("labels", args[4] if len(args) > 4 else None)
 
-    def _output_hook(self, module: Any, args: tuple, output: Any) -> None:
-        if torch.is_grad_enabled() and len(self._mtp_logits) < self.depths:
-            self._mtp_logits.append(output[0] if isinstance(output, tuple) else output)
+    def _output_hook(self, module: Any, args: tuple, output: Any) -> Any:
+        if not (torch.is_grad_enabled() and len(self._mtp_logits) < self.depths):
+            return None
+        logits = output[0] if isinstance(output, tuple) else output
+        self._mtp_logits.append(logits)
+        # Megatron computes its own MTP term from these logits, weighted 0 by __init__, but e.g. 0.16.1 with
+        # calculate_per_token_loss=False divides it by the shard's MTP token count: 0·(0/0) = NaN in the
+        # forward and in every gradient on a context-parallel shard without MTP tokens. Megatron gets
+        # detached logits, so its term stays out of the graph on every release (the gradient comes from ours).
+        detached = logits.detach()
+        return (detached, *output[1:]) if isinstance(output, tuple) else detached
 
     def loss_share(
         self, mode: str, loss: Tensor, mask: Tensor, segment_ids: Tensor | None
@@ -469,3 +503,21 @@ class MoETerms:
         logs["z_loss"] = float(z_l.mean())
         logs["max_vio"] = float(max_violation(disp).mean())
         return logs
+
+
+def _sequence_aux(terms: MoETerms, hidden: Tensor, top: Tensor, p: Tensor) -> Tensor:
+    """This shard's part of ``Σ_rows A(row) / N``: the router input is ``[s, b, H]`` (``s`` this rank's
+    TP-SP and CP part of each row), each row's top-k counts are all-reduced over the row group, and
+    ``A(row) = α·E/(k·L²)·Σ_e c_e(row)·Σ_{x in row} p[x,e]`` with ``L`` the whole row's length."""
+    if hidden.dim() != 3:
+        raise ValueError(f"router input: shape {tuple(hidden.shape)}; the sequence scope needs [s, b, H] rows")
+    s_loc, b, e = hidden.shape[0], hidden.shape[1], terms.num_experts
+    counts = top.view(s_loc, b, e).sum(dim=0).to(torch.float64)  # [b, E]
+    length = torch.full((1,), float(s_loc), dtype=torch.float64, device=counts.device)
+    ct = torch.cat([counts.reshape(-1), length])
+    if terms.row_group is not None:  # a row's tokens are split over TP-SP and CP
+        dist.all_reduce(ct, group=terms.row_group)
+    weights = switch_load_balancing_weights(
+        ct[:-1].view(b, e), ct[-1], topk=terms.topk, num_experts=e, coeff=terms.alpha
+    ).to(p.dtype)
+    return (weights * p.view(s_loc, b, e).sum(dim=0)).sum() / terms._rows
