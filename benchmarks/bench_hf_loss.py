@@ -130,16 +130,6 @@ def run_one(method: str, vocab: int, seq: int, batch: int, steps: int, hidden: i
                 hwm = _proc_status_kib("VmHWM")
                 peak.append(None if hwm is None or base is None else max(hwm - base, 0) * 1024)
 
-    class Data(torch.utils.data.Dataset):
-        def __init__(self, rows):
-            self.rows = rows
-
-        def __len__(self):
-            return len(self.rows)
-
-        def __getitem__(self, i):
-            return dict(self.rows[i])
-
     with tempfile.TemporaryDirectory() as tmp:
         args = transformers.TrainingArguments(
             output_dir=tmp,
@@ -157,7 +147,7 @@ def run_one(method: str, vocab: int, seq: int, batch: int, steps: int, hidden: i
             max_grad_norm=0.0,
         )
         kw = {"loss_mode": "per_token"} if method == "lossparity" else {}
-        trainer = cls(model=model, args=args, train_dataset=Data(_rows(batch * (1 + steps), vocab, seq)), **kw)
+        trainer = cls(model=model, args=args, train_dataset=_rows(batch * (1 + steps), vocab, seq), **kw)
         trainer.add_callback(Clock())
         base = _proc_status_kib("VmRSS")
         if not _reset_rss_peak():
