@@ -68,3 +68,17 @@ def test_an_expert_without_tokens_gets_a_zero_gradient():
     y.sum().backward()
     w1 = layer.experts.w1.grad
     assert float(w1[3].abs().sum()) > 0 and all(float(w1[e].abs().sum()) == 0 for e in range(8) if e != 3)
+
+
+def test_sorted_dispatch_under_bfloat16_autocast():
+    # Under CPU autocast the loop's matmuls run in bfloat16; the grouped matmul (not on autocast's op lists)
+    # gets its operands cast to the autocast dtype, so both compute the experts in bfloat16.
+    layer = _layer(torch.float32)
+    x = torch.randn(2, 13, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, record = layer(x)
+        gates, _ = layer.router(x.reshape(-1, 16))
+        e = layer.experts
+        ref = loop_dispatch(x.reshape(-1, 16), gates, record.dispatch_map, e.w1, e.w3, e.w2).view_as(y)
+    assert y.dtype == ref.dtype
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)
