@@ -11,12 +11,13 @@ import argparse
 import os
 import time
 
-from benchmarks import bench_accountant, bench_cross_entropy, bench_moe_aux
+from benchmarks import bench_accountant, bench_cross_entropy, bench_moe_aux, bench_moe_dispatch
 
 BENCHMARKS = {
     "cross_entropy": bench_cross_entropy.main,
     "accountant": bench_accountant.main,
     "moe_aux": bench_moe_aux.main,
+    "moe_dispatch": bench_moe_dispatch.main,
 }
 
 

@@ -194,6 +194,38 @@ def bench_case(
     }
 
 
+def _megatron_cell(m: dict) -> str:
+    return f"skipped: {m['skipped']}" if "skipped" in m else f"{m['aux_ms']:.3f}"
+
+
+def _megatron_ratio(c: dict, m: dict) -> str:
+    return "" if "skipped" in m or m["aux_ms"] <= 0 else f"{c['aux']['median_s'] * 1e3 / m['aux_ms']:.2f}"
+
+
+def megatron_case(preset: str, b: int, s: int, k: int, layers: int, repeats: int, warmup: int) -> dict:
+    """Megatron's own aux path (``TopKRouter`` with aux + z loss minus without) at this preset's shapes, in a
+    subprocess (benchmarks/megatron_router_aux.py); ``{"skipped": why}`` when megatron-core does not run."""
+    import json
+    import subprocess
+    import sys
+
+    from lossparity.distributed.launch import free_port
+
+    cfg = get_config(preset)
+    spec = dict(preset=preset, b=b, s=s, k=k, layers=layers, dim=cfg.dim, experts=cfg.num_experts, topk=cfg.topk)
+    spec.update(score=cfg.score_function, threads=torch.get_num_threads(), port=free_port())
+    spec.update(warmup=warmup, repeats=repeats)
+    cmd = [sys.executable, "-m", "benchmarks.megatron_router_aux", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    except subprocess.TimeoutExpired:
+        return {"skipped": "timed out"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return {"skipped": (proc.stderr.strip().splitlines() or ["no output"])[-1][:160]}
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark, print the Markdown table and return (and optionally write) the JSON payload."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -203,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--presets", default="tiny,small", help="comma-separated model presets (default tiny,small)")
+    parser.add_argument("--no-megatron", action="store_true", help="skip the megatron-core TopKRouter column")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -215,6 +248,11 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         parser.error(f"--presets: unknown preset(s) {unknown}; valid: {', '.join(shapes)}")
     cases = [bench_case(p, *shapes[p], scope, repeats, warmup, device) for p in presets for scope in SCOPES]
+    megatron = {}
+    for p in presets:
+        layers = next(c["moe_layers"] for c in cases if c["preset"] == p)
+        skip = {"skipped": "--no-megatron"} if args.no_megatron or device.type != "cpu" else None
+        megatron[p] = skip or megatron_case(p, *shapes[p], layers, repeats, warmup)
     rows = [
         [
             c["preset"],
@@ -229,6 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"{100 * c['ratio_of_minima']:.2f}%",
             f"{100 * c['target_ratio']:.0f}%",
             c["ops_per_step"],
+            _megatron_cell(megatron[c["preset"]]),
+            _megatron_ratio(c, megatron[c["preset"]]),
         ]
         for c in cases
     ]
@@ -247,6 +287,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "from minima",
                 "target",
                 "ops/step",
+                "Megatron TopKRouter aux ms/step",
+                "ours / Megatron",
             ],
             rows,
         )
@@ -262,6 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
         "warmup": warmup,
         "machine": machine_info(device),
         "cases": cases,
+        "megatron": megatron,
     }
     if args.json:
         write_json(args.json, payload)

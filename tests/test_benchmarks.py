@@ -33,3 +33,25 @@ def test_quick_suite_prints_tables_and_writes_json(tmp_path):
     acc = json.loads((tmp_path / "accountant.json").read_text())
     # the accountant's own collectives per step: the pre-count and the logging all-reduce
     assert acc["overhead"]["tiny/collectives"]["count"] == 2
+
+
+def test_hf_loss_benchmark_quick(tmp_path):
+    # benchmarks/bench_hf_loss.py --quick: a fresh subprocess per (method, shape), its table and JSON.
+    pytest.importorskip("transformers")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
+    out = tmp_path / "hf_loss.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_hf_loss",
+        "--quick",
+        "--methods",
+        "hf,lossparity",
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {"hf", "lossparity"} and all("skipped" not in r for r in results.values()), results
+    assert "| 2×64×512 | lossparity |" in proc.stdout

@@ -12,20 +12,20 @@ from lossparity.losses.fused_cross_entropy import fused_linear_cross_entropy
 from lossparity.training.trainer import TrainConfig, Trainer
 
 
-def _cfg(**kw) -> TrainConfig:
-    # Dense layers: the reference MoE layer's token dispatch (model/moe.py, nonzero per expert) has
-    # data-dependent shapes and still reads the device; the MoE accounting itself is covered by
-    # test_protocol.py::test_microbatch_calls_do_not_synchronize.
+def _cfg(moe: bool = False, **kw) -> TrainConfig:
+    # moe: the tiny preset's MoE layers (router, fixed-shape dispatch of model/moe.py, MoE accounting);
+    # otherwise dense layers.
     base = dict(steps=1, global_batch=4, seq_len=32, ga=2, packed=True, progress=False, tensorboard=False)
-    base["model_overrides"] = {"num_experts": 0}
+    base["model_overrides"] = {} if moe else {"num_experts": 0}
     return TrainConfig(**{**base, **kw})
 
 
-@pytest.mark.parametrize("loss_impl", ["fused", "chunked"])
-def test_trainer_microbatch_path_does_not_synchronize(loss_impl, monkeypatch):
+@pytest.mark.parametrize("loss_impl,moe", [("fused", False), ("chunked", False), ("fused", True)])
+def test_trainer_microbatch_path_does_not_synchronize(loss_impl, moe, monkeypatch):
     # Before: the model read tokens.min/max (and segment/position minima), the cross-entropy read the label
-    # range check and the compaction of the ignored positions (bool(...), nonzero) on every microbatch.
-    plain = Trainer(_cfg(loss_impl=loss_impl)).train_step()
+    # range check and the compaction of the ignored positions (bool(...), nonzero) on every microbatch, and
+    # the MoE layers one nonzero per expert per layer (model/moe.py's previous dispatch).
+    plain = Trainer(_cfg(moe, loss_impl=loss_impl)).train_step()
     original = Trainer._microbatch
 
     def guarded(self, *args):
@@ -35,7 +35,7 @@ def test_trainer_microbatch_path_does_not_synchronize(loss_impl, monkeypatch):
         return loss.detach().requires_grad_()  # the step's own backward then has nothing left to do
 
     monkeypatch.setattr(Trainer, "_microbatch", guarded)
-    line = Trainer(_cfg(loss_impl=loss_impl)).train_step()
+    line = Trainer(_cfg(moe, loss_impl=loss_impl)).train_step()
     for key in ("objective", "lm_loss", "grad_norm"):
         assert line[key] == plain[key], key
 

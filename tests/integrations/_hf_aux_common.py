@@ -14,7 +14,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
-from _hf_common import VOCAB, RowDataset, grad_recorder, padded_rows, training_args  # noqa: E402
+from _hf_common import TINY, RowDataset, grad_recorder, padded_rows, training_args  # noqa: E402
 
 COEF = 0.5  # large, so that a wrong aux weighting shows far above the float32 noise of HF's internals
 
@@ -25,13 +25,8 @@ def moe_model(kind: str):
 
     torch.manual_seed(0)
     common = dict(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
+        TINY,
         num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
         num_experts_per_tok=2,
         output_router_logits=True,
         router_aux_loss_coef=COEF,
@@ -50,7 +45,16 @@ def rows8() -> list[dict[str, torch.Tensor]]:
     return padded_rows(8)
 
 
-def run(out_dir: str, kind: str, b: int, ga: int, steps: int, scope: str | None, mode: str = "per_token"):
+def run(
+    out_dir: str,
+    kind: str,
+    b: int,
+    ga: int,
+    steps: int,
+    scope: str | None,
+    mode: str = "per_token",
+    fused_loss: bool = True,
+):
     """Train ``steps`` steps at learning rate 0 on :func:`rows8` (``scope=None``: plain
     ``transformers.Trainer``). Returns (gradients recorded before each optimizer step, log_history)."""
     import transformers
@@ -67,7 +71,7 @@ def run(out_dir: str, kind: str, b: int, ga: int, steps: int, scope: str | None,
     if scope is None:
         trainer = transformers.Trainer(**kw)
     else:
-        trainer = LossParityTrainer(**kw, loss_mode=mode, aux_scope=scope)
+        trainer = LossParityTrainer(**kw, loss_mode=mode, aux_scope=scope, fused_loss=fused_loss)
     trainer.train()
     return rec.grads, trainer.state.log_history
 

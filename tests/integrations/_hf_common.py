@@ -17,6 +17,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 VOCAB, SEQ, N_ROWS, STEPS = 64, 12, 40, 5
+# The dimensions of every tiny model (1 layer): shared by the config-built models of the HF tests.
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=64,
+)
 
 
 def tiny_model(kind: str = "llama"):
@@ -24,15 +34,7 @@ def tiny_model(kind: str = "llama"):
     import transformers
 
     torch.manual_seed(0)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
+    common = dict(TINY)
     if kind == "nologits":  # a model whose outputs carry no logits (bad input of the integration)
 
         class NoLogits(transformers.LlamaForCausalLM):

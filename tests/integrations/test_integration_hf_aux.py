@@ -80,10 +80,16 @@ def test_global_lagged_aux_matches_plain_trainer_on_the_whole_batch(tmp_path):
 
 def test_hf_scope_is_plain_trainer_and_micro_batch_is_not_invariant(tmp_path):
     """``hf`` reproduces plain ``transformers.Trainer`` at 2×4 (aux added once per microbatch); ``microbatch``
-    (each microbatch's own fractions) differs from the whole-batch gradient far beyond float32 noise."""
+    (each microbatch's own fractions) differs from the whole-batch gradient far beyond float32 noise.
+
+    Both loss paths agree to 1e-12 (float64) and reproduce HF to its own float32 rounding: HF's loss casts
+    the float64 logits to float32 (``logits.float()``); lossparity computes float64 models in float64."""
     plain, _ = run(str(tmp_path), "mixtral", 2, 4, 1, None)
-    ours, _ = run(str(tmp_path), "mixtral", 2, 4, 1, "hf")
-    assert _rel(ours[0], plain[0]) <= 1e-12
+    ours, _ = run(str(tmp_path), "mixtral", 2, 4, 1, "hf", fused_loss=False)
+    fused, _ = run(str(tmp_path), "mixtral", 2, 4, 1, "hf")
+    print(f"measured: mixtral hf scope vs plain Trainer (its float32 CE): {_rel(fused[0], plain[0]):.1e}")
+    assert _rel(fused[0], ours[0]) <= 1e-12
+    assert _rel(ours[0], plain[0]) <= 1e-6 and _rel(fused[0], plain[0]) <= 1e-6
     whole, _ = run(str(tmp_path), "mixtral", 8, 1, 1, None)
     micro, _ = run(str(tmp_path), "mixtral", 2, 4, 2, "microbatch")
     dist = _rel(micro[-1], whole[0])

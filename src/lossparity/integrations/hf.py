@@ -6,9 +6,11 @@ How (pre-counted normalizers, docs/semantics.md §3): the Trainer fetches the ac
 batches before the step (``get_batch_samples``); the mixin counts the mode's normalizers (``Ntok``,
 ``N``, ``Ndoc``, ``D·K``) from their shifted labels and sums them over the data-parallel ranks in one
 all-reduce (:class:`lossparity.Accountant`). Each microbatch then back-propagates its exact share
-``numerator(mb) / denominator`` of ``J``, computed from the model's logits with the causal shift and
-``ignore_index = -100`` that HF causal LMs use, multiplied by the number of processes because DDP
-averages gradients (so that they are summed, as §3 requires). ``log_history`` gains ``lm_loss`` (global
+``numerator(mb) / denominator`` of ``J``, with the causal shift and ``ignore_index = -100`` that HF causal
+LMs use, computed by the fused cross-entropy from the LM head's input and weight (no logits tensor;
+``integrations/hf_head.py``) or, for heads that are not a scaled linear map, from the model's logits;
+the share is multiplied by the number of processes because DDP averages gradients (so that they are
+summed, as §3 requires). ``log_history`` gains ``lm_loss`` (global
 token mean ``S/Ntok``) and ``objective`` (``J``); HF's own ``loss`` is ``J`` too.
 
 Packed rows: ``per_document`` takes the documents from a ``segment_ids`` column (0 = padding) or, as
@@ -38,10 +40,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..losses.fused_cross_entropy import fused_linear_cross_entropy
 from ..losses.hf_aux import hf_lagged_aux, hf_router_sums
+from ..losses.modes import count_normalizers, denominator
 from ..losses.modes import objective as _batch_objective
+from ..losses.token_weights import token_weights
 from ..options import MODES, Mode, check_option
 from . import require
+from .hf_head import HeadCapture, HeadPlan, plan_head
 from .hf_parity import ParityCallback as ParityCallback  # the live parity guard (hf_parity.py)
 
 __all__ = ["IGNORE_INDEX", "LossParityMixin", "LossParityTrainer", "shifted_labels", "segments_of"]  # noqa: F822
@@ -109,6 +115,13 @@ class LossParityMixin:
     The logged ``aux_loss`` is the term's value: the global value (``global_lagged``), or the mean of
     the microbatches' ``aux_loss`` (``microbatch``, ``hf``).
 
+    ``fused_loss`` (default True): the per-token losses and their gradients come from the LM head's input
+    and weight (:func:`~lossparity.losses.fused_cross_entropy.fused_linear_cross_entropy`, weights
+    ``Accountant.token_weights``): the model computes no ``[b, S, V]`` logits and no float32 copy of them is
+    made. Models whose logits are not ``hidden @ W.T`` up to a constant scale (soft-capping, a head bias, a
+    custom head, sharded weights) fall back to the logits path with one printed note
+    (:mod:`lossparity.integrations.hf_head`); ``fused_loss=False`` always uses the logits path.
+
     Bad input (no labels, ``per_document`` without segment ids or position ids, all labels ignored, a
     model output without ``logits``) raises ``ValueError`` naming the argument before the first optimizer
     step, on every rank: a rank's error is flagged inside the pre-count all-reduce so no rank hangs.
@@ -126,6 +139,7 @@ class LossParityMixin:
         fixed_length: int | None = None,
         allow_empty_steps: bool = False,
         aux_scope: str = "global_lagged",
+        fused_loss: bool = True,
         **kwargs: Any,
     ) -> None:
         transformers = require("transformers", "hf")
@@ -140,6 +154,10 @@ class LossParityMixin:
         self.lp_fixed_length = fixed_length
         self.lp_allow_empty_steps = allow_empty_steps
         self.lp_aux_scope = check_option("aux_scope", aux_scope, HF_AUX_SCOPES)
+        if not isinstance(fused_loss, bool):
+            raise TypeError(f"fused_loss must be True or False, got {fused_loss!r}")
+        self.lp_fused_loss = fused_loss
+        self._lp_head: HeadPlan | None = None  # decided at the first compute_loss (hf_head.plan_head)
         self._lp_aux_local: Tensor | None = None  # [E + 1]: this rank's counts c_e and rows R of the step
         self._lp_aux_prev: list[float] | None = None  # the previous step's local counts and rows (host)
         self._lp_att: Tensor | None = None
@@ -266,7 +284,12 @@ class LossParityMixin:
         if getattr(getattr(self.model, "config", None), "use_cache", None) is not None:
             # As TRL does: no KV cache in a loss forward (it also keeps HF's packed-sequence attention mask on).
             fwd.setdefault("use_cache", False)
-        outputs = model(**fwd)
+        plan = self._lp_head_plan()
+        if plan.fused:
+            with HeadCapture(self.model) as capture:
+                outputs = model(**fwd)
+        else:
+            outputs = model(**fwd)
         self._lp_att = fwd.get("attention_mask")  # the rows transformers' aux term weights (HF's convention)
         logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None)
         if not isinstance(logits, Tensor):
@@ -274,15 +297,22 @@ class LossParityMixin:
                 "model: its outputs have no 'logits' tensor; LossParityMixin computes the per-token "
                 "loss from the logits (a model that fuses the LM head into its loss cannot be used)"
             )
+        hidden = capture.check(plan.model_type, plan.scale != 1.0) if plan.fused else None
+        if hidden is not None:
+            if plan.scale != 1.0:
+                hidden = hidden * plan.scale
+            loss = self._lp_fused_loss(hidden, capture.head.weight, labels, seg, outputs)
+            return (loss, outputs) if return_outputs else loss
         per_token = F.cross_entropy(
-            logits.float().flatten(0, 1),
+            # float32 as HF's loss computes (bf16/fp16 upcast), float64 logits kept float64 (HF casts them down)
+            (logits if logits.dtype == torch.float64 else logits.float()).flatten(0, 1),
             labels.flatten().to(logits.device),
             ignore_index=IGNORE_INDEX,
             reduction="none",
         ).view(labels.shape)
         mask = (labels != IGNORE_INDEX).to(per_token.dtype)
         if self._lp_in_train and self._lp_left > 0:
-            loss = self._lp_train_share(per_token, mask, seg, outputs)
+            loss = self._lp_train_share(self._lp_acc.lm_loss(per_token, mask, seg), outputs)
         else:
             loss = _batch_objective(
                 self.loss_mode,
@@ -294,9 +324,55 @@ class LossParityMixin:
             )
         return (loss, outputs) if return_outputs else loss
 
-    def _lp_train_share(self, per_token: Tensor, mask: Tensor, seg: Tensor | None, outputs: Any) -> Tensor:
-        acc = self._lp_acc
-        loss = acc.lm_loss(per_token, mask, seg)
+    def _lp_head_plan(self) -> HeadPlan:
+        """The loss path of this trainer's model, decided once (hf_head.plan_head); a fallback prints its note."""
+        if self._lp_head is None:
+            model = self.model
+            if not self.lp_fused_loss:
+                kind = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+                self._lp_head = HeadPlan(False, str(kind))
+            else:
+                self._lp_head = plan_head(model, sharded=self._lp_sharded())
+                if self._lp_head.reason is not None and getattr(self, "is_world_process_zero", lambda: True)():
+                    print(self._lp_head.note(), flush=True)
+        return self._lp_head
+
+    def _lp_sharded(self) -> bool:
+        """Whether the Trainer shards the parameters (FSDP, DeepSpeed ZeRO-3): the head weight is then not
+        whole outside the model's forward."""
+        if getattr(self, "is_fsdp_enabled", False):
+            return True
+        if getattr(self, "is_deepspeed_enabled", False):
+            from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+            return bool(is_deepspeed_zero3_enabled())
+        return False
+
+    def _lp_fused_loss(
+        self, hidden: Tensor, weight: Tensor, labels: Tensor, seg: Tensor | None, outputs: Any
+    ) -> Tensor:
+        """The fused path: ``Σ_t w[t]·CE_t`` from the head's input with the mode's per-token weights ``w``
+        (the accountant's, training; the batch's own ``J``, evaluation), gradients formed in the forward."""
+        labels = labels.to(hidden.device)
+        mask = (labels != IGNORE_INDEX).float()
+        if self._lp_in_train and self._lp_left > 0:
+            acc = self._lp_acc
+            w = acc.token_weights(mask, seg)
+            share, per_token = fused_linear_cross_entropy(hidden, weight, labels, w, ignore_index=IGNORE_INDEX)
+            return self._lp_train_share(acc.add_lm_share(share, per_token, mask, seg), outputs)
+        # Evaluation: the weights of J on this batch alone (one microbatch: D·K = 1).
+        norms = count_normalizers(mask, seg)
+        w = token_weights(
+            self.loss_mode,
+            mask,
+            segment_ids=seg,
+            fixed_length=self.lp_fixed_length,
+            denominator=denominator(self.loss_mode, norms),
+        )
+        return fused_linear_cross_entropy(hidden, weight, labels, w.to(mask.device), ignore_index=IGNORE_INDEX)[0]
+
+    def _lp_train_share(self, lm_share: Tensor, outputs: Any) -> Tensor:
+        loss = lm_share
         coef = self._lp_aux_coef()
         if coef is not None:
             loss = loss + self._lp_aux_share(outputs, coef, loss.dtype)

@@ -101,7 +101,7 @@ class ExpertParallel(ParallelStyle):
     def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple[Tensor, Tensor, Tensor]:
         """Forward pre-hook: send every (token, expert) pair to the expert's rank; return the received
         rows with a one-hot local routing map and unit gates."""
-        x, gates, dispatch_map = inputs
+        x, gates, dispatch_map = inputs[:3]  # a 4th input, topk, does not apply to the one-hot local map
         T, E = dispatch_map.shape
         ep = mesh.size()
         group = mesh.get_group()

@@ -1,10 +1,21 @@
 """Mixture-of-experts layer: routed SwiGLU experts (no capacity, no token dropping) + optional shared expert.
 
-Experts are computed by a loop over experts that gathers the expert's tokens with ``index_select`` and
-adds the gated outputs back with ``index_add_``. There is no capacity and nothing is dropped, so a
-token's output depends only on that token: the layer is invariant to how tokens are batched. It is
-also deterministic: within one ``index_add_`` the indices are distinct (a token picks an expert at most
-once), so even atomic-add kernels never race, and experts are added in a fixed order.
+Dispatch with fixed shapes and no host synchronization (:meth:`GroupedExperts.forward` with ``topk``): every
+token has exactly ``k`` experts, so the ``T·k`` (token, expert) pairs are taken from the routing map with
+``topk``, sorted by expert (stable ``argsort``), and the per-expert row counts stay on the device
+(``dispatch_map.sum(0)`` and their cumulative sum). The three expert matmuls are grouped matmuls over those
+offsets (``torch._grouped_mm``: CPU float32/bfloat16, recent GPUs); where it is not available (float64,
+other dtypes or devices) the sorted rows are laid out in a zero-padded ``[E, T, dim]`` buffer (a token picks
+an expert at most once, so ``T`` rows always suffice) and multiplied with one batched matmul, which costs
+``E/k`` times the expert FLOPs but keeps the shapes fixed. The outputs are put back with a permutation
+(distinct indices) into ``[T, k, dim]`` and the ``k`` gated slots of a token are added in increasing expert
+order: the sums of the previous per-expert ``index_add_`` loop, bit for bit up to the matmul kernels, and
+deterministic (no two writes to one row). There is no capacity and nothing is dropped, so a token's output
+depends only on that token: the layer is invariant to how tokens are batched.
+
+Without ``topk`` (the expert-parallel path, whose all-to-all needs the split sizes on the host anyway) the
+experts are computed by a loop that gathers each expert's tokens with ``nonzero`` and ``index_select`` and
+adds the gated outputs with ``index_add_`` (distinct indices within one call, experts in a fixed order).
 """
 
 from __future__ import annotations
@@ -44,10 +55,11 @@ class GroupedExperts(nn.Module):
         for w in (self.w1, self.w3, self.w2):
             nn.init.normal_(w, std=1.0 / math.sqrt(w.shape[1]))
 
-    def forward(self, x: Tensor, gates: Tensor, dispatch_map: Tensor) -> Tensor:
+    def forward(self, x: Tensor, gates: Tensor, dispatch_map: Tensor, topk: int | None = None) -> Tensor:
         """``out[t] = Σ_{e: dispatch_map[t, e]} gates[t, e] · expert_e(x[t])`` for ``x [T, dim]``,
-        ``gates [T, E]``, ``dispatch_map`` bool ``[T, E]``; ``out`` has ``x``'s dtype."""
-        out = torch.zeros_like(x)
+        ``gates [T, E]``, ``dispatch_map`` bool ``[T, E]``; ``out`` has ``x``'s dtype. ``topk``: the number
+        of True entries in every row of ``dispatch_map`` when known (the router's ``k``): the dispatch then
+        has fixed shapes and no host synchronization (module docstring)."""
         region = self.tp_region
         w1: Tensor = self.w1
         w3: Tensor = self.w3
@@ -56,6 +68,9 @@ class GroupedExperts(nn.Module):
             x = region[0](x)
         if hasattr(w1, "to_local"):  # TP-sharded hidden dimension: TP-partial outputs
             w1, w3, w2 = (cast("DTensor", w).to_local() for w in (w1, w3, w2))
+        if topk is not None:
+            return _sorted_dispatch(x, gates, dispatch_map, topk, (w1, w3, w2), region)
+        out = torch.zeros_like(x)
         # One column per expert held here: E, or E/ep under expert parallelism (model/expert_parallel.py).
         idxs = [dispatch_map[:, e].nonzero().squeeze(1) for e in range(dispatch_map.shape[1])]
         ys = []
@@ -70,6 +85,82 @@ class GroupedExperts(nn.Module):
             ge = gates[:, e].index_select(0, idx).unsqueeze(1)
             out.index_add_(0, idx, ye.to(out.dtype) * ge.to(out.dtype))
         return out
+
+
+def _grouped_ok(x: Tensor, w: Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these operands (it exists, dtypes match and are supported)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16)
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return False
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (``torch._grouped_mm``'s backward
+    rejects expanded gradients, e.g. that of a plain ``.sum()``)."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor) -> Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+def _autocast_dtype(x: Tensor) -> torch.dtype | None:
+    """The matmul dtype of an enabled autocast region (``torch._grouped_mm`` is not on its op lists)."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def _sorted_dispatch(
+    x: Tensor,
+    gates: Tensor,
+    dispatch_map: Tensor,
+    k: int,
+    weights: tuple[Tensor, Tensor, Tensor],
+    region: tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]] | None,
+) -> Tensor:
+    """:meth:`GroupedExperts.forward` with exactly ``k`` experts per token, fixed shapes, no host read."""
+    T, E = dispatch_map.shape
+    w1, w3, w2 = weights
+    # Each token's k experts in increasing order (topk of the 0/1 map picks its k ones; sorted for the sum order).
+    experts = dispatch_map.to(torch.float32).topk(k, dim=1).indices.sort(dim=1).values  # [T, k]
+    flat = experts.reshape(-1)  # pair p = t·k + j
+    order = torch.argsort(flat, stable=True)  # pairs by expert, tokens in order within an expert
+    e_sorted = flat.index_select(0, order)
+    counts = dispatch_map.sum(dim=0)  # [E] on the device
+    ends = counts.cumsum(0)
+    rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    cast_to = _autocast_dtype(rows)
+    if cast_to is not None:
+        rows, w1, w3, w2 = (t.to(cast_to) for t in (rows, w1, w3, w2))
+    if _grouped_ok(rows, w1):
+        offsets = ends.to(torch.int32)
+
+        def mm(r: Tensor, w: Tensor) -> Tensor:
+            return _ContiguousGrad.apply(torch._grouped_mm(r, w, offs=offsets))
+
+    else:  # zero-padded [E, T, ·] buffer: a token picks an expert at most once, so T rows suffice
+        pos = torch.arange(T * k, device=x.device) - (ends - counts).index_select(0, e_sorted)
+
+        def mm(r: Tensor, w: Tensor) -> Tensor:
+            buf = r.new_zeros(E, T, r.shape[1]).index_put((e_sorted, pos), r)
+            return torch.bmm(buf, w)[e_sorted, pos]
+
+    y = mm(F.silu(mm(rows, w1)) * mm(rows, w3), w2)
+    if region is not None:
+        y = region[1](y)  # one all-reduce of every expert's partial output, before gating (as the loop path)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(T * k, device=x.device))
+    slots = y.index_select(0, inverse).view(T, k, -1).to(x.dtype) * gates.gather(1, experts).unsqueeze(-1).to(x.dtype)
+    out = slots[:, 0]
+    for j in range(1, k):  # increasing expert order, as the per-expert index_add_ loop added them
+        out = out + slots[:, j]
+    return out
 
 
 class MoE(nn.Module):
@@ -106,12 +197,12 @@ class MoE(nn.Module):
             xg = sp_gather(x, mesh, 1, partial_grad=True).reshape(-1, D)
             gg = sp_gather(gates.view(B, S, E), mesh, 1, partial_grad=True).reshape(-1, E)
             dg = sp_gather(record.dispatch_map.view(B, S, E).to(gates.dtype), mesh, 1, partial_grad=False)
-            yp = self.experts(xg, gg, dg.reshape(-1, E) > 0)
+            yp = self.experts(xg, gg, dg.reshape(-1, E) > 0, self.router.topk)
             y = sp_reduce_scatter(yp.view(B, -1, D), mesh, 1)
             if self.shared is not None:
                 y = y + self.shared(x)  # sequence-parallel SwiGLU: slice in, slice out
             return y, record
-        y = self.experts(flat, gates, record.dispatch_map)
+        y = self.experts(flat, gates, record.dispatch_map, self.router.topk)
         if self.shared is not None:
             y = y + self.shared(flat)
         return y.view(B, S, D), record
