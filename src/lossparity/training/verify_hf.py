@@ -37,6 +37,7 @@ from .verify_hf_compare import compare_runs
 
 __all__ = [
     "HF_AUX_SCOPES",
+    "LayoutUnsupported",
     "ModelSpec",
     "check_hf_layout",
     "parse_hf_layouts",
@@ -49,6 +50,14 @@ __all__ = [
 HF_AUX_SCOPES = ("global_lagged", "microbatch", "hf")
 N_ROWS, SEQ, LR = 8, 16, 0.1
 _B_DEPENDENT_SCOPES = ("microbatch",)
+# The model's own float32 floor: the 1x1 run with the rows of every step in reverse order (the objective,
+# the gradients and the update are sums over the rows: only their summation order changes) and its float64
+# parameters scaled by 1 + 2^-50 (a change at float64 rounding level, as a different layout's summation
+# order makes inside a layer). A float64 model agrees to ~1e-15; one that computes in float32 inside
+# (float32 parameters, .float() casts) rounds that change to float32 precision. Each quantity of a layout
+# is judged against max(tolerance, FLOOR_FACTOR × its floor).
+FLOOR = "1x1 rows reversed"
+FLOOR_FACTOR = 10.0
 
 
 @dataclass
@@ -70,16 +79,28 @@ class ModelSpec:
     tp_dir: str | None = field(default=None, repr=False)
 
 
-def parse_hf_layouts(names: str, spec: ModelSpec) -> tuple[Layout, ...]:
+class LayoutUnsupported(ValueError):
+    """A layout that this model does not support (no tensor-parallel plan...): skipped with a note."""
+
+
+def parse_hf_layouts(names: str, spec: ModelSpec, notes: list[str] | None = None) -> tuple[Layout, ...]:
     """Comma-separated layouts in verify's grammar (``K=n`` may carry ``+recompute``/``+fsdp`` too), each
-    checked by :func:`check_hf_layout`; ``ValueError`` naming the first one that cannot run."""
+    checked by :func:`check_hf_layout`; ``ValueError`` naming the first one that cannot run. With ``notes``,
+    a layout the model does not support (:class:`LayoutUnsupported`) is left out and its reason appended
+    there instead, unless no layout is left."""
     out = []
     for name in dict.fromkeys(x.strip() for x in names.split(",") if x.strip()):
         layout = dataclasses.replace(parse_layout(re.sub(r"^K=(\d+)(?=\+|$)", r"K\1", name)), name=name)
-        check_hf_layout(layout, spec)
+        try:
+            check_hf_layout(layout, spec)
+        except LayoutUnsupported as e:
+            if notes is None:
+                raise
+            notes.append(f"skipped: {e}")
+            continue
         out.append(layout)
     if not out:
-        raise ValueError("--layouts: give at least one layout name")
+        raise ValueError("--layouts: give at least one layout name" + (f" ({notes[-1]})" if notes else ""))
     return tuple(out)
 
 
@@ -108,7 +129,8 @@ def check_hf_layout(layout: Layout, spec: ModelSpec) -> None:
     elif N_ROWS % (layout.dp * layout.ga):
         why = f"D·K = {layout.dp * layout.ga} does not divide the {N_ROWS} rows of a step"
     if why:
-        raise ValueError(f"layout {layout.name!r} cannot run: {why}")
+        model_dependent = layout.tp > 1 and why.startswith("T:")
+        raise (LayoutUnsupported if model_dependent else ValueError)(f"layout {layout.name!r} cannot run: {why}")
 
 
 def probe_model(spec: ModelSpec) -> ModelSpec:
@@ -187,8 +209,11 @@ def _cast_router_scores(model: nn.Module) -> None:
                 return (out[0], out[1].to(out[0].dtype), out[2])
         return out
 
+    from ..integrations.hf_moe import router_classes
+
+    routers = router_classes(model)
     for module in model.modules():
-        if type(module).__name__.endswith("TopKRouter"):
+        if type(module).__name__.endswith("TopKRouter") or isinstance(module, routers):
             module.register_forward_hook(hook)
 
 
@@ -252,6 +277,13 @@ def _wrap(model: nn.Module, layout: Layout) -> nn.Module:
     if layout.engine == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
+        # FSDP2 flattens one dtype per group: a module whose own parameters are of another dtype than the
+        # model's (a float32 router in a float64 model) is a group of its own, before its layer's.
+        main = next(model.parameters()).dtype
+        for name, m in list(model.named_modules())[::-1]:
+            own = list(m.parameters(recurse=False))
+            if name and own and all(p.dtype != main for p in own) and len({p.dtype for p in own}) == 1:
+                fully_shard(m)
         layers = getattr(getattr(model, "model", None), "layers", None)
         for layer in layers if layers is not None else []:
             fully_shard(layer)
@@ -368,6 +400,11 @@ def _step(spec: ModelSpec, wrapped: nn.Module, acc: Any, mine: dict[str, Tensor]
 
 def _run_mode(rank: int, spec: ModelSpec, layout: Layout, mode: str, steps: int) -> dict[str, Any]:
     model = _build(spec, layout)
+    if layout.name == FLOOR:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dtype == torch.float64:
+                    p.mul_(1 + 2.0**-50)
     wrapped = _wrap(model, layout)
     acc = _accountant(mode, layout)
     if spec.moe is not None:
@@ -377,10 +414,16 @@ def _run_mode(rank: int, spec: ModelSpec, layout: Layout, mode: str, steps: int)
     rows_per_rank = N_ROWS // layout.dp
     history, aux = [], _AuxState()
     grads: list[dict[str, Tensor]] = []
+    f32: list[str] = []
     for step in range(steps):
         rows = synthetic_batch(step, spec.vocab, spec.packed, spec.seed)
+        if layout.name == FLOOR:
+            rows = {key: v.flip(0) for key, v in rows.items()}
+        hooks = _float32_hooks(model, f32) if step == 0 and layout.name == "1x1" and spec.dtype == "float64" else []
         mine = {key: v[dp_rank * rows_per_rank : (dp_rank + 1) * rows_per_rank] for key, v in rows.items()}
         _step(spec, wrapped, acc, mine, layout.ga, aux)
+        for h in hooks:
+            h.remove()
         logs = acc.logs()
         if aux.local is not None:
             aux.prev, aux.local = aux.local.tolist(), None
@@ -395,19 +438,40 @@ def _run_mode(rank: int, spec: ModelSpec, layout: Layout, mode: str, steps: int)
         opt.step()
         opt.zero_grad(set_to_none=True)
     params = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
-    return {"history": history, "grads": grads, "params": params}
+    return {"history": history, "grads": grads, "params": params, "float32_modules": f32}
+
+
+def _float32_hooks(model: nn.Module, found: list[str]) -> list[Any]:
+    """Forward hooks that append to ``found`` the modules returning a float32 tensor in a float64 run (their
+    own float32 parameters or ``.float()`` casts): where the model computes in float32 by design."""
+
+    def hook(name: str) -> Any:
+        def record(_m: nn.Module, _args: Any, out: Any) -> None:
+            first = out[0] if isinstance(out, (tuple, list)) and out else out
+            if isinstance(first, Tensor) and first.dtype == torch.float32 and name not in found:
+                found.append(name)
+
+        return record
+
+    return [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
 
 
 def _run_jobs(
     rank: int, world: int, specs: list[ModelSpec], jobs: list[tuple[int, Layout]], modes: list[str], steps: int
 ) -> Any:
     """Every mode of every job ``(model index, layout)`` (all of ``world`` ranks) in one set of processes:
-    ``{(index, layout name): ({mode: record}, wall seconds)}`` on rank 0 (records hold full tensors)."""
+    ``{(index, layout name): ({mode: record}, wall seconds)}`` on rank 0 (records hold full tensors); on one
+    rank, a job that raises has its error line instead of the records."""
     torch.set_num_threads(1)
-    out = {}
+    out: dict[tuple[int, str], tuple[Any, float]] = {}
     for i, layout in jobs:
         t = time.perf_counter()
-        runs = {mode: _run_mode(rank, specs[i], layout, mode, steps) for mode in modes}
+        try:
+            runs: Any = {mode: _run_mode(rank, specs[i], layout, mode, steps) for mode in modes}
+        except Exception as e:
+            if world > 1:  # peers may wait in a collective: the launcher stops them and names this rank
+                raise
+            runs = f"{type(e).__name__}: " + " ".join(str(e).split())[:300]  # this layout's row: ERROR
         out[(i, layout.name)] = (runs, time.perf_counter() - t)
     return out if rank == 0 else None
 
@@ -444,8 +508,6 @@ def run_verify_hf_many(
 ) -> list[dict[str, Any]]:
     """:func:`run_verify_hf` of several models, sharing one set of processes per world size (the start of
     the processes dominates the wall time of small models); one report per model."""
-    from ..distributed.launch import spawn
-
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"--modes: unknown mode {mode!r}; valid: {', '.join(MODES)}")
@@ -460,6 +522,8 @@ def run_verify_hf_many(
         # Every run needed (the layouts and their references), one set of processes per world size.
         needed: dict[tuple[int, str], Layout] = {}
         for i, spec in enumerate(specs):
+            needed[(i, FLOOR)] = Layout(FLOOR, 1, 1)
+            needed[(i, "1x1")] = Layout("1x1", 1, 1)  # the floor's reference
             for lay in layouts:
                 needed[(i, lay.name)] = lay
                 for mode in modes:
@@ -470,12 +534,34 @@ def run_verify_hf_many(
             if progress:
                 names = ", ".join(dict.fromkeys(lay.name for _, lay in jobs))
                 print(f"  running {names} ({len(modes)} modes, {world} process(es))...", flush=True)
-            args = (specs, jobs, list(modes), steps)
-            done = _run_jobs(0, 1, *args) if world == 1 else spawn(_run_jobs, world, *args, timeout_s=900)[0]
-            for key, (record, wall) in done.items():
+            for key, (record, wall) in _run_world(world, jobs, specs, modes, steps).items():
                 results[key], walls[key] = record, wall
     wall = time.perf_counter() - t0
     return [_report(i, spec, layouts, modes, steps, results, walls, wall) for i, spec in enumerate(specs)]
+
+
+def _run_world(
+    world: int, jobs: list[tuple[int, Layout]], specs: list[ModelSpec], modes: tuple[str, ...], steps: int
+) -> dict[tuple[int, str], tuple[Any, float]]:
+    """:func:`_run_jobs` of one world size; a job that raises gives its error as one line (a ``str`` record)
+    and the others still run: in-process for 1 rank, else in one set of processes, then, when a rank failed,
+    one set per job (so that the failing layout is named and the others keep their rows)."""
+    from ..distributed.launch import RankError, spawn
+
+    args = (specs, jobs, list(modes), steps)
+    if world == 1:
+        return _run_jobs(0, 1, *args)  # type: ignore[no-any-return]
+    try:
+        return spawn(_run_jobs, world, *args, timeout_s=900)[0]  # type: ignore[no-any-return]
+    except RankError as e:
+        if len(jobs) > 1:
+            out: dict[tuple[int, str], tuple[Any, float]] = {}
+            for job in jobs:
+                out.update(_run_world(world, [job], specs, modes, steps))
+            return out
+        first = e.failures[0] if e.failures else None
+        what = f"rank {first.rank}: {first.kind}: {first.message}" if first else str(e)
+        return {(jobs[0][0], jobs[0][1].name): (" ".join(what.split())[:300], 0.0)}
 
 
 def _with_tp_dir(spec: ModelSpec, layouts: tuple[Layout, ...], path: str) -> ModelSpec:
@@ -501,6 +587,21 @@ def _report(
     wall: float,
 ) -> dict[str, Any]:
     tol = 1e-10 if spec.dtype == "float64" else 1e-5
+    floor_runs, base = results.get((i, FLOOR)), results.get((i, "1x1"))
+    float32_params: list[str] = []
+    float32_modules: list[str] = []
+    if isinstance(base, dict) and spec.dtype == "float64":
+        first = next(iter(base.values()))
+        float32_params = [n for n, t in first["params"].items() if t.dtype != torch.float64]
+        float32_modules = first.get("float32_modules", [])
+    # Where the model computes in float32, a float32 rounding flip is as likely as any other: at least
+    # float32's unit roundoff, whatever the perturbed run happened to show.
+    least = 2.0**-24 if float32_params or float32_modules else 0.0
+    floors: dict[str, dict[str, float]] = {}
+    if isinstance(floor_runs, dict) and isinstance(base, dict):
+        for mode in modes:
+            diffs = compare_runs(floor_runs[mode], base[mode], tol)["diffs"]
+            floors[mode] = {k: max(v, least) for k, v in diffs.items() if k != "grads_abs"}
     rows = []
     for layout in layouts:
         for mode in modes:
@@ -508,15 +609,26 @@ def _report(
             if ref.name == layout.name:  # a quantity of this microbatch size: no other layout to compare
                 rows.append({"layout": layout.name, "mode": mode, "reference": "itself", "pass": True, "diffs": {}})
                 continue
-            run, ref_run = results[(i, layout.name)][mode], results[(i, ref.name)][mode]
-            verdict = compare_runs(run, ref_run, tol, hf_scope=_hf_note(spec, layout))
+            run, ref_run = results.get((i, layout.name)), results.get((i, ref.name))
+            if not isinstance(run, dict) or not isinstance(ref_run, dict):
+                error = run if isinstance(run, str) else f"its reference {ref.name}: {ref_run}"
+                rows.append({"layout": layout.name, "mode": mode, "reference": ref.name, "pass": False, "diffs": {}})
+                rows[-1].update(error=error, first=None)
+                continue
+            floor = floors.get(mode) if spec.dtype == "float64" else None
+            verdict = compare_runs(run[mode], ref_run[mode], tol, hf_scope=_hf_note(spec, layout), floor=floor)
             rows.append({"layout": layout.name, "mode": mode, "reference": ref.name, **verdict})
+    worst_floor = max((v for d in floors.values() for v in d.values()), default=0.0)
     return {
         "rows": rows,
+        "floor": worst_floor if worst_floor > tol else None,
+        "floor_factor": FLOOR_FACTOR,
+        "float32_params": float32_params,
+        "float32_modules": float32_modules,
         "tolerance": tol,
         "steps": steps,
         "wall_s": wall,
-        "layout_wall_s": {name: w for (j, name), w in walls.items() if j == i},
+        "layout_wall_s": {name: w for (j, name), w in walls.items() if j == i and name != FLOOR},
         "moe": spec.moe is not None,
     }
 
