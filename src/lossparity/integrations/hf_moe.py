@@ -12,6 +12,7 @@ where every number was found.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +90,21 @@ def router_classes(model_or_class: Any) -> tuple[type, ...]:
     return tuple(out)
 
 
+_PRESENT: weakref.WeakKeyDictionary[Any, tuple[type, ...]] = weakref.WeakKeyDictionary()
+
+
+def _present(model: Any, routers: tuple[type, ...]) -> tuple[type, ...]:
+    """The router classes that have an instance in ``model`` (walked once per model: the trainer asks for
+    every microbatch)."""
+    try:
+        return _PRESENT[model]
+    except KeyError:
+        pass
+    found = tuple(r for r in routers if any(isinstance(m, r) for m in model.modules()))
+    _PRESENT[model] = found
+    return found
+
+
 def _model_class(config: Any) -> type | None:
     """The causal-LM class of a transformers configuration (None when transformers has none for it)."""
     try:
@@ -105,14 +121,14 @@ def moe_info(config: Any, model: Any = None) -> MoEInfo | None:
     """``MoEInfo`` of the configuration (and the model when given), or None for a dense model.
 
     MoE when the model holds router modules whose outputs it records as ``router_logits``
-    (:func:`router_classes`), or, without a model, when the configuration has an expert count; ``E`` from :data:`EXPERT_FIELDS` (or the
-    router's ``num_experts`` attribute), ``k`` from :data:`TOPK_FIELDS`. ``ValueError`` when the model routes
-    tokens but ``E`` or ``k`` cannot be found or ``k`` is not in ``1..E``."""
+    (:func:`router_classes`), or, without a model, when the configuration has an expert count; ``E`` from
+    :data:`EXPERT_FIELDS` (or the router's ``num_experts`` attribute), ``k`` from :data:`TOPK_FIELDS`.
+    ``ValueError`` when the model routes tokens but ``E`` or ``k`` cannot be found or ``k`` is not in ``1..E``."""
     cls = type(model) if model is not None else _model_class(config)
     routers = router_classes(cls) if cls is not None else ()
     e, e_field = _first(config, EXPERT_FIELDS, int)
     if model is not None:  # the built model: MoE when router modules are in it (a class may allow both)
-        routers = tuple(r for r in routers if any(isinstance(m, r) for m in model.modules()))
+        routers = _present(model, routers)
         if not routers:
             return None
     elif not (isinstance(e, int) and e > 0):  # a configuration alone: its expert count decides

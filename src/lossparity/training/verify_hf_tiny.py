@@ -115,72 +115,98 @@ def zero_randomness(config: Any) -> list[str]:
     return names
 
 
+_SSM_SIZES = (
+    ("mamba_n_groups", 1),
+    ("n_groups", 1),
+    ("mamba_d_state", 16),
+    ("ssm_state_size", 16),
+    ("state_size", 16),
+    ("mamba_chunk_size", 16),
+    ("chunk_size", 16),
+    ("mamba_dt_rank", 8),
+    ("time_step_rank", 8),
+    ("mamba_d_ssm", 2 * HIDDEN),
+    ("linear_key_head_dim", HEAD_DIM),
+    ("linear_value_head_dim", HEAD_DIM),
+    ("linear_num_key_heads", 2),
+    ("linear_num_value_heads", HEADS),
+)
+# Mamba / SSM mixers: heads × head size must be expand × hidden.
+_SSM_HEADS = (
+    ("mamba_expand", "mamba_n_heads", "mamba_d_head"),
+    ("mamba_expand", "mamba_num_heads", "mamba_head_dim"),
+    ("expand", "mamba_num_heads", "mamba_head_dim"),
+    ("expand", "num_heads", "head_dim"),
+)
+
+
 def tiny_fields(default: Any) -> dict[str, Any]:
     """The keyword arguments of ``AutoConfig.for_model`` for the family whose default configuration is
     ``default``: :data:`TINY` restricted to its fields, plus the family-specific sizes (module docstring)."""
-    has = lambda name: _has(default, name)  # noqa: E731
-    kw = {k: v for k, v in TINY.items() if has(k)}
+    kw = {k: v for k, v in TINY.items() if _has(default, k)}
     if any(n.startswith(("enable_moe", "use_moe")) and v is False for n, v in default.to_dict().items()):
         for name in _MOE_FIELDS:  # a family whose default is its dense variant stays dense
             kw.pop(name, None)
-    if has("kv_lora_rank"):  # DeepSeek-style multi-head latent attention
-        kw.update(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
-        if has("num_key_value_heads"):
-            kw["num_key_value_heads"] = HEADS  # the latent is expanded to every head
-        if has("q_lora_rank") and default.q_lora_rank is not None:
-            kw["q_lora_rank"] = 16
-        if has("qk_head_dim"):
-            kw["qk_head_dim"] = 12
-        if has("head_dim") and default.head_dim == getattr(default, "qk_rope_head_dim", None):
-            kw["head_dim"] = 4  # the rotary part's size, as the family defines it
-    # Mamba / SSM mixers: heads × head size must be expand × hidden.
-    for expand, heads, head in (
-        ("mamba_expand", "mamba_n_heads", "mamba_d_head"),
-        ("mamba_expand", "mamba_num_heads", "mamba_head_dim"),
-        ("expand", "mamba_num_heads", "mamba_head_dim"),
-        ("expand", "num_heads", "head_dim"),
-    ):
-        if has(expand) and has(heads) and has(head):
+    kw.update(_mla_sizes(default))
+    kw.update(_ssm_sizes(default))
+    kw.update(_moe_layout(default))
+    for name in randomness_fields(default):
+        if "." not in name:
+            kw[name] = type(_get(default, name))(0)  # some families type them int
+    kw |= _FAMILY.get(getattr(default, "model_type", ""), {})
+    # The family's own field names: an alias (attribute_map) may be applied after the fields derived from it.
+    alias = getattr(default, "attribute_map", {}) or {}
+    return {alias.get(k, k): v for k, v in kw.items()}
+
+
+def _mla_sizes(default: Any) -> dict[str, Any]:
+    """DeepSeek-style multi-head latent attention: LoRA ranks and head sizes that agree."""
+    if not _has(default, "kv_lora_rank"):
+        return {}
+    kw: dict[str, Any] = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+    if _has(default, "num_key_value_heads"):
+        kw["num_key_value_heads"] = HEADS  # the latent is expanded to every head
+    if _get(default, "q_lora_rank") is not None:
+        kw["q_lora_rank"] = 16
+    if _has(default, "qk_head_dim"):
+        kw["qk_head_dim"] = 12
+    if _has(default, "head_dim") and _get(default, "head_dim") == _get(default, "qk_rope_head_dim"):
+        kw["head_dim"] = 4  # the rotary part's size, as the family defines it
+    return kw
+
+
+def _ssm_sizes(default: Any) -> dict[str, Any]:
+    kw: dict[str, Any] = {}
+    for expand, heads, head in _SSM_HEADS:
+        if _has(default, expand) and _has(default, heads) and _has(default, head):
             kw.update({expand: 2, heads: 2 * HIDDEN // HEAD_DIM, head: HEAD_DIM})
-    for name, value in (
-        ("mamba_n_groups", 1),
-        ("n_groups", 1),
-        ("mamba_d_state", 16),
-        ("ssm_state_size", 16),
-        ("state_size", 16),
-        ("mamba_chunk_size", 16),
-        ("chunk_size", 16),
-        ("mamba_dt_rank", 8),
-        ("time_step_rank", 8),
-        ("mamba_d_ssm", 2 * HIDDEN),
-        ("linear_key_head_dim", HEAD_DIM),
-        ("linear_value_head_dim", HEAD_DIM),
-        ("linear_num_key_heads", 2),
-        ("linear_num_value_heads", HEADS),
-    ):
-        if has(name) and isinstance(_get(default, name), int):
+    for name, value in _SSM_SIZES:
+        if _has(default, name) and isinstance(_get(default, name), int):
             kw[name] = value
+    return kw
+
+
+def _moe_layout(default: Any) -> dict[str, Any]:
+    """Shared experts, leading dense layers and hybrid patterns that fit 2 layers with both kinds in them."""
+    kw: dict[str, Any] = {}
     for name in _SHARED:
-        if has(name) and (_get(default, name) is None or _get(default, name)):
+        if _has(default, name) and (_get(default, name) is None or _get(default, name)):
             kw[name] = 1
     for name in _FIRST_DENSE:
-        if has(name) and isinstance(v := _get(default, name), int) and v > 0:
+        if isinstance(v := _get(default, name), int) and v > 0:
             kw[name] = 1  # layer 0 dense, layer 1 MoE: both kinds are exercised
-    if has("expert_layer_period"):  # Jamba: experts on every layer, attention on the second
+    if _has(default, "expert_layer_period"):  # Jamba: experts on every layer, attention on the second
         kw.update(expert_layer_period=1, expert_layer_offset=0)
-    if has("attn_layer_period"):
+    if _has(default, "attn_layer_period"):
         kw.update(attn_layer_period=2, attn_layer_offset=1)
-    if has("attn_layer_indices") and _get(default, "attn_layer_indices") is not None:
+    if _get(default, "attn_layer_indices") is not None:
         kw["attn_layer_indices"] = [1]
     if _get(default, "ffn_config") is not None:  # DBRX: the MoE sizes live in a sub-configuration
         kw["ffn_config"] = {"hidden_size": HIDDEN, "ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2}
         # Its attention reads rope_theta and clip_qkv from attn_config, which by default has neither.
         theta = (_get(default, "rope_parameters") or {}).get("rope_theta", 10000.0)
         kw["attn_config"] = {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": theta}
-    for name in randomness_fields(default):
-        if "." not in name:
-            kw[name] = type(_get(default, name))(0)  # some families type them int
-    return kw | _FAMILY.get(getattr(default, "model_type", ""), {})
+    return kw
 
 
 def _has(config: Any, name: str) -> bool:
