@@ -120,12 +120,13 @@ def test_mla_family_with_float32_router_passes_under_fsdp(capsys):
 
 
 def test_unsupported_layout_is_skipped_and_coefficient_found(capsys):
-    """JetMoE: no tensor-parallel plan (T2 skipped with a note, the run goes on) and its coefficient under
-    aux_loss_coef (it ran with coefficient 0 before)."""
-    code, out, _ = _verify(["--hf", "jetmoe", "--layouts", "K=2,T2"], capsys)
+    """JetMoE: no tensor-parallel plan and no activation checkpointing (T2 and +recompute skipped with a note,
+    the run goes on) and its coefficient under aux_loss_coef (it ran with coefficient 0 before)."""
+    code, out, _ = _verify(["--hf", "jetmoe", "--layouts", "K=2,T2,K=2+recompute"], capsys)
     assert code == 0, out
     assert "coefficient 0.01 (aux_loss_coef)" in out
     assert "note: skipped: layout 'T2' cannot run: T: JetMoeConfig has no tensor-parallel plan" in out
+    assert "note: skipped: layout 'K=2+recompute' cannot run: +recompute: the jetmoe model class" in out
     assert "| K=2 | per_token | 1x1 |" in out and "1/1 PASS" in out
 
 

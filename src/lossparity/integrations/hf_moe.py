@@ -24,6 +24,7 @@ __all__ = [
     "moe_info",
     "router_classes",
     "aux_coefficient",
+    "model_class",
 ]
 
 # The names under which transformers' configurations store each number, first match wins.
@@ -105,7 +106,7 @@ def _present(model: Any, routers: tuple[type, ...]) -> tuple[type, ...]:
     return found
 
 
-def _model_class(config: Any) -> type | None:
+def model_class(config: Any) -> type | None:
     """The causal-LM class of a transformers configuration (None when transformers has none for it)."""
     try:
         import transformers
@@ -124,7 +125,7 @@ def moe_info(config: Any, model: Any = None) -> MoEInfo | None:
     (:func:`router_classes`), or, without a model, when the configuration has an expert count; ``E`` from
     :data:`EXPERT_FIELDS` (or the router's ``num_experts`` attribute), ``k`` from :data:`TOPK_FIELDS`.
     ``ValueError`` when the model routes tokens but ``E`` or ``k`` cannot be found or ``k`` is not in ``1..E``."""
-    cls = type(model) if model is not None else _model_class(config)
+    cls = type(model) if model is not None else model_class(config)
     routers = router_classes(cls) if cls is not None else ()
     e, e_field = _first(config, EXPERT_FIELDS, int)
     if model is not None:  # the built model: MoE when router modules are in it (a class may allow both)

@@ -127,12 +127,14 @@ def check_hf_layout(layout: Layout, spec: ModelSpec) -> None:
         why = f"T: {type(spec.hf_config).__name__} has no tensor-parallel plan (base_model_tp_plan)"
     elif layout.tp > 1 and spec.build is not None and spec.parallelize is None:
         why = "T: a --model needs --parallelize pkg.module:fn (fn(model, tp_mesh)) to run tensor parallel"
+    elif layout.recompute and spec.hf_config is not None and not _supports_recompute(spec.hf_config):
+        why = f"+recompute: the {spec.hf_config.model_type} model class does not support activation checkpointing"
     elif layout.engine == "fsdp" and layout.dp < 2:
         why = "+fsdp needs D >= 2"
     elif N_ROWS % (layout.dp * layout.ga):
         why = f"D·K = {layout.dp * layout.ga} does not divide the {N_ROWS} rows of a step"
     if why:
-        model_dependent = layout.tp > 1 and why.startswith("T:")
+        model_dependent = (layout.tp > 1 and why.startswith("T:")) or why.startswith("+recompute:")
         raise (LayoutUnsupported if model_dependent else ValueError)(f"layout {layout.name!r} cannot run: {why}")
 
 
@@ -157,6 +159,14 @@ def probe_model(spec: ModelSpec) -> ModelSpec:
     moe = moe_shape(config) if getattr(out, "router_logits", None) else None
     coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if moe else 0.0
     return dataclasses.replace(spec, vocab=int(logits.shape[-1]), moe=moe, aux_coef=coef)
+
+
+def _supports_recompute(config: Any) -> bool:
+    """Whether the family's causal-LM class declares gradient checkpointing support (True when unknown)."""
+    from ..integrations.hf_moe import model_class
+
+    cls = model_class(config)
+    return bool(getattr(cls, "supports_gradient_checkpointing", True)) if cls is not None else True
 
 
 def _tp_plan(config: Any) -> bool:
