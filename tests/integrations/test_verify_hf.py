@@ -113,7 +113,8 @@ def test_mla_family_with_float32_router_passes_under_fsdp(capsys):
     code, out, err = _verify(["--hf", "deepseek_v3", "--layouts", "K=2,D2+fsdp"], capsys)
     print(out, err)
     assert code == 0, out + err
-    assert "note: MoE: 4 experts (n_routed_experts), top-2 (num_experts_per_tok)" in out
+    assert "note: MoE: 4 experts (num_local_experts), top-2 (num_experts_per_tok), no coefficient field" in out
+    assert "no aux term is added, as the model's own forward adds none" in out
     floor = next(x for x in out.splitlines() if x.startswith("float32 inside the model"))
     assert "float32 parameters: model.layers.1.mlp.gate.weight" in floor
     assert "Traceback" not in err
