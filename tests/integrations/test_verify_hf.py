@@ -164,4 +164,6 @@ def test_a_layout_that_raises_is_an_error_row(tmp_path, monkeypatch, capsys):
     assert "| K=2 | per_token | 1x1 |" in out and "| D2 | per_token | 1x1 |" in out
     line = next(x for x in out.splitlines() if x.startswith("ERROR D2 per_token"))
     assert "RuntimeError: this model runs on one rank only" in line
-    assert "1/2 PASS, 1 ERROR" in out and "Traceback" not in out + err
+    # (stderr may hold torch's "Terminating process" log of the peer the launcher stops, which pytest's
+    # capture can turn into a logging error of its own: only lossparity's output is checked here)
+    assert "1/2 PASS, 1 ERROR" in out and "Traceback" not in out
