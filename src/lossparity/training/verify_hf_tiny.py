@@ -195,6 +195,8 @@ def _moe_layout(default: Any) -> dict[str, Any]:
     for name in _FIRST_DENSE:
         if isinstance(v := _get(default, name), int) and v > 0:
             kw[name] = 1  # layer 0 dense, layer 1 MoE: both kinds are exercised
+    if isinstance(_get(default, "num_kv_shared_layers"), int):
+        kw["num_kv_shared_layers"] = 0  # Gemma-3n: the last n layers reuse earlier caches; 2 layers have none
     if _has(default, "expert_layer_period"):  # Jamba: experts on every layer, attention on the second
         kw.update(expert_layer_period=1, expert_layer_offset=0)
     if _has(default, "attn_layer_period"):
