@@ -61,6 +61,31 @@ def _worst(text: str) -> str:
     return f"{worst:.1e}"
 
 
+def _build_only(todo: list[str]) -> int:
+    """``OK`` or ``ERR`` and the error's line for each family: the tiny configuration, the model, one forward
+    of 2 padded rows and one backward, float64 (what every layout of verify needs first)."""
+    import torch
+
+    from lossparity.training.user_models import build_hf_model, hf_config
+    from lossparity.training.verify_hf import synthetic_batch
+
+    torch.set_num_threads(1)
+    ok = 0
+    for mt in todo:
+        try:
+            config = hf_config(mt)
+            model = build_hf_model(config, 0, torch.float64).train()
+            batch = synthetic_batch(0, config.vocab_size, False)
+            out = model(input_ids=batch["input_ids"][:2], attention_mask=batch["attention_mask"][:2])
+            out.logits.double().sum().backward()
+            ok += 1
+            print("OK", mt, flush=True)
+        except Exception as e:  # one line per family, whatever transformers raised
+            print("ERR", mt, f"{type(e).__name__}:", " ".join(str(e).split())[:200], flush=True)
+    print(f"{ok} of {len(todo)} build and run one forward and backward")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="verify_hf_sweep.md", help="Markdown table, appended row by row")
@@ -68,6 +93,11 @@ def main() -> int:
     ap.add_argument("--only", default=None, help="comma-separated model_types (default: every decoder-only one)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per family (default 900)")
     ap.add_argument("--list", action="store_true", help="print the families and why some are left out")
+    ap.add_argument(
+        "--build-only",
+        action="store_true",
+        help="in this process, per family: build the tiny model and run one float64 forward and backward",
+    )
     args = ap.parse_args()
     fams = families()
     if args.list:
@@ -78,6 +108,8 @@ def main() -> int:
     todo = [mt for mt, why in fams if why is None]
     if args.only:
         todo = [mt for mt in args.only.split(",") if mt]
+    if args.build_only:
+        return _build_only(todo)
     with open(args.out, "a") as f:
         f.write("| model_type | result | worst difference | wall s | note |\n|---|---|---|---|---|\n")
     counts: dict[str, int] = {}
