@@ -253,10 +253,12 @@ def tiny_config(model_type: str, sets: dict[str, Any] | None = None) -> Any:
     except Exception as e:  # the configuration's own validation: name what it refused
         config, first = None, e
     if config is None and "num_hidden_layers" in kw and "num_hidden_layers" not in (sets or {}):
-        # A layer pattern that needs more than 2 layers (Zamba's starts with 3 fixed ones): 3, then 4.
-        for layers in (3, 4):
+        # A per-layer list the constructor does not derive (its default has the default depth): its first
+        # layer and the first of another kind; else a pattern that needs 3 or 4 layers (Zamba's).
+        lists = _layer_lists(default)
+        for extra in ([lists] if lists else []) + [{"num_hidden_layers": 3}, {"num_hidden_layers": 4}]:
             try:
-                config = transformers.AutoConfig.for_model(model_type, **(kw | {"num_hidden_layers": layers}))
+                config = transformers.AutoConfig.for_model(model_type, **(kw | extra))
                 break
             except Exception:  # the first refusal is the one reported
                 continue
@@ -264,6 +266,18 @@ def tiny_config(model_type: str, sets: dict[str, Any] | None = None) -> Any:
         raise ValueError(f"--hf: {model_type}: its configuration refuses the tiny sizes: {_line(first)}") from None
     config.lossparity_zeroed = zeroed
     return config
+
+
+def _layer_lists(default: Any) -> dict[str, list[Any]]:
+    """2-layer versions of the default's per-layer lists of strings (one entry per layer): the first layer's
+    kind and the first other kind (both kinds run), or the first two."""
+    depth = _get(default, "num_hidden_layers")
+    out: dict[str, list[Any]] = {}
+    for name, value in default.to_dict().items():
+        if isinstance(value, list) and len(value) == depth and value and all(isinstance(v, str) for v in value):
+            other = next((v for v in value if v != value[0]), value[1] if len(value) > 1 else value[0])
+            out[name] = [value[0], other]
+    return out
 
 
 def no_randomness_note(names: list[str]) -> str | None:
