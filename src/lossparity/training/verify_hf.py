@@ -17,6 +17,7 @@ model's own tensor-parallel plan), ``+recompute`` (gradient checkpointing) and t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..integrations.hf import IGNORE_INDEX, shifted_labels
 from ..losses.hf_aux import hf_lagged_aux, hf_load_balancing_loss, hf_router_sums
@@ -428,15 +430,15 @@ def _run_mode(rank: int, spec: ModelSpec, layout: Layout, mode: str, steps: int)
     history, aux = [], _AuxState()
     grads: list[dict[str, Tensor]] = []
     f32: list[str] = []
+    f32_ops: list[str] = []
     for step in range(steps):
         rows = synthetic_batch(step, spec.vocab, spec.packed, spec.seed)
         if layout.name == FLOOR:
             rows = {key: v.flip(0) for key, v in rows.items()}
-        hooks = _float32_hooks(model, f32) if step == 0 and layout.name == "1x1" and spec.dtype == "float64" else []
+        watch = step == 0 and layout.name == "1x1" and spec.dtype == "float64"
         mine = {key: v[dp_rank * rows_per_rank : (dp_rank + 1) * rows_per_rank] for key, v in rows.items()}
-        _step(spec, wrapped, acc, mine, layout.ga, aux)
-        for h in hooks:
-            h.remove()
+        with _Float32Watch(model, f32, f32_ops) if watch else contextlib.nullcontext():
+            _step(spec, wrapped, acc, mine, layout.ga, aux)
         logs = acc.logs()
         if aux.local is not None:
             aux.prev, aux.local = aux.local.tolist(), None
@@ -451,22 +453,49 @@ def _run_mode(rank: int, spec: ModelSpec, layout: Layout, mode: str, steps: int)
         opt.step()
         opt.zero_grad(set_to_none=True)
     params = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
-    return {"history": history, "grads": grads, "params": params, "float32_modules": f32}
+    return {"history": history, "grads": grads, "params": params, "float32_modules": f32, "float32_ops": f32_ops}
 
 
-def _float32_hooks(model: nn.Module, found: list[str]) -> list[Any]:
-    """Forward hooks that append to ``found`` the modules returning a float32 tensor in a float64 run (their
-    own float32 parameters or ``.float()`` casts): where the model computes in float32 by design."""
+class _Float32Watch(TorchDispatchMode):
+    """While active (the 1x1 run's first step, float64): appends to ``returns`` the modules whose output is a
+    float32 tensor (their own float32 parameters or casts), and to ``computes`` the innermost module of every
+    forward operation that produces a float32 tensor anywhere (an RMSNorm's internal float32 upcast too):
+    where the model computes in float32 by design, named for the report."""
 
-    def hook(name: str) -> Any:
-        def record(_m: nn.Module, _args: Any, out: Any) -> None:
-            first = out[0] if isinstance(out, (tuple, list)) and out else out
-            if isinstance(first, Tensor) and first.dtype == torch.float32 and name not in found:
-                found.append(name)
+    def __init__(self, model: nn.Module, returns: list[str], computes: list[str]) -> None:
+        super().__init__()
+        self.returns, self.found = returns, computes
+        self.stack: list[str] = []
+        self.handles: list[Any] = []
+        for name, m in model.named_modules():
+            if name:
+                self.handles.append(m.register_forward_pre_hook(self._enter(name)))
+                self.handles.append(m.register_forward_hook(self._leave))
 
-        return record
+    def _enter(self, name: str) -> Any:
+        def hook(*_args: Any) -> None:  # returns None: the module's input is unchanged
+            self.stack.append(name)
 
-    return [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
+        return hook
+
+    def _leave(self, _m: nn.Module, _args: Any, out: Any) -> None:  # returns None: the output is unchanged
+        name = self.stack.pop()
+        first = out[0] if isinstance(out, (tuple, list)) and out else out
+        if isinstance(first, Tensor) and first.dtype == torch.float32 and name not in self.returns:
+            self.returns.append(name)
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.handles:
+            h.remove()
+        return super().__exit__(*exc)  # type: ignore[no-any-return]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.stack and self.stack[-1] not in self.found:
+            leaves = out if isinstance(out, (tuple, list)) else [out]
+            if any(isinstance(t, Tensor) and t.dtype == torch.float32 for t in leaves):
+                self.found.append(self.stack[-1])
+        return out
 
 
 def _run_jobs(
@@ -603,10 +632,12 @@ def _report(
     floor_runs, base = results.get((i, FLOOR)), results.get((i, "1x1"))
     float32_params: list[str] = []
     float32_modules: list[str] = []
+    float32_ops: list[str] = []
     if isinstance(base, dict) and spec.dtype == "float64":
         first = next(iter(base.values()))
         float32_params = [n for n, t in first["params"].items() if t.dtype != torch.float64]
         float32_modules = first.get("float32_modules", [])
+        float32_ops = first.get("float32_ops", [])
     # Where the model computes in float32, a float32 rounding flip is as likely as any other: at least
     # float32's unit roundoff, whatever the perturbed run happened to show.
     least = 2.0**-24 if float32_params or float32_modules else 0.0
@@ -648,6 +679,7 @@ def _report(
         "floor_factor": FLOOR_FACTOR,
         "float32_params": float32_params,
         "float32_modules": float32_modules,
+        "float32_ops": float32_ops,
         "tolerance": tol,
         "steps": steps,
         "wall_s": wall,

@@ -119,6 +119,13 @@ def format_hf_table(report: dict[str, Any], title: str) -> str:
             lines.append(f"ERROR {r['layout']} {r['mode']}: {r['error']}")
         elif not r["pass"]:
             lines.append(f"FAIL {r['layout']} {r['mode']}: first difference: {r['first']}")
+    ops = report.get("float32_ops") or []
+    if ops and not floor and any(not r["pass"] and "error" not in r for r in report["rows"]):
+        lines.append(
+            f"note: the model computes in float32 inside this float64 run ({', '.join(ops[:4])}"
+            + (f" +{len(ops) - 4} more" if len(ops) > 4 else "")
+            + "): a difference near 1e-7 may be its float32 rounding, which the floor run did not show"
+        )
     if len(compared) < len(report["rows"]):
         lines.append(
             "n/a: the quantity depends on the microbatch size (per_microbatch, aux_scope microbatch) and no other "
