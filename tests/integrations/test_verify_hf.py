@@ -98,3 +98,72 @@ def test_model_returning_no_logits_is_bad_input(tmp_path, monkeypatch, capsys):
     assert main(["verify", "--model", "bad_lm:flat", "--layouts", "K=2"]) == 2
     assert "--model: bad_lm:flat returned no [b, S, V] logits" in capsys.readouterr().err
     sys.modules.pop("bad_lm", None)
+
+
+# ------------------------------------------------------------------ one family per class of issue 33
+def _verify(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = main(["verify", *argv, "--modes", "per_token"])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_mla_family_with_float32_router_passes_under_fsdp(capsys):
+    """DeepSeek-V3: MLA sizes and the first dense layer derived from its config (it did not build), its router
+    weight kept in float32 (FSDP wraps it as a group of its own; judged against the measured float32 floor)."""
+    code, out, err = _verify(["--hf", "deepseek_v3", "--layouts", "K=2,D2+fsdp"], capsys)
+    print(out, err)
+    assert code == 0, out + err
+    assert "note: MoE: 4 experts (num_local_experts), top-2 (num_experts_per_tok), no coefficient field" in out
+    assert "no aux term is added, as the model's own forward adds none" in out
+    floor = next(x for x in out.splitlines() if x.startswith("float32 inside the model"))
+    assert "float32 parameters: model.layers.1.mlp.gate.weight" in floor
+    assert "Traceback" not in err
+
+
+def test_unsupported_layout_is_skipped_and_coefficient_found(capsys):
+    """JetMoE: no tensor-parallel plan and no activation checkpointing (T2 and +recompute skipped with a note,
+    the run goes on) and its coefficient under aux_loss_coef (it ran with coefficient 0 before)."""
+    code, out, _ = _verify(["--hf", "jetmoe", "--layouts", "K=2,T2,K=2+recompute"], capsys)
+    assert code == 0, out
+    assert "coefficient 0.01 (aux_loss_coef)" in out
+    assert "note: skipped: layout 'T2' cannot run: T: JetMoeConfig has no tensor-parallel plan" in out
+    assert "note: skipped: layout 'K=2+recompute' cannot run: +recompute: the jetmoe model class" in out
+    assert "| K=2 | per_token | 1x1 |" in out and "1/1 PASS" in out
+
+
+def test_dropout_is_zeroed_and_printed(capsys):
+    """GPT-2: dropout 0.1 made every layout FAIL at the objective; now 0 and named in the header."""
+    code, out, _ = _verify(["--hf", "gpt2", "--layouts", "K=2"], capsys)
+    assert code == 0, out
+    note = next(x for x in out.splitlines() if "no randomness in training mode" in x)
+    assert all(f in note for f in ("resid_pdrop", "embd_pdrop", "attn_pdrop")), note
+
+
+def test_a_layout_that_raises_is_an_error_row(tmp_path, monkeypatch, capsys):
+    """A model that cannot run on 2 ranks: its D2 row is ERROR with the exception's line, K=2 still PASSes,
+    exit 2 (could not run), no traceback."""
+    (tmp_path / "one_rank_lm.py").write_text(
+        "import torch\n"
+        "import torch.distributed as dist\n"
+        "class LM(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.embed, self.head = torch.nn.Embedding(64, 8), torch.nn.Linear(8, 64)\n"
+        "    def forward(self, input_ids, position_ids=None):\n"
+        "        if dist.is_initialized() and dist.get_world_size() > 1:\n"
+        "            raise RuntimeError('this model runs on one rank only')\n"
+        "        return self.head(torch.tanh(self.embed(input_ids).cumsum(1)))\n"
+        "def build(seed, dtype):\n"
+        "    torch.manual_seed(seed)\n"
+        "    return LM().to(dtype)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = _verify(["--model", "one_rank_lm:build", "--layouts", "K=2,D2"], capsys)
+    sys.modules.pop("one_rank_lm", None)
+    assert code == 2, out + err
+    assert "| K=2 | per_token | 1x1 |" in out and "| D2 | per_token | 1x1 |" in out
+    line = next(x for x in out.splitlines() if x.startswith("ERROR D2 per_token"))
+    assert "RuntimeError: this model runs on one rank only" in line
+    # (stderr may hold torch's "Terminating process" log of the peer the launcher stops, which pytest's
+    # capture can turn into a logging error of its own: only lossparity's output is checked here)
+    assert "1/2 PASS, 1 ERROR" in out and "Traceback" not in out

@@ -97,7 +97,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="run these layouts instead, named [DnX][CnX][Tn[+SP]X][Pn[xVn]X][EnX][Kn][+recompute][+fsdp] "
         "(e.g. D2xC2xT2+SPxK2+recompute)",
     )
-    v.add_argument("--steps", type=int, default=0, help="steps per run (default 3, --quick 2, --full 5)")
+    v.add_argument(
+        "--steps", type=int, default=0, help="steps per run (default 3, --quick 2, --full 5; --hf/--model: 2)"
+    )
     v.add_argument("--modes", default="", help="comma-separated modes (default: all)")
     v.add_argument("--aux-scope", default="global_lagged", help="MoE aux-loss scope of the runs")
     v.add_argument(

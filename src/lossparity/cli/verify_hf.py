@@ -4,7 +4,6 @@ own model; see :mod:`lossparity.verify.hf`). Bad input is one line with exit cod
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from ._common import UsageError
@@ -39,18 +38,51 @@ def add_verify_hf_arguments(v: argparse.ArgumentParser) -> None:
     g.add_argument("--packed", action="store_true", help="packed documents with restarting position_ids")
 
 
-def _spec(args: argparse.Namespace) -> Any:
+def _hf_spec(args: argparse.Namespace, common: dict[str, Any], notes: list[str]) -> Any:
+    """The ``--hf`` model: its configuration, built once here (a configuration transformers cannot build a
+    model from is bad input, one line), MoE recognised from the built model (:mod:`..integrations.hf_moe`)."""
+    import torch
+
+    from ..integrations.hf_moe import COEF_FIELDS, moe_info
+    from ..verify.hf import ModelSpec
+    from ..verify.user_models import build_hf_model, hf_config, parse_sets
+
+    config = hf_config(args.hf, parse_sets(args.hf_set))
+    try:
+        model = build_hf_model(config, args.seed, torch.float64 if args.dtype == "float64" else torch.float32)
+    except ValueError:
+        raise
+    except Exception as e:  # transformers' own constructor: the configuration's values, named by its message
+        what = f"{type(e).__name__}: " + " ".join(str(e).split())[:300]
+        raise ValueError(
+            f"--hf {args.hf}: transformers cannot build a model from this configuration ({what})"
+        ) from None
+    info = moe_info(config, model)
+    if info is not None:
+        config.output_router_logits = True
+        notes.append("MoE: " + info.describe())
+        if info.coef is None:
+            notes.append(
+                f"MoE without a load-balancing coefficient (none of {', '.join(COEF_FIELDS)}): no aux term is "
+                "added, as the model's own forward adds none"
+            )
+    zeroed = getattr(config, "lossparity_zeroed", None)
+    if zeroed:
+        notes.append("set to 0 (no randomness in training mode): " + ", ".join(zeroed))
+    moe = (info.experts, info.top_k) if info is not None else None
+    coef = (info.coef or 0.0) if info is not None else 0.0
+    return ModelSpec(args.hf, hf_config=config, vocab=config.vocab_size, moe=moe, aux_coef=coef, **common)
+
+
+def _spec(args: argparse.Namespace, notes: list[str]) -> Any:
     from ..verify.hf import ModelSpec, probe_model
-    from ..verify.user_models import hf_config, import_target, moe_shape, parse_sets
+    from ..verify.user_models import import_target
 
     common = dict(seed=args.seed, dtype=args.dtype, packed=args.packed, aux_scope=args.aux_scope)
     if args.hf is not None:
         if args.parallelize:
             raise ValueError("--parallelize: only with --model (an --hf model brings its own tensor-parallel plan)")
-        config = hf_config(args.hf, parse_sets(args.hf_set))
-        coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
-        moe = moe_shape(config)
-        return ModelSpec(args.hf, hf_config=config, vocab=config.vocab_size, moe=moe, aux_coef=coef, **common)
+        return _hf_spec(args, common, notes)
     if args.hf_set:
         raise ValueError("--hf-set: only with --hf")
     import_target(args.model, "--model")
@@ -88,13 +120,10 @@ def cmd_verify_hf(args: argparse.Namespace) -> int:
     args.aux_scope = ALIASES["aux_scope"].get(args.aux_scope, args.aux_scope)  # micro_batch: the old spelling
     if args.aux_scope not in HF_AUX_SCOPES:
         raise UsageError(f"--aux-scope: {args.aux_scope!r} is not one of {', '.join(HF_AUX_SCOPES)} for --hf/--model")
+    notes: list[str] = []
     try:
-        spec = _spec(args)
-        default = DEFAULT_HF_LAYOUTS
-        if not args.layouts and spec.hf_config is None and spec.parallelize is None:
-            default = default.replace("T2,", "")
-            print("lossparity verify: note: no --parallelize, so the default layouts skip T2", file=sys.stderr)
-        layouts = parse_hf_layouts(args.layouts or default, spec)
+        spec = _spec(args, notes)
+        layouts = parse_hf_layouts(args.layouts or DEFAULT_HF_LAYOUTS, spec, notes)
         modes = tuple((args.modes or _DEFAULT_MODES).split(","))
         steps = args.steps or 2
         title = (
@@ -103,10 +132,20 @@ def cmd_verify_hf(args: argparse.Namespace) -> int:
             + (f", MoE aux_scope {spec.aux_scope}" if spec.moe else "")
         )
         print(title, flush=True)
+        for note in notes:
+            print(f"  note: {note}", flush=True)
         report = _run(spec, layouts, modes, steps)
     except ValueError as e:
         raise UsageError(" ".join(str(e).split())) from None
     print(format_hf_table(report, ""))
     if args.json:
         write_json(report, args.json)
-    return 0 if all(r["pass"] for r in report["rows"]) else 1
+    return verdict_code(report["rows"])
+
+
+def verdict_code(rows: list[dict[str, Any]]) -> int:
+    """Exit code of a report: 1 when a row FAILs (a layout-dependent difference), else 2 when a row could
+    not run (ERROR), else 0."""
+    if any(not r["pass"] and "error" not in r for r in rows):
+        return 1
+    return 2 if any("error" in r for r in rows) else 0

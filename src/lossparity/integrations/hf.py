@@ -381,18 +381,14 @@ class LossParityMixin:
 
     # ------------------------------------------------------------------ MoE auxiliary term
     def _lp_moe_shape(self) -> tuple[int, int]:
-        """``(E, k)``: routed experts and top-k of the model's config (the HF MoE families' field names)."""
-        config = self.model.config
-        e = next(
-            (v for key in ("num_local_experts", "num_experts") if isinstance(v := getattr(config, key, None), int)), 0
-        )
-        k = getattr(config, "num_experts_per_tok", None)
-        if e <= 0 or not isinstance(k, int) or not 1 <= k <= e:
-            raise ValueError(
-                "aux_scope: 'global_lagged' needs the model config's expert count (num_local_experts or "
-                f"num_experts) and num_experts_per_tok; got {e} and {k} (use aux_scope='microbatch')"
-            )
-        return e, k
+        """``(E, k)``: routed experts and top-k of the model (:func:`.hf_moe.moe_info`: its router modules,
+        and the names transformers' families use for the expert count and top-k)."""
+        from .hf_moe import moe_info
+
+        info = moe_info(self.model.config, self.model)
+        if info is None:
+            raise ValueError("aux_scope: 'global_lagged' needs a model with router modules and an expert count")
+        return info.experts, info.top_k
 
     def _lp_aux_counts(self, batches: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         """Pre-count entries of ``global_lagged``: this step's local non-padding tokens (the rows of the
@@ -445,10 +441,12 @@ class LossParityMixin:
         return share
 
     def _lp_aux_coef(self) -> float | None:
-        config = getattr(getattr(self, "model", None), "config", None)
-        if not getattr(config, "output_router_logits", False):
-            return None
-        return float(getattr(config, "router_aux_loss_coef", 0.0))
+        """The load-balancing coefficient (:func:`.hf_moe.aux_coefficient`: None when router logits are off
+        or the model is dense; ``ValueError`` for an MoE model whose coefficient is under no known name)."""
+        from .hf_moe import aux_coefficient
+
+        model = getattr(self, "model", None)
+        return aux_coefficient(getattr(model, "config", None), model)
 
     # ------------------------------------------------------------------ logs and columns
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:

@@ -17,6 +17,7 @@ model's own tensor-parallel plan), ``+recompute`` (gradient checkpointing) and t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..integrations.hf import IGNORE_INDEX, shifted_labels
 from ..losses.hf_aux import hf_lagged_aux, hf_load_balancing_loss, hf_router_sums
@@ -37,6 +39,7 @@ from .layouts import Layout, parse_layout
 
 __all__ = [
     "HF_AUX_SCOPES",
+    "LayoutUnsupported",
     "ModelSpec",
     "check_hf_layout",
     "parse_hf_layouts",
@@ -49,6 +52,17 @@ __all__ = [
 HF_AUX_SCOPES = ("global_lagged", "microbatch", "hf")
 N_ROWS, SEQ, LR = 8, 16, 0.1
 _B_DEPENDENT_SCOPES = ("microbatch",)
+# The model's own float32 floor: the 1x1 run with the rows of every step in reverse order (the objective,
+# the gradients and the update are sums over the rows: only their summation order changes) and its float64
+# parameters scaled by 1 + 2^-50 (a change at float64 rounding level, as a different layout's summation
+# order makes inside a layer). A float64 model agrees to ~1e-15; one that computes in float32 inside
+# (float32 parameters, .float() casts) rounds that change to float32 precision. Each quantity of a layout
+# is judged against max(tolerance, FLOOR_FACTOR × its floor).
+FLOOR = "1x1 rows reversed"
+FLOOR_FACTOR = 10.0
+# A floor above this is not float32 rounding (2^-24 ≈ 6e-8 per operation) but a model that does not
+# repeat itself (random draws in training mode): it is reported and not used.
+FLOOR_MAX = 1e-5
 
 
 @dataclass
@@ -70,16 +84,28 @@ class ModelSpec:
     tp_dir: str | None = field(default=None, repr=False)
 
 
-def parse_hf_layouts(names: str, spec: ModelSpec) -> tuple[Layout, ...]:
+class LayoutUnsupported(ValueError):
+    """A layout that this model does not support (no tensor-parallel plan...): skipped with a note."""
+
+
+def parse_hf_layouts(names: str, spec: ModelSpec, notes: list[str] | None = None) -> tuple[Layout, ...]:
     """Comma-separated layouts in verify's grammar (``K=n`` may carry ``+recompute``/``+fsdp`` too), each
-    checked by :func:`check_hf_layout`; ``ValueError`` naming the first one that cannot run."""
+    checked by :func:`check_hf_layout`; ``ValueError`` naming the first one that cannot run. With ``notes``,
+    a layout the model does not support (:class:`LayoutUnsupported`) is left out and its reason appended
+    there instead, unless no layout is left."""
     out = []
     for name in dict.fromkeys(x.strip() for x in names.split(",") if x.strip()):
         layout = dataclasses.replace(parse_layout(re.sub(r"^K=(\d+)(?=\+|$)", r"K\1", name)), name=name)
-        check_hf_layout(layout, spec)
+        try:
+            check_hf_layout(layout, spec)
+        except LayoutUnsupported as e:
+            if notes is None:
+                raise
+            notes.append(f"skipped: {e}")
+            continue
         out.append(layout)
     if not out:
-        raise ValueError("--layouts: give at least one layout name")
+        raise ValueError("--layouts: give at least one layout name" + (f" ({notes[-1]})" if notes else ""))
     return tuple(out)
 
 
@@ -103,12 +129,15 @@ def check_hf_layout(layout: Layout, spec: ModelSpec) -> None:
         why = f"T: {type(spec.hf_config).__name__} has no tensor-parallel plan (base_model_tp_plan)"
     elif layout.tp > 1 and spec.build is not None and spec.parallelize is None:
         why = "T: a --model needs --parallelize pkg.module:fn (fn(model, tp_mesh)) to run tensor parallel"
+    elif layout.recompute and spec.hf_config is not None and not _supports_recompute(spec.hf_config):
+        why = f"+recompute: the {spec.hf_config.model_type} model class does not support activation checkpointing"
     elif layout.engine == "fsdp" and layout.dp < 2:
         why = "+fsdp needs D >= 2"
     elif N_ROWS % (layout.dp * layout.ga):
         why = f"D·K = {layout.dp * layout.ga} does not divide the {N_ROWS} rows of a step"
     if why:
-        raise ValueError(f"layout {layout.name!r} cannot run: {why}")
+        model_dependent = (layout.tp > 1 and why.startswith("T:")) or why.startswith("+recompute:")
+        raise (LayoutUnsupported if model_dependent else ValueError)(f"layout {layout.name!r} cannot run: {why}")
 
 
 def probe_model(spec: ModelSpec) -> ModelSpec:
@@ -132,6 +161,14 @@ def probe_model(spec: ModelSpec) -> ModelSpec:
     moe = moe_shape(config) if getattr(out, "router_logits", None) else None
     coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if moe else 0.0
     return dataclasses.replace(spec, vocab=int(logits.shape[-1]), moe=moe, aux_coef=coef)
+
+
+def _supports_recompute(config: Any) -> bool:
+    """Whether the family's causal-LM class declares gradient checkpointing support (True when unknown)."""
+    from ..integrations.hf_moe import model_class
+
+    cls = model_class(config)
+    return bool(getattr(cls, "supports_gradient_checkpointing", True)) if cls is not None else True
 
 
 def _tp_plan(config: Any) -> bool:
@@ -187,8 +224,11 @@ def _cast_router_scores(model: nn.Module) -> None:
                 return (out[0], out[1].to(out[0].dtype), out[2])
         return out
 
+    from ..integrations.hf_moe import router_classes
+
+    routers = router_classes(model)
     for module in model.modules():
-        if type(module).__name__.endswith("TopKRouter"):
+        if type(module).__name__.endswith("TopKRouter") or isinstance(module, routers):
             module.register_forward_hook(hook)
 
 
@@ -252,6 +292,13 @@ def _wrap(model: nn.Module, layout: Layout) -> nn.Module:
     if layout.engine == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
+        # FSDP2 flattens one dtype per group: a module whose own parameters are of another dtype than the
+        # model's (a float32 router in a float64 model) is a group of its own, before its layer's.
+        main = next(model.parameters()).dtype
+        for name, m in list(model.named_modules())[::-1]:
+            own = list(m.parameters(recurse=False))
+            if name and own and all(p.dtype != main for p in own) and len({p.dtype for p in own}) == 1:
+                fully_shard(m)
         layers = getattr(getattr(model, "model", None), "layers", None)
         for layer in layers if layers is not None else []:
             fully_shard(layer)
@@ -368,6 +415,11 @@ def _step(spec: ModelSpec, wrapped: nn.Module, acc: Any, mine: dict[str, Tensor]
 
 def _run_mode(rank: int, spec: ModelSpec, layout: Layout, mode: str, steps: int) -> dict[str, Any]:
     model = _build(spec, layout)
+    if layout.name == FLOOR:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dtype == torch.float64:
+                    p.mul_(1 + 2.0**-50)
     wrapped = _wrap(model, layout)
     acc = _accountant(mode, layout)
     if spec.moe is not None:
@@ -377,10 +429,16 @@ def _run_mode(rank: int, spec: ModelSpec, layout: Layout, mode: str, steps: int)
     rows_per_rank = N_ROWS // layout.dp
     history, aux = [], _AuxState()
     grads: list[dict[str, Tensor]] = []
+    f32: list[str] = []
+    f32_ops: list[str] = []
     for step in range(steps):
         rows = synthetic_batch(step, spec.vocab, spec.packed, spec.seed)
+        if layout.name == FLOOR:
+            rows = {key: v.flip(0) for key, v in rows.items()}
+        watch = step == 0 and layout.name == "1x1" and spec.dtype == "float64"
         mine = {key: v[dp_rank * rows_per_rank : (dp_rank + 1) * rows_per_rank] for key, v in rows.items()}
-        _step(spec, wrapped, acc, mine, layout.ga, aux)
+        with _Float32Watch(model, f32, f32_ops) if watch else contextlib.nullcontext():
+            _step(spec, wrapped, acc, mine, layout.ga, aux)
         logs = acc.logs()
         if aux.local is not None:
             aux.prev, aux.local = aux.local.tolist(), None
@@ -395,19 +453,67 @@ def _run_mode(rank: int, spec: ModelSpec, layout: Layout, mode: str, steps: int)
         opt.step()
         opt.zero_grad(set_to_none=True)
     params = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
-    return {"history": history, "grads": grads, "params": params}
+    return {"history": history, "grads": grads, "params": params, "float32_modules": f32, "float32_ops": f32_ops}
+
+
+class _Float32Watch(TorchDispatchMode):
+    """While active (the 1x1 run's first step, float64): appends to ``returns`` the modules whose output is a
+    float32 tensor (their own float32 parameters or casts), and to ``computes`` the innermost module of every
+    forward operation that produces a float32 tensor anywhere (an RMSNorm's internal float32 upcast too):
+    where the model computes in float32 by design, named for the report."""
+
+    def __init__(self, model: nn.Module, returns: list[str], computes: list[str]) -> None:
+        super().__init__()
+        self.returns, self.found = returns, computes
+        self.stack: list[str] = []
+        self.handles: list[Any] = []
+        for name, m in model.named_modules():
+            if name:
+                self.handles.append(m.register_forward_pre_hook(self._enter(name)))
+                self.handles.append(m.register_forward_hook(self._leave))
+
+    def _enter(self, name: str) -> Any:
+        def hook(*_args: Any) -> None:  # returns None: the module's input is unchanged
+            self.stack.append(name)
+
+        return hook
+
+    def _leave(self, _m: nn.Module, _args: Any, out: Any) -> None:  # returns None: the output is unchanged
+        name = self.stack.pop()
+        first = out[0] if isinstance(out, (tuple, list)) and out else out
+        if isinstance(first, Tensor) and first.dtype == torch.float32 and name not in self.returns:
+            self.returns.append(name)
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.handles:
+            h.remove()
+        return super().__exit__(*exc)  # type: ignore[no-any-return]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.stack and self.stack[-1] not in self.found:
+            leaves = out if isinstance(out, (tuple, list)) else [out]
+            if any(isinstance(t, Tensor) and t.dtype == torch.float32 for t in leaves):
+                self.found.append(self.stack[-1])
+        return out
 
 
 def _run_jobs(
     rank: int, world: int, specs: list[ModelSpec], jobs: list[tuple[int, Layout]], modes: list[str], steps: int
 ) -> Any:
     """Every mode of every job ``(model index, layout)`` (all of ``world`` ranks) in one set of processes:
-    ``{(index, layout name): ({mode: record}, wall seconds)}`` on rank 0 (records hold full tensors)."""
+    ``{(index, layout name): ({mode: record}, wall seconds)}`` on rank 0 (records hold full tensors); on one
+    rank, a job that raises has its error line instead of the records."""
     torch.set_num_threads(1)
-    out = {}
+    out: dict[tuple[int, str], tuple[Any, float]] = {}
     for i, layout in jobs:
         t = time.perf_counter()
-        runs = {mode: _run_mode(rank, specs[i], layout, mode, steps) for mode in modes}
+        try:
+            runs: Any = {mode: _run_mode(rank, specs[i], layout, mode, steps) for mode in modes}
+        except Exception as e:
+            if world > 1:  # peers may wait in a collective: the launcher stops them and names this rank
+                raise
+            runs = f"{type(e).__name__}: " + " ".join(str(e).split())[:300]  # this layout's row: ERROR
         out[(i, layout.name)] = (runs, time.perf_counter() - t)
     return out if rank == 0 else None
 
@@ -444,8 +550,6 @@ def run_verify_hf_many(
 ) -> list[dict[str, Any]]:
     """:func:`run_verify_hf` of several models, sharing one set of processes per world size (the start of
     the processes dominates the wall time of small models); one report per model."""
-    from ..distributed.launch import spawn
-
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"--modes: unknown mode {mode!r}; valid: {', '.join(MODES)}")
@@ -460,6 +564,8 @@ def run_verify_hf_many(
         # Every run needed (the layouts and their references), one set of processes per world size.
         needed: dict[tuple[int, str], Layout] = {}
         for i, spec in enumerate(specs):
+            needed[(i, FLOOR)] = Layout(FLOOR, 1, 1)
+            needed[(i, "1x1")] = Layout("1x1", 1, 1)  # the floor's reference
             for lay in layouts:
                 needed[(i, lay.name)] = lay
                 for mode in modes:
@@ -470,12 +576,34 @@ def run_verify_hf_many(
             if progress:
                 names = ", ".join(dict.fromkeys(lay.name for _, lay in jobs))
                 print(f"  running {names} ({len(modes)} modes, {world} process(es))...", flush=True)
-            args = (specs, jobs, list(modes), steps)
-            done = _run_jobs(0, 1, *args) if world == 1 else spawn(_run_jobs, world, *args, timeout_s=900)[0]
-            for key, (record, wall) in done.items():
+            for key, (record, wall) in _run_world(world, jobs, specs, modes, steps).items():
                 results[key], walls[key] = record, wall
     wall = time.perf_counter() - t0
     return [_report(i, spec, layouts, modes, steps, results, walls, wall) for i, spec in enumerate(specs)]
+
+
+def _run_world(
+    world: int, jobs: list[tuple[int, Layout]], specs: list[ModelSpec], modes: tuple[str, ...], steps: int
+) -> dict[tuple[int, str], tuple[Any, float]]:
+    """:func:`_run_jobs` of one world size; a job that raises gives its error as one line (a ``str`` record)
+    and the others still run: in-process for 1 rank, else in one set of processes, then, when a rank failed,
+    one set per job (so that the failing layout is named and the others keep their rows)."""
+    from ..distributed.launch import RankError, spawn
+
+    args = (specs, jobs, list(modes), steps)
+    if world == 1:
+        return _run_jobs(0, 1, *args)  # type: ignore[no-any-return]
+    try:
+        return spawn(_run_jobs, world, *args, timeout_s=900)[0]  # type: ignore[no-any-return]
+    except RankError as e:
+        if len(jobs) > 1:
+            out: dict[tuple[int, str], tuple[Any, float]] = {}
+            for job in jobs:
+                out.update(_run_world(world, [job], specs, modes, steps))
+            return out
+        first = e.failures[0] if e.failures else None
+        what = f"rank {first.rank}: {first.kind}: {first.message}" if first else str(e)
+        return {(jobs[0][0], jobs[0][1].name): (" ".join(what.split())[:300], 0.0)}
 
 
 def _with_tp_dir(spec: ModelSpec, layouts: tuple[Layout, ...], path: str) -> ModelSpec:
@@ -501,6 +629,23 @@ def _report(
     wall: float,
 ) -> dict[str, Any]:
     tol = 1e-10 if spec.dtype == "float64" else 1e-5
+    floor_runs, base = results.get((i, FLOOR)), results.get((i, "1x1"))
+    float32_params: list[str] = []
+    float32_modules: list[str] = []
+    float32_ops: list[str] = []
+    if isinstance(base, dict) and spec.dtype == "float64":
+        first = next(iter(base.values()))
+        float32_params = [n for n, t in first["params"].items() if t.dtype != torch.float64]
+        float32_modules = first.get("float32_modules", [])
+        float32_ops = first.get("float32_ops", [])
+    # Where the model computes in float32, a float32 rounding flip is as likely as any other: at least
+    # float32's unit roundoff, whatever the perturbed run happened to show.
+    least = 2.0**-24 if float32_params or float32_modules else 0.0
+    floors: dict[str, dict[str, float]] = {}
+    if isinstance(floor_runs, dict) and isinstance(base, dict):
+        for mode in modes:
+            diffs = compare_runs(floor_runs[mode], base[mode], tol)["diffs"]
+            floors[mode] = {k: max(v, least) for k, v in diffs.items() if k != "grads_abs"}
     rows = []
     for layout in layouts:
         for mode in modes:
@@ -508,15 +653,37 @@ def _report(
             if ref.name == layout.name:  # a quantity of this microbatch size: no other layout to compare
                 rows.append({"layout": layout.name, "mode": mode, "reference": "itself", "pass": True, "diffs": {}})
                 continue
-            run, ref_run = results[(i, layout.name)][mode], results[(i, ref.name)][mode]
-            verdict = compare_runs(run, ref_run, tol, hf_scope=_hf_note(spec, layout))
+            run, ref_run = results.get((i, layout.name)), results.get((i, ref.name))
+            if not isinstance(run, dict) or not isinstance(ref_run, dict):
+                error = run if isinstance(run, str) else f"its reference {ref.name}: {ref_run}"
+                rows.append({"layout": layout.name, "mode": mode, "reference": ref.name, "pass": False, "diffs": {}})
+                rows[-1].update(error=error, first=None)
+                continue
+            floor = floors.get(mode) if spec.dtype == "float64" else None
+            if floor and max(floor.values()) > FLOOR_MAX:
+                floor = None
+            verdict = compare_runs(run[mode], ref_run[mode], tol, hf_scope=_hf_note(spec, layout), floor=floor)
             rows.append({"layout": layout.name, "mode": mode, "reference": ref.name, **verdict})
+    worst_floor = max((v for d in floors.values() for v in d.values()), default=0.0)
+    if worst_floor > FLOOR_MAX:
+        for row in rows:  # no layout can be judged against a run that does not repeat itself: could not run
+            if not row["pass"] and "error" not in row:
+                row["error"] = (
+                    f"the model is not deterministic in training mode: two 1x1 runs that differ only in a "
+                    f"summation order differ by {worst_floor:.1e} (random draws: sampling routers, dropout); "
+                    f"first difference {row['first']}"
+                )
     return {
         "rows": rows,
+        "floor": worst_floor if tol < worst_floor <= FLOOR_MAX else None,
+        "floor_factor": FLOOR_FACTOR,
+        "float32_params": float32_params,
+        "float32_modules": float32_modules,
+        "float32_ops": float32_ops,
         "tolerance": tol,
         "steps": steps,
         "wall_s": wall,
-        "layout_wall_s": {name: w for (j, name), w in walls.items() if j == i},
+        "layout_wall_s": {name: w for (j, name), w in walls.items() if j == i and name != FLOOR},
         "moe": spec.moe is not None,
     }
 

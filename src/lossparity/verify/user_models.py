@@ -18,27 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TINY", "hf_config", "parse_sets", "build_hf_model", "is_moe", "moe_shape", "import_target"]
+from .hf_tiny import TINY  # the tiny sizes of every family, re-exported
 
-# A tiny configuration of any HF causal LM: fields the family's config does not have are skipped.
-TINY: dict[str, Any] = {
-    "num_hidden_layers": 2,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "vocab_size": 256,
-    "max_position_embeddings": 128,
-    "num_local_experts": 4,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-}
+__all__ = ["TINY", "hf_config", "parse_sets", "build_hf_model", "is_moe", "moe_shape", "import_target"]
 
 
 def parse_sets(sets: Sequence[str]) -> dict[str, Any]:
@@ -80,17 +62,23 @@ def hf_config(model: str, sets: dict[str, Any] | None = None) -> Any:
                 f"--hf: unknown model_type {model!r} (transformers {transformers.__version__} knows e.g. "
                 "llama, mixtral, qwen3_moe, qwen2_moe, olmoe), and no such file"
             )
-        config = transformers.AutoConfig.for_model(model)
-        for field, value in TINY.items():
-            if hasattr(config, field):
-                setattr(config, field, value)
+        from .hf_tiny import tiny_config
+
+        # The sizes go into the constructor, so that the fields it derives (per-layer lists) follow them.
+        config = tiny_config(model, sets)
+        sets = None
     for field, value in (sets or {}).items():
         if not hasattr(config, field):
             raise ValueError(f"--hf-set: {type(config).__name__} has no field {field!r}")
         setattr(config, field, value)
+    from .hf_tiny import zero_randomness
+
+    # A layout comparison must not compare random draws; the names are kept for the report's header.
+    config.lossparity_zeroed = zero_randomness(config) + list(getattr(config, "lossparity_zeroed", []))
     if is_moe(config):
         config.output_router_logits = True
-        config._experts_implementation = "eager"
+    # Eager experts for every family (the grouped kernel refuses float64 on CPU); a no-op for dense ones.
+    config._experts_implementation = "eager"
     config.use_cache = False
     return config
 
@@ -101,10 +89,12 @@ def is_moe(config: Any) -> bool:
 
 
 def moe_shape(config: Any) -> tuple[int, int] | None:
-    """``(E, k)`` of an HF MoE configuration (``num_local_experts`` or ``num_experts``; ``num_experts_per_tok``)."""
-    e = next((v for key in ("num_local_experts", "num_experts") if isinstance(v := getattr(config, key, None), int)), 0)
-    k = getattr(config, "num_experts_per_tok", None)
-    return (e, k) if e > 0 and isinstance(k, int) and 1 <= k <= e else None
+    """``(E, k)`` of an HF MoE configuration or model family (:func:`lossparity.integrations.hf_moe.moe_info`:
+    router modules recorded by the model class, expert count and top-k under transformers' field names)."""
+    from ..integrations.hf_moe import moe_info
+
+    info = moe_info(config)
+    return (info.experts, info.top_k) if info is not None else None
 
 
 def build_hf_model(config: Any, seed: int, dtype: torch.dtype) -> nn.Module:
