@@ -41,12 +41,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..losses.fused_cross_entropy import fused_linear_cross_entropy
-from ..losses.hf_aux import hf_lagged_aux, hf_router_sums
 from ..losses.modes import count_normalizers, denominator
 from ..losses.modes import objective as _batch_objective
 from ..losses.token_weights import token_weights
 from ..options import MODES, Mode, check_option
 from . import require
+from .hf_aux_terms import ROWS, MoEAuxTerms
 from .hf_head import HeadCapture, HeadPlan, plan_head
 from .hf_parity import ParityCallback as ParityCallback  # the live parity guard (hf_parity.py)
 
@@ -56,7 +56,6 @@ IGNORE_INDEX = -100  # the label HF causal-LM losses and Trainer's num_items_in_
 _LOSS_ONLY_KEYS = ("labels", "shift_labels", "segment_ids")  # columns the model's forward must not see
 _BAD = "lossparity_bad_input"  # extra count: a rank flags invalid input inside the pre-count all-reduce
 HF_AUX_SCOPES = ("global_lagged", "microbatch", "hf")  # aux_scope of LossParityMixin (semantics §5)
-_ROWS, _PREV_ROWS = "lossparity_aux_rows", "lossparity_aux_prev_rows"  # extra counts of global_lagged
 
 
 def shifted_labels(batch: Mapping[str, Any], shift: bool = True) -> Tensor:
@@ -94,7 +93,7 @@ def segments_of(batch: Mapping[str, Any], shape: torch.Size) -> Tensor:
     return seg
 
 
-class LossParityMixin:
+class LossParityMixin(MoEAuxTerms):
     """Mix into ``transformers.Trainer`` or a subclass (TRL ``SFTTrainer``...), **first** in the bases.
 
     Extra constructor keywords: ``loss_mode`` (a mode of docs/semantics.md §1, default ``per_sample``),
@@ -255,7 +254,7 @@ class LossParityMixin:
         self._lp_left, self._lp_open = len(masks), True
         self._lp_mbs = acc.global_count("microbatches")
         self._lp_factor = float(getattr(self.accelerator, "num_processes", 1))  # type: ignore[attr-defined]
-        if _ROWS in extra:
+        if ROWS in extra:
             self._lp_aux_start(acc)
 
     # ------------------------------------------------------------------ loss
@@ -378,75 +377,6 @@ class LossParityMixin:
             loss = loss + self._lp_aux_share(outputs, coef, loss.dtype)
         self._lp_left -= 1
         return loss * self._lp_factor
-
-    # ------------------------------------------------------------------ MoE auxiliary term
-    def _lp_moe_shape(self) -> tuple[int, int]:
-        """``(E, k)``: routed experts and top-k of the model (:func:`.hf_moe.moe_info`: its router modules,
-        and the names transformers' families use for the expert count and top-k)."""
-        from .hf_moe import moe_info
-
-        info = moe_info(self.model.config, self.model)
-        if info is None:
-            raise ValueError("aux_scope: 'global_lagged' needs a model with router modules and an expert count")
-        return info.experts, info.top_k
-
-    def _lp_aux_counts(self, batches: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-        """Pre-count entries of ``global_lagged``: this step's local non-padding tokens (the rows of the
-        scores) and the previous step's local expert counts ``c_e`` and rows ``R'`` (zeros in the first step)."""
-        if self.lp_aux_scope != "global_lagged" or self._lp_aux_coef() is None:
-            return {}
-        n, _ = self._lp_moe_shape()
-        tokens = 0.0
-        for batch in batches:  # once per step, where the labels are read to the host anyway
-            att, ids = batch.get("attention_mask"), batch.get("input_ids")
-            if isinstance(att, Tensor) and att.dim() == 2:
-                tokens += float(att.sum())
-            elif isinstance(ids, Tensor):
-                tokens += float(ids.numel())
-        prev = self._lp_aux_prev if self._lp_aux_prev is not None else [0.0] * (n + 1)
-        return {_ROWS: tokens, _PREV_ROWS: prev[n], **{f"lossparity_aux_c{e}": prev[e] for e in range(n)}}
-
-    def _lp_aux_start(self, acc: Any) -> None:
-        n, k = self._lp_moe_shape()
-        prev_rows = acc.global_count(_PREV_ROWS)
-        # f_e = c_e / R' of the previous global batch; k/E each (uniform) when there is none.
-        f = [acc.global_count(f"lossparity_aux_c{e}") / prev_rows if prev_rows > 0 else k / n for e in range(n)]
-        self._lp_aux_frac = torch.tensor(f, dtype=torch.float64)
-        self._lp_aux_tokens = acc.global_count(_ROWS)
-        self._lp_aux_local = torch.zeros(n + 1, dtype=torch.float64)
-
-    def _lp_aux_share(self, outputs: Any, coef: float, dtype: torch.dtype) -> Tensor:
-        """This microbatch's share of ``coef · aux`` in ``aux_scope`` (class docstring); logs ``aux_loss``."""
-        acc = self._lp_acc
-        if self.lp_aux_scope == "global_lagged":
-            router = getattr(outputs, "router_logits", None)
-            if not router:
-                raise ValueError("model: aux_scope='global_lagged' needs outputs.router_logits (output_router_logits)")
-            p, c, r = hf_router_sums(router, self._lp_moe_shape()[1], self._lp_att)
-            local = self._lp_aux_local.to(p.device)  # type: ignore[union-attr]
-            local[:-1] += c
-            local[-1] += r
-            self._lp_aux_local = local
-            aux = hf_lagged_aux(p, self._lp_aux_frac.to(p.device), len(router) * self._lp_aux_tokens)
-            acc.record("aux_loss", aux.detach(), 1.0 / self._lp_mbs)  # Σ over the D·K shares: the global value
-        else:
-            own = getattr(outputs, "aux_loss", None)
-            if not isinstance(own, Tensor):
-                raise ValueError("model: its outputs have no 'aux_loss' although config.output_router_logits is set")
-            acc.record("aux_loss", own.detach())
-            # microbatch: the mean over the step's D·K microbatches; hf: every microbatch's term in full.
-            aux = own / self._lp_mbs if self.lp_aux_scope == "microbatch" else own
-        share = coef * aux.to(dtype)
-        acc.record("objective", share.detach())
-        return share
-
-    def _lp_aux_coef(self) -> float | None:
-        """The load-balancing coefficient (:func:`.hf_moe.aux_coefficient`: None when router logits are off
-        or the model is dense; ``ValueError`` for an MoE model whose coefficient is under no known name)."""
-        from .hf_moe import aux_coefficient
-
-        model = getattr(self, "model", None)
-        return aux_coefficient(getattr(model, "config", None), model)
 
     # ------------------------------------------------------------------ logs and columns
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
