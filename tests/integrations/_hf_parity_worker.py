@@ -52,6 +52,11 @@ def main(out: str) -> None:
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # an orderly end: a group torn down at interpreter exit can abort a rank (SIGABRT)
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
