@@ -760,3 +760,51 @@ def test_real_log_with_a_garbled_number_exits_2(tmp_path, name, capsys):
     assert name in err and ("log error" in err)
     if fmt not in ("megatron_golden", "hf_trainer_state"):  # JSON documents name line and column instead
         assert f"{name}:{text[:pos].count(chr(10)) + 1}:" in err
+
+
+def test_array_alignment_matches_a_naive_dict_alignment():
+    """The array alignment of ``compare_runs`` (steps and sample counts matched with NumPy set operations)
+    against a naive dict-based pairing written from the module docstring, on 200 random pairs of runs with
+    gaps, restarts of numbering (step bases), windows and shared sample counts."""
+    import random
+
+    from lossparity.parity import Run, compare_runs
+
+    rng = random.Random(1)
+    for trial in range(200):
+        align = "samples" if trial % 3 == 0 else "step"
+        base_r, base_c = rng.choice([0, 1]), rng.choice([0, 1])
+
+        def make(base):
+            steps = sorted(rng.sample(range(base, base + 60), rng.randint(5, 40)))
+            vals = {s: rng.choice([1.0, 2.0]) for s in steps}
+            samples = {s: float(8 * (s // rng.choice([1, 2]))) for s in steps if rng.random() < 0.9}
+            return Run(source="x", format="jsonl", metrics={"lm_loss": vals}, consumed_samples=samples, step_base=base)
+
+        ref, cand = make(base_r), make(base_c)
+        lo = rng.choice([None, 10.0])
+        hi = rng.choice([None, 45.0])
+        window = None if lo is None and hi is None else (lo, hi)
+
+        def points(run, offset, align=align, lo=lo, hi=hi):
+            if align == "step":
+                pts = {float(s + offset): (s, v) for s, v in sorted(run.metrics["lm_loss"].items())}
+            else:
+                pts = {
+                    float(run.consumed_samples[s]): (s, v)
+                    for s, v in sorted(run.metrics["lm_loss"].items())
+                    if s in run.consumed_samples
+                }
+            return {x: p for x, p in pts.items() if (lo is None or x >= lo) and (hi is None or x <= hi)}
+
+        rp, cp = points(ref, 0), points(cand, base_r - base_c)
+        xs = sorted(set(rp) & set(cp))
+        if not xs:
+            with pytest.raises(CompareInputError):
+                compare_runs(ref, cand, align=align, window=window, missing_steps="ignore")
+            continue
+        m = compare_runs(ref, cand, align=align, window=window, missing_steps="ignore").metrics["lm_loss"]
+        assert m.x.tolist() == xs
+        assert m.steps.tolist() == [rp[x][0] for x in xs]
+        assert m.ref.tolist() == [rp[x][1] for x in xs] and m.cand.tolist() == [cp[x][1] for x in xs]
+        assert m.missing_cand == sorted(set(rp) - set(cp)) and m.missing_ref == sorted(set(cp) - set(rp))

@@ -85,6 +85,60 @@ def test_row12_wide_csv_and_long_jsonl_are_read(tmp_path):
     assert long.metrics["lm_loss"][20_000] == float(f"{10.0 - 20_000 * 1e-6:.6f}")  # the text written, parsed
 
 
+def test_row12_csv_wider_than_the_cap_is_refused_in_one_line(tmp_path):
+    """A table of more than 100,000 columns is refused before its rows are read (exit 2, one line naming the
+    file, the cap and the width); one of exactly 100,000 is read."""
+    cap = _hostile.MAX_CSV_COLUMNS
+    over = tmp_path / "over.csv"
+    over.write_text("step," + ",".join(f"m{i}" for i in range(cap)) + "\n1," + ",".join(["0.5"] * cap) + "\n")
+    out = _compare([str(over), str(over)])
+    assert out.returncode == 2
+    _one_line_naming(out.stderr, str(over), f"at most {cap} columns, got {cap + 1}")
+    at = tmp_path / "at.csv"
+    at.write_text("step," + ",".join(f"m{i}" for i in range(cap - 2)) + ",loss\n1," + "0.5," * (cap - 2) + "2.5\n")
+    out = _compare([str(at), str(at)])
+    assert out.returncode == 0 and "PARITY" in out.stdout, out.stderr[-2000:]
+
+
+def test_series_behaves_as_a_sorted_dict():
+    """``Series`` (the readers' step->value store on two arrays) against a plain dict under 3,000 random
+    writes, overwrites, out-of-order inserts, deletions and restarts (``drop_from``), checked after each."""
+    import random
+
+    from lossparity.parity._series import Series
+
+    rng = random.Random(0)
+    series, ref = Series(), {}
+    for i in range(3000):
+        op = rng.random()
+        if op < 0.55:
+            s = (max(ref) + rng.randint(1, 3)) if ref and rng.random() < 0.7 else rng.randint(-50, 400)
+            v = rng.choice([rng.uniform(-5, 5), float("nan"), float("inf")])
+            series[s], ref[s] = v, v
+        elif op < 0.75 and ref:
+            s = rng.choice(list(ref))
+            del series[s], ref[s]
+        elif op < 0.8:
+            s = rng.randint(-60, 450)
+            stale = [k for k in ref if k >= s]
+            for k in stale:
+                del ref[k]
+            assert series.drop_from(s) == len(stale)
+        else:
+            s = rng.randint(-60, 450)
+            assert (s in series) == (s in ref)
+            if s in ref:
+                assert series[s] == ref[s] or (ref[s] != ref[s] and series[s] != series[s])
+            else:
+                with pytest.raises(KeyError):
+                    series[s]
+        if i % 50 == 0:
+            assert list(series) == sorted(ref)
+            assert series == ref and len(series) == len(ref)
+    steps, values = series.arrays()
+    assert list(steps) == sorted(ref) and len(values) == len(ref)
+
+
 def test_long_lines_and_large_documents_are_refused_naming_them(tmp_path, monkeypatch):
     """The caps themselves (at a small size, by patching the module constants the readers use)."""
     from lossparity import input_files

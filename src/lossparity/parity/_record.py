@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 from ..input_files import MAX_STEP, InputFileError, bounded_step, capped_lines
+from ._series import Series
 from .names import canonical_name, is_canonical
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "input_error",
     "lines",
     "SAMPLES_KEYS",
+    "Series",
 ]
 
 SAMPLES_KEYS = ("consumed_samples", "consumed samples")
@@ -54,9 +56,10 @@ class LogParseError(ValueError):
 class Run:
     """The metrics of one training run, keyed by canonical metric name.
 
-    ``metrics[name][step] = value`` (see :mod:`lossparity.parity.readers` for missing/NaN values, restarts
-    and step numbering). ``consumed_samples[step]`` is the number of samples consumed up to and including
-    ``step`` when the log states it. ``raw_names[name]`` is the name in the log. ``notes`` says what the
+    ``metrics[name][step] = value``, each series a :class:`Series` (a sorted step→value mapping on two
+    arrays; plain mappings given here are converted; see :mod:`lossparity.parity.readers` for missing/NaN
+    values, restarts and step numbering). ``consumed_samples[step]`` is the number of samples consumed up to
+    and including ``step`` when the log states it. ``raw_names[name]`` is the name in the log. ``notes`` says what the
     reader ignored or decided on the user's behalf (an incomplete last line, joined wrapped lines,
     evaluation entries, a detected step base), one sentence each. ``live``: the log's last line was
     incomplete, i.e. the log is probably still being written. ``unreadable[name]`` says where a metric's
@@ -66,7 +69,7 @@ class Run:
 
     source: str
     format: str
-    metrics: dict[str, dict[int, float]] = field(default_factory=dict)
+    metrics: dict[str, Series] = field(default_factory=dict)
     consumed_samples: dict[int, float] = field(default_factory=dict)
     step_base: int = 1
     skipped_lines: int = 0
@@ -77,6 +80,9 @@ class Run:
     notes: list[str] = field(default_factory=list)
     live: bool = False
     unreadable: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.metrics = {k: v if isinstance(v, Series) else Series(v) for k, v in self.metrics.items()}
 
     def steps(self) -> list[int]:
         """Sorted union of the steps at which any metric has a value."""
@@ -98,21 +104,13 @@ class Run:
 # recording (name mapping, restart rule)
 
 
-def _drop_from(values: dict[int, float], step: int) -> int:
-    """Delete the entries at steps ``>= step``; return how many were deleted."""
-    stale = [s for s in values if s >= step]
-    for s in stale:
-        del values[s]
-    return len(stale)
-
-
 class Recorder:
     """Collects values for one run and applies the name map and the restart rule."""
 
     def __init__(self, path: str, fmt: str, name_map: Mapping[str, str] | None, step_base: int = 1):
         self.path, self.fmt, self.name_map = path, fmt, name_map
-        self.metrics: dict[str, dict[int, float]] = {}
-        self.samples: dict[int, float] = {}
+        self.metrics: dict[str, Series] = {}
+        self.samples = Series()
         self.raw_names: dict[str, str] = {}
         self.skipped_steps: set[int] = set()
         self.step_base = step_base
@@ -125,6 +123,7 @@ class Recorder:
         self._last_by_metric: dict[str, int] = {}
         self.unreadable: dict[str, tuple[str, int]] = {}  # name -> (first "line N: 'raw: text'", count)
         self._canonical: dict[str, str | None] = {}  # canonical_name of each raw name seen (called per value)
+        self.generation = 0  # bumped when a metric is renamed (an alias met its canonical name): caches expire
 
     def canonical(self, raw: str) -> str | None:
         """:func:`~.names.canonical_name` of ``raw`` with this log's name map (computed once per raw name)."""
@@ -165,8 +164,8 @@ class Recorder:
         if self._last_step is not None and step < self._last_step:
             self.restarts += 1
             for values in self.metrics.values():
-                self.dropped += _drop_from(values, step)
-            _drop_from(self.samples, step)
+                self.dropped += values.drop_from(step)
+            self.samples.drop_from(step)
             self.skipped_steps = {s for s in self.skipped_steps if s < step}
         self._last_step = step
 
@@ -182,7 +181,8 @@ class Recorder:
             # its own raw name (listed, not compared by default).
             alias = prev if raw == name else raw
             if prev == alias:  # the alias came first: its values move to its own name
-                self.metrics[alias] = self.metrics.pop(name, {})
+                self.metrics[alias] = self.metrics.pop(name, Series())
+                self.generation += 1  # names cached by readers are stale
                 self.raw_names[name] = name
             self.raw_names[alias] = alias
             return raw
@@ -201,7 +201,14 @@ class Recorder:
             return
         name = self.name(raw, line)
         if name is not None:
-            self.metrics.setdefault(name, {})[step] = value
+            self.series(name)[step] = value
+
+    def series(self, name: str) -> Series:
+        """The series of the canonical ``name`` (created empty on first use)."""
+        values = self.metrics.get(name)
+        if values is None:
+            values = self.metrics[name] = Series()
+        return values
 
     def put_ordered(self, raw: str, step: int, value: float, line: int | None = None) -> None:
         """Add one value with the restart rule applied to this metric alone (one metric per record)."""
@@ -209,11 +216,11 @@ class Recorder:
         name = SAMPLES_KEYS[0] if is_samples else self.name(raw, line)
         if name is None:
             return
-        values = self.samples if is_samples else self.metrics.setdefault(name, {})
+        values = self.samples if is_samples else self.series(name)
         last = self._last_by_metric.get(name)
         if last is not None and step < last:
             self.restarts += 1
-            dropped = _drop_from(values, step)
+            dropped = values.drop_from(step)
             self.dropped += 0 if is_samples else dropped
         self._last_by_metric[name] = step
         values[step] = value
@@ -224,11 +231,12 @@ class Recorder:
         name = self.name(raw)
         if name is None or not points:
             return
-        values = self.metrics.setdefault(name, {})
-        dropped = _drop_from(values, points[0][0])
+        values = self.series(name)
+        dropped = values.drop_from(points[0][0])
         self.restarts += int(dropped > 0)
         self.dropped += dropped
-        values.update(points)
+        for s, v in points:
+            values[s] = v
 
     def strict(self, raw: str) -> bool:
         """Whether the value of ``raw`` must be a plain number: canonical metrics and any ``*loss*``."""
@@ -237,29 +245,23 @@ class Recorder:
 
     def run(self, release: bool = False) -> Run:
         """The collected :class:`Run` (series sorted by step, empty metrics left out). ``release``: the recorder
-        is done (a whole log was read): each series is sorted and its original released in turn, instead of
-        every series being held twice."""
+        is done (a whole log was read): its series are handed over instead of copied."""
         for name, (first, count) in self.unreadable.items():
             raw = self.raw_names.get(name, name)
             self.note(
                 f"{raw!r} ({name}): {count} value(s) that are not one number skipped (first at {first}); "
                 "the other fields of those lines were read"
             )
-        if release:  # each series sorted and its unsorted original released in turn
-            metrics = {}
-            for name in list(self.metrics):
-                values = self.metrics.pop(name)
-                if values:
-                    metrics[name] = dict(sorted(values.items()))
-                del values
-            self.metrics = {k: {} for k in metrics}  # the names stay known (raw_names below)
+        if release:  # handed over, not copied; the names stay known (raw_names below)
+            metrics = {k: v for k, v in self.metrics.items() if v}
+            self.metrics = {k: Series() for k in metrics}
         else:
-            metrics = {k: dict(sorted(v.items())) for k, v in self.metrics.items() if v}
+            metrics = {k: Series(v.items()) for k, v in self.metrics.items() if v}
         return Run(
             source=self.path,
             format=self.fmt,
             metrics=metrics,
-            consumed_samples=dict(sorted(self.samples.items())),
+            consumed_samples=dict(self.samples.items()),
             step_base=self.step_base,
             skipped_lines=self.skipped_lines,
             skipped_steps=set(self.skipped_steps),

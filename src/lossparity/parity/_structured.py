@@ -20,7 +20,6 @@ from ._record import (
     SAMPLES_KEYS,
     LogParseError,
     Recorder,
-    _drop_from,
     input_error,
     int_step,
     json_number,
@@ -99,33 +98,65 @@ def _jsonl_objects(path: str, rec: Recorder) -> Iterator[tuple[int, dict[str, ob
         yield ln, obj
 
 
+_UNRESOLVED, _SAMPLES = object(), object()  # a plan's name before the key's first number; consumed samples
+
+
+def _record_plan(rec: Recorder, keys: tuple[str, ...], step_key: str) -> list[list[Any]]:
+    """``[key, series name, strict]`` per value key of an object with these keys (the name is resolved at the
+    key's first number), so the name map and strictness cost once per set of keys, not per value."""
+    return [[key, _UNRESOLVED, rec.strict(key)] for key in keys if key != step_key]
+
+
 def _read_json_lines(path: str, rec: Recorder, step_key: str) -> None:
+    plans: dict[tuple[str, ...], list[list[Any]]] = {}
+    generation = rec.generation
     for ln, obj in _jsonl_objects(path, rec):
         if step_key not in obj:
             raise LogParseError(path, ln, f"a JSON object with a {step_key!r} key")
-        step = int_step(obj[step_key])
+        raw_step = obj[step_key]
+        step = raw_step if type(raw_step) is int and -MAX_STEP < raw_step < MAX_STEP else int_step(raw_step)
         if step is None:
             raise LogParseError(path, ln, f"an integer {step_key!r} below 2**53, got {obj[step_key]!r}")
-        if any(k.startswith(MAXTEXT_KEY_PREFIXES) for k in obj):
-            rec.step_base = 0
-        long_key = "metric" if "metric" in obj else "name" if "name" in obj else None
-        if long_key is not None and "value" in obj:
-            # one metric per line: a file may list whole series one after another, so a step going
-            # backwards is a restart only within the same metric
-            name = obj[long_key]
-            if not isinstance(name, str):
-                raise LogParseError(path, ln, f"a string {long_key!r}, got {name!r}")
-            value = _json_value(rec, path, name, obj["value"], ln)
-            if value is None and obj["value"] is not None:
-                raise LogParseError(path, ln, f"a number 'value', got {obj['value']!r}")
-            if value is not None:
-                rec.put_ordered(name, step, value, ln)
-            continue
+        if generation != rec.generation:  # a metric was renamed (an alias met its canonical name): plans stale
+            plans, generation = {}, rec.generation
+        keys = tuple(obj)
+        plan = plans.get(keys)
+        if plan is None:
+            if any(k.startswith(MAXTEXT_KEY_PREFIXES) for k in keys):
+                rec.step_base = 0
+            long_key = "metric" if "metric" in obj else "name" if "name" in obj else None
+            if long_key is not None and "value" in obj:
+                _put_long_form(path, rec, obj, long_key, step, ln)
+                continue
+            plan = plans[keys] = _record_plan(rec, keys, step_key)
         rec.begin(step)
-        for key, raw in obj.items():
-            value = None if key == step_key else _json_value(rec, path, key, raw, ln)
-            if value is not None:
-                rec.put(key, step, value, ln)
+        for entry in plan:
+            key, name, strict = entry
+            raw = obj[key]
+            # the common case (a float) skips the scalar rules of json_number
+            value = raw if type(raw) is float else json_number(raw)
+            if value is None:
+                if raw is not None and strict:
+                    raise LogParseError(path, ln, f"a number for {key!r}, got {raw!r}")
+                continue
+            if name is _UNRESOLVED:
+                name = entry[1] = _SAMPLES if key in SAMPLES_KEYS else rec.name(key, ln)
+            if name is None:
+                continue
+            (rec.samples if name is _SAMPLES else rec.series(name))[step] = value
+
+
+def _put_long_form(path: str, rec: Recorder, obj: dict[str, object], long_key: str, step: int, ln: int) -> None:
+    """One metric per line (``{"step": s, "metric": name, "value": v}``): a file may list whole series one
+    after another, so a step going backwards is a restart only within the same metric."""
+    name = obj[long_key]
+    if not isinstance(name, str):
+        raise LogParseError(path, ln, f"a string {long_key!r}, got {name!r}")
+    value = _json_value(rec, path, name, obj["value"], ln)
+    if value is None and obj["value"] is not None:
+        raise LogParseError(path, ln, f"a number 'value', got {obj['value']!r}")
+    if value is not None:
+        rec.put_ordered(name, step, value, ln)
 
 
 def read_jsonl(path: str, rec: Recorder) -> None:
@@ -144,6 +175,9 @@ def read_llamafactory(path: str, rec: Recorder) -> None:
 # preferred first: an optimizer step written by the trainer, then generic names, then W&B's own counter
 CSV_STEP_COLUMNS = ("train/global_step", "trainer/global_step", "global_step", "step", "iteration", "_step")
 _WANDB_STEP_HEADERS = ("Step", "_step")
+# refused before the rows are read: a column costs a series (~300 bytes even for one value), real W&B
+# exports have hundreds to a few thousand columns, a crafted 1,000,000-column header would cost ~1 GB
+MAX_CSV_COLUMNS = 100_000
 
 
 def _csv_columns(header: list[str], step_col: int) -> dict[int, str]:
@@ -225,6 +259,8 @@ def _read_csv_table(path: str, reader: Any, rec: Recorder) -> None:
     header = next(reader, None)
     if header is None:
         raise LogParseError(path, 1, "a CSV header row")
+    if len(header) > MAX_CSV_COLUMNS:
+        raise LogParseError(path, 1, f"at most {MAX_CSV_COLUMNS} columns, got {len(header)}")
     lowered = [h.strip().lower() for h in header]
     step_col = next((lowered.index(c) for c in CSV_STEP_COLUMNS if c in lowered), None)
     if step_col is None:
@@ -513,7 +549,7 @@ def _tb_record(series: dict[str, list[tuple[int, float]]], rec: Recorder) -> Non
             continue
         rec.put_series(tag, points)
     if samples:
-        _drop_from(rec.samples, min(samples))
+        rec.samples.drop_from(min(samples))
         rec.samples.update(samples)
 
 

@@ -112,17 +112,34 @@ def moving_average(y: np.ndarray, w: int) -> np.ndarray:
 Window = tuple[float | None, float | None]
 
 
-def _points(run: Run, metric: str, align: str, offset: int, window: Window | None) -> dict[float, tuple[int, float]]:
-    """``{x: (step, value)}`` of one metric in the alignment coordinate, inside the window."""
-    series = run.metrics[metric]
+def _points(run: Run, metric: str, align: str, offset: int, window: Window | None) -> tuple[np.ndarray, ...]:
+    """``(x, step, value)`` arrays of one metric sorted by the alignment coordinate ``x``, inside the window.
+    With ``align="samples"`` only the steps with a consumed-sample count are kept, and of several steps with
+    one count the last (the module docstring)."""
+    steps_a, values_a = run.metrics[metric].arrays()
+    # copies, not views: an array that exports its buffer cannot grow, and a live log's series still grows
+    steps = np.frombuffer(steps_a, dtype=np.int64).copy() if len(steps_a) else np.zeros(0, dtype=np.int64)
+    values = np.frombuffer(values_a, dtype=np.float64).copy() if len(values_a) else np.zeros(0, dtype=np.float64)
     if align == "step":
-        out = {float(s + offset): (s, v) for s, v in sorted(series.items())}
+        x = (steps + offset).astype(np.float64)  # |step| < 2**53: exact
     else:
-        out = {float(run.consumed_samples[s]): (s, v) for s, v in sorted(series.items()) if s in run.consumed_samples}
-    if window is None:
-        return out
-    lo, hi = window
-    return {x: p for x, p in out.items() if (lo is None or x >= lo) and (hi is None or x <= hi)}
+        samples = run.consumed_samples
+        keep = np.fromiter((s in samples for s in steps_a), dtype=bool, count=len(steps_a))
+        steps, values = steps[keep], values[keep]
+        x = np.fromiter((samples[s] for s in steps.tolist()), dtype=np.float64, count=steps.size)
+        order = np.argsort(x, kind="stable")
+        x, steps, values = x[order], steps[order], values[order]
+        last = np.append(x[1:] != x[:-1], True) if x.size else np.zeros(0, dtype=bool)
+        x, steps, values = x[last], steps[last], values[last]
+    if window is not None:
+        lo, hi = window
+        inside = np.ones(x.size, dtype=bool)
+        if lo is not None:
+            inside &= x >= lo
+        if hi is not None:
+            inside &= x <= hi
+        x, steps, values = x[inside], steps[inside], values[inside]
+    return x, steps, values
 
 
 def _missing_violation(
@@ -185,31 +202,32 @@ def _compare_metric(
     megatron_rule: bool,
     missing_rule: str,
 ) -> MetricResult | None:
-    rp = _points(ref, names[0], align, 0, window)
-    cp = _points(cand, names[1], align, ref.step_base - cand.step_base, window)
-    xs = sorted(set(rp) & set(cp))
-    if not xs:
+    rx, rsteps, rvals = _points(ref, names[0], align, 0, window)
+    cx, _, cvals = _points(cand, names[1], align, ref.step_base - cand.step_base, window)
+    xs, ri, ci = np.intersect1d(rx, cx, assume_unique=True, return_indices=True)
+    if not xs.size:
         return None
-    steps = np.array([rp[x][0] for x in xs], dtype=np.int64)
-    r = moving_average(np.array([rp[x][1] for x in xs], dtype=np.float64), smooth)
-    c = moving_average(np.array([cp[x][1] for x in xs], dtype=np.float64), smooth)
+    steps = rsteps[ri]
+    r = moving_average(rvals[ri], smooth)
+    c = moving_average(cvals[ci], smooth)
     ok, rel = judge_points(r, c, tol)
-    missing_cand, missing_ref = sorted(set(rp) - set(cp)), sorted(set(cp) - set(rp))
+    missing_cand = np.setdiff1d(rx, cx, assume_unique=True).tolist()
+    missing_ref = np.setdiff1d(cx, rx, assume_unique=True).tolist()
     unit = "step" if align == "step" else "sample count"
     return MetricResult(
         metric=names[0],
         cand_metric=names[1],
         tolerance=tol,
         steps=steps,
-        x=np.array(xs, dtype=np.float64),
+        x=xs,
         ref=r,
         cand=c,
         ok=ok.astype(bool),
         rel_diff=rel,
-        allowed_failures=megatron_allowed_failures(len(xs)) if megatron_rule else 0,
+        allowed_failures=megatron_allowed_failures(int(xs.size)) if megatron_rule else 0,
         missing_cand=missing_cand,
         missing_ref=missing_ref,
-        missing_violation=_missing_violation(missing_rule, sorted(rp), sorted(cp), missing_cand, unit, cand.live),
+        missing_violation=_missing_violation(missing_rule, rx.tolist(), cx.tolist(), missing_cand, unit, cand.live),
     )
 
 
