@@ -808,3 +808,20 @@ def test_array_alignment_matches_a_naive_dict_alignment():
         assert m.steps.tolist() == [rp[x][0] for x in xs]
         assert m.ref.tolist() == [rp[x][1] for x in xs] and m.cand.tolist() == [cp[x][1] for x in xs]
         assert m.missing_cand == sorted(set(rp) - set(cp)) and m.missing_ref == sorted(set(cp) - set(rp))
+
+
+def test_no_overlap_names_the_unit_and_not_compared_names_are_cut_at_50():
+    """``align="samples"`` without shared sample counts says "sample counts"; a report lists the first 50
+    of the shared non-canonical names and how many more."""
+    from lossparity.parity import Run, compare_runs
+    from lossparity.parity.report import format_text
+
+    a = Run(source="a", format="jsonl", metrics={"lm_loss": {1: 1.0}}, consumed_samples={1: 8.0})
+    b = Run(source="b", format="jsonl", metrics={"lm_loss": {1: 1.0}}, consumed_samples={1: 16.0})
+    with pytest.raises(CompareInputError, match="no overlapping sample counts"):
+        compare_runs(a, b, align="samples")
+    extra = {f"m{i:03d}": {1: 0.5} for i in range(120)}
+    ref = Run(source="r", format="jsonl", metrics={"lm_loss": {1: 1.0}, **extra})
+    text = format_text(compare_runs(ref, ref))
+    line = next(ln for ln in text.splitlines() if "not compared" in ln)
+    assert "m049" in line and "m050" not in line and "and 70 more" in line

@@ -402,3 +402,15 @@ def test_row20_convert_checkpoint_ends_in_one_line_on_every_bad_file(trained_run
         code, err = _cli(["convert-checkpoint", "--i-trust-these-files", str(f)], capfd)
         assert code == 2, (f, err)
         assert len(err) == 1 and str(f) in err[0] and "Traceback" not in err[0], err
+
+
+@pytest.mark.parametrize("option", ["--smooth", "--ref-step-base", "--ref-gbs"])
+@pytest.mark.parametrize("value", ["9" * 30, "9" * 5000, "1e400", "x"])
+def test_huge_or_bad_integer_options_end_in_one_line(tmp_path, option, value):
+    """An integer option far beyond 2**53 (once a C-long ``OverflowError`` traceback for ``--smooth``), a
+    5,000-digit one, a float or a word: exit 2, one line naming the option, no usage block."""
+    log = tmp_path / "a.jsonl"
+    log.write_text('{"step": 1, "lm_loss": 1.0}\n')
+    out = _compare([str(log), str(log), option, value])
+    assert out.returncode == 2
+    _one_line_naming(out.stderr, option, "2**53")

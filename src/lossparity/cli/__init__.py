@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from ..options import LOSS_IMPLS
 from ._common import UsageError
@@ -53,13 +53,21 @@ def _verify_glue(args: argparse.Namespace) -> Any:
     return _train_glue("cmd_verify")(args)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse with a one-line usage error (the CLI's contract: exit 2, one line, no 15-line usage block);
+    subcommand parsers are made by the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The argument parser of every subcommand.
 
     ``command`` names the subcommand about to run: the ``train`` options (whose vocabularies live in the
     torch-based modules) are added only when it is ``train`` or ``None`` (every parser complete).
     """
-    p = argparse.ArgumentParser(prog="lossparity", description=DESCRIPTION)
+    p = _OneLineParser(prog="lossparity", description=DESCRIPTION)
     p.add_argument(
         "--version", action=VersionAction, help="print the versions of lossparity, Python, torch and the frameworks"
     )

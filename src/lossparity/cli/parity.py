@@ -30,15 +30,16 @@ __all__ = ["add_compare_arguments", "add_gap_arguments", "cmd_compare", "cmd_gap
 
 
 def _int_at_least(low: int, what: str) -> Callable[[str], int]:
-    """argparse type: an integer ``>= low``; anything else is an error naming the text."""
+    """argparse type: an integer ``>= low`` and below 2**53 (exact as float64 and int64); anything else is an
+    error naming the text."""
 
     def parse(text: str) -> int:
         try:
-            v = int(text)
+            v = int(text) if len(text) < 64 else low - 1  # never Python's int-digits error
         except ValueError:
             v = low - 1
-        if v < low:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        if not low <= v < 2**53:
+            raise argparse.ArgumentTypeError(f"expected {what} below 2**53, got {text[:80]!r}")
         return v
 
     return parse

@@ -58,6 +58,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..options import ALIGNS, MISSING_STEPS, Align, MissingSteps, check_option
+from ._series import Series
 from .compare_result import CompareResult, MetricResult, describe_points, step_ranges
 from .names import CANONICAL_METRICS, MTP_RE, default_canonical_name, is_canonical
 from .readers import Run
@@ -97,7 +98,8 @@ def moving_average(y: np.ndarray, w: int) -> np.ndarray:
     if w < 1:
         raise ValueError(f"smooth must be >= 1, got {w}")
     y = np.asarray(y, dtype=np.float64)
-    if w == 1 or y.size == 0:
+    w = min(w, y.size)  # a window wider than the series averages from its start: the same numbers
+    if w <= 1 or y.size == 0:
         return y.copy()
     finite = np.isfinite(y)
     csum = np.concatenate([[0.0], np.cumsum(np.where(finite, y, 0.0))])
@@ -116,7 +118,10 @@ def _points(run: Run, metric: str, align: str, offset: int, window: Window | Non
     """``(x, step, value)`` arrays of one metric sorted by the alignment coordinate ``x``, inside the window.
     With ``align="samples"`` only the steps with a consumed-sample count are kept, and of several steps with
     one count the last (the module docstring)."""
-    steps_a, values_a = run.metrics[metric].arrays()
+    series = run.metrics[metric]
+    if not isinstance(series, Series):  # a plain mapping assigned after the Run was built
+        series = Series(sorted(series.items()))
+    steps_a, values_a = series.arrays()
     # copies, not views: an array that exports its buffer cannot grow, and a live log's series still grows
     steps = np.frombuffer(steps_a, dtype=np.int64).copy() if len(steps_a) else np.zeros(0, dtype=np.int64)
     values = np.frombuffer(values_a, dtype=np.float64).copy() if len(values_a) else np.zeros(0, dtype=np.float64)
@@ -229,6 +234,10 @@ def _compare_metric(
         missing_ref=missing_ref,
         missing_violation=_missing_violation(missing_rule, rx.tolist(), cx.tolist(), missing_cand, unit, cand.live),
     )
+
+
+def _units(align: str) -> str:
+    return "steps" if align == "step" else "sample counts"
 
 
 def _metric_order(name: str) -> tuple[int, int, str]:
@@ -409,9 +418,9 @@ def compare_runs(
         if mr is not None:
             result.metrics[names[0]] = mr
         elif metrics is not None:
-            raise CompareInputError(f"metrics: {names[0]!r} has no overlapping {align}s in the two runs{where}")
+            raise CompareInputError(f"metrics: {names[0]!r} has no overlapping {_units(align)} in the two runs{where}")
         else:
-            result.skipped[names[0]] = f"no overlapping {align}s{where}"
+            result.skipped[names[0]] = f"no overlapping {_units(align)}{where}"
     if cand.live and missing_steps == "span":
         result.notes.append(
             "the candidate log ends with an incomplete line (still being written): reference "
@@ -423,7 +432,7 @@ def compare_runs(
         result.notes.append(f"no loss among the requested metrics: the verdict covers {', '.join(result.metrics)} only")
     if not result.metrics:
         raise CompareInputError(
-            f"no overlapping {align}s for any shared metric "
+            f"no overlapping {_units(align)} for any shared metric "
             f"({', '.join(p[0] for p in pairs)}){f' inside the window {window}' if window else ''}"
         )
     return result

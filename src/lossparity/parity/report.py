@@ -115,7 +115,7 @@ def format_text(result: CompareResult) -> str:
     lines += _flagged_lines(result)
     lines += [f"  skipped {k}: {why}" for k, why in result.skipped.items()]
     if result.not_compared:
-        names = ", ".join(result.not_compared)
+        names = _first_names(result.not_compared)
         lines.append(f"  not compared (not canonical; name them with --metrics): {names}")
     lines += [f"  note: {n}" for n in result.notes]
     for role, run in (("ref", result.ref), ("cand", result.cand)):
@@ -195,6 +195,12 @@ _LINE_NOTE_RE = re.compile(r"^line (\d+)([:\s].*)$")
 _MAX_NOTES = 4
 
 
+def _first_names(names: list[str], limit: int = 50) -> str:
+    """The first ``limit`` names and how many more (a 100,000-column table stays a readable line)."""
+    more = f", ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
 def _short_notes(notes: list[str]) -> list[str]:
     """A run's notes for the console: notes that differ only in their line number are joined
     (``lines 1, 9, 11: ...``), and at most ``_MAX_NOTES`` are shown."""
@@ -263,7 +269,7 @@ def summary_markdown(result: CompareResult, plots: dict[str, Path], plots_skippe
     for name, why in result.skipped.items():
         out.append(f"- `{name}` skipped: {why}")
     if result.not_compared:
-        out.append(f"- Shared but not compared (not canonical): {', '.join(result.not_compared)}")
+        out.append(f"- Shared but not compared (not canonical): {_first_names(result.not_compared)}")
     if result.skipped or result.not_compared:
         out.append("")
     if plots_skipped:
