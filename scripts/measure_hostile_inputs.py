@@ -4,10 +4,10 @@
 
 Rows 1-12 (``tests/_hostile.py``, row 12 at its full size: a 1,000,000-column CSV and a 590,000-step JSONL)
 run ``lossparity compare``; rows 13-17, 19 and 20 run ``lossparity train --resume`` on a damaged copy of a
-4-step run and ``lossparity convert-checkpoint`` on bad files (row 18 has no command-line case: a sharded
-checkpoint needs several ranks; its test calls the loader). Each command runs in its own process; the
-table gives its exit code, its stderr line count, its wall time and its peak resident memory (``wait4``),
-and the size of the input.
+4-step run and ``lossparity convert-checkpoint`` on bad files; row 18 resumes a 2-rank run (``--dp 2``:
+sharded checkpoints) whose newest checkpoint's ``.metadata`` points at data files outside its folder. Each
+command runs in its own process; the table gives its exit code, its stderr line count, its wall time and
+its peak resident memory (``wait4``), and the size of the input.
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ def train_cases(d: Path) -> list[tuple[int, str, list[str], list[str]]]:
     shutil.rmtree(out / "checkpoints")
     (out / "checkpoints").write_text("x\n")
     resume(19, "checkpoints_is_a_file", out, [])
+    cases.append(_row18_case(d))
     bad = d / "r20"
     bad.mkdir()
     good = (base / "checkpoints" / "step_00000002.pt").read_bytes()
@@ -117,6 +118,28 @@ def train_cases(d: Path) -> list[tuple[int, str, list[str], list[str]]]:
     for f in sorted(bad.iterdir()):
         cases.append((20, f"convert_{f.name}", ["convert-checkpoint", "--i-trust-these-files", str(f)], [str(f)]))
     return cases
+
+
+def _row18_case(d: Path) -> tuple[int, str, list[str], list[str]]:
+    """A ``--dp 2`` run (sharded checkpoints) whose newest checkpoint reads its tensors from ``../outside``."""
+    import pickle
+
+    out = d / "r18"
+    argv = ["train", *TRAIN, "--dp", "2", "--out", str(out)]
+    code, *_ = run(argv, timeout=900)
+    assert code == 0, "the 2-rank base run failed"
+    step = out / "checkpoints" / "step_00000004"
+    outside = d / "outside"
+    outside.mkdir()
+    for data in [p for p in step.iterdir() if p.suffix == ".distcp"]:
+        shutil.move(str(data), outside / data.name)  # the bytes the metadata needs now lie outside the folder
+    with open(step / ".metadata", "rb") as f:
+        meta = pickle.load(f)  # this script's own file, written by torch.distributed.checkpoint just above
+    for info in meta.storage_data.values():
+        info.relative_path = os.path.relpath(outside / info.relative_path, step)
+    with open(step / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+    return (18, "dcp_path_outside", [*argv, "--resume"], [str(step / ".metadata")])
 
 
 def main() -> int:

@@ -414,3 +414,16 @@ def test_huge_or_bad_integer_options_end_in_one_line(tmp_path, option, value):
     out = _compare([str(log), str(log), option, value])
     assert out.returncode == 2
     _one_line_naming(out.stderr, option, "2**53")
+
+
+@pytest.mark.parametrize("row", [1, 2, 3, 4, 5, 6, 7, 8, 11])
+def test_log_rows_under_follow_end_as_without_it(row, tmp_path):
+    """``compare --follow`` (the live reader that re-reads a growing log) on the same hostile files: the same
+    exit code, and one line naming the file where the plain comparison gives one."""
+    for case in _hostile.ROWS[row](tmp_path):
+        out = _compare([*case.argv, "--follow", "--idle", "1", "--poll", "0.2"])
+        assert out.returncode == case.code, (case.name, out.returncode, out.stderr[-2000:])
+        if case.code == 2:
+            _one_line_naming(out.stderr, case.file, case.needle)
+        else:
+            assert "Traceback" not in out.stderr, out.stderr[-2000:]
