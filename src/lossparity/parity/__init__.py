@@ -38,6 +38,7 @@ _EXPORTS = {
     "FORMATS": "readers",
     "LogParseError": "readers",
     "Run": "readers",
+    "Series": "_series",
     "detect_format": "readers",
     "read_log": "readers",
     "ReportFiles": "report",
