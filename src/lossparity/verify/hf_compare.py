@@ -158,6 +158,7 @@ def format_hf_table(report: dict[str, Any], title: str) -> str:
 def _floor_line(report: dict[str, Any]) -> str:
     """Why a float64 run is judged against a float32 floor: the floor and where the model computes in float32."""
     params, modules = report.get("float32_params") or [], report.get("float32_modules") or []
+    casts = report.get("float32_casts") or []
     where = []
     if params:
         where.append(
@@ -167,6 +168,11 @@ def _floor_line(report: dict[str, Any]) -> str:
         where.append(
             f"modules returning float32: {', '.join(modules[:6])}"
             + (f" (+{len(modules) - 6} more)" if len(modules) > 6 else "")
+        )
+    if casts:
+        where.append(
+            f"float64 parameters computed in float32: {', '.join(casts[:6])}"
+            + (f" (+{len(casts) - 6} more)" if len(casts) > 6 else "")
         )
     return (
         f"float32 inside the model: its floor is {report['floor']:.1e} (the larger of the difference of a 1x1 run "
