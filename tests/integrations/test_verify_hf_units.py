@@ -25,6 +25,9 @@ def test_other_sizes_of_the_vocabulary_follow_the_tiny_one():
     # 200058 lies in (201024 / 2, 201024]: the head's rows of the same vocabulary; 2 is a vocabulary of its own
     default = _default(vocab_size=201024, unpadded_vocab_size=200058, type_vocab_size=2, hidden_size=4608)
     assert _vocab_sizes(default) == {"unpadded_vocab_size": TINY["vocab_size"]}
+    # Gemma-3n: 262144 in (262400 / 2, 262400]
+    default = _default(vocab_size=262400, vocab_size_per_layer_input=262144, vocab_size_per_layer=2)
+    assert _vocab_sizes(default) == {"vocab_size_per_layer_input": TINY["vocab_size"]}
 
 
 @pytest.mark.parametrize("model_type", ["inkling2_text", "inkling2_loop_text"])

@@ -143,8 +143,9 @@ BUFFERS = "lossparity_buffers.pt"
 def _reference_buffers(model: nn.Module, tp_dir: str) -> None:
     """The buffers of the reference build (saved by the parent next to its weights) copied into the model
     ``from_pretrained`` built for ``T``: buffers that are not saved with the weights are computed again
-    there, some from whatever the memory held or the random state (CodeGen's, GPT-J's), so that ``T`` would
-    compare another model. A buffer of another shape (sharded by the plan) keeps its own values."""
+    there, not always alike (CodeGen's and GPT-J's sinusoidal positions: computed in float32 there, in float64
+    by the reference build, 5.7e-7 apart), so that ``T`` would compare another model. A buffer of another
+    shape (sharded by the plan) keeps its own values."""
     import os
 
     path = os.path.join(tp_dir, BUFFERS)

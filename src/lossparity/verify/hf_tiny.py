@@ -12,7 +12,7 @@ from which of those fields the configuration has (:func:`tiny_fields`):
 - MoE: 4 routed experts, top-2, one shared expert where the family has any, one group, the first layer dense
   and the second sparse where the family has leading dense layers, every other layer sparse otherwise;
 - hybrid stacks (``attn_layer_period`` ...): one attention layer among the two;
-- other sizes of the vocabulary (``unpadded_vocab_size``): the tiny vocabulary;
+- other sizes of the vocabulary (``unpadded_vocab_size``, ``vocab_size_per_layer_input``): the tiny one;
 - a sliding window (``sliding_window``) of 13 tokens: shorter than the 16-token rows, long enough that every
   query on padding sees a key;
 - no randomness in training mode: every ``*dropout*`` / ``*pdrop*`` field and router jitter set to 0, so
@@ -168,16 +168,17 @@ def tiny_fields(default: Any) -> dict[str, Any]:
 
 
 def _vocab_sizes(default: Any) -> dict[str, Any]:
-    """Other sizes of the same vocabulary (Inkling-2's ``unpadded_vocab_size``, its head's rows: the
-    embedding's ``vocab_size`` padded): every ``*vocab_size`` field whose default lies between half the
-    default ``vocab_size`` and all of it becomes the tiny vocabulary (left at its default, the head would have
-    ``256 - 200058`` rows). Vocabularies of their own (``type_vocab_size`` 2) are left alone."""
+    """Other sizes of the same vocabulary: every field naming ``vocab_size`` whose default lies between half
+    the default ``vocab_size`` and all of it becomes the tiny vocabulary. Inkling-2's ``unpadded_vocab_size``
+    (its head's rows; left at 200058 with a 256 vocabulary, the head had ``256 - 200058`` rows), Gemma-3n's
+    and Gemma-4's ``vocab_size_per_layer_input`` (a 262144-row float64 table per layer: the runs' recorded
+    gradients and parameters outgrew the memory). Vocabularies of their own (``type_vocab_size`` 2) stay."""
     full = _get(default, "vocab_size")
     if not isinstance(full, int) or full <= 0 or not _has(default, "vocab_size"):
         return {}
     kw: dict[str, Any] = {}
     for name, value in default.to_dict().items():
-        if name != "vocab_size" and name.endswith("vocab_size") and isinstance(value, int):
+        if name != "vocab_size" and "vocab_size" in name and isinstance(value, int):
             if not isinstance(value, bool) and full / 2 < value <= full:
                 kw[name] = TINY["vocab_size"]
     return kw
