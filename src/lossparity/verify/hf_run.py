@@ -165,9 +165,10 @@ def _wrap(model: nn.Module, layout: Layout, dtype: torch.dtype) -> nn.Module:
     if layout.engine == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        # FSDP2 flattens one dtype per group, and one module may hold parameters of both (a linear-attention
-        # block's float32 norm next to its float64 projections): the parameters of another dtype than the
-        # model's stay out of every group, replicated, their gradients averaged by _reduce_replicated.
+        # FSDP2 flattens one dtype per group, and one module may hold parameters of both (Bailing-hybrid's
+        # linear attention: a float32 conv1d and forget gate next to float64 projections): the parameters of
+        # another dtype than the model's stay out of every group, replicated, their gradients averaged by
+        # _reduce_replicated.
         other = {p for p in model.parameters() if p.dtype != dtype}
         ignored, ids = other or None, {id(p) for p in other}
         layers = getattr(getattr(model, "model", None), "layers", None)
