@@ -167,3 +167,48 @@ def test_a_layout_that_raises_is_an_error_row(tmp_path, monkeypatch, capsys):
     # (stderr may hold torch's "Terminating process" log of the peer the launcher stops, which pytest's
     # capture can turn into a logging error of its own: only lossparity's output is checked here)
     assert "1/2 PASS, 1 ERROR" in out and "Traceback" not in out
+
+
+def test_fsdp_with_a_module_holding_two_parameter_dtypes(tmp_path, monkeypatch, capsys):
+    """One module with float64 and float32 parameters of its own (Bailing-hybrid's linear attention, Flint):
+    FSDP2 refused it ("expects uniform original parameter dtype"); the float32 parameter now stays out of
+    FSDP, replicated, its gradient averaged over the ranks by hand, and D2+fsdp equals 1x1 (within the
+    float32 floor the float32 parameter sets)."""
+    (tmp_path / "mixed_lm.py").write_text(
+        "import torch\n"
+        "class Block(torch.nn.Module):  # float64 and float32 parameters of its own\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.w = torch.nn.Parameter(torch.randn(8, 8) / 3)\n"
+        "        self.gain = torch.nn.Parameter(torch.linspace(0.5, 1.5, 8, dtype=torch.float32))\n"
+        "    def forward(self, h):\n"
+        "        return torch.tanh(h @ self.w) * self.gain.double()\n"
+        "class LM(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.embed, self.block, self.head = torch.nn.Embedding(64, 8), Block(), torch.nn.Linear(8, 64)\n"
+        "    def forward(self, input_ids, position_ids=None):\n"
+        "        return self.head(self.block(self.embed(input_ids).cumsum(1)))\n"
+        "def build(seed, dtype):\n"
+        "    torch.manual_seed(seed)\n"
+        "    lm = LM()\n"
+        "    lm.embed.to(dtype), lm.head.to(dtype)\n"
+        "    lm.block.w.data = lm.block.w.data.to(dtype)\n"
+        "    return lm\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = _verify(["--model", "mixed_lm:build", "--layouts", "D2+fsdp"], capsys)
+    sys.modules.pop("mixed_lm", None)
+    assert code == 0, out + err
+    assert "| D2+fsdp | per_token | 1x1 |" in out and "1/1 PASS" in out
+    assert "float32 parameters: block.gain" in out
+
+
+def test_T_model_has_the_reference_buffers(capsys):
+    """CodeGen's T run builds the model again (from_pretrained with a TP plan), whose recomputed buffers
+    (its sinusoidal positions, computed in float32 there: 5.7e-7 from the reference build's float64 ones)
+    are not those of the reference build: T2 FAILed by 3.4e-13 on the objective
+    and 4.0e-10 on a gradient. With the reference build's buffers it equals 1x1 to float64 rounding."""
+    code, out, err = _verify(["--hf", "codegen", "--layouts", "T2"], capsys)
+    assert code == 0, out + err
+    assert "| T2 | per_token | 1x1 | 0.0e+00 | 0.0e+00 |" in out and "1/1 PASS" in out

@@ -27,7 +27,7 @@ import torch
 
 from ..losses.modes import MODES
 from .hf_compare import compare_runs
-from .hf_run import _dtype, _quiet_transformers, _run_mode, probe_model, synthetic_batch
+from .hf_run import BUFFERS, _dtype, _quiet_transformers, _run_mode, probe_model, synthetic_batch
 from .hf_spec import (
     _B_DEPENDENT_SCOPES,
     FLOOR,
@@ -163,14 +163,22 @@ def _run_world(
 
 
 def _with_tp_dir(spec: ModelSpec, layouts: tuple[Layout, ...], path: str) -> ModelSpec:
-    """An HF model run under ``T``: its random initialization saved for ``from_pretrained`` with a TP plan."""
+    """An HF model run under ``T``: its random initialization saved for ``from_pretrained`` with a TP plan.
+    When transformers cannot save it, ``tp_error`` says why and the ``T`` rows are ``ERROR`` with it (the
+    other layouts still run)."""
     if not any(lay.tp > 1 for lay in layouts) or spec.hf_config is None:
         return spec
     from .user_models import build_hf_model
 
     _quiet_transformers()
     model: Any = build_hf_model(spec.hf_config, spec.seed, _dtype(spec))
-    model.save_pretrained(path)
+    try:
+        model.save_pretrained(path)
+    except Exception as e:  # transformers' own conversion on save: named in the T rows, not a traceback
+        what = f"{type(e).__name__}: " + " ".join(str(e).split())[:240]
+        return dataclasses.replace(spec, tp_error=f"T: transformers cannot save the model for from_pretrained ({what})")
+    # Every buffer too, for _reference_buffers: the T run's model is then the reference model.
+    torch.save({n: b.detach().clone() for n, b in model.named_buffers()}, os.path.join(path, BUFFERS))
     return dataclasses.replace(spec, tp_dir=path)
 
 
@@ -189,14 +197,17 @@ def _report(
     float32_params: list[str] = []
     float32_modules: list[str] = []
     float32_ops: list[str] = []
+    float32_casts: list[str] = []
     if isinstance(base, dict) and spec.dtype == "float64":
         first = next(iter(base.values()))
         float32_params = [n for n, t in first["params"].items() if t.dtype != torch.float64]
         float32_modules = first.get("float32_modules", [])
         float32_ops = first.get("float32_ops", [])
-    # Where the model computes in float32, a float32 rounding flip is as likely as any other: at least
-    # float32's unit roundoff, whatever the perturbed run happened to show.
-    least = 2.0**-24 if float32_params or float32_modules else 0.0
+        float32_casts = first.get("float32_casts", [])
+    # Where the model computes in float32 (float32 parameters or module outputs, float64 parameters that
+    # reach a float32 operation), a float32 rounding flip is as likely as any other: at least float32's unit
+    # roundoff, whatever the perturbed run happened to show.
+    least = 2.0**-24 if float32_params or float32_modules or float32_casts else 0.0
     floors: dict[str, dict[str, float]] = {}
     if isinstance(floor_runs, dict) and isinstance(base, dict):
         for mode in modes:
@@ -236,6 +247,7 @@ def _report(
         "float32_params": float32_params,
         "float32_modules": float32_modules,
         "float32_ops": float32_ops,
+        "float32_casts": float32_casts,
         "tolerance": tol,
         "steps": steps,
         "wall_s": wall,

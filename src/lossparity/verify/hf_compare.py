@@ -19,9 +19,15 @@ def _rel(a: float | None, b: float | None) -> float:
     return 0.0 if a == b else abs(a - b) / max(abs(b), 1e-300)
 
 
-def _tensor_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+# A tensor's difference is relative to its own largest entry, or to this fraction of the largest entry of
+# every tensor of the same quantity when that is larger (a near-zero gradient tensor: scale of the whole).
+REL_FLOOR = 1e-6
+
+
+def _tensor_rel(a: torch.Tensor, b: torch.Tensor, least: float = 0.0) -> float:
+    """``max|a - b| / max(max|b|, least)`` (0 when equal; 0 for an empty tensor)."""
     diff = float((a - b).abs().max()) if b.numel() else 0.0
-    return 0.0 if diff == 0 else diff / max(float(b.abs().max()), 1e-300)
+    return 0.0 if diff == 0 else diff / max(float(b.abs().max()), least, 1e-300)
 
 
 def compare_runs(
@@ -34,9 +40,13 @@ def compare_runs(
     floor_factor: float = 10.0,
 ) -> dict[str, Any]:
     """``{"diffs": {quantity: max relative difference}, "pass": bool, "first": str | None}``. Per step, in this
-    order: ``objective``, ``lm_loss``, ``aux_loss`` (logged values), ``grads`` (each parameter's gradient,
-    relative to its largest entry), ``grad_norm``; then ``params`` (every parameter after the last update).
-    ``grads_abs`` is the largest absolute gradient difference (the scale of ``grads``; not judged).
+    order: ``objective``, ``lm_loss``, ``aux_loss`` (logged values), ``grads`` (each parameter's gradient),
+    ``grad_norm``; then ``params`` (every parameter after the last update).
+    ``grads`` and ``params`` are judged per tensor: a tensor's largest absolute difference relative to
+    ``max(its own largest |entry|, 1e-6 × the largest |entry| of all the step's gradients (or of all the
+    parameters))``, so that a gradient of a few 1e-12 entries (a parameter the loss barely reaches) that
+    differs by 1e-12 is not a 100% difference, while a tensor within a millionth of the largest keeps its own
+    scale. ``grads_abs`` is the largest absolute gradient difference (the scale of ``grads``; not judged).
     A quantity passes when its difference is at most ``max(tol, floor_factor · floor[quantity])``, ``floor``
     being the model's own float32 floor (the same differences between two runs that differ only in a
     summation order; None: ``tol`` alone). ``first`` names the first quantity over its limit in that order
@@ -79,10 +89,12 @@ def _worst_abs(run: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> fl
 
 
 def _worst(run: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str | None]:
-    """The largest relative difference over the named tensors, and the name of its tensor."""
+    """The largest relative difference over the named tensors, and the name of its tensor: each tensor's
+    largest absolute difference over ``max(its own largest |entry|, REL_FLOOR × the largest |entry| of all)``."""
+    scale = max((float(t.abs().max()) for t in ref.values() if t.numel()), default=0.0)
     worst, name = 0.0, None
     for n, t in ref.items():
-        d = _tensor_rel(run[n], t)
+        d = _tensor_rel(run[n], t, REL_FLOOR * scale)
         if d > worst:
             worst, name = d, n
     return worst, name
@@ -137,7 +149,8 @@ def format_hf_table(report: dict[str, Any], title: str) -> str:
     lines.append(
         "columns: max relative difference to the run named in 'vs' (1x1: one process, one microbatch; K=n: one "
         "process with the same microbatch size) over every step; grads: each parameter's gradient, relative to its "
-        "largest entry (grads_abs: the largest absolute difference); params: every parameter after the last update"
+        "largest entry or to 1e-6 x the largest of all gradients, whichever is larger (grads_abs: the largest "
+        "absolute difference); params: every parameter after the last update, alike"
     )
     return "\n".join(lines)
 
@@ -145,6 +158,7 @@ def format_hf_table(report: dict[str, Any], title: str) -> str:
 def _floor_line(report: dict[str, Any]) -> str:
     """Why a float64 run is judged against a float32 floor: the floor and where the model computes in float32."""
     params, modules = report.get("float32_params") or [], report.get("float32_modules") or []
+    casts = report.get("float32_casts") or []
     where = []
     if params:
         where.append(
@@ -154,6 +168,11 @@ def _floor_line(report: dict[str, Any]) -> str:
         where.append(
             f"modules returning float32: {', '.join(modules[:6])}"
             + (f" (+{len(modules) - 6} more)" if len(modules) > 6 else "")
+        )
+    if casts:
+        where.append(
+            f"float64 parameters computed in float32: {', '.join(casts[:6])}"
+            + (f" (+{len(casts) - 6} more)" if len(casts) > 6 else "")
         )
     return (
         f"float32 inside the model: its floor is {report['floor']:.1e} (the larger of the difference of a 1x1 run "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +109,8 @@ def _build(spec: ModelSpec, layout: Layout) -> nn.Module:
 
             import_target(spec.parallelize or "", "--parallelize")(model, init_device_mesh("cpu", (layout.tp,)))
     elif layout.tp > 1:
+        if spec.tp_error:
+            raise ValueError(spec.tp_error)
         import transformers
         from transformers.distributed import DistributedConfig
 
@@ -118,6 +121,7 @@ def _build(spec: ModelSpec, layout: Layout) -> nn.Module:
             distributed_config=DistributedConfig(tp_size=layout.tp),
             experts_implementation="eager" if spec.moe else None,
         )
+        _reference_buffers(model, str(spec.tp_dir))
     else:
         model = build_hf_model(spec.hf_config, spec.seed, dtype)
     _cast_router_scores(model)
@@ -133,28 +137,71 @@ def _build(spec: ModelSpec, layout: Layout) -> nn.Module:
     return model
 
 
-def _wrap(model: nn.Module, layout: Layout) -> nn.Module:
+BUFFERS = "lossparity_buffers.pt"
+
+
+def _reference_buffers(model: nn.Module, tp_dir: str) -> None:
+    """The buffers of the reference build (saved by the parent next to its weights) copied into the model
+    ``from_pretrained`` built for ``T``: buffers that are not saved with the weights are computed again
+    there, not always alike (CodeGen's and GPT-J's sinusoidal positions: computed in float32 there, in float64
+    by the reference build, 5.7e-7 apart), so that ``T`` would compare another model. A buffer of another
+    shape (sharded by the plan) keeps its own values."""
+    import os
+
+    path = os.path.join(tp_dir, BUFFERS)
+    if not os.path.exists(path):
+        return
+    saved = torch.load(path, weights_only=True)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            ref = saved.get(name)
+            if ref is not None and type(buf) is Tensor and buf.shape == ref.shape:
+                buf.copy_(ref)
+
+
+def _wrap(model: nn.Module, layout: Layout, dtype: torch.dtype) -> nn.Module:
     if layout.dp == 1:
         return model
     if layout.engine == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        # FSDP2 flattens one dtype per group: a module whose own parameters are of another dtype than the
-        # model's (a float32 router in a float64 model) is a group of its own, before its layer's.
-        main = next(model.parameters()).dtype
-        for name, m in list(model.named_modules())[::-1]:
-            own = list(m.parameters(recurse=False))
-            if name and own and all(p.dtype != main for p in own) and len({p.dtype for p in own}) == 1:
-                fully_shard(m)
+        # FSDP2 flattens one dtype per group, and one module may hold parameters of both (Bailing-hybrid's
+        # linear attention: a float32 conv1d and forget gate next to float64 projections): the parameters of
+        # another dtype than the model's stay out of every group, replicated, their gradients averaged by
+        # _reduce_replicated.
+        other = {p for p in model.parameters() if p.dtype != dtype}
+        ignored, ids = other or None, {id(p) for p in other}
         layers = getattr(getattr(model, "model", None), "layers", None)
         for layer in layers if layers is not None else []:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, ignored_params=ignored)
+        fully_shard(model, ignored_params=ignored)
+        _REPLICATED[model] = [p for p in model.parameters() if id(p) in ids]
         return model
     from torch.nn.parallel import DistributedDataParallel
 
     # MoE: experts that no token of a microbatch reaches get no gradient there.
     return DistributedDataParallel(model, find_unused_parameters=True)
+
+
+# FSDP-wrapped models: their parameters left out of FSDP (another dtype), in the model's order.
+_REPLICATED: weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]] = weakref.WeakKeyDictionary()
+
+
+def _reduce_replicated(model: nn.Module) -> None:
+    """The gradients of the parameters FSDP leaves out: summed over the data-parallel ranks and divided by
+    their number, as FSDP averages its own (the accountant then scales every gradient alike). A parameter
+    without a gradient on this rank (an expert no token reached) takes part with zeros."""
+    params = _REPLICATED.get(model) or []
+    if not params:
+        return
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad.div_(world)
 
 
 def _accountant(mode: str, layout: Layout) -> Any:
@@ -257,6 +304,7 @@ def _step(spec: ModelSpec, wrapped: nn.Module, acc: Any, mine: dict[str, Tensor]
         loss = acc.lm_loss(per_token, mask, seg)
         share = _aux_share(spec, out, mb, acc, aux)
         (loss if share is None else loss + share).backward()
+    _reduce_replicated(wrapped)
     acc.finish_step(wrapped)
 
 
@@ -267,7 +315,7 @@ def _run_mode(rank: int, spec: ModelSpec, layout: Layout, mode: str, steps: int)
             for p in model.parameters():
                 if p.dtype == torch.float64:
                     p.mul_(1 + 2.0**-50)
-    wrapped = _wrap(model, layout)
+    wrapped = _wrap(model, layout, _dtype(spec))
     acc = _accountant(mode, layout)
     if spec.moe is not None:
         acc.declare_metric("aux_loss")
@@ -278,13 +326,14 @@ def _run_mode(rank: int, spec: ModelSpec, layout: Layout, mode: str, steps: int)
     grads: list[dict[str, Tensor]] = []
     f32: list[str] = []
     f32_ops: list[str] = []
+    f32_params: list[str] = []
     for step in range(steps):
         rows = synthetic_batch(step, spec.vocab, spec.packed, spec.seed)
         if layout.name == FLOOR:
             rows = {key: v.flip(0) for key, v in rows.items()}
         watch = step == 0 and layout.name == "1x1" and spec.dtype == "float64"
         mine = {key: v[dp_rank * rows_per_rank : (dp_rank + 1) * rows_per_rank] for key, v in rows.items()}
-        with _Float32Watch(model, f32, f32_ops) if watch else contextlib.nullcontext():
+        with _Float32Watch(model, f32, f32_ops, f32_params) if watch else contextlib.nullcontext():
             _step(spec, wrapped, acc, mine, layout.ga, aux)
         logs = acc.logs()
         if aux.local is not None:
@@ -300,20 +349,38 @@ def _run_mode(rank: int, spec: ModelSpec, layout: Layout, mode: str, steps: int)
         opt.step()
         opt.zero_grad(set_to_none=True)
     params = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
-    return {"history": history, "grads": grads, "params": params, "float32_modules": f32, "float32_ops": f32_ops}
+    return {
+        "history": history,
+        "grads": grads,
+        "params": params,
+        "float32_modules": f32,
+        "float32_ops": f32_ops,
+        "float32_casts": f32_params,
+    }
 
 
 class _Float32Watch(TorchDispatchMode):
     """While active (the 1x1 run's first step, float64): appends to ``returns`` the modules whose output is a
-    float32 tensor (their own float32 parameters or casts), and to ``computes`` the innermost module of every
-    forward operation that produces a float32 tensor anywhere (an RMSNorm's internal float32 upcast too):
-    where the model computes in float32 by design, named for the report."""
+    float32 tensor (their own float32 parameters or casts), to ``computes`` the innermost module of every
+    forward operation that produces a float32 tensor anywhere (an RMSNorm's internal float32 upcast too),
+    and to ``casts`` the float64 parameters that reach a float32 operation: the parameter itself, or a
+    tensor computed from parameters alone (Jamba's ``A_log.float()``, DiffLlama's
+    ``sum(lambda_q1 * lambda_k1, dtype=float32)``), where the model computes in float32 by design, named
+    for the report. Activations cast to float32 (a norm's upcast) are not casts of a parameter: a layout
+    changes no value there, so they set no floor."""
 
-    def __init__(self, model: nn.Module, returns: list[str], computes: list[str]) -> None:
+    def __init__(self, model: nn.Module, returns: list[str], computes: list[str], casts: list[str]) -> None:
+        from torch.utils.weak import WeakIdKeyDictionary
+
         super().__init__()
-        self.returns, self.found = returns, computes
+        self.returns, self.found, self.casts = returns, computes, casts
         self.stack: list[str] = []
         self.handles: list[Any] = []
+        # tensor -> the float64 parameters it is computed from, for tensors computed from parameters alone
+        self.derived: Any = WeakIdKeyDictionary()
+        for name, p in model.named_parameters():
+            if p.dtype == torch.float64:
+                self.derived[p] = {name}
         for name, m in model.named_modules():
             if name:
                 self.handles.append(m.register_forward_pre_hook(self._enter(name)))
@@ -337,11 +404,21 @@ class _Float32Watch(TorchDispatchMode):
         return super().__exit__(*exc)  # type: ignore[no-any-return]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.utils._pytree import tree_leaves
+
         out = func(*args, **(kwargs or {}))
+        leaves = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
         if self.stack and self.stack[-1] not in self.found:
-            leaves = out if isinstance(out, (tuple, list)) else [out]
-            if any(isinstance(t, Tensor) and t.dtype == torch.float32 for t in leaves):
+            if any(t.dtype == torch.float32 for t in leaves):
                 self.found.append(self.stack[-1])
+        inputs = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, Tensor)]
+        if inputs and all(t in self.derived for t in inputs):
+            names = set().union(*(self.derived[t] for t in inputs))
+            if any(t.dtype == torch.float32 for t in leaves):
+                self.casts.extend(sorted(n for n in names if n not in self.casts))
+            for t in leaves:
+                if t.dtype == torch.float64:
+                    self.derived[t] = names
         return out
 
 

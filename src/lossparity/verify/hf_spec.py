@@ -47,6 +47,7 @@ class ModelSpec:
     moe: tuple[int, int] | None = None  # (E, k) when the model reports router logits
     aux_coef: float = 0.0
     tp_dir: str | None = field(default=None, repr=False)
+    tp_error: str | None = None  # why the model could not be saved for T (its rows are ERROR)
 
 
 class LayoutUnsupported(ValueError):

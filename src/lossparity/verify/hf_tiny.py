@@ -12,6 +12,9 @@ from which of those fields the configuration has (:func:`tiny_fields`):
 - MoE: 4 routed experts, top-2, one shared expert where the family has any, one group, the first layer dense
   and the second sparse where the family has leading dense layers, every other layer sparse otherwise;
 - hybrid stacks (``attn_layer_period`` ...): one attention layer among the two;
+- other sizes of the vocabulary (``unpadded_vocab_size``, ``vocab_size_per_layer_input``): the tiny one;
+- a sliding window (``sliding_window``) of 13 tokens: shorter than the 16-token rows, long enough that every
+  query on padding sees a key;
 - no randomness in training mode: every ``*dropout*`` / ``*pdrop*`` field and router jitter set to 0, so
   that a layout comparison is not a comparison of random draws. :func:`no_randomness_note` names them.
 """
@@ -57,7 +60,11 @@ TINY: dict[str, Any] = {
     "decoder_sparse_step": 1,
     "interleave_moe_layer_step": 1,
     "mlp_only_layers": [],
-    "sliding_window": 8,
+    # Shorter than the 16-token rows (a full-length row sees its effect), and the shortest window with which
+    # every query on padding still sees a key (rows are 4 to 16 tokens: position 15 of a 4-token row needs
+    # 15 - w < 3, w >= 13). With 8, such a query had no key, its attention output was NaN, and the NaN keys
+    # of the next layer reached every loss (gemma2: every row ERROR "per_token_loss has NaN").
+    "sliding_window": 13,
     "attention_chunk_size": 8,
     "rotary_dim": HEAD_DIM,
 }
@@ -147,6 +154,7 @@ def tiny_fields(default: Any) -> dict[str, Any]:
     if any(n.startswith(("enable_moe", "use_moe")) and v is False for n, v in default.to_dict().items()):
         for name in _MOE_FIELDS:  # a family whose default is its dense variant stays dense
             kw.pop(name, None)
+    kw.update(_vocab_sizes(default))
     kw.update(_mla_sizes(default))
     kw.update(_ssm_sizes(default))
     kw.update(_moe_layout(default))
@@ -157,6 +165,23 @@ def tiny_fields(default: Any) -> dict[str, Any]:
     # The family's own field names: an alias (attribute_map) may be applied after the fields derived from it.
     alias = getattr(default, "attribute_map", {}) or {}
     return {alias.get(k, k): v for k, v in kw.items()}
+
+
+def _vocab_sizes(default: Any) -> dict[str, Any]:
+    """Other sizes of the same vocabulary: every field naming ``vocab_size`` whose default lies between half
+    the default ``vocab_size`` and all of it becomes the tiny vocabulary. Inkling-2's ``unpadded_vocab_size``
+    (its head's rows; left at 200058 with a 256 vocabulary, the head had ``256 - 200058`` rows), Gemma-3n's
+    and Gemma-4's ``vocab_size_per_layer_input`` (a 262144-row float64 table per layer: the runs' recorded
+    gradients and parameters outgrew the memory). Vocabularies of their own (``type_vocab_size`` 2) stay."""
+    full = _get(default, "vocab_size")
+    if not isinstance(full, int) or full <= 0 or not _has(default, "vocab_size"):
+        return {}
+    kw: dict[str, Any] = {}
+    for name, value in default.to_dict().items():
+        if name != "vocab_size" and "vocab_size" in name and isinstance(value, int):
+            if not isinstance(value, bool) and full / 2 < value <= full:
+                kw[name] = TINY["vocab_size"]
+    return kw
 
 
 def _mla_sizes(default: Any) -> dict[str, Any]:

@@ -1,0 +1,68 @@
+"""``lossparity verify --hf``'s judgement of one tensor (``hf_compare``): a tensor's largest absolute difference
+relative to ``max(its own largest |entry|, 1e-6 x the largest |entry| of every tensor of the quantity)``.
+
+The expected values are worked by hand from the tensors below (every number is a power of two times a small
+integer, or a difference well above float64 rounding of the values it comes from)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lossparity.verify.hf_compare import _tensor_rel, _worst, compare_runs
+
+
+def _t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+# The largest entry of all: |-4| (in "w"), so the shared denominator is 1e-6 x 4 = 4e-6.
+REF = {"w": _t(2.0, -4.0), "tiny": _t(3e-12, -1e-12), "small": _t(1e-3, 0.0)}
+
+
+def test_own_scale_alone_is_the_old_rule():
+    # 1e-20 / 3e-12 = 3.3e-9: a near-zero tensor judged on its own scale
+    assert _tensor_rel(_t(3e-12 + 1e-20, -1e-12), REF["tiny"]) == pytest.approx(1e-20 / 3e-12, rel=1e-3)
+
+
+def test_near_zero_tensor_is_judged_against_the_quantitys_scale():
+    run = {"w": _t(2.0, -4.0), "tiny": _t(3e-12, -1e-12 + 1e-20), "small": _t(1e-3, 0.0)}
+    worst, name = _worst(run, REF)
+    # tiny: 1e-20 / max(3e-12, 4e-6) = 2.5e-15; w and small equal
+    assert name == "tiny" and worst == pytest.approx(2.5e-15, rel=1e-3)
+
+
+def test_a_tensor_above_the_shared_scale_keeps_its_own():
+    run = {"w": _t(2.0, -4.0), "tiny": _t(3e-12, -1e-12), "small": _t(1e-3 + 2.0**-60, 0.0)}
+    worst, name = _worst(run, REF)
+    # small: own largest 1e-3 > 4e-6: (difference, exactly as float64 rounds it) / 1e-3 ≈ 8.7e-16
+    diff = float((torch.tensor(1e-3, dtype=torch.float64) + 2.0**-60) - 1e-3)
+    assert name == "small" and worst == pytest.approx(diff / 1e-3, rel=1e-12)
+    assert 8e-16 < worst < 1e-15
+
+
+def test_largest_relative_difference_wins():
+    # w: 2^-40 / 4 = 2^-42 ≈ 2.3e-13; tiny: 2e-18 / 4e-6 = 5e-13 (larger: reported)
+    run = {"w": _t(2.0, -4.0 + 2.0**-40), "tiny": _t(3e-12 + 2e-18, -1e-12), "small": _t(1e-3, 0.0)}
+    worst, name = _worst(run, REF)
+    assert name == "tiny" and worst == pytest.approx(5e-13, rel=1e-3)
+
+
+def _record(grads: dict[str, torch.Tensor]) -> dict:
+    return {"history": [{"objective": 1.5, "grad_norm": 2.0}], "grads": [grads], "params": dict(REF)}
+
+
+def test_compare_runs_passes_a_rounding_difference_of_a_near_zero_gradient():
+    run = _record({**REF, "tiny": _t(3e-12, -1e-12 + 1e-20)})
+    verdict = compare_runs(run, _record(dict(REF)), 1e-10)
+    assert verdict["pass"] and verdict["first"] is None
+    assert verdict["diffs"]["grads"] == pytest.approx(2.5e-15, rel=1e-3)
+    assert verdict["diffs"]["grads_abs"] == pytest.approx(1e-20, rel=1e-3)
+
+
+def test_compare_runs_still_fails_a_difference_large_on_the_quantitys_scale():
+    # tiny off by 4e-15: 4e-15 / 4e-6 = 1e-9 > 1e-10 (the old rule: 4e-15 / 3e-12 = 1.3e-3)
+    run = _record({**REF, "tiny": _t(3e-12 + 4e-15, -1e-12)})
+    verdict = compare_runs(run, _record(dict(REF)), 1e-10)
+    assert not verdict["pass"] and verdict["first"] == "gradient of tiny at step 1"
+    assert verdict["diffs"]["grads"] == pytest.approx(1e-9, rel=1e-3)
