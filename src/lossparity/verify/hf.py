@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tempfile
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -69,7 +71,8 @@ def _run_jobs(
         except Exception as e:
             if world > 1:  # peers may wait in a collective: the launcher stops them and names this rank
                 raise
-            runs = f"{type(e).__name__}: " + " ".join(str(e).split())[:300]  # this layout's row: ERROR
+            where = raised_in(traceback.format_exc())
+            runs = f"{type(e).__name__}{where}: " + " ".join(str(e).split())[:300]  # this layout's row: ERROR
         out[(i, layout.name)] = (runs, time.perf_counter() - t)
     return out if rank == 0 else None
 
@@ -158,8 +161,28 @@ def _run_world(
                 out.update(_run_world(world, [job], specs, modes, steps))
             return out
         first = e.failures[0] if e.failures else None
-        what = f"rank {first.rank}: {first.kind}: {first.message}" if first else str(e)
-        return {(jobs[0][0], jobs[0][1].name): (" ".join(what.split())[:300], 0.0)}
+        where = raised_in(first.traceback) if first else ""
+        what = f"rank {first.rank}: {first.kind}{where}: {first.message}" if first else str(e)
+        return {(jobs[0][0], jobs[0][1].name): (" ".join(what.split())[:400], 0.0)}
+
+
+_FRAME_RE = re.compile(r'^\s*File "([^"]+)", line (\d+)', re.MULTILINE)
+
+
+def raised_in(tb: str) -> str:
+    """`` (raised in PACKAGE/FILE:LINE)``: where a formatted traceback's error came from when that is an
+    installed package (a model's file in transformers, say), so that an ERROR row says whose code raised.
+    From the innermost frame outwards, torch's own frames are passed over (the operator that refused the
+    model's call); the first other frame is named when it lies in an installed package, else ``""`` (the
+    user's or lossparity's code: its message says what it is)."""
+    for path, line in reversed(_FRAME_RE.findall(tb)):
+        marker = next((m for m in ("site-packages/", "dist-packages/") if m in path), None)
+        if marker is None:
+            return ""
+        where = path.split(marker, 1)[1]
+        if not where.startswith("torch/"):
+            return f" (raised in {where}:{line})"
+    return ""
 
 
 def _with_tp_dir(spec: ModelSpec, layouts: tuple[Layout, ...], path: str) -> ModelSpec:
