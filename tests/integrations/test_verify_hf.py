@@ -212,3 +212,13 @@ def test_T_model_has_the_reference_buffers(capsys):
     code, out, err = _verify(["--hf", "codegen", "--layouts", "T2"], capsys)
     assert code == 0, out + err
     assert "| T2 | per_token | 1x1 | 0.0e+00 | 0.0e+00 |" in out and "1/1 PASS" in out
+
+
+def test_router_logits_wider_than_the_routed_experts_are_counted_whole(capsys):
+    """Zaya's router logits have one column more than its routed experts: the aux counts were sized by the
+    configuration's 4 and the run raised a size mismatch (exit 2 in the sweep); now the header says so and
+    the counts cover every column."""
+    code, out, err = _verify(["--hf", "zaya", "--layouts", "K=4"], capsys)
+    assert code == 0, out + err
+    assert "the router logits have 5 columns for 4 routed experts" in out
+    assert "1/1 PASS" in out

@@ -123,3 +123,10 @@ def test_a_model_transformers_cannot_save_makes_T_an_error_not_a_traceback(tmp_p
     assert spec.tp_dir is None and spec.tp_error is not None
     with pytest.raises(ValueError, match=r"^T: transformers cannot save the model .*negative dimension -199802"):
         _build(spec, layouts[1])
+
+
+def test_longcat_zero_computation_experts_are_tiny_too():
+    """LongCat-Flash routes over its routed experts plus ``zero_expert_num`` zero-computation experts (256 by
+    default): the tiny configuration keeps 2 of them beside its 4 routed experts."""
+    config = tiny_config("longcat_flash")
+    assert config.zero_expert_num == 2 and config.n_routed_experts == 4

@@ -38,6 +38,22 @@ def add_verify_hf_arguments(v: argparse.ArgumentParser) -> None:
     g.add_argument("--packed", action="store_true", help="packed documents with restarting position_ids")
 
 
+def _router_width(model: Any) -> int | None:
+    """The number of columns of the router logits the built model records on 2 tokens (``None`` when its
+    forward does not give them here; the layouts' runs then report what fails)."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([[1, 2]]), output_router_logits=True)
+    except Exception:  # the runs of the layouts name any failure of the model's forward
+        return None
+    router = getattr(out, "router_logits", None)
+    if not router or not hasattr(router[0], "shape"):
+        return None
+    return int(router[0].shape[-1])
+
+
 def _hf_spec(args: argparse.Namespace, common: dict[str, Any], notes: list[str]) -> Any:
     """The ``--hf`` model: its configuration, built once here (a configuration transformers cannot build a
     model from is bad input, one line), MoE recognised from the built model (:mod:`..integrations.hf_moe`)."""
@@ -70,6 +86,15 @@ def _hf_spec(args: argparse.Namespace, common: dict[str, Any], notes: list[str])
     if zeroed:
         notes.append("set to 0 (no randomness in training mode): " + ", ".join(zeroed))
     moe = (info.experts, info.top_k) if info is not None else None
+    if info is not None:
+        width = _router_width(model)
+        if width is not None and width != info.experts:
+            notes.append(
+                f"MoE: the router logits have {width} columns for {info.experts} routed experts (the others are "
+                "experts of the model's own kind, e.g. zero-computation experts): the aux terms count all "
+                f"{width}, as the routing does"
+            )
+            moe = (width, info.top_k)
     coef = (info.coef or 0.0) if info is not None else 0.0
     return ModelSpec(args.hf, hf_config=config, vocab=config.vocab_size, moe=moe, aux_coef=coef, **common)
 

@@ -220,6 +220,8 @@ def _moe_layout(default: Any) -> dict[str, Any]:
     for name in _FIRST_DENSE:
         if isinstance(v := _get(default, name), int) and v > 0:
             kw[name] = 1  # layer 0 dense, layer 1 MoE: both kinds are exercised
+    if isinstance(v := _get(default, "zero_expert_num"), int) and v > 0:
+        kw["zero_expert_num"] = 2  # LongCat-Flash's zero-computation experts: 256 beside 4 routed ones otherwise
     if isinstance(_get(default, "num_kv_shared_layers"), int):
         kw["num_kv_shared_layers"] = 0  # Gemma-3n: the last n layers reuse earlier caches; 2 layers have none
     if _has(default, "expert_layer_period"):  # Jamba: experts on every layer, attention on the second
