@@ -222,3 +222,12 @@ def test_router_logits_wider_than_the_routed_experts_are_counted_whole(capsys):
     assert code == 0, out + err
     assert "the router logits have 5 columns for 4 routed experts" in out
     assert "1/1 PASS" in out
+
+
+def test_T_loads_eager_experts_for_a_family_not_recognised_as_moe(capsys):
+    """Qwen4-exp's experts are not recorded as a router, so the ``T`` load was not asked for eager experts and
+    transformers' grouped kernel refused float64 ("Expected mat_a to be Float32 ..."); ``T`` now loads eager
+    experts for every family, as the reference build does."""
+    code, out, err = _verify(["--hf", "qwen4_exp_text", "--layouts", "T2"], capsys)
+    assert code == 0, out + err
+    assert "1/1 PASS" in out

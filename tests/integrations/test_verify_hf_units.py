@@ -130,3 +130,11 @@ def test_longcat_zero_computation_experts_are_tiny_too():
     default): the tiny configuration keeps 2 of them beside its 4 routed experts."""
     config = tiny_config("longcat_flash")
     assert config.zero_expert_num == 2 and config.n_routed_experts == 4
+
+
+def test_kolibri1_1_tiny_config_passes_its_own_validation():
+    """Kolibri-1.1 validates NVFP4-sized K/V heads (a multiple of 16) and at most as many indexer heads as
+    query heads per K/V head: its tiny configuration was refused (exit 2 in the sweep)."""
+    config = tiny_config("kolibri1_1")
+    assert config.head_dim == 16 and config.index_num_heads == 2
+    assert config.index_num_heads <= config.num_attention_heads // config.num_key_value_heads

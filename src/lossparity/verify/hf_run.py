@@ -119,7 +119,7 @@ def _build(spec: ModelSpec, layout: Layout) -> nn.Module:
             str(spec.tp_dir),
             dtype=dtype,
             distributed_config=DistributedConfig(tp_size=layout.tp),
-            experts_implementation="eager" if spec.moe else None,
+            experts_implementation="eager",  # as the reference build (float64 grouped kernels do not exist)
         )
         _reference_buffers(model, str(spec.tp_dir))
     else:

@@ -74,6 +74,8 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # a run-length list of its own
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # its default None breaks its own model
     "zaya": {"num_experts_per_tok": 1},  # its validation accepts top-1 only
+    # its validation: NVFP4 rounding of K/V needs head_dim a multiple of 16; indexer heads <= query heads per K/V head
+    "kolibri1_1": {"head_dim": 16, "index_num_heads": 2},
 }
 
 _MOE_FIELDS = (
