@@ -231,3 +231,38 @@ def test_T_loads_eager_experts_for_a_family_not_recognised_as_moe(capsys):
     code, out, err = _verify(["--hf", "qwen4_exp_text", "--layouts", "T2"], capsys)
     assert code == 0, out + err
     assert "1/1 PASS" in out
+
+
+def test_second_opinion_passes_the_models_float32_rounding(capsys):
+    """Gemma-4-unified computes its norm weights in float32: at K=4 a norm weight's gradient differs by 4e-6,
+    above 10x its measured float32 floor (1.8e-7). Run again with that computation in float64, K=4 and 1x1
+    agree to ~6e-14: the row PASSes and says why."""
+    code, out, err = _verify(["--hf", "gemma4_unified_text", "--layouts", "K=4"], capsys)
+    assert code == 0, out + err
+    line = next(x for x in out.splitlines() if x.startswith("PASS K=4 per_token by the second opinion"))
+    assert "input_layernorm.weight" in line and "the model's float32 rounding, not the layout" in line
+
+
+def test_second_opinion_keeps_a_layout_dependent_model_failing(tmp_path, monkeypatch, capsys):
+    """A model that computes in float32 and also depends on the microbatch (it centres each batch on its mean):
+    with its float32 computation in float64, K=2 still differs from 1x1, so the FAIL stands and says so."""
+    (tmp_path / "batch_lm.py").write_text(
+        "import torch\n"
+        "class LM(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.embed, self.head = torch.nn.Embedding(64, 8), torch.nn.Linear(8, 64)\n"
+        "    def forward(self, input_ids, position_ids=None):\n"
+        "        h = self.embed(input_ids).float()\n"
+        "        h = (h - h.mean(0, keepdim=True)).to(self.head.weight.dtype)  # depends on the batch\n"
+        "        return self.head(torch.tanh(h.cumsum(1)))\n"
+        "def build(seed, dtype):\n"
+        "    torch.manual_seed(seed)\n"
+        "    return LM().to(dtype)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = _verify(["--model", "batch_lm:build", "--layouts", "K=2"], capsys)
+    sys.modules.pop("batch_lm", None)
+    assert code == 1, out + err
+    line = next(x for x in out.splitlines() if x.startswith("FAIL K=2 per_token"))
+    assert "with the model's float32 computation in float64 it still differs" in line

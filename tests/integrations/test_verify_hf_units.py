@@ -138,3 +138,22 @@ def test_kolibri1_1_tiny_config_passes_its_own_validation():
     config = tiny_config("kolibri1_1")
     assert config.head_dim == 16 and config.index_num_heads == 2
     assert config.index_num_heads <= config.num_attention_heads // config.num_key_value_heads
+
+
+def test_keep_float64_computes_the_models_float32_in_float64_with_gradients():
+    """``KeepFloat64`` (the second opinion's mode): ``x.float()``, ``.to(float32)`` and ``F.linear`` with a
+    float32 weight stay float64, and the float32 parameter still gets its (float32) gradient."""
+    from lossparity.verify.hf_run import KeepFloat64
+
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w = nn.Parameter(torch.randn(2, 4, dtype=torch.float32))
+    with KeepFloat64():
+        a = x.float()
+        b = x.to(torch.float32)
+        y = torch.nn.functional.linear(x, w)
+        s = x.sum(dtype=torch.float32)
+    assert a.dtype == b.dtype == y.dtype == s.dtype == torch.float64
+    y.sum().backward()
+    assert w.grad is not None and w.grad.dtype == torch.float32
+    expected = x.detach().sum(0).float().expand(2, 4)  # d(sum(x @ w.T))/dw = column sums of x, per output row
+    assert torch.allclose(w.grad, expected)

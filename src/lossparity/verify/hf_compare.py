@@ -130,7 +130,17 @@ def format_hf_table(report: dict[str, Any], title: str) -> str:
         if "error" in r:
             lines.append(f"ERROR {r['layout']} {r['mode']}: {r['error']}")
         elif not r["pass"]:
-            lines.append(f"FAIL {r['layout']} {r['mode']}: first difference: {r['first']}")
+            again = r.get("float64_check_failed")
+            lines.append(
+                f"FAIL {r['layout']} {r['mode']}: first difference: {r['first']}"
+                + (f"; with the model's float32 computation in float64 it still differs: {again}" if again else "")
+            )
+        elif "float64_check" in r:
+            lines.append(
+                f"PASS {r['layout']} {r['mode']} by the second opinion: at the model's float32 the first difference "
+                f"was {r['float32_first']}; with its float32 computation in float64 the largest difference is "
+                f"{r['float64_check']:.1e}: the model's float32 rounding, not the layout"
+            )
     ops = report.get("float32_ops") or []
     if ops and not floor and any(not r["pass"] and "error" not in r for r in report["rows"]):
         lines.append(

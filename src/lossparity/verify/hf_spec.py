@@ -48,6 +48,8 @@ class ModelSpec:
     aux_coef: float = 0.0
     tp_dir: str | None = field(default=None, repr=False)
     tp_error: str | None = None  # why the model could not be saved for T (its rows are ERROR)
+    # The second opinion on a FAIL of a model that computes in float32: its float32 computation done in float64
+    keep_float64: bool = False
 
 
 class LayoutUnsupported(ValueError):
