@@ -68,11 +68,16 @@ class Series(MutableMapping[int, float]):
         self._values = array("d", (merged[s] for s in order))
         self._pending = None
 
-    def __delitem__(self, step: int) -> None:
+    def _index(self, step: int) -> int:
+        """The position of ``step`` in the (settled) arrays; ``KeyError`` when it is not held."""
         self._settle()
         i = bisect_left(self._steps, step)
         if i == len(self._steps) or self._steps[i] != step:
             raise KeyError(step)
+        return i
+
+    def __delitem__(self, step: int) -> None:
+        i = self._index(step)
         del self._steps[i]
         del self._values[i]
 
@@ -90,11 +95,7 @@ class Series(MutableMapping[int, float]):
     # -- reads -------------------------------------------------------------------------------------
 
     def __getitem__(self, step: int) -> float:
-        self._settle()
-        i = bisect_left(self._steps, step)
-        if i == len(self._steps) or self._steps[i] != step:
-            raise KeyError(step)
-        return self._values[i]
+        return self._values[self._index(step)]
 
     def __contains__(self, step: object) -> bool:
         if not isinstance(step, int):

@@ -130,13 +130,9 @@ def run_verify_hf_many(
                 for mode in modes:
                     ref = _reference(lay, mode, spec)
                     needed.setdefault((i, ref.name), ref)
-        for world in sorted({lay.dp * lay.tp for lay in needed.values()}):
-            jobs = [(i, lay) for (i, _), lay in needed.items() if lay.dp * lay.tp == world]
-            if progress:
-                names = ", ".join(dict.fromkeys(lay.name for _, lay in jobs))
-                print(f"  running {names} ({len(modes)} modes, {world} process(es))...", flush=True)
-            for key, (record, wall) in _run_world(world, jobs, specs, modes, steps).items():
-                results[key], walls[key] = record, wall
+        note = "({n} modes, {w} process(es))".format
+        for key, (record, w) in _run_needed(needed, specs, modes, steps, progress, note).items():
+            results[key], walls[key] = record, w
         reports = [_report(i, spec, layouts, modes, steps, results, walls, 0.0) for i, spec in enumerate(specs)]
         _second_opinion(specs, layouts, reports, modes, steps, progress)
     wall = time.perf_counter() - t0
@@ -175,14 +171,8 @@ def _second_opinion(
     if not needed:
         return
     kept = [dataclasses.replace(spec, keep_float64=True) for spec in specs]
-    results: dict[tuple[int, str], Any] = {}
-    for world in sorted({lay.dp * lay.tp for lay in needed.values()}):
-        jobs = [(i, lay) for (i, _), lay in needed.items() if lay.dp * lay.tp == world]
-        if progress:
-            names = ", ".join(dict.fromkeys(lay.name for _, lay in jobs))
-            print(f"  running {names} again, the model's float32 computation in float64 (FAIL rows)...", flush=True)
-        for key, (record, _) in _run_world(world, jobs, kept, modes, steps).items():
-            results[key] = record
+    note = "again, the model's float32 computation in float64 (FAIL rows)".format
+    results = {key: record for key, (record, _) in _run_needed(needed, kept, modes, steps, progress, note).items()}
     for i, report in enumerate(reports):
         for row in report["rows"]:
             again, again_ref = results.get((i, row["layout"])), results.get((i, row["reference"]))
@@ -195,6 +185,26 @@ def _second_opinion(
                 row.update({"pass": True, "float64_check": worst, "float32_first": row["first"], "first": None})
             else:
                 row["float64_check_failed"] = f"{worst:.1e} ({check['first']})"
+
+
+def _run_needed(
+    needed: dict[tuple[int, str], Layout],
+    specs: list[ModelSpec],
+    modes: tuple[str, ...],
+    steps: int,
+    progress: bool,
+    note: Any,
+) -> dict[tuple[int, str], tuple[Any, float]]:
+    """Every needed run ``(model index, layout name) -> layout``, one set of processes per world size
+    (:func:`_run_world`); with ``progress``, one line per set: the layouts and ``note(n=modes, w=world)``."""
+    out: dict[tuple[int, str], tuple[Any, float]] = {}
+    for world in sorted({lay.dp * lay.tp for lay in needed.values()}):
+        jobs = [(i, lay) for (i, _), lay in needed.items() if lay.dp * lay.tp == world]
+        if progress:
+            names = ", ".join(dict.fromkeys(lay.name for _, lay in jobs))
+            print(f"  running {names} {note(n=len(modes), w=world)}...", flush=True)
+        out.update(_run_world(world, jobs, specs, modes, steps))
+    return out
 
 
 def _run_world(
