@@ -1,4 +1,5 @@
-"""The ``lossparity`` command line: ``modes``, ``train``, ``verify``, ``compare``, ``gap``, ``convert-checkpoint``.
+"""The ``lossparity`` command line: ``modes``, ``train``, ``verify``, ``audit``, ``compare``, ``gap``,
+``convert-checkpoint``.
 
 Exit codes: 0 success / parity, 1 a check failed (FAIL in a table, parity violation), 2 bad input.
 Each subcommand's glue lives in its own module (``train``: trainer and verify; ``parity``: the log tools),
@@ -16,6 +17,7 @@ from typing import Any, NoReturn
 
 from ..options import LOSS_IMPLS
 from ._common import UsageError
+from .audit import add_audit_arguments
 from .checkpoint import add_convert_arguments, cmd_convert_checkpoint
 from .parity import add_compare_arguments, add_gap_arguments, add_modes_arguments, cmd_compare, cmd_gap, cmd_modes
 from .verify_hf import add_verify_hf_arguments
@@ -28,8 +30,8 @@ _SIGPIPE_EXIT = 141
 # the help text a user reads (plain text: the module docstring is reStructuredText for the API docs)
 DESCRIPTION = (
     "Exact, layout-invariant LLM training losses. Commands: modes (the normalization modes), train (the "
-    "reference trainer), verify (layout invariance), compare (two training logs), gap (per-token vs "
-    "per-sample estimator gap)."
+    "reference trainer), verify (layout invariance), audit (your own training stack), compare (two training "
+    "logs), gap (per-token vs per-sample estimator gap)."
 )
 
 
@@ -51,6 +53,13 @@ def _verify_glue(args: argparse.Namespace) -> Any:
 
         return cmd_verify_hf(args)
     return _train_glue("cmd_verify")(args)
+
+
+def _audit_glue(args: argparse.Namespace) -> Any:
+    """``audit``: imported when it runs (it pulls in torch)."""
+    from .audit import cmd_audit
+
+    return cmd_audit(args)
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -119,6 +128,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     v.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
     add_verify_hf_arguments(v)
     v.set_defaults(func=_verify_glue)
+
+    a = sub.add_parser("audit", help="which normalization does YOUR training stack compute, at every layout?")
+    add_audit_arguments(a)
+    a.set_defaults(func=_audit_glue)
 
     c = sub.add_parser("compare", help="compare two training logs for loss parity")
     add_compare_arguments(c)

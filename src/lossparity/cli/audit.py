@@ -1,0 +1,91 @@
+"""CLI glue of ``lossparity audit``: the user's own training stack (``--step``/``--model``, ``--trainer``) or
+cross-entropy kernel (``--kernel``). Exit 0 invariant (and as ``--expect``ed), 1 not, 2 could not run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ._common import UsageError
+
+__all__ = ["add_audit_arguments", "cmd_audit"]
+
+
+def add_audit_arguments(a: argparse.ArgumentParser) -> None:
+    """The options of ``lossparity audit``."""
+    a.add_argument("--step", default=None, metavar="MODULE:FN", help="a hand loop's step(model, microbatches, ctx)")
+    a.add_argument("--model", default=None, metavar="MODULE:FN", help="with --step: build() -> torch.nn.Module")
+    a.add_argument("--no-ddp", action="store_true", help="with --step: hand 2-rank steps the bare model, not DDP")
+    a.add_argument(
+        "--trainer", default=None, metavar="MODULE:FN", help="factory(ctx) -> transformers.Trainer (TRL's too)"
+    )
+    a.add_argument("--kernel", default=None, metavar="MODULE:FN", help="a cross-entropy kernel to check")
+    a.add_argument(
+        "--kernel-kind", choices=("logits", "linear"), default="logits", help="fn(logits, labels, ...) or fused linear"
+    )
+    a.add_argument(
+        "--classes",
+        default="",
+        metavar="NAME[,NAME...]",
+        help="equivalence classes: ga, microbatch, dp, recompute, packing (default: ga,microbatch,dp,recompute)",
+    )
+    a.add_argument("--expect", default=None, metavar="MODE", help="fail unless every configuration computes MODE")
+    a.add_argument("--tol", type=float, default=None, help="invariance tolerance (default 1e-5 float32, 1e-10 float64)")
+    a.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON ('-': stdout)")
+
+
+def _write_json(path: str | None, data: dict[str, Any]) -> None:
+    if path is None:
+        return
+    text = json.dumps(data, indent=1)
+    if path == "-":
+        print(text)
+    else:
+        from ..atomic_io import atomic_write_bytes
+
+        atomic_write_bytes(path, (text + "\n").encode())
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """Run the audit the options name and print its table; the exit code of the report."""
+    from ..audit import AuditError, HandLoop, TrainerFactory, audit, audit_kernel, render
+    from ..audit.batch import CLASSES, DEFAULT_CLASSES
+    from ..audit.kernel import render_kernel
+    from ..audit.stack import resolve
+    from ..audit.worker import user_frame
+
+    chosen = [x for x in (args.step, args.trainer, args.kernel) if x is not None]
+    if len(chosen) != 1:
+        raise UsageError("name exactly one of --step (with --model), --trainer, --kernel")
+    if args.tol is not None and not (0 < args.tol < 1):
+        raise UsageError(f"--tol must be in (0, 1), got {args.tol}")
+    classes = [c for c in args.classes.split(",") if c] or list(DEFAULT_CLASSES)
+    bad = [c for c in classes if c not in CLASSES]
+    if bad:
+        raise UsageError(f"--classes: unknown class {bad[0]!r}; valid classes: {', '.join(CLASSES)}")
+    try:
+        if args.kernel is not None:
+            try:
+                fn = resolve(args.kernel)
+            except Exception as e:
+                raise AuditError(f"--kernel {args.kernel}: {e}", user_frame(e)) from e
+            kreport = audit_kernel(fn, kind=args.kernel_kind, tol=args.tol)
+            print(render_kernel(kreport))
+            _write_json(args.json, kreport.as_dict())
+            return kreport.exit_code
+        if args.step is not None:
+            if args.model is None:
+                raise UsageError("--step needs --model MODULE:FN (the model the step trains)")
+            stack: HandLoop | TrainerFactory = HandLoop(model=args.model, step=args.step, wrap_ddp=not args.no_ddp)
+        else:
+            stack = TrainerFactory(args.trainer)
+        report = audit(stack, classes=classes, expect=args.expect, tol=args.tol)
+    except AuditError as e:
+        text = str(e).replace("\n", "\\n")
+        print(f"lossparity audit: could not run: {text}", file=sys.stderr)
+        return 2
+    print(render(report))
+    _write_json(args.json, report.as_dict())
+    return report.exit_code
