@@ -130,3 +130,69 @@ def trainer_local_tokens(ctx):
 
     args = ctx.args(output_dir="unused", learning_rate=0.1, optim="sgd", average_tokens_across_devices=False)
     return transformers.Trainer(model=tiny_llama(), args=args, train_dataset=ctx.train_dataset)
+
+
+def good_kernel(logits, labels, reduction="mean", ignore_index=-100):
+    """torch's own cross-entropy: the kernel that passes."""
+    return F.cross_entropy(logits, labels, reduction=reduction, ignore_index=ignore_index)
+
+
+class _FirstTokenUpstream(torch.autograd.Function):
+    """Per-token losses whose backward scales every token's gradient by token 0's upstream gradient (the
+    bug class of Liger-Kernel #968), correct forward."""
+
+    @staticmethod
+    def forward(ctx, logits, labels):
+        logp = torch.log_softmax(logits.float(), -1)
+        valid = labels != -100
+        safe = labels.clamp(min=0)
+        ctx.save_for_backward(logp, safe, valid)
+        return torch.where(valid, -logp.gather(1, safe[:, None])[:, 0], 0.0).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logp, safe, valid = ctx.saved_tensors
+        g = logp.exp()
+        g[torch.arange(len(safe)), safe] -= 1
+        g = g * valid[:, None]
+        return (g * grad[0]).to(grad.dtype), None  # the bug: grad[0] instead of grad[:, None]
+
+
+def first_token_kernel(logits, labels, reduction="mean", ignore_index=-100):
+    ell = _FirstTokenUpstream.apply(logits, labels)
+    if reduction == "none":
+        return ell
+    total = ell.sum()
+    return total if reduction == "sum" else total / (labels != ignore_index).sum()
+
+
+def raising_step(model, microbatches, ctx):
+    """A step that fails in the user's code (the audit names this file and line)."""
+    raise RuntimeError("the user's step failed")
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, **{f"w{i}": i for i in range(1, 63)}, "<eos>": 63}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<pad>"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def sft_factory(ctx):
+    """TRL's SFTTrainer on pre-tokenized rows with a completion mask (loss on completion tokens only)."""
+    import trl
+
+    args = ctx.args(
+        trl.SFTConfig,
+        output_dir="unused",
+        learning_rate=0.1,
+        optim="sgd",
+        max_length=None,
+        bf16=False,
+        completion_only_loss=True,
+    )
+    data = ctx.dataset(("input_ids", "completion_mask"), unpadded=True)
+    return trl.SFTTrainer(model=tiny_llama(), args=args, train_dataset=data, processing_class=_tokenizer())

@@ -270,7 +270,8 @@ def audit(
         report.notes.append(
             "the step's gradient is not a combination of the documents' own gradients (residual above "
             f"{SEPARABLE_TOL:g}): a term that is not row-separable (MoE aux loss, batch-dependent layers, "
-            "randomness); the named modes are approximate, invariance is judged alone"
+            "randomness), or a stack that trains on other tokens than the crafted labels (a collator that "
+            "ignores the completion mask); the named modes are approximate, invariance is judged alone"
         )
     return report
 
@@ -290,9 +291,7 @@ def _copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
 
 
-def _row(
-    cfg: Config, res: RunResult | AuditError, basis: Basis, ref: RunResult, tol: float, dtype: torch.dtype
-) -> ConfigRow:
+def _row(cfg: Config, res: RunResult | AuditError, basis: Basis, ref: RunResult, tol: float) -> ConfigRow:
     layout = (
         f"D{cfg.dp} K{cfg.ga} b{cfg.micro}"
         + (" recompute" if cfg.recompute else "")

@@ -197,10 +197,12 @@ def _distance_from_one(alpha: float) -> float:
     return abs(math.log(abs(alpha) or 1e-300))
 
 
-def _fit(c: Tensor, p: Tensor) -> tuple[float, float]:
-    """``α`` minimizing ``‖c − α p‖`` and the relative misfit ``‖c − α p‖ / ‖c‖``."""
+def _fit(c: Tensor, p: Tensor, scale: Tensor | None = None) -> tuple[float, float]:
+    """``α`` minimizing ``‖c − α p‖`` and the misfit ``‖c − α p‖ / scale`` (default ``‖c‖``; a group of
+    documents is measured against all of ``c``, so that a group the stack dropped fits ``α = 0``)."""
     alpha = float(c @ p / (p @ p))
-    return alpha, float((c - alpha * p).norm() / c.norm().clamp(min=1e-300))
+    ref = c.norm() if scale is None else scale
+    return alpha, float((c - alpha * p).norm() / ref.clamp(min=1e-300))
 
 
 def identify(
@@ -275,7 +277,10 @@ def _grouped_name(
     """A mode whose weights fit ``c`` with one factor per rank or per microbatch, e.g. ``per_token; rank
     1's rows × 2``: the signature of a reduction that sums (or drops) one rank's gradient."""
     units = [basis.batch.units[i] for i in live]
-    for label, key in (("rank", lambda r: assignment[r][0]), ("microbatch", lambda r: assignment[r][1])):
+    for label, key in (
+        ("rank", lambda r: assignment[r][0]),
+        ("microbatch", lambda r: assignment[r][1] * dp + assignment[r][0]),
+    ):
         groups: dict[int, list[int]] = {}
         for j, u in enumerate(units):
             groups.setdefault(key(u.row), []).append(j)
@@ -289,10 +294,13 @@ def _grouped_name(
             factors, ok, worst = {}, True, 0.0
             for gid, idx in sorted(groups.items()):
                 ix = torch.tensor(idx)
-                alpha, misfit = _fit(sol[ix], p[ix]) if float(sol[ix].norm()) > 0 else (0.0, 0.0)
+                alpha, misfit = _fit(sol[ix], p[ix], sol.norm())
                 factors[gid], worst = alpha, max(worst, misfit)
                 ok = ok and misfit <= NAME_TOL
             if ok:
-                parts = [f"{label} {gid}'s rows × {fmt_factor(a)}" for gid, a in factors.items()]
+                parts = [
+                    f"{label} {gid}'s rows × {fmt_factor(a if abs(a) > NAME_TOL else 0.0)}"
+                    for gid, a in factors.items()
+                ]
                 return f"{mode}; " + ", ".join(parts), worst
     return None

@@ -122,19 +122,28 @@ class TrainerContext:
         self.batch = batch
         self.recompute = bool(overrides.get("gradient_checkpointing"))
 
-    def args(self, **kwargs: Any) -> Any:
-        """``transformers.TrainingArguments(**kwargs)`` with the audit's overrides applied on top."""
+    def args(self, args_class: type | None = None, **kwargs: Any) -> Any:
+        """``args_class(**kwargs)`` with the audit's overrides applied on top; ``args_class`` defaults to
+        ``transformers.TrainingArguments`` (TRL: ``trl.SFTConfig``, ``trl.GRPOConfig``, ...)."""
         import transformers
 
-        return transformers.TrainingArguments(**{**kwargs, **self.overrides})
+        cls = args_class or transformers.TrainingArguments
+        return cls(**{**kwargs, **self.overrides})
 
-    def dataset(self, columns: tuple[str, ...] = ("input_ids", "attention_mask", "labels")) -> Any:
+    def dataset(
+        self, columns: tuple[str, ...] = ("input_ids", "attention_mask", "labels"), *, unpadded: bool = False
+    ) -> Any:
         """The crafted rows as a ``datasets.Dataset`` of ``columns`` (any of ``input_ids``,
-        ``attention_mask``, ``position_ids``, ``labels``, ``completion_mask``), in the audit's order."""
+        ``attention_mask``, ``position_ids``, ``labels``, ``completion_mask``), in the audit's order;
+        ``unpadded``: each row cut to its real tokens (for trainers whose collator pads, e.g. TRL's)."""
         import datasets
 
-        rows = [self.batch.row(i) for i in range(self.batch.rows)]
-        return datasets.Dataset.from_list([{c: r[c].tolist() for c in columns} for r in rows])
+        rows = []
+        for i in range(self.batch.rows):
+            r = self.batch.row(i)
+            k = int(r["attention_mask"].sum()) if unpadded else r["input_ids"].numel()
+            rows.append({c: r[c][:k].tolist() for c in columns})
+        return datasets.Dataset.from_list(rows)
 
     @property
     def train_dataset(self) -> Any:
@@ -337,6 +346,10 @@ def basis_model(stack: HandLoop | TrainerFactory, result: RunResult) -> nn.Modul
             raise ValueError("audit: the reference run kept no model")
         model = copy.deepcopy(result.model)
         model._forward_pre_hooks.clear()
+        for mod in model.modules():
+            # accelerate rebinds ``forward`` on the instance through a closure over the *original* module
+            # (mixed-precision output conversion): the copy would compute with the trained parameters
+            mod.__dict__.pop("forward", None)
         off = getattr(model, "gradient_checkpointing_disable", None)
         if off is not None:
             off()
