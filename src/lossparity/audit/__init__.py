@@ -12,6 +12,7 @@ from .batch import CLASSES, DEFAULT_CLASSES, AuditBatch, Config, craft_batch
 from .core import AuditError, AuditReport, ConfigRow, audit
 from .identify import Identification, identify
 from .kernel import KernelReport, audit_kernel
+from .megatron import MegatronStep
 from .report import render
 from .stack import HandLoop, StepContext, TrainerContext, TrainerFactory
 
@@ -25,6 +26,7 @@ __all__ = [
     "KernelReport",
     "HandLoop",
     "TrainerFactory",
+    "MegatronStep",
     "StepContext",
     "TrainerContext",
     "Identification",

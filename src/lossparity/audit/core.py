@@ -20,7 +20,8 @@ from torch import nn
 from ..distributed.launch import free_port
 from ..options import MODES
 from .batch import DEFAULT_CLASSES, AuditBatch, Config, configs_for, craft_batch
-from .identify import NAME_TOL, Basis, Identification, basis_gradients, default_logits, identify
+from .identify import NAME_TOL, Basis, Identification, basis_gradients, default_logits, identify, logits_losses
+from .megatron import MegatronStep
 from .stack import (
     HandLoop,
     RunResult,
@@ -35,7 +36,9 @@ from .stack import (
 )
 from .worker import user_frame
 
-__all__ = ["audit", "AuditError", "AuditReport", "ConfigRow"]
+__all__ = ["audit", "AuditError", "AuditReport", "ConfigRow", "Stack"]
+
+Stack = HandLoop | TrainerFactory | MegatronStep
 
 SEPARABLE_TOL = 1e-4  # a float32 stack's gradient is fitted to ~1e-6; a non-separable term leaves far more
 LOG_TOL = 1e-4  # the logged loss against the optimized objective (float32 values)
@@ -124,16 +127,29 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-300))
 
 
-def _logits_fn(stack: HandLoop | TrainerFactory) -> Any:
-    if stack.logits is None:
+def _logits_fn(stack: Any) -> Any:
+    logits = getattr(stack, "logits", None)
+    if logits is None:
         return default_logits
-    return resolve(stack.logits) if isinstance(stack.logits, str) else stack.logits
+    return resolve(logits) if isinstance(logits, str) else logits
 
 
-def _vocab(stack: HandLoop | TrainerFactory) -> int:
+def _losses_fn(stack: Any) -> Any:
+    """The per-token losses the documents' gradients are taken of: your Megatron ``forward_step``'s output
+    tensor, or the cross-entropy of the model's logits."""
+    if isinstance(stack, (HandLoop, TrainerFactory)):
+        return logits_losses(_logits_fn(stack))
+    from .megatron import megatron_token_losses
+
+    return megatron_token_losses(stack)
+
+
+def _vocab(stack: Stack) -> int:
     """The model's vocabulary size: the last dimension of its logits on a two-token row (the hand loop),
     or the Trainer's model's output embedding."""
-    if isinstance(stack, HandLoop):
+    if not isinstance(stack, TrainerFactory):
+        if isinstance(stack, MegatronStep):  # its output tensor holds losses, not logits: the user says
+            return stack.vocab_size
         model = build_model(stack)
         with torch.no_grad():
             mb = {"input_ids": torch.tensor([[1, 2]]), "attention_mask": torch.ones(1, 2, dtype=torch.long)}
@@ -147,11 +163,14 @@ def _vocab(stack: HandLoop | TrainerFactory) -> int:
         return int(emb.weight.shape[0])
 
 
-def _spec(stack: HandLoop | TrainerFactory) -> tuple[dict[str, Any] | None, str]:
+def _spec(stack: Stack) -> tuple[dict[str, Any] | None, str]:
     """The JSON spec of a worker process, or ``None`` and the reason (a callable a process cannot import)."""
     if isinstance(stack, HandLoop):
         parts: dict[str, Any] = {"model": stack.model, "step": stack.step, "logits": stack.logits}
         spec: dict[str, Any] = {"kind": "hand loop", "wrap_ddp": stack.wrap_ddp}
+    elif not isinstance(stack, TrainerFactory):
+        parts = {"model": stack.model, "forward_step": stack.forward_step}
+        spec = {"kind": stack.kind}
     else:
         parts = {"factory": stack.factory, "logits": stack.logits}
         spec = {"kind": "trainer"}
@@ -166,9 +185,7 @@ def _spec(stack: HandLoop | TrainerFactory) -> tuple[dict[str, Any] | None, str]
     return spec, ""
 
 
-def _run_workers(
-    stack: HandLoop | TrainerFactory, cfgs: list[Config], vocab: int, timeout_s: float
-) -> dict[str, RunResult | AuditError]:
+def _run_workers(stack: Stack, cfgs: list[Config], vocab: int, timeout_s: float) -> dict[str, RunResult | AuditError]:
     """Run the 2-rank configurations in one ``torchrun`` of :mod:`.worker`; every rank's results read back."""
     spec, why = _spec(stack)
     if spec is None:
@@ -206,7 +223,7 @@ def _run_workers(
     return out
 
 
-def _run_local(stack: HandLoop | TrainerFactory, cfg: Config, batch: AuditBatch) -> RunResult:
+def _run_local(stack: Stack, cfg: Config, batch: AuditBatch) -> RunResult:
     try:
         return run_config(stack, cfg, batch, 0, 1)
     except (AuditError, KeyboardInterrupt):
@@ -216,7 +233,7 @@ def _run_local(stack: HandLoop | TrainerFactory, cfg: Config, batch: AuditBatch)
 
 
 def audit(
-    stack: HandLoop | TrainerFactory,
+    stack: Stack,
     *,
     classes: Sequence[str] = DEFAULT_CLASSES,
     expect: str | None = None,
@@ -260,8 +277,8 @@ def audit(
     dtype = next(iter(ref.initial.values())).dtype if ref.initial else torch.float32
     dtype = _param_dtype(stack, ref, dtype)
     tol = tol if tol is not None else (1e-10 if dtype == torch.float64 else 1e-5)
-    logits = _logits_fn(stack)
-    bases: dict[bool, Basis] = {p: basis_gradients(_copy(model), batches[p], logits) for p in {c.packed for c in cfgs}}
+    losses = _losses_fn(stack)
+    bases: dict[bool, Basis] = {p: basis_gradients(_copy(model), batches[p], losses) for p in {c.packed for c in cfgs}}
     rows = [_row(c, results[c.name], bases[c.packed], ref, tol) for c in cfgs]
     broken = next((r.klass for r in rows if r.invariant is False), None)
     separable = all(r.found is None or r.found.separable for r in rows)
@@ -276,11 +293,11 @@ def audit(
     return report
 
 
-def _param_dtype(stack: HandLoop | TrainerFactory, ref: RunResult, fallback: torch.dtype) -> torch.dtype:
+def _param_dtype(stack: Stack, ref: RunResult, fallback: torch.dtype) -> torch.dtype:
     """The dtype the stack computes in: its reference run's model's parameters (float32 if unknown)."""
     if ref.model is not None:
         return next(ref.model.parameters()).dtype
-    if isinstance(stack, HandLoop):
+    if not isinstance(stack, TrainerFactory):
         return next(build_model(stack).parameters()).dtype
     return fallback
 

@@ -28,7 +28,17 @@ from torch import Tensor, nn
 from ..losses.mode_table import MODE_TABLE
 from .batch import IGNORE, AuditBatch
 
-__all__ = ["Basis", "Identification", "basis_gradients", "identify", "default_logits", "mode_weights", "fmt_factor"]
+__all__ = [
+    "Basis",
+    "Identification",
+    "basis_gradients",
+    "identify",
+    "default_logits",
+    "logits_losses",
+    "token_losses",
+    "mode_weights",
+    "fmt_factor",
+]
 
 # A named mode fits when its prediction is parallel to the fitted coefficients to this relative misfit.
 NAME_TOL = 1e-3
@@ -87,11 +97,23 @@ class Basis:
         return torch.cat(parts)
 
 
+def logits_losses(
+    logits_fn: Callable[[nn.Module, Mapping[str, Tensor]], Tensor],
+) -> Callable[[nn.Module, Mapping[str, Tensor]], Tensor]:
+    """The per-token losses ``ℓ [b, S]`` of a model whose forward gives logits (:func:`token_losses`)."""
+
+    def losses(model: nn.Module, mb: Mapping[str, Tensor]) -> Tensor:
+        return token_losses(logits_fn(model, mb).double(), mb["labels"])
+
+    return losses
+
+
 def basis_gradients(
-    model: nn.Module, batch: AuditBatch, logits_fn: Callable[[nn.Module, Mapping[str, Tensor]], Tensor]
+    model: nn.Module, batch: AuditBatch, losses_fn: Callable[[nn.Module, Mapping[str, Tensor]], Tensor]
 ) -> Basis:
     """Each document's ``∇s_u`` in float64 on ``model`` (a float64 copy of the stack's model at its
-    initial parameters), one row at a time (a row-separable model gives the same losses in any batch)."""
+    initial parameters), one row at a time (a row-separable model gives the same losses in any batch);
+    ``losses_fn(model, microbatch)`` gives the per-token losses ``ℓ[:, t]`` of predicting ``labels[:, t]``."""
     model = model.double()
     model.train()  # the stack trains in train mode; a dropout model is not row-separable (its residual says so)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -99,7 +121,7 @@ def basis_gradients(
     sums: list[float] = []
     for i in range(batch.rows):
         mb = batch.microbatch([i])
-        ell = token_losses(logits_fn(model, mb).double(), mb["labels"])[0]
+        ell = losses_fn(model, mb)[0].double()
         units = [u for u in batch.units if u.row == i]
         for j, u in enumerate(units):
             s_u = ell[u.start : u.end].sum()

@@ -191,10 +191,10 @@ def _grads(model: nn.Module) -> dict[str, Tensor]:
     return {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-_PRISTINE: dict[int, tuple[HandLoop, nn.Module]] = {}
+_PRISTINE: dict[int, tuple[Any, nn.Module]] = {}
 
 
-def build_model(stack: HandLoop) -> nn.Module:
+def build_model(stack: Any) -> nn.Module:
     """The hand loop's model, seeded so that every call (every rank, every configuration) is the same: the
     factory runs once per process (``torch.manual_seed(0)`` first) and each call gets a deep copy."""
     cached = _PRISTINE.get(id(stack))
@@ -335,11 +335,11 @@ def _gather_assignment(seen: list[list[int]], rank: int, world: int) -> dict[int
     return out
 
 
-def basis_model(stack: HandLoop | TrainerFactory, result: RunResult) -> nn.Module:
+def basis_model(stack: Any, result: RunResult) -> nn.Module:
     """A model with the step's initial parameters, for the documents' gradients: the hand loop's factory
     again, or (Trainer) a copy of the trained model with the initial parameters put back and activation
     checkpointing off."""
-    if isinstance(stack, HandLoop):
+    if not isinstance(stack, TrainerFactory):
         model = build_model(stack)
     else:
         if result.model is None:
@@ -360,8 +360,13 @@ def basis_model(stack: HandLoop | TrainerFactory, result: RunResult) -> nn.Modul
     return model
 
 
-def run_config(stack: HandLoop | TrainerFactory, cfg: Config, batch: AuditBatch, rank: int, world: int) -> RunResult:
-    """Run ``cfg`` of ``stack`` on this rank."""
+def run_config(stack: Any, cfg: Config, batch: AuditBatch, rank: int, world: int) -> RunResult:
+    """Run ``cfg`` of ``stack`` (a :class:`HandLoop`, :class:`TrainerFactory` or
+    :class:`~lossparity.audit.megatron.MegatronStep`) on this rank."""
     if isinstance(stack, HandLoop):
         return run_hand_loop(stack, cfg, batch, rank, world)
-    return run_trainer(stack, cfg, batch, rank, world)
+    if isinstance(stack, TrainerFactory):
+        return run_trainer(stack, cfg, batch, rank, world)
+    from .megatron import run_megatron
+
+    return run_megatron(stack, cfg, batch, rank, world, build_model(stack))

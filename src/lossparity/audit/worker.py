@@ -37,10 +37,14 @@ def user_frame(exc: BaseException) -> str:
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
 
 
-def stack_from_spec(spec: dict[str, Any]) -> HandLoop | TrainerFactory:
+def stack_from_spec(spec: dict[str, Any]) -> Any:
     """The adapter a JSON spec describes (every callable as a ``MODULE:NAME`` string)."""
     if spec["kind"] == "hand loop":
         return HandLoop(model=spec["model"], step=spec["step"], wrap_ddp=spec["wrap_ddp"], logits=spec.get("logits"))
+    if spec["kind"] == "megatron-core":
+        from .megatron import MegatronStep
+
+        return MegatronStep(model=spec["model"], forward_step=spec["forward_step"], vocab_size=spec["vocab"])
     return TrainerFactory(factory=spec["factory"], logits=spec.get("logits"))
 
 
@@ -50,7 +54,7 @@ def main(argv: list[str]) -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(1)
     stack = stack_from_spec(spec)
-    if isinstance(stack, HandLoop) and world > 1:
+    if not isinstance(stack, TrainerFactory) and world > 1:  # the Trainer's accelerate initializes its own
         import torch.distributed as dist
 
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec.get("timeout_s", 120)))

@@ -16,7 +16,16 @@ __all__ = ["add_audit_arguments", "cmd_audit"]
 def add_audit_arguments(a: argparse.ArgumentParser) -> None:
     """The options of ``lossparity audit``."""
     a.add_argument("--step", default=None, metavar="MODULE:FN", help="a hand loop's step(model, microbatches, ctx)")
-    a.add_argument("--model", default=None, metavar="MODULE:FN", help="with --step: build() -> torch.nn.Module")
+    a.add_argument(
+        "--model", default=None, metavar="MODULE:FN", help="with --step/--megatron: build() -> torch.nn.Module"
+    )
+    a.add_argument(
+        "--megatron",
+        default=None,
+        metavar="MODULE:FN",
+        help="a megatron-core forward_step(data_iterator, model) (with --model and --vocab-size)",
+    )
+    a.add_argument("--vocab-size", type=int, default=None, help="with --megatron: the model's vocabulary size")
     a.add_argument("--no-ddp", action="store_true", help="with --step: hand 2-rank steps the bare model, not DDP")
     a.add_argument(
         "--trainer", default=None, metavar="MODULE:FN", help="factory(ctx) -> transformers.Trainer (TRL's too)"
@@ -52,13 +61,15 @@ def cmd_audit(args: argparse.Namespace) -> int:
     """Run the audit the options name and print its table; the exit code of the report."""
     from ..audit import AuditError, HandLoop, TrainerFactory, audit, audit_kernel, render
     from ..audit.batch import CLASSES, DEFAULT_CLASSES
+    from ..audit.core import Stack
     from ..audit.kernel import render_kernel
+    from ..audit.megatron import MegatronStep
     from ..audit.stack import resolve
     from ..audit.worker import user_frame
 
-    chosen = [x for x in (args.step, args.trainer, args.kernel) if x is not None]
+    chosen = [x for x in (args.step, args.trainer, args.kernel, args.megatron) if x is not None]
     if len(chosen) != 1:
-        raise UsageError("name exactly one of --step (with --model), --trainer, --kernel")
+        raise UsageError("name exactly one of --step (with --model), --trainer, --megatron, --kernel")
     if args.tol is not None and not (0 < args.tol < 1):
         raise UsageError(f"--tol must be in (0, 1), got {args.tol}")
     classes = [c for c in args.classes.split(",") if c] or list(DEFAULT_CLASSES)
@@ -75,10 +86,15 @@ def cmd_audit(args: argparse.Namespace) -> int:
             print(render_kernel(kreport))
             _write_json(args.json, kreport.as_dict())
             return kreport.exit_code
+        if (args.step is not None or args.megatron is not None) and args.model is None:
+            raise UsageError("--step/--megatron need --model MODULE:FN (the model the step trains)")
+        stack: Stack
         if args.step is not None:
-            if args.model is None:
-                raise UsageError("--step needs --model MODULE:FN (the model the step trains)")
-            stack: HandLoop | TrainerFactory = HandLoop(model=args.model, step=args.step, wrap_ddp=not args.no_ddp)
+            stack = HandLoop(model=args.model, step=args.step, wrap_ddp=not args.no_ddp)
+        elif args.megatron is not None:
+            if args.vocab_size is None or args.vocab_size < 8:
+                raise UsageError("--megatron needs --vocab-size N (N >= 8): the model's vocabulary")
+            stack = MegatronStep(model=args.model, forward_step=args.megatron, vocab_size=args.vocab_size)
         else:
             stack = TrainerFactory(args.trainer)
         report = audit(stack, classes=classes, expect=args.expect, tol=args.tol)
