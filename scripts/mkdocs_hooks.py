@@ -45,6 +45,7 @@ REFERENCE: tuple[tuple[str, str, str], ...] = (
     ("integrations-torchtitan", "lossparity.integrations.torchtitan", "lossparity.integrations.torchtitan"),
     ("integrations-titan-parity", "lossparity.integrations.titan_parity", "lossparity.integrations.titan_parity"),
     ("jax", "lossparity.jax", "lossparity.jax"),
+    ("audit", "lossparity.audit", "lossparity.audit"),
 )
 
 

@@ -141,3 +141,29 @@ def test_cli_exit_codes_and_json(tmp_path):
     assert p.returncode == 1 and "FAIL" in p.stdout
     p = _cli("--trainer", f"{STACKS}:trainer_factory", "--classes", "gaa")
     assert p.returncode == 2 and "unknown class 'gaa'" in p.stderr
+
+
+def _local_step(model, microbatches, ctx):
+    for mb in microbatches:
+        model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], labels=mb["labels"]).loss.backward()
+
+
+def test_a_callable_a_worker_cannot_import_makes_the_2_rank_classes_incomplete():
+    def step(model, microbatches, ctx):  # defined inside a function: no worker process can import it
+        _local_step(model, microbatches, ctx)
+
+    report = audit(HandLoop(model=f"{STACKS}:tiny_llama", step=step), classes=["dp"])
+    assert report.exit_code == 2
+    assert [r.config for r in report.incomplete] == ["D2 K1 b4", "D2 K2 b2"]
+    assert "not importable by a worker process" in report.incomplete[0].skipped
+    assert "INCOMPLETE: 2 configuration(s) could not run" in render(report)
+
+
+def test_docs_audit_page_block_runs(capsys):
+    import re
+
+    page = (HERE.parents[1] / "docs" / "audit.md").read_text()
+    block = re.findall(r"```python\n(.*?)```", page, re.S)[0]
+    exec(compile(block, "docs/audit.md", "exec"), {"__name__": "docs_audit"})
+    out = capsys.readouterr().out
+    assert "| K2 b4 | ga | per_microbatch |" in out and "first broken class 'ga'" in out

@@ -46,6 +46,7 @@ class AuditBatch:
 
     @property
     def rows(self) -> int:
+        """The number of rows ``N`` of the batch."""
         return int(self.input_ids.shape[0])
 
     def row(self, i: int) -> dict[str, Tensor]:

@@ -69,6 +69,7 @@ class ConfigRow:
     note: str = ""
 
     def as_dict(self) -> dict[str, Any]:
+        """The row as JSON-ready data."""
         d = {k: v for k, v in self.__dict__.items() if k != "found"}
         d["found"] = None if self.found is None else self.found.as_dict()
         return d
@@ -77,7 +78,8 @@ class ConfigRow:
 @dataclass
 class AuditReport:
     """The audit's result: one row per configuration, the tolerance, the first class that broke, whether
-    the stack matched ``expect``, the exit code (0 invariant and as expected, 1 otherwise)."""
+    the stack matched ``expect``, the exit code (0 invariant and as expected, 1 otherwise, 2 when a
+    configuration could not run)."""
 
     stack: str
     rows: list[ConfigRow]
@@ -90,10 +92,12 @@ class AuditReport:
 
     @property
     def invariant(self) -> bool:
+        """No configuration's gradient differs from the reference's by more than ``tol``."""
         return all(r.invariant is not False for r in self.rows)
 
     @property
     def as_expected(self) -> bool:
+        """Every configuration computes exactly ``expect`` (factor 1); true without ``expect``."""
         if self.expect is None:
             return True
         return all(
@@ -103,10 +107,19 @@ class AuditReport:
         )
 
     @property
+    def incomplete(self) -> list[ConfigRow]:
+        """The configurations that could not run (exit 2: the audit is not a verdict on them)."""
+        return [r for r in self.rows if r.skipped]
+
+    @property
     def exit_code(self) -> int:
+        """2 when a configuration could not run, else 0 invariant and as expected, else 1."""
+        if self.incomplete:
+            return 2
         return 0 if self.invariant and self.as_expected else 1
 
     def as_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data (``--json``)."""
         return {
             "stack": self.stack,
             "rows": [r.as_dict() for r in self.rows],
@@ -117,6 +130,7 @@ class AuditReport:
             "invariant": self.invariant,
             "as_expected": self.as_expected,
             "exit_code": self.exit_code,
+            "incomplete": [r.config for r in self.incomplete],
             "wall_s": self.wall_s,
             "notes": self.notes,
         }
@@ -207,8 +221,8 @@ def _run_workers(stack: Stack, cfgs: list[Config], vocab: int, timeout_s: float)
             return {c.name: AuditError(f"the 2-rank run did not finish in {timeout_s:.0f} s") for c in cfgs}
         files = [Path(tmp) / f"rank{r}.pt" for r in range(2)]
         if not all(f.exists() for f in files):
-            tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
-            return {c.name: AuditError(f"the 2-rank run failed: {tail[0]}") for c in cfgs}
+            why = _last_error_line(proc.stderr or "")
+            return {c.name: AuditError(f"the 2-rank run failed: {why}") for c in cfgs}
         ranks = [torch.load(f, weights_only=True) for f in files]
     out: dict[str, RunResult | AuditError] = {}
     for c in cfgs:
@@ -221,6 +235,15 @@ def _run_workers(stack: Stack, cfgs: list[Config], vocab: int, timeout_s: float)
         assignment = {int(k): (int(v[0]), int(v[1])) for k, v in r0["assignment"].items()}
         out[c.name] = RunResult(r0["grads"], r0["logged"], assignment, r0["initial"], r0["note"])
     return out
+
+
+def _last_error_line(stderr: str) -> str:
+    """The last line of a failed ``torchrun``'s output that names an exception (its banner lines are not)."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ("Error" in ln or "Exception" in ln) and not ln.startswith(("File ", "torch.distributed.elastic")):
+            return ln
+    return lines[-1] if lines else "no output"
 
 
 def _run_local(stack: Stack, cfg: Config, batch: AuditBatch) -> RunResult:
@@ -322,7 +345,7 @@ def _row(cfg: Config, res: RunResult | AuditError, basis: Basis, ref: RunResult,
     try:
         found = identify(basis, res.grads, res.assignment, cfg.dp, cfg.ga, separable_tol=SEPARABLE_TOL)
     except ValueError as e:  # no gradient, or a non-finite one: this configuration breaks
-        row.skipped, row.invariant = str(e), False
+        row.note, row.invariant = str(e), False
         return row
     row.found = found
     g, g_ref = basis.flatten(res.grads), basis.flatten(ref.grads)

@@ -211,6 +211,7 @@ class Identification:
     coefficients: list[float]
 
     def as_dict(self) -> dict[str, Any]:
+        """The identification as JSON-ready data."""
         return dict(self.__dict__)
 
 

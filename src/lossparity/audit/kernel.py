@@ -53,9 +53,11 @@ class KernelReport:
 
     @property
     def exit_code(self) -> int:
+        """0 when every check passed, else 1."""
         return 0 if all(c.passed for c in self.checks) else 1
 
     def as_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data (``--json``)."""
         return {
             "kind": self.kind,
             "tol": self.tol,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from .core import AuditReport, ConfigRow
 from .identify import fmt_factor
 
@@ -14,11 +16,14 @@ def _num(x: float | None, fmt: str = ".1e") -> str:
 
 def _line(r: ConfigRow, tol: float) -> str:
     if r.skipped:
-        return f"| {r.config} | {r.klass} | skipped: {r.skipped} | | | | | |"
+        return f"| {r.config} | {r.klass} | could not run: {r.skipped} | | | | | |"
     f = r.found
-    assert f is not None
+    if f is None:
+        return f"| {r.config} | {r.klass} | {r.note} | | | | | BREAKS |"
     if r.logged is None:
         log = "not logged"
+    elif not math.isfinite(r.logged):
+        log = f"{r.logged} (not finite)"
     elif r.log_matches is None:
         log = f"{r.logged:.6g}"
     else:
@@ -41,13 +46,15 @@ def render(report: AuditReport) -> str:
     ]
     lines += [_line(r, report.tol) for r in report.rows]
     for r in report.rows:
-        if r.note:
+        if r.note and r.found is not None:
             lines.append(f"  note ({r.config}): {r.note}")
     lines += [f"  note: {n}" for n in report.notes]
     mismatched = [r for r in report.rows if r.log_matches is False]
     if mismatched:
         lines.append(f"  the logged loss is not the optimized objective in {len(mismatched)} configuration(s)")
-    if report.invariant:
+    if report.incomplete:
+        verdict = f"INCOMPLETE: {len(report.incomplete)} configuration(s) could not run"
+    elif report.invariant:
         verdict = "INVARIANT"
     else:
         verdict = f"NOT INVARIANT: first broken class '{report.first_broken}'"

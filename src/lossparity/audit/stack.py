@@ -147,6 +147,7 @@ class TrainerContext:
 
     @property
     def train_dataset(self) -> Any:
+        """The crafted rows (``input_ids``, ``attention_mask``, ``labels``) as a ``datasets.Dataset``."""
         return self.dataset()
 
 

@@ -104,4 +104,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         return 2
     print(render(report))
     _write_json(args.json, report.as_dict())
+    if report.incomplete:
+        first = report.incomplete[0]
+        print(f"lossparity audit: could not run: {first.config}: {first.skipped}", file=sys.stderr)
     return report.exit_code
