@@ -196,3 +196,20 @@ def sft_factory(ctx):
     )
     data = ctx.dataset(("input_ids", "completion_mask"), unpadded=True)
     return trl.SFTTrainer(model=tiny_llama(), args=args, train_dataset=data, processing_class=_tokenizer())
+
+
+def tiny_mixtral():
+    import transformers
+
+    config = transformers.MixtralConfig(
+        **TINY, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.05
+    )
+    return transformers.MixtralForCausalLM(config)
+
+
+def trainer_mixtral(ctx):
+    """The plain Trainer on a tiny Mixtral whose forward adds router_aux_loss_coef × aux to its loss."""
+    import transformers
+
+    args = ctx.args(output_dir="unused", learning_rate=0.1, optim="sgd")
+    return transformers.Trainer(model=tiny_mixtral(), args=args, train_dataset=ctx.train_dataset)

@@ -167,3 +167,21 @@ def test_docs_audit_page_block_runs(capsys):
     exec(compile(block, "docs/audit.md", "exec"), {"__name__": "docs_audit"})
     out = capsys.readouterr().out
     assert "| K2 b4 | ga | per_microbatch |" in out and "first broken class 'ga'" in out
+
+
+@pytest.mark.multiprocess
+def test_trainer_moe_aux_term_grows_with_ga_and_ranks():
+    """transformers #48690: the Trainer multiplies the loss by the world size to undo DDP's averaging of a
+    token-normalized loss, and the model adds its router aux term to that loss: the aux weight is the
+    reference's × D; under GA every microbatch's aux is added whole (× K) instead of averaged."""
+    report = audit(TrainerFactory(f"{STACKS}:trainer_mixtral"), classes=["ga", "dp"])
+    got = {r.config: (r.found.name, r.aux) for r in report.rows}
+    assert got == {
+        "D1 K1 b8": ("per_token", "aux × 1"),
+        "K2 b4": ("per_token", "aux × 2"),
+        "K4 b2": ("per_token", "aux × 4"),
+        "D2 K1 b4": ("per_token", "aux × 2"),
+        "D2 K2 b2": ("per_token", "aux × 4"),
+    }, render(report)
+    assert all(r.found.residual < 1e-5 for r in report.rows)  # with the aux columns the fit is exact again
+    assert report.first_broken == "ga"

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,17 @@ from torch import nn
 from ..distributed.launch import free_port
 from ..options import MODES
 from .batch import DEFAULT_CLASSES, AuditBatch, Config, configs_for, craft_batch
-from .identify import NAME_TOL, Basis, Identification, basis_gradients, default_logits, identify, logits_losses
+from .identify import (
+    NAME_TOL,
+    Basis,
+    Identification,
+    aux_basis,
+    basis_gradients,
+    default_logits,
+    fmt_factor,
+    identify,
+    logits_losses,
+)
 from .megatron import MegatronStep
 from .stack import (
     HandLoop,
@@ -67,6 +77,7 @@ class ConfigRow:
     log_matches: bool | None = None
     skipped: str = ""
     note: str = ""
+    aux: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         """The row as JSON-ready data."""
@@ -301,8 +312,11 @@ def audit(
     dtype = _param_dtype(stack, ref, dtype)
     tol = tol if tol is not None else (1e-10 if dtype == torch.float64 else 1e-5)
     losses = _losses_fn(stack)
-    bases: dict[bool, Basis] = {p: basis_gradients(_copy(model), batches[p], losses) for p in {c.packed for c in cfgs}}
-    rows = [_row(c, results[c.name], bases[c.packed], ref, tol) for c in cfgs]
+    model64 = _copy(model).double()
+    bases: dict[bool, Basis] = {p: basis_gradients(model64, batches[p], losses) for p in {c.packed for c in cfgs}}
+    aux_fn = _aux_fn(stack, model64, batches[False])
+    rows = [_row(c, results[c.name], bases[c.packed], ref, tol, aux_fn, model64) for c in cfgs]
+    _describe_aux(rows, cfgs)
     broken = next((r.klass for r in rows if r.invariant is False), None)
     separable = all(r.found is None or r.found.separable for r in rows)
     report = AuditReport(stack.kind, rows, tol, expect, broken, separable, time.perf_counter() - t0)
@@ -314,6 +328,42 @@ def audit(
             "ignores the completion mask); the named modes are approximate, invariance is judged alone"
         )
     return report
+
+
+def _hf_aux(model: nn.Module, mb: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """A Hugging Face MoE model's router aux loss of one microbatch (``output_router_logits=True``)."""
+    out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], output_router_logits=True)
+    return out.aux_loss
+
+
+def _aux_fn(stack: Stack, model64: nn.Module, batch: AuditBatch) -> Any:
+    """The router aux loss of a microbatch when the stack's model has one (a Hugging Face MoE model that
+    returns ``aux_loss``), else ``None``: the fit then has one column per microbatch for it."""
+    if isinstance(stack, MegatronStep):
+        return None
+    try:
+        aux = _hf_aux(model64, batch.microbatch([0, 1]))
+    except Exception:  # a model without router outputs (or without the keyword): no aux term to fit
+        return None
+    return _hf_aux if isinstance(aux, torch.Tensor) and aux.requires_grad else None
+
+
+def _describe_aux(rows: list[ConfigRow], cfgs: list[Config]) -> None:
+    """Each configuration's aux weights relative to the reference's: ``f_m = β_m · D·K / β_ref`` (1 when
+    the aux term is the mean over the step's microbatches with the reference's coefficient; ``D·K`` when
+    every microbatch's term is added whole, ``D`` when the data-parallel reduction multiplies it)."""
+    ref = rows[0].found
+    if ref is None or len(ref.aux_weights) != 1 or ref.aux_weights[0] == 0.0:
+        return
+    beta_ref = ref.aux_weights[0]
+    for row, cfg in zip(rows, cfgs):
+        if row.found is None or not row.found.aux_weights:
+            continue
+        f = [b * cfg.dp * cfg.ga / beta_ref for b in row.found.aux_weights]
+        if max(f) - min(f) <= 1e-3 * max(abs(x) for x in f):
+            row.aux = f"aux × {fmt_factor(sum(f) / len(f))}"
+        else:
+            row.aux = "aux × [" + ", ".join(fmt_factor(x) for x in f) + "]"
 
 
 def _param_dtype(stack: Stack, ref: RunResult, fallback: torch.dtype) -> torch.dtype:
@@ -331,7 +381,15 @@ def _copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
 
 
-def _row(cfg: Config, res: RunResult | AuditError, basis: Basis, ref: RunResult, tol: float) -> ConfigRow:
+def _row(
+    cfg: Config,
+    res: RunResult | AuditError,
+    basis: Basis,
+    ref: RunResult,
+    tol: float,
+    aux_fn: Any = None,
+    model64: nn.Module | None = None,
+) -> ConfigRow:
     layout = (
         f"D{cfg.dp} K{cfg.ga} b{cfg.micro}"
         + (" recompute" if cfg.recompute else "")
@@ -343,7 +401,8 @@ def _row(cfg: Config, res: RunResult | AuditError, basis: Basis, ref: RunResult,
         return row
     row.note = res.note
     try:
-        found = identify(basis, res.grads, res.assignment, cfg.dp, cfg.ga, separable_tol=SEPARABLE_TOL)
+        aux = None if aux_fn is None or model64 is None else aux_basis(model64, basis, res.assignment, aux_fn)
+        found = identify(basis, res.grads, res.assignment, cfg.dp, cfg.ga, separable_tol=SEPARABLE_TOL, aux=aux)
     except ValueError as e:  # no gradient, or a non-finite one: this configuration breaks
         row.note, row.invariant = str(e), False
         return row

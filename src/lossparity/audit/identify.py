@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
@@ -30,6 +30,8 @@ from .batch import IGNORE, AuditBatch
 
 __all__ = [
     "Basis",
+    "AuxBasis",
+    "aux_basis",
     "Identification",
     "basis_gradients",
     "identify",
@@ -140,6 +142,37 @@ def basis_gradients(
     )
 
 
+@dataclass
+class AuxBasis:
+    """The router aux losses of one configuration's microbatches at the initial parameters: their
+    gradients ``grads [P, M]``, values ``values [M]`` and ``keys[m] = (rank, microbatch)``."""
+
+    grads: Tensor
+    values: Tensor
+    keys: list[tuple[int, int]]
+
+
+def aux_basis(
+    model: nn.Module,
+    basis: Basis,
+    assignment: Mapping[int, tuple[int, int]],
+    aux_fn: Callable[[nn.Module, Mapping[str, Tensor]], Tensor],
+) -> AuxBasis:
+    """``∇A_m`` of every microbatch ``m`` of a configuration (its rows together, as the stack ran them)."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for row, key in sorted(assignment.items()):
+        groups.setdefault(key, []).append(row)
+    params = dict(model.named_parameters())
+    columns, values = [], []
+    for key in sorted(groups):
+        a = aux_fn(model, basis.batch.microbatch(groups[key])).double()
+        ps = [params[n] for n in basis.names]
+        gs = torch.autograd.grad(a, ps, allow_unused=True)
+        columns.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(gs, ps)]))
+        values.append(float(a.detach()))
+    return AuxBasis(torch.stack(columns, dim=1), torch.tensor(values, dtype=torch.float64), sorted(groups))
+
+
 def mode_weights(
     mode: str, batch: AuditBatch, assignment: Mapping[int, tuple[int, int]], dp: int, ga: int
 ) -> Tensor | None:
@@ -198,8 +231,9 @@ def fmt_factor(alpha: float) -> str:
 class Identification:
     """What a step computed: ``mode`` and ``factor`` (``None`` when no mode fits), the readable ``name``
     (``per_token``, ``per_sample × 8/7``, ``per_token; rank 1's rows × 2``), the fit's ``residual``
-    ``‖G − Bc‖/‖G‖``, the ``misfit`` of the named mode, the fitted ``coefficients`` and the optimized
-    objective ``Σ_u c_u s_u`` at the initial parameters."""
+    ``‖G − Bc‖/‖G‖``, the ``misfit`` of the named mode, the fitted ``coefficients``, the weights ``β_m``
+    of the microbatches' router aux losses (``aux_weights``; empty without MoE), and the optimized objective
+    ``Σ_u c_u s_u + Σ_m β_m A_m`` at the initial parameters."""
 
     mode: str | None
     factor: float | None
@@ -209,6 +243,7 @@ class Identification:
     separable: bool
     objective: float
     coefficients: list[float]
+    aux_weights: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """The identification as JSON-ready data."""
@@ -236,8 +271,10 @@ def identify(
     ga: int,
     *,
     separable_tol: float,
+    aux: AuxBasis | None = None,
 ) -> Identification:
-    """Fit ``grads = Σ_u c_u ∇s_u`` and name the mode whose weights are parallel to ``c`` (module doc)."""
+    """Fit ``grads = Σ_u c_u ∇s_u`` (``+ Σ_m β_m ∇A_m`` with ``aux``: the router aux losses ``A_m`` of the
+    configuration's microbatches) and name the mode whose weights are parallel to ``c`` (module doc)."""
     g = basis.flatten(grads)
     if not bool(torch.isfinite(g).all()):
         raise ValueError("the step's gradient has NaN or inf entries (a microbatch without targets divided by 0?)")
@@ -246,11 +283,19 @@ def identify(
         raise ValueError("audit: the step left no gradient in the model's parameters (did it call backward?)")
     live = [i for i, u in enumerate(basis.batch.units) if u.n > 0]
     b = basis.grads[:, live]
-    sol = torch.linalg.lstsq(b, g.unsqueeze(1), driver="gelsd").solution.squeeze(1)
-    residual = float((g - b @ sol).norm()) / gnorm
+    if aux is not None:
+        b = torch.cat([b, aux.grads], dim=1)
+    full = torch.linalg.lstsq(b, g.unsqueeze(1), driver="gelsd").solution.squeeze(1)
+    residual = float((g - b @ full).norm()) / gnorm
+    sol = full[: len(live)]
     c_full = torch.zeros(len(basis.batch.units), dtype=torch.float64)
     c_full[live] = sol
     objective = float(c_full @ basis.sums)
+    aux_weights: list[float] = []
+    if aux is not None:
+        beta = full[len(live) :]
+        aux_weights = [float(x) for x in beta]
+        objective += float(beta @ aux.values)
     separable = residual <= separable_tol
     best: tuple[float, float, str] | None = None
     for mode in _PREFERENCE + tuple(m for m in MODE_TABLE if m not in _PREFERENCE):
@@ -272,11 +317,11 @@ def identify(
     coeffs = [float(x) for x in c_full]
     if misfit <= NAME_TOL:
         name = mode if abs(alpha - 1.0) <= NAME_TOL else f"{mode} × {fmt_factor(alpha)}"
-        return Identification(mode, alpha, name, residual, misfit, separable, objective, coeffs)
+        return Identification(mode, alpha, name, residual, misfit, separable, objective, coeffs, aux_weights)
     grouped = _grouped_name(sol, live, basis, assignment, dp, ga)
     if grouped is not None:
         gname, gmisfit = grouped
-        return Identification(None, None, gname, residual, gmisfit, separable, objective, coeffs)
+        return Identification(None, None, gname, residual, gmisfit, separable, objective, coeffs, aux_weights)
     return Identification(
         None,
         None,
@@ -286,6 +331,7 @@ def identify(
         separable,
         objective,
         coeffs,
+        aux_weights,
     )
 
 

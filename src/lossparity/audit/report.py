@@ -33,7 +33,8 @@ def _line(r: ConfigRow, tol: float) -> str:
         )
     verdict = "ok" if r.invariant else f"BREAKS (> {tol:g})"
     return (
-        f"| {r.config} | {r.klass} | {f.name} | {_num(f.residual)} | {_num(r.vs_reference)} | "
+        f"| {r.config} | {r.klass} | {f.name}{'; ' + r.aux if r.aux else ''} | {_num(f.residual)} | "
+        f"{_num(r.vs_reference)} | "
         f"{f.objective:.6g} | {log} | {verdict} |"
     )
 

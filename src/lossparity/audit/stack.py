@@ -354,6 +354,12 @@ def basis_model(stack: Any, result: RunResult) -> nn.Module:
         off = getattr(model, "gradient_checkpointing_disable", None)
         if off is not None:
             off()
+    experts = getattr(model, "set_experts_implementation", None)
+    if experts is not None:  # transformers' grouped expert kernels have no float64 form; eager is the same math
+        try:
+            experts("eager")
+        except (ValueError, TypeError):
+            pass
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n in result.initial:
