@@ -157,7 +157,8 @@ def test_gap_fails_naming_the_missing_steps(tmp_path: Path, capsys: pytest.Captu
     assert "MISSING STEPS: the dump lacks step(s) 3-4, 6-7" in captured.out
     assert "lacks step(s) 3-4, 6-7" in captured.err
     assert run_gap(_parse([str(run), "--bootstrap", "0", "--json"])) == 1
-    assert json.loads(capsys.readouterr().out)["missing_steps"] == [3, 4, 6, 7]
+    report = json.loads(capsys.readouterr().out)
+    assert report["missing_steps"] == [[3, 4], [6, 7]] and report["missing_step_count"] == 4
     (run / "metrics.jsonl").unlink()
     _write_records(d / "samples_rank0.bin", [(st, 0, 2, 1.0) for st in (1, 2, 3)])
     assert run_gap(_parse([str(run), "--bootstrap", "0"])) == 0
