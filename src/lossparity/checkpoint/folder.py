@@ -41,7 +41,7 @@ _TORCH_ADVICE = ("weights_only", "Weights only load failed", "documentation of t
 def load_failure(e: BaseException) -> str:
     """One line ``"<type>: <what failed>"`` for an exception of a checkpoint load, without torch's advice to
     re-run ``torch.load`` with ``weights_only=False`` (never advice to give a file from elsewhere): only
-    the cause torch names after ``WeightsUnpickler error:``, at most 600 characters. A failure of
+    the cause torch names after ``WeightsUnpickler error:``, at most 2,000 characters. A failure of
     ``torch.distributed.checkpoint`` (its ``CheckpointException`` holds every failing rank's exception and
     traceback) is said by the first failing rank's exception, ``"rank <r>: <type>: <what failed>"``."""
     failures = getattr(e, "failures", None)
@@ -55,7 +55,7 @@ def load_failure(e: BaseException) -> str:
         text = text.split("WeightsUnpickler error:", 1)[1]
     kept = [ln for ln in text.splitlines() if ln.strip() and not any(a in ln for a in _TORCH_ADVICE)]
     why = " ".join(" ".join(kept).split())
-    why = why if len(why) <= 600 else why[:597] + "..."
+    why = why if len(why) <= 2000 else why[:1997] + "..."
     return f"{type(e).__name__}: {why}" if why else type(e).__name__
 
 

@@ -94,6 +94,8 @@ def load_weights_only(path: str) -> Any:
         # torch's message names a refused global (e.g. "Unsupported global: GLOBAL posix.system"): pickled
         # objects; without one, the bytes are no pickle torch can read (a damaged file)
         what = next((ln.strip() for ln in str(e).splitlines() if "global" in ln.lower()), None)
+        if what is not None:
+            what = what.split("WeightsUnpickler error:")[-1].strip()
         if what is None:
             raise CheckpointFormatError(f"{path}: damaged, not a checkpoint ({load_failure(e)}); not loaded") from None
         raise CheckpointFormatError(
