@@ -204,10 +204,11 @@ def run(dumped_run, tmp_path) -> pathlib.Path:
     return pathlib.Path(shutil.copytree(dumped_run, tmp_path / "run", symlinks=True))
 
 
-@pytest.mark.parametrize("target", ["fifo", "dev_zero", "oversized"])
+@pytest.mark.parametrize("target", ["fifo", "dev_zero", "sparse"])
 def test_resume_with_a_dump_file_that_is_no_dump_ends_in_one_line(run, capfd, target):
     """``samples_rank0.bin`` as a FIFO (once a hang), ``/dev/zero`` (a MemoryError) or a 1 GiB sparse file
-    (once 13 s and 3.4 GB): exit 2, one line naming it, and the run folder unchanged."""
+    (once 13 s and 3.4 GB; its zeros are no records of the run: refused at its first chunk): exit 2, one line
+    naming it, and the run folder unchanged."""
     rank0 = run / "samples" / "samples_rank0.bin"
     rank0.unlink()
     if target == "fifo":
@@ -222,7 +223,7 @@ def test_resume_with_a_dump_file_that_is_no_dump_ends_in_one_line(run, capfd, ta
     metrics_before = (run / "metrics.jsonl").read_bytes()
     code, _, err = _cli(_train_argv(run, "--dump-samples", "--resume"), capfd)
     assert code == 2 and len(err) == 1 and str(rank0) in err[0], err
-    want = {"fifo": "a FIFO", "dev_zero": "a device", "oversized": "more than the 8388608 records"}[target]
+    want = {"fifo": "a FIFO", "dev_zero": "a device", "sparse": "duplicate sample (step 0, row 0)"}[target]
     assert want in err[0] and "Traceback" not in err[0]
     assert (run / "metrics.jsonl").read_bytes() == metrics_before
 

@@ -43,6 +43,7 @@ __all__ = [
     "SampleDumpError",
     "check_meta",
     "check_records",
+    "named",
     "read_meta_json",
     "read_npz",
     "read_rank_file",
@@ -72,14 +73,17 @@ def _opened(path: str, what: str) -> IO[bytes]:
         raise SampleDumpError(str(e)) from None
 
 
-def record_chunks(path: str, notes: list[str] | None = None) -> Iterator[tuple[int, np.ndarray]]:
+def record_chunks(
+    path: str, notes: list[str] | None = None, cap: int | None = MAX_DUMP_RECORDS
+) -> Iterator[tuple[int, np.ndarray]]:
     """``(index of its first record, [k, 4] float64 records)`` of the rank file ``path``, read in chunks of
     :data:`CHUNK_RECORDS` (not checked here). A torn last record (a write cut by a crash) is left out, with a
-    note appended to ``notes``; a file of more than :data:`MAX_DUMP_RECORDS` records is refused unread."""
+    note appended to ``notes``; a file of more than ``cap`` records is refused unread (``None``: a stream
+    that holds one chunk at a time, whatever the file's size)."""
     with _opened(path, "a sample dump rank file (a regular file)") as f:
         size = os.fstat(f.fileno()).st_size
         whole = size // RECORD_BYTES
-        if whole > MAX_DUMP_RECORDS:
+        if cap is not None and whole > cap:
             raise SampleDumpError(
                 f"{path}: {size} bytes ({whole} records), more than the {MAX_DUMP_RECORDS} records a dump is read "
                 "with; not read"
@@ -125,7 +129,7 @@ def check_records(records: np.ndarray, where: Callable[[int], str]) -> None:
         raise SampleDumpError(f"duplicate sample (step {int(step)}, row {int(row)}) in {where(a)} and {where(b)}")
 
 
-def _named(path: str, start: int) -> Callable[[int], str]:
+def named(path: str, start: int) -> Callable[[int], str]:
     """``"<path> record <start + i>"``: a record of a chunk by its index in the chunk."""
     return lambda i: f"{path} record {start + i}"
 
@@ -145,7 +149,7 @@ def read_rank_file(path: str, notes: list[str], budget: int) -> np.ndarray:
                     "read with; not read"
                 )
             out = np.empty((max(size, chunk.shape[0]), RECORD_FIELDS), dtype=RECORD)
-        check_records(chunk, _named(path, start))
+        check_records(chunk, named(path, start))
         if filled + chunk.shape[0] > out.shape[0]:  # the file grew while being read: only what was sized
             break
         out[filled : filled + chunk.shape[0]] = chunk

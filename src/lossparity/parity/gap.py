@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..losses.mode_table import mode_spec, reduce_units
+from ._gap_batch import block_values, bootstrap_block, quantile_rows, step_blocks, value_at
 from ._gap_plot import plot_gap
 from .sample_dump import StepSamples
 
@@ -321,6 +322,8 @@ def _check_gap_arguments(
         raise ValueError(f"fixed_length must be >= 1, got {fixed_length}")
     if not samples:
         raise ValueError("samples: the dump holds no step")
+    if any(np.asarray(v[1]).size == 0 for v in samples.values()):
+        raise ValueError("a step needs at least one sample")
     if bootstrap * len(samples) > MAX_BOOTSTRAP_VALUES:
         most = max(MAX_BOOTSTRAP_VALUES // len(samples), 1)
         raise ValueError(
@@ -342,11 +345,13 @@ def compute_gap(
 ) -> GapReport:
     """Compute a :class:`GapReport` from ``{step: (rows, n, s)}`` (as :func:`read_sample_dump` returns).
 
-    Per step: :func:`step_mode_values`, the gap identity (``per_token − per_sample`` from the two means and
-    :func:`covariance_gap`, computed independently), and, with
-    ``bootstrap > 0``, :func:`bootstrap_gaps` with one ``numpy.random.default_rng(seed)`` drawn in step
-    order (so the result is a deterministic function of the seed). ``per_microbatch`` needs the rows of
-    a step to be exactly ``0..N-1``.
+    Per step: the values of :func:`step_mode_values`, the gap identity (``per_token − per_sample`` from the
+    two means and the covariance of :func:`covariance_gap`, computed independently), and, with
+    ``bootstrap > 0``, the replicates of :func:`bootstrap_gaps` drawn from one
+    ``numpy.random.default_rng(seed)`` in step order (a deterministic function of the seed). Steps with the
+    same number of samples are computed together as ``[G, N]`` arrays (:mod:`._gap_batch`; their indices
+    drawn in one ``rng.integers`` call per block). ``per_microbatch`` needs the rows of a step to be exactly
+    ``0..N-1``.
     """
     _check_gap_arguments(samples, microbatch_size, fixed_length, bootstrap, ci)
     rng = np.random.default_rng(seed)
@@ -355,36 +360,43 @@ def compute_gap(
     # filled in place, one row per step: never the list of rows and its stacked copy at once
     reps = np.empty((len(samples), bootstrap), dtype=np.float64) if bootstrap else None
     mb_problem: str | None = None
-    for step in sorted(samples):
-        rows, n, s = samples[step]
+    for block in step_blocks(samples):
+        n2 = np.stack([np.asarray(samples[st][1], dtype=np.float64) for st in block])
+        s2 = np.stack([np.asarray(samples[st][2], dtype=np.float64) for st in block])
+        vals = block_values(n2, s2, microbatch_size, fixed_length)
         b = microbatch_size
-        if b is not None and (rows.size % b or not np.array_equal(rows, np.arange(rows.size))):
-            mb_problem = mb_problem or (
-                f"per_microbatch not computed from step {step}: its {rows.size} rows are not 0..N-1 in blocks of b={b}"
+        for i, step in enumerate(block):
+            rows = samples[step][0]
+            mb = vals["per_microbatch"]
+            if b is not None and (rows.size % b or not np.array_equal(rows, np.arange(rows.size))):
+                mb_problem = mb_problem or (
+                    f"per_microbatch not computed from step {step}: its {rows.size} rows are not 0..N-1 in blocks "
+                    f"of b={b}"
+                )
+                mb = None
+            per_token, per_sample = float(vals["per_token"][i]), float(vals["per_sample"][i])  # type: ignore[index]
+            rows_out.append(
+                StepGap(
+                    step=step,
+                    samples=int(n2.shape[1]),
+                    tokens=int(vals["tokens"][i]),  # type: ignore[index]
+                    per_token=per_token,
+                    per_sample=per_sample,
+                    per_microbatch=None if mb is None else float(mb[i]),
+                    sample_sum=float(vals["sample_sum"][i]),  # type: ignore[index]
+                    sample_sum_norm=value_at(vals["sample_sum_norm"], i),
+                    gap=per_token - per_sample,
+                    cov=float(vals["cov"][i]),  # type: ignore[index]
+                    mean_count=float(vals["mean_count"][i]),  # type: ignore[index]
+                    cov_term=float(vals["cov_term"][i]),  # type: ignore[index]
+                )
             )
-            b = None
-        vals = step_mode_values(n, s, microbatch_size=b, fixed_length=fixed_length)
-        cov, mean_n, cov_term = covariance_gap(n, s)
-        per_token, per_sample = float(vals["per_token"]), float(vals["per_sample"])  # type: ignore[arg-type]
-        st = StepGap(
-            step=step,
-            samples=int(n.size),
-            tokens=int(n.sum()),
-            per_token=per_token,
-            per_sample=per_sample,
-            per_microbatch=vals["per_microbatch"],
-            sample_sum=float(vals["sample_sum"]),  # type: ignore[arg-type]
-            sample_sum_norm=vals["sample_sum_norm"],  # type: ignore[arg-type]
-            gap=per_token - per_sample,
-            cov=cov,
-            mean_count=mean_n,
-            cov_term=cov_term,
-        )
         if reps is not None:
-            r = reps[len(rows_out)]
-            r[:] = bootstrap_gaps(n, s, bootstrap, rng)
-            st.ci_low, st.ci_high = _interval(r, ci)
-        rows_out.append(st)
+            bootstrap_block(n2, s2, bootstrap, rng, reps[len(rows_out) - len(block) : len(rows_out)])
+    if reps is not None:
+        lows, highs = quantile_rows(reps, ci)
+        for st, lo, hi in zip(rows_out, lows.tolist(), highs.tolist()):
+            st.ci_low, st.ci_high = lo, hi
     if microbatch_size is None:
         notes.append("per_microbatch not computed: give --microbatch-size (the dump's meta has no microbatch_size)")
     elif mb_problem:

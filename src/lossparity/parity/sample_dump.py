@@ -52,6 +52,7 @@ from ._dump_input import (
     SampleDumpError,
     check_meta,
     check_records,
+    named,
     read_meta_json,
     read_npz,
     read_rank_file,
@@ -122,7 +123,9 @@ def truncate_records(path: str, step: int) -> list[str]:
 
     The file is read as ``gap`` reads it (:mod:`._dump_input`): a regular file only (a FIFO or a device
     raises :class:`SampleDumpError` naming it, never a hang), in chunks (memory of one chunk, whatever its
-    size), at most :data:`MAX_DUMP_RECORDS` records."""
+    size: a long run's dump is never capped here), each chunk checked as ``gap`` checks it, and a record of
+    a step before 1 (the trainer's first) is no record of this run (a sparse file's zeros): an error naming
+    the file and the record."""
     if not os.path.lexists(path):
         return []
     if not os.path.exists(path):
@@ -130,7 +133,15 @@ def truncate_records(path: str, step: int) -> list[str]:
     notes: list[str] = []
     torn: list[str] = []
     kept = dropped = 0
-    for _, chunk in record_chunks(path, torn):
+    for start, chunk in record_chunks(path, torn, cap=None):
+        check_records(chunk, named(path, start))
+        early = np.flatnonzero(chunk[:, 0] < 1)
+        if early.size:
+            i = int(early[0])
+            raise SampleDumpError(
+                f"{path} record {start + i}: step {chunk[i, 0]:g}, before the run's first step 1; not a record of "
+                "this run's dump (repair or remove the file, or start a new run with --overwrite)"
+            )
         keep = int((chunk[:, 0] <= step).sum())
         kept, dropped = kept + keep, dropped + chunk.shape[0] - keep
     if torn:
@@ -144,7 +155,7 @@ def truncate_records(path: str, step: int) -> list[str]:
     if torn or dropped:
 
         def write(f: BinaryIO) -> None:
-            for _, chunk in record_chunks(path):
+            for _, chunk in record_chunks(path, cap=None):
                 f.write(chunk[chunk[:, 0] <= step].astype(_RECORD).tobytes())
 
         atomic_write(path, write)
