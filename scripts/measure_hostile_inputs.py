@@ -1,6 +1,14 @@
-"""Time and peak memory of every hostile input of issue 39 through the command line (a measurement, not a test).
+"""Time and peak memory of every hostile input of issues 39 and 50 through the command line (a measurement, not a
+test).
 
     nice -n 10 python scripts/measure_hostile_inputs.py [--rows 1-12] [--no-train]
+    nice -n 10 python scripts/measure_hostile_inputs.py --round 2 [--no-train]
+
+``--round 2``: the reproductions of issue 50 (``tests/_hostile2.py`` at the issue's sizes: ``gap`` on FIFOs,
+devices, bad contents, a sparse 256 MB rank file, a 2 GiB deflate bomb, a 30,000-step dump; ``compare`` on
+16,000 restarts with new keys, 20 MB logs with new keys per line, a 99,999-column CSV), and with training
+the resumes: a dump file that is a FIFO, ``/dev/zero`` or a 1 GiB sparse file, five bad saved
+``decay_steps``, a damaged single-file checkpoint, and a damaged shard of a 2-rank sharded checkpoint.
 
 Rows 1-12 (``tests/_hostile.py``, row 12 at its full size: a 1,000,000-column CSV and a 590,000-step JSONL)
 run ``lossparity compare``; rows 13-17, 19 and 20 run ``lossparity train --resume`` on a damaged copy of a
@@ -25,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import _hostile  # noqa: E402
+import _hostile2  # noqa: E402
 
 TRAIN = ["--steps", "4", "--ckpt-interval", "2", "--global-batch", "4", "--seq-len", "32", "--warmup", "1"]
 TRAIN += ["--no-progress", "--no-tensorboard"]
@@ -142,10 +151,62 @@ def _row18_case(d: Path) -> tuple[int, str, list[str], list[str]]:
     return (18, "dcp_path_outside", [*argv, "--resume"], [str(step / ".metadata")])
 
 
+def round2_cases(d: Path, train: bool) -> list[tuple[int, str, list[str], list[str]]]:
+    """``(50, name, argv, files)`` of issue 50's reproductions at full size; with ``train`` also the resumes."""
+    out = []
+    for case in [*_hostile2.gap_files(d), *_hostile2.gap_sizes(d), *_hostile2.compare_files(d)]:
+        out.append((50, case.name, case.argv, [a for a in case.argv[1:] if os.path.exists(a)]))
+    if not train:
+        return out
+    base = d / "base50"
+    code, *_ = run(["train", *TRAIN, "--dump-samples", "--out", str(base)], timeout=900)
+    assert code == 0, "the base run failed"
+
+    def copy(name: str) -> Path:
+        return Path(shutil.copytree(base, d / name, symlinks=True))
+
+    for name in ("fifo", "dev_zero", "sparse_1GiB"):
+        rank0 = copy(f"dump_{name}") / "samples" / "samples_rank0.bin"
+        rank0.unlink()
+        if name == "fifo":
+            os.mkfifo(rank0)
+        elif name == "dev_zero":
+            rank0.symlink_to("/dev/zero")
+        else:
+            with open(rank0, "wb") as f:
+                f.truncate(2**30)
+        out.append(
+            (
+                50,
+                f"resume_dump_{name}",
+                ["train", *TRAIN, "--dump-samples", "--out", str(rank0.parents[1]), "--resume"],
+                [],
+            )
+        )
+    for name, text in _hostile2.config_values(base):
+        run_dir = copy(f"decay_{name}")
+        _hostile2.set_saved(run_dir / "config.json", "decay_steps", text)
+        out.append((50, f"saved_decay_steps_{name}", ["train", *TRAIN, "--out", str(run_dir), "--resume"], []))
+    run_dir = copy("damaged_pt")
+    newest = run_dir / "checkpoints" / "step_00000004.pt"
+    newest.write_bytes(b"\x5a" * newest.stat().st_size)
+    out.append((50, "damaged_single_file", ["train", *TRAIN, "--out", str(run_dir), "--resume"], []))
+    sharded = d / "S"
+    argv = ["train", "--steps", "2", "--ckpt-interval", "1", "--global-batch", "4", "--seq-len", "32", "--warmup", "1"]
+    argv += ["--no-tensorboard", "--no-progress", "--dp", "2", "--out", str(sharded)]
+    code, *_ = run(argv, timeout=900)
+    assert code == 0, "the 2-rank base run failed"
+    shard = sharded / "checkpoints" / "step_00000002" / "__0_0.distcp"
+    shard.write_bytes(b"\x5a" * shard.stat().st_size)
+    out.append((50, "damaged_shard_dp2", [*argv, "--resume"], [str(shard)]))
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1-12", help="log rows to run, e.g. 1-12 or 4,12 (default 1-12)")
     p.add_argument("--no-train", action="store_true", help="skip rows 13-20 (they import torch and train once)")
+    p.add_argument("--round", type=int, default=1, choices=(1, 2), help="2: the reproductions of issue 50")
     args = p.parse_args()
     rows: list[int] = []
     for part in args.rows.split(","):
@@ -157,10 +218,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         measured: list[tuple[int, str, list[str], list[str]]] = []
+        if args.round == 2:
+            rows, measured = [], round2_cases(d, not args.no_train)
         for row in rows:
             for case in _hostile.ROWS[row](d):
                 measured.append((row, case.name, ["compare", *case.argv], case.argv))
-        if not args.no_train:
+        if not args.no_train and args.round == 1:
             measured += train_cases(d)
         for row, name, argv, files in measured:
             code, lines, seconds, rss = run(argv)

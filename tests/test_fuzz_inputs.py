@@ -65,3 +65,44 @@ def test_fuzz_run_folder_loader(tmp_path):
 
     load()
     assert not escapes, "\n".join(escapes[:10])
+
+
+# ---------------------------------------------------------------------------------------------- issue 50
+@pytest.mark.parametrize("engine", ["dump", "gap"])
+def test_fuzz_sample_dumps_and_gap(tmp_path, engine):
+    """Mutations of a 2-rank dump, its description, an ``.npz`` (and, for ``gap``, the run's ``metrics.jsonl``):
+    reading and truncating end in a result or ``SampleDumpError`` naming a file; ``gap`` exits 0, 1 or 2 with
+    one line naming a file (``tests/_fuzz_dumps.py``)."""
+    import _fuzz_dumps
+
+    base = tmp_path / "base"
+    _fuzz_dumps.make_dump_folder(base)
+    check = _fuzz_dumps.fuzz_dump if engine == "dump" else _fuzz_dumps.fuzz_gap
+    files = _fuzz_dumps.DUMP_FILES if engine == "dump" else _fuzz_dumps.GAP_FILES
+    assert check(base, tmp_path / "work", files[0], []) is None  # the intact dump passes
+    escapes: list[str] = []
+
+    @settings(max_examples=150 if engine == "dump" else 100, **_SETTINGS)
+    @given(st.sampled_from(files), _MUTATIONS)
+    def load(name: str, mutations: list) -> None:
+        escape = check(base, tmp_path / "work", name, mutations)
+        if escape is not None:
+            escapes.append(f"{name} {mutations}: {escape}")
+
+    load()
+    assert not escapes, "\n".join(escapes[:10])
+
+
+def test_fuzz_sharded_checkpoints():
+    """40 mutations of the newest of two DCP checkpoints (``.metadata``, a shard, ``extra_rank0.pt``), each
+    loaded in a one-rank gloo group on 127.0.0.1 (in a subprocess of ``scripts/fuzz_inputs.py``, so the
+    process group never outlives it): every load ends with one of the two checkpoints."""
+    import subprocess
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "fuzz_inputs.py"
+    argv = [sys.executable, str(script), "--engines", "sharded", "--count", "40", "--seconds", "240", "--seed", "0"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "inputs tried: 40 (40 sharded)" in out.stdout, (
+        out.stdout[-3000:] + out.stderr[-3000:]
+    )
+    assert "escapes: 0" in out.stdout

@@ -18,7 +18,9 @@ from lossparity.parity.gap import (
     NOT_COMPUTABLE,
     bootstrap_gaps,
     compute_gap,
+    covariance_gap,
     format_table,
+    step_mode_values,
     summarize,
 )
 from lossparity.parity.sample_dump import (
@@ -157,7 +159,8 @@ def test_gap_fails_naming_the_missing_steps(tmp_path: Path, capsys: pytest.Captu
     assert "MISSING STEPS: the dump lacks step(s) 3-4, 6-7" in captured.out
     assert "lacks step(s) 3-4, 6-7" in captured.err
     assert run_gap(_parse([str(run), "--bootstrap", "0", "--json"])) == 1
-    assert json.loads(capsys.readouterr().out)["missing_steps"] == [3, 4, 6, 7]
+    report = json.loads(capsys.readouterr().out)
+    assert report["missing_steps"] == [[3, 4], [6, 7]] and report["missing_step_count"] == 4
     (run / "metrics.jsonl").unlink()
     _write_records(d / "samples_rank0.bin", [(st, 0, 2, 1.0) for st in (1, 2, 3)])
     assert run_gap(_parse([str(run), "--bootstrap", "0"])) == 0
@@ -339,3 +342,33 @@ def test_cli_table_json_plot_and_errors(tmp_path: Path, capsys: pytest.CaptureFi
     assert "--bootstrap > 0" in capsys.readouterr().err
     assert run_gap(_parse([str(d), "--compare-drift", str(a), str(b), "--drift-metric", "lm_loss"])) == 2
     assert "no 'lm_loss' values" in capsys.readouterr().err
+
+
+def test_batched_steps_equal_the_per_step_functions() -> None:
+    """compute_gap works on blocks of steps with one sample count ([G, N] arrays): every value equals the
+    per-step functions (step_mode_values, covariance_gap), for steps of several sizes; the replicates of a
+    block are the naive resampling of indices drawn in one call for the block."""
+    rng = np.random.default_rng(3)
+    dump = {}
+    for step, size in enumerate([4, 4, 6, 6, 6, 4, 2], start=1):
+        n = rng.integers(0, 9, size).astype(np.float64)
+        dump[step] = (np.arange(size), n, rng.random(size) * n)
+    rep = compute_gap(dump, microbatch_size=2, fixed_length=8, bootstrap=30, seed=5)
+    for st in rep.steps:
+        _, n, s = dump[st.step]
+        want = step_mode_values(n, s, microbatch_size=2, fixed_length=8)
+        for mode, value in want.items():
+            assert getattr(st, mode) == pytest.approx(value, rel=1e-14, abs=1e-15), (st.step, mode)
+        cov, mean_n, cov_term = covariance_gap(n, s)
+        assert (st.cov, st.mean_count, st.cov_term) == pytest.approx((cov, mean_n, cov_term), rel=1e-14, abs=1e-15)
+    draws = np.random.default_rng(5)
+    for first, last in ((1, 2), (3, 5), (6, 6), (7, 7)):  # the blocks: consecutive steps of one size
+        steps = list(range(first, last + 1))
+        size = dump[first][1].size
+        idx = draws.integers(0, size, size=(len(steps), 30, size))
+        for g, step in enumerate(steps):
+            _, n, s = dump[step]
+            for r in range(30):
+                nn, ss = n[idx[g, r]], s[idx[g, r]]
+                naive = ss.sum() / max(nn.sum(), 1) - np.mean([si / max(ni, 1) for si, ni in zip(ss, nn)])
+                assert abs(rep.replicates[step - 1, r] - naive) <= 1e-12

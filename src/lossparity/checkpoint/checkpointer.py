@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from ..atomic_io import atomic_write, atomic_write_bytes
 from ..notes import Notify, warn_note
-from .folder import load_newest_intact, rotate_checkpoints, sharded_checkpoint_intact
+from .folder import load_failure, load_newest_intact, rotate_checkpoints, sharded_checkpoint_intact
 from .format import (
     FORMAT,
     VERSION,
@@ -250,6 +250,7 @@ def load_sharded_latest(
     decision (a checkpoint any rank finds invalid is skipped by all, with a note through ``notify``); ``loaded``
     is called with the path of the checkpoint read."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from .safe_dcp import SafeFileSystemReader
@@ -260,11 +261,22 @@ def load_sharded_latest(
         target: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     else:
         target = state
-    found = load_newest_intact(directory, lambda p: (p, _agree(lambda: _check_sharded(p, target))), notify, loaded)
+
+    def load(path: str) -> dict[str, Any]:
+        extra = _agree(lambda: _check_sharded(path, target))
+        try:
+            # collective: every rank's read failure is gathered, and every rank raises the same exception
+            dcp.load(target, storage_reader=SafeFileSystemReader(path))
+        except CheckpointException as e:  # a BaseException: load_newest_intact would not catch it
+            # a shard whose bytes do not load (damaged in place, same size): skipped like a damaged file by
+            # every rank together; the fallback's load rewrites every entry (check_metadata: all are there)
+            raise CheckpointFormatError(f"{path}: its data does not load ({load_failure(e)})") from None
+        return extra
+
+    found = load_newest_intact(directory, load, notify, loaded)
     if found is None:
         return None
-    path, extra = found[1]
-    dcp.load(target, storage_reader=SafeFileSystemReader(path))
+    extra = found[1]
     if state is None:
         set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"])  # type: ignore[arg-type]
     return extra

@@ -26,11 +26,37 @@ __all__ = [
     "rotate_checkpoints",
     "load_newest_intact",
     "sharded_checkpoint_intact",
+    "load_failure",
 ]
 
 _CHECKPOINT_RE = re.compile(r"^step_(\d{1,18})(\.pt)?$")  # a longer number is no step of a run
 _LATEST_MAX_BYTES = 4096
 T = TypeVar("T")
+
+
+# sentences of torch's load errors that advise turning the weights-only protection off, or filing an issue
+_TORCH_ADVICE = ("weights_only", "Weights only load failed", "documentation of torch.load", "Please file an issue")
+
+
+def load_failure(e: BaseException) -> str:
+    """One line ``"<type>: <what failed>"`` for an exception of a checkpoint load, without torch's advice to
+    re-run ``torch.load`` with ``weights_only=False`` (never advice to give a file from elsewhere): only
+    the cause torch names after ``WeightsUnpickler error:``, at most 2,000 characters. A failure of
+    ``torch.distributed.checkpoint`` (its ``CheckpointException`` holds every failing rank's exception and
+    traceback) is said by the first failing rank's exception, ``"rank <r>: <type>: <what failed>"``."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner = failures[rank][0] if isinstance(failures[rank], tuple) and failures[rank] else failures[rank]
+        if isinstance(inner, BaseException):
+            return f"rank {rank}: {load_failure(inner)}"
+    text = str(e)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    kept = [ln for ln in text.splitlines() if ln.strip() and not any(a in ln for a in _TORCH_ADVICE)]
+    why = " ".join(" ".join(kept).split())
+    why = why if len(why) <= 2000 else why[:1997] + "..."
+    return f"{type(e).__name__}: {why}" if why else type(e).__name__
 
 
 class RunDirError(ValueError):
@@ -109,12 +135,11 @@ def load_newest_intact(
         try:
             value = load(path)
         except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back to the previous one
-            why = " ".join(str(e).removeprefix(f"{path}: ").split())  # the path is named once, on one line
-            errors.append(f"{name}: {type(e).__name__}: {why}")
+            # the path is named once, on one line, without torch's advice to load with weights_only=False
+            why = load_failure(e).replace(f": {path}: ", ": ", 1)
+            errors.append(f"{name}: {why}")
             if i + 1 < len(found):  # the last one's failure is said once, by the error below
-                notify(
-                    f"checkpoint {path} cannot be read ({type(e).__name__}: {why}); falling back to the previous one"
-                )
+                notify(f"checkpoint {path} cannot be read ({why}); falling back to the previous one")
             continue
         if loaded is not None:
             loaded(path)

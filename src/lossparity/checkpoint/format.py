@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ..input_files import open_regular
+from .folder import load_failure
 
 __all__ = [
     "FORMAT",
@@ -82,18 +83,30 @@ def _no_extra_safe_globals() -> Iterator[None]:
 def load_weights_only(path: str) -> Any:
     """``torch.load(path, map_location="cpu", weights_only=True)``; a file that needs more than tensors and
     plain values (an unpickled object would run code) raises :class:`CheckpointFormatError` with the way
-    to convert a trusted file of format 1."""
+    to convert a trusted file of format 1; a file that is no checkpoint at all (damaged bytes) raises
+    :class:`CheckpointFormatError` saying what torch found, without torch's advice to disable
+    ``weights_only``."""
     try:
         # a regular file only: a FIFO named step_<n>.pt would block the load, a device never end it
         with open_regular(path, "a checkpoint file (a regular file)") as f, _no_extra_safe_globals():
             return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        # torch's message names the refused global (e.g. "Unsupported global: GLOBAL posix.system")
-        what = next((ln.strip() for ln in str(e).splitlines() if "global" in ln.lower()), "refused by weights_only")
+        # torch's message names a refused global (e.g. "Unsupported global: GLOBAL posix.system"): pickled
+        # objects; without one, the bytes are no pickle torch can read (a damaged file)
+        what = next((ln.strip() for ln in str(e).splitlines() if "global" in ln.lower()), None)
+        if what is not None:
+            what = what.split("WeightsUnpickler error:")[-1].strip()
+        if what is None:
+            raise CheckpointFormatError(f"{path}: damaged, not a checkpoint ({load_failure(e)}); not loaded") from None
         raise CheckpointFormatError(
             f"{path}: holds pickled Python objects, not only tensors and plain values ({what}); not loaded "
             f"(a checkpoint of an earlier lossparity, or a crafted file): {CONVERT_HINT.format(path=path)}"
         ) from None
+    except (RuntimeError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        if isinstance(e, CheckpointFormatError):
+            raise
+        # zip framing, storage sizes, record names: torch's words, one line, never its weights_only advice
+        raise CheckpointFormatError(f"{path}: damaged, not a checkpoint ({load_failure(e)}); not loaded") from None
 
 
 # ---------------------------------------------------------------------------------------------- RNG

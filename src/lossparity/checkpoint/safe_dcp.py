@@ -11,8 +11,10 @@ present as a tensor of the same global shape) before any rank reads data.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
+import struct
 from typing import Any
 
 import torch
@@ -21,7 +23,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from ..input_files import InputFileError, open_regular
+from ..input_files import InputFileError, read_capped
 from .format import CheckpointFormatError
 
 __all__ = ["SafeFileSystemReader", "check_metadata", "check_storage_paths", "read_metadata_safely"]
@@ -47,8 +49,10 @@ _ALLOWED = {
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only the classes a DCP ``.metadata`` is made of; anything else raises."""
+class _MetadataUnpickler(pickle._Unpickler):
+    """Builds only the classes a DCP ``.metadata`` is made of; anything else raises. The pure-Python unpickler:
+    its memo is a dict, where the C one sizes an array by the largest memo index a pickle names (a damaged
+    ``LONG_BINPUT`` of index 2**32 allocated gigabytes)."""
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
@@ -71,12 +75,24 @@ def read_metadata_safely(path: str) -> dcp_metadata.Metadata:
     :class:`CheckpointFormatError` when it needs anything beyond the metadata classes or is not one."""
     meta_path = f"{path}/.metadata"
     try:
-        with open_regular(meta_path, "a checkpoint metadata file (a regular file)") as f:
-            meta = _MetadataUnpickler(f).load()
+        # unpickled from memory: a frame or string length in the pickle bounded by the bytes there (read
+        # from the file, a crafted 2**60-byte frame made the unpickler allocate until the memory ran out)
+        data = read_capped(meta_path, None, "a checkpoint metadata file (a regular file)")
+        meta = _MetadataUnpickler(io.BytesIO(data)).load()
     except InputFileError as e:
         raise CheckpointFormatError(str(e)) from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError, KeyError) as e:
-        raise CheckpointFormatError(f"{meta_path}: not a checkpoint metadata file ({e}); not loaded") from None
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        AttributeError,
+        TypeError,
+        ValueError,
+        IndexError,
+        KeyError,
+        struct.error,
+    ) as e:
+        why = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        raise CheckpointFormatError(f"{meta_path}: not a checkpoint metadata file ({why}); not loaded") from None
     if not isinstance(meta, dcp_metadata.Metadata) or not isinstance(meta.state_dict_metadata, dict):
         raise CheckpointFormatError(f"{meta_path}: not a checkpoint metadata object ({type(meta).__name__})")
     check_storage_paths(meta, path)

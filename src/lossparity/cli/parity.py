@@ -325,7 +325,7 @@ def add_gap_arguments(parser: argparse.ArgumentParser) -> None:
         help="L for sample_sum_norm (default: the dump's fixed_length, else its seq_len)",
     )
     parser.add_argument("--bootstrap", type=_non_negative_int, default=1000, help="bootstrap replicates (0: none)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the bootstrap's numpy Generator")
+    parser.add_argument("--seed", type=_non_negative_int, default=0, help="seed of the bootstrap's numpy Generator")
     parser.add_argument("--ci", type=_probability, default=0.95, help="confidence level of the intervals")
     parser.add_argument("--every", type=positive_int, default=1, help="summarize blocks of K steps")
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
@@ -347,15 +347,17 @@ def add_gap_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _run_log_steps(dump_dir: str) -> list[int]:
-    """Steps of the run's ``metrics.jsonl`` next to a dump directory (``RUN/samples`` -> ``RUN``), if any."""
+def _run_log_last_step(dump_dir: str) -> int | None:
+    """The last step of the run's ``metrics.jsonl`` next to a dump directory (``RUN/samples`` -> ``RUN``), if
+    any (read with the log readers' bounds; a step is below 2**53)."""
     from ..parity.readers import read_log
 
     for d in (os.path.dirname(os.path.abspath(dump_dir)), dump_dir):
         log = os.path.join(d, "metrics.jsonl")
-        if os.path.isfile(log):
-            return read_log(log, fmt="jsonl").steps()
-    return []
+        if os.path.lexists(log):
+            run = read_log(log, fmt="jsonl")
+            return max((s for series in run.metrics.values() for s in series.keys()), default=None)
+    return None
 
 
 def _gap_report(args: argparse.Namespace) -> GapReport:
@@ -364,7 +366,7 @@ def _gap_report(args: argparse.Namespace) -> GapReport:
     from ..parity.sample_dump import find_dump, read_sample_dump, read_sample_meta
 
     path = find_dump(args.source)
-    meta = read_sample_meta(path)
+    meta = read_sample_meta(path)  # its numbers checked: integers below 2**53, sizes >= 1
     notes: list[str] = []
     samples = read_sample_dump(path, notes)
     m = meta or {}
@@ -372,8 +374,8 @@ def _gap_report(args: argparse.Namespace) -> GapReport:
     L = args.fixed_length if args.fixed_length is not None else (m.get("fixed_length") or m.get("seq_len"))
     report = compute_gap(
         samples,
-        microbatch_size=int(b) if b else None,
-        fixed_length=int(L) if L else None,
+        microbatch_size=b,
+        fixed_length=L,
         bootstrap=args.bootstrap,
         seed=args.seed,
         ci=args.ci,
@@ -381,9 +383,10 @@ def _gap_report(args: argparse.Namespace) -> GapReport:
         meta=meta,
     )
     report.notes[:0] = notes
-    last = max([*samples, *(_run_log_steps(path) if not path.endswith(".npz") else [])])
-    first = int(m["step_base"]) if m.get("step_base") is not None else min(samples)
-    report.missing = missing_steps(samples, first, last)
+    log_last = None if path.endswith(".npz") else _run_log_last_step(path)
+    last = max(max(samples), log_last if log_last is not None else -(2**53))
+    first = m["step_base"] if m.get("step_base") is not None else min(samples)
+    report.missing = missing_steps(samples, first, last)  # ranges: never the steps of a huge gap one by one
     if args.compare_drift:
         a_log, b_log = args.compare_drift
         run_a, run_b = read_log(a_log, fmt=args.log_format), read_log(b_log, fmt=args.log_format)
@@ -399,8 +402,7 @@ def cmd_gap(args: argparse.Namespace) -> int:
     the run's ``metrics.jsonl``; the message names the missing ranges) or the drift is not explained;
     2 = bad input (no or unreadable dump, unreadable log, bad option).
     """
-    from ..parity.compare import step_ranges
-    from ..parity.gap import format_table, plot_gap
+    from ..parity.gap import format_ranges, format_table, missing_count, plot_gap
 
     if args.compare_drift and args.bootstrap == 0:
         return _error(
@@ -418,7 +420,8 @@ def cmd_gap(args: argparse.Namespace) -> int:
     print(json.dumps(report.to_dict(args.every), indent=2) if args.json else format_table(report, args.every))
     if report.missing:
         print(
-            f"lossparity gap: error: the dump lacks step(s) {step_ranges(report.missing)} (a crash lost them, or "
+            f"lossparity gap: error: the dump lacks step(s) {format_ranges(report.missing)} "
+            f"({missing_count(report.missing)} in all: a crash lost them, or "
             "the dump was not written for every step): the report covers only the steps present",
             file=sys.stderr,
         )

@@ -93,7 +93,7 @@ def _megatron_record(path: str, ln: int, text: str, rec: Recorder) -> None:
             if count is None:
                 raise LogParseError(path, ln, f"a number for {key!r}, got {text_value.strip()!r}")
             if count > 0:
-                rec.skipped_steps.add(step)
+                rec.skip_step(step)
             continue
         _put_field(rec, path, ln, step, key, text_value)
 
@@ -300,7 +300,7 @@ def read_mindformers(path: str, rec: Recorder) -> None:
                 if text not in ("True", "False"):
                     raise LogParseError(path, ln, f"True or False for 'overflow cond', got {text!r}")
                 if text == "True":
-                    rec.skipped_steps.add(step)
+                    rec.skip_step(step)
                 continue
             _put_field(rec, path, ln, step, key, text)
 

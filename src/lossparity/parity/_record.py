@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from bisect import insort
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -30,10 +31,15 @@ __all__ = [
     "input_error",
     "lines",
     "SAMPLES_KEYS",
+    "MAX_SERIES",
     "Series",
 ]
 
 SAMPLES_KEYS = ("consumed_samples", "consumed samples")
+MAX_SERIES = 10_000
+"""Most metrics one log holds: each is a series of its own (a few hundred bytes even when it holds one value),
+so a log that names new keys on every line would otherwise grow without bound; real logs have tens to a few
+thousand (a W&B export)."""
 
 
 _MAX_MESSAGE = 600
@@ -104,8 +110,26 @@ class Run:
 # recording (name mapping, restart rule)
 
 
+class _Segment:
+    """The records read since one restart: the first ``lo`` and last ``hi`` step read, and the names of the
+    series written (each once). Segments follow each other in increasing, disjoint step ranges, so a restart at
+    step ``s`` touches only the segments whose steps reach ``s`` and, in them, only the series written there."""
+
+    __slots__ = ("lo", "hi", "names", "ordered")
+
+    def __init__(self, lo: int) -> None:
+        self.lo = self.hi = lo
+        self.names: list[str] = []
+        self.ordered = False  # names sorted by their series' last step (done once the segment is closed)
+
+
 class Recorder:
-    """Collects values for one run and applies the name map and the restart rule."""
+    """Collects values for one run and applies the name map and the restart rule.
+
+    A restart (a step below the last one read, :meth:`begin`) drops every value at or after that step; it
+    visits only the series written at those steps (:class:`_Segment`), never every series the log created, so
+    a log that restarts often costs what the dropped values cost. A log of more than :data:`MAX_SERIES`
+    metrics is an error naming it."""
 
     def __init__(self, path: str, fmt: str, name_map: Mapping[str, str] | None, step_base: int = 1):
         self.path, self.fmt, self.name_map = path, fmt, name_map
@@ -124,13 +148,18 @@ class Recorder:
         self.unreadable: dict[str, tuple[str, int]] = {}  # name -> (first "line N: 'raw: text'", count)
         self._canonical: dict[str, str | None] = {}  # canonical_name of each raw name seen (called per value)
         self.generation = 0  # bumped when a metric is renamed (an alias met its canonical name): caches expire
+        self._segments: list[_Segment] = []
+        self._stamp: dict[str, _Segment] = {}  # the segment each series was last registered in
+        self._max_skipped: int | None = None
 
     def canonical(self, raw: str) -> str | None:
         """:func:`~.names.canonical_name` of ``raw`` with this log's name map (computed once per raw name)."""
         try:
             return self._canonical[raw]
         except KeyError:
-            name = self._canonical[raw] = canonical_name(raw, self.name_map)
+            name = canonical_name(raw, self.name_map)
+            if len(self._canonical) < 2 * MAX_SERIES:  # names dropped by a name map are no series: bounded here
+                self._canonical[raw] = name
             return name
 
     def note(self, text: str) -> None:
@@ -160,14 +189,60 @@ class Recorder:
         self.unreadable[name] = (first, count + 1)
 
     def begin(self, step: int) -> None:
-        """Start a record at ``step``; a step below the last one read is a restart."""
+        """Start a record at ``step``; a step below the last one read is a restart: the values at ``step`` and
+        after are dropped from every series (visiting only the series written at those steps)."""
         if self._last_step is not None and step < self._last_step:
             self.restarts += 1
-            for values in self.metrics.values():
-                self.dropped += values.drop_from(step)
+            self._restart(step)
             self.samples.drop_from(step)
-            self.skipped_steps = {s for s in self.skipped_steps if s < step}
+            if self._max_skipped is not None and self._max_skipped >= step:
+                self.skipped_steps = {s for s in self.skipped_steps if s < step}
+                self._max_skipped = max(self.skipped_steps, default=None)
+        if not self._segments or (self._last_step is not None and step < self._last_step):
+            self._segments.append(_Segment(step))
+        self._segments[-1].hi = step
         self._last_step = step
+
+    def skip_step(self, step: int) -> None:
+        """List ``step`` in ``Run.skipped_steps`` (the log flags it skipped, NaN or an overflow)."""
+        self.skipped_steps.add(step)
+        if self._max_skipped is None or step > self._max_skipped:
+            self._max_skipped = step
+
+    def _restart(self, step: int) -> None:
+        """Drop the values at ``step`` and after: whole segments that start there or later, and in the one
+        segment that straddles ``step`` the series whose last step reaches it (its names are kept sorted by
+        their series' last step, so only those are visited)."""
+        segments = self._segments
+        while segments and segments[-1].lo >= step:
+            gone = segments.pop()
+            for name in gone.names:
+                values = self.metrics.get(name)
+                if values is not None:
+                    self.dropped += values.drop_from(step)
+            gone.names = []  # stale stamps may still point at it
+        if not segments or segments[-1].hi < step:
+            return
+        seg = segments[-1]
+        seg.hi = step - 1
+        if not seg.ordered:  # once per segment: sorted by last step, the series a restart reaches are a suffix
+            seg.names.sort(key=self._last_of)
+            seg.ordered = True
+        moved = []
+        while seg.names and self._last_of(seg.names[-1]) >= step:
+            name = seg.names.pop()
+            self.dropped += self.metrics[name].drop_from(step)
+            moved.append(name)
+        for name in moved:  # still written in this segment: back in its place among the others
+            if self._last_of(name) >= seg.lo:
+                insort(seg.names, name, key=self._last_of)
+            elif self._stamp.get(name) is seg:
+                del self._stamp[name]
+
+    def _last_of(self, name: str) -> int:
+        values = self.metrics.get(name)
+        steps = values.arrays()[0] if values is not None else None
+        return steps[-1] if steps else -MAX_STEP
 
     def name(self, raw: str, line: int | None = None) -> str | None:
         """Canonical name of ``raw`` (``None``: dropped by the name map); two raw names for one metric raise."""
@@ -183,6 +258,10 @@ class Recorder:
             if prev == alias:  # the alias came first: its values move to its own name
                 self.metrics[alias] = self.metrics.pop(name, Series())
                 self.generation += 1  # names cached by readers are stale
+                for seg in self._segments:  # once per log: the segments follow the series to its new name
+                    seg.names = [alias if n == name else n for n in seg.names]
+                if name in self._stamp:
+                    self._stamp[alias] = self._stamp.pop(name)
                 self.raw_names[name] = name
             self.raw_names[alias] = alias
             return raw
@@ -201,13 +280,26 @@ class Recorder:
             return
         name = self.name(raw, line)
         if name is not None:
-            self.series(name)[step] = value
+            self.series(name, line)[step] = value
 
-    def series(self, name: str) -> Series:
-        """The series of the canonical ``name`` (created empty on first use)."""
+    def series(self, name: str, line: int | None = None) -> Series:
+        """The series of the canonical ``name`` (created empty on first use: more than :data:`MAX_SERIES` is a
+        :class:`LogParseError` naming the file and ``line``), registered as written in the current record."""
         values = self.metrics.get(name)
         if values is None:
+            if len(self.metrics) >= MAX_SERIES:
+                raise LogParseError(
+                    self.path,
+                    line,
+                    f"at most {MAX_SERIES} metrics in one log, got a new one, {name[:80]!r} (a log that names new keys "
+                    "on every line is no training log)",
+                )
             values = self.metrics[name] = Series()
+        if self._segments:
+            seg = self._segments[-1]
+            if self._stamp.get(name) is not seg:
+                self._stamp[name] = seg
+                seg.names.append(name)
         return values
 
     def put_ordered(self, raw: str, step: int, value: float, line: int | None = None) -> None:
@@ -216,7 +308,7 @@ class Recorder:
         name = SAMPLES_KEYS[0] if is_samples else self.name(raw, line)
         if name is None:
             return
-        values = self.samples if is_samples else self.series(name)
+        values = self.samples if is_samples else self.series(name, line)
         last = self._last_by_metric.get(name)
         if last is not None and step < last:
             self.restarts += 1

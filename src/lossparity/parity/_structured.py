@@ -17,6 +17,7 @@ from typing import Any
 
 from ..input_files import MAX_STEP, InputFileError, loads_json, open_regular, read_capped
 from ._record import (
+    MAX_SERIES,
     SAMPLES_KEYS,
     LogParseError,
     Recorder,
@@ -122,6 +123,8 @@ def _read_json_lines(path: str, rec: Recorder, step_key: str) -> None:
         keys = tuple(obj)
         plan = plans.get(keys)
         if plan is None:
+            if len(plans) >= 4096:  # new keys on every line: plans are a cache (a real log has a few key sets)
+                plans = {}
             if any(k.startswith(MAXTEXT_KEY_PREFIXES) for k in keys):
                 rec.step_base = 0
             long_key = "metric" if "metric" in obj else "name" if "name" in obj else None
@@ -143,7 +146,7 @@ def _read_json_lines(path: str, rec: Recorder, step_key: str) -> None:
                 name = entry[1] = _SAMPLES if key in SAMPLES_KEYS else rec.name(key, ln)
             if name is None:
                 continue
-            (rec.samples if name is _SAMPLES else rec.series(name))[step] = value
+            (rec.samples if name is _SAMPLES else rec.series(name, ln))[step] = value
 
 
 def _put_long_form(path: str, rec: Recorder, obj: dict[str, object], long_key: str, step: int, ln: int) -> None:
@@ -175,9 +178,6 @@ def read_llamafactory(path: str, rec: Recorder) -> None:
 # preferred first: an optimizer step written by the trainer, then generic names, then W&B's own counter
 CSV_STEP_COLUMNS = ("train/global_step", "trainer/global_step", "global_step", "step", "iteration", "_step")
 _WANDB_STEP_HEADERS = ("Step", "_step")
-# refused before the rows are read: a column costs a series (~300 bytes even for one value), real W&B
-# exports have hundreds to a few thousand columns, a crafted 1,000,000-column header would cost ~1 GB
-MAX_CSV_COLUMNS = 100_000
 
 
 def _csv_columns(header: list[str], step_col: int) -> dict[int, str]:
@@ -259,8 +259,8 @@ def _read_csv_table(path: str, reader: Any, rec: Recorder) -> None:
     header = next(reader, None)
     if header is None:
         raise LogParseError(path, 1, "a CSV header row")
-    if len(header) > MAX_CSV_COLUMNS:
-        raise LogParseError(path, 1, f"at most {MAX_CSV_COLUMNS} columns, got {len(header)}")
+    if len(header) > MAX_SERIES + 1:  # refused before the rows: the step, then at most MAX_SERIES series
+        raise LogParseError(path, 1, f"at most {MAX_SERIES + 1} columns, got {len(header)}")
     lowered = [h.strip().lower() for h in header]
     step_col = next((lowered.index(c) for c in CSV_STEP_COLUMNS if c in lowered), None)
     if step_col is None:
@@ -412,7 +412,7 @@ def read_hf_trainer_state(path: str, rec: Recorder) -> None:
 # TensorBoard
 
 _TB_SAMPLES_SUFFIX = " vs samples"
-_TB_EVENTS_RE = re.compile(r"tfevents\.(\d+)")
+_TB_EVENTS_RE = re.compile(r"tfevents\.(\d{1,18})")  # a timestamp; never int() of 5,000 digits
 
 
 def event_files(path: str) -> list[str]:

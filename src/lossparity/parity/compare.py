@@ -57,6 +57,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ..input_files import MAX_STEP
 from ..options import ALIGNS, MISSING_STEPS, Align, MissingSteps, check_option
 from ._series import Series
 from .compare_result import CompareResult, MetricResult, describe_points, step_ranges
@@ -358,6 +359,24 @@ def _check_samples(ref: Run, cand: Run) -> None:
             )
 
 
+def _check_step_bases(ref: Run, cand: Run) -> None:
+    """The two step bases as a pair: the candidate's steps moved onto the reference's numbering (``step +
+    ref.step_base - cand.step_base``) stay exact (``|x| < 2**53``), or the comparison is refused naming both
+    logs and bases (two bases accepted one by one may still be ``2**54`` apart)."""
+    offset = ref.step_base - cand.step_base
+    ends = [x for series in cand.metrics.values() if series for x in _first_last(series)]
+    if abs(offset) >= MAX_STEP or any(abs(x + offset) >= MAX_STEP for x in ends):
+        raise CompareInputError(
+            f"step bases {ref.step_base} ({ref.source}) and {cand.step_base} ({cand.source}) move the candidate's "
+            f"steps by {offset}, beyond the exact steps (|step| < 2**53); check --ref-step-base/--cand-step-base"
+        )
+
+
+def _first_last(series: Series) -> tuple[int, int]:
+    steps = series.arrays()[0] if isinstance(series, Series) else sorted(series)
+    return steps[0], steps[-1]
+
+
 def compare_runs(
     ref: Run,
     cand: Run,
@@ -381,6 +400,8 @@ def compare_runs(
     shared metric, no overlapping steps, or ``align="samples"`` without consumed samples.
     """
     window = _check_arguments(align, smooth, window, missing_steps)
+    if align == "step":
+        _check_step_bases(ref, cand)
     try:
         overrides = _normalize_tolerances(tolerances)
     except ValueError as e:

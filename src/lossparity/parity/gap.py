@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 
 from ..losses.mode_table import mode_spec, reduce_units
-from .compare import step_ranges
+from ._gap_batch import block_values, bootstrap_block, quantile_rows, step_blocks, value_at
+from ._gap_plot import plot_gap
 from .sample_dump import StepSamples
 
 __all__ = [
@@ -48,6 +49,9 @@ __all__ = [
     "compute_gap",
     "covariance_gap",
     "format_table",
+    "MAX_BOOTSTRAP_VALUES",
+    "format_ranges",
+    "missing_count",
     "missing_steps",
     "plot_gap",
     "step_mode_values",
@@ -61,6 +65,8 @@ NOT_COMPUTABLE = {
 _MODE_COLUMNS = ("per_token", "per_sample", "per_microbatch", "sample_sum", "sample_sum_norm")
 _VALUE_COLUMNS = (*_MODE_COLUMNS, "gap", "cov_term")
 _BOOTSTRAP_CHUNK = 2_000_000  # resampled indices held at once (B_chunk · N)
+MAX_BOOTSTRAP_VALUES = 1 << 25
+"""Most bootstrap replicates held (steps x replicates: 33,554,432 float64 values, 256 MiB); more is refused."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -113,10 +119,32 @@ def covariance_gap(n: np.ndarray, s: np.ndarray) -> tuple[float, float, float]:
     return cov, mean_n, cov / mean_n if mean_n > 0 else 0.0
 
 
-def missing_steps(steps: Iterable[int], first: int, last: int) -> list[int]:
-    """The steps of ``first..last`` (inclusive) that ``steps`` lacks."""
-    have = set(steps)
-    return [st for st in range(first, last + 1) if st not in have]
+def missing_steps(steps: Iterable[int], first: int, last: int) -> list[tuple[int, int]]:
+    """The steps of ``first..last`` (inclusive) that ``steps`` lacks, as inclusive ``(lo, hi)`` ranges in
+    increasing order: cost and size follow the steps present, never the width of the range (a dump of steps
+    1 and 10**12 has one missing range)."""
+    have = sorted({st for st in steps if first <= st <= last})
+    out: list[tuple[int, int]] = []
+    prev = first - 1
+    for st in [*have, last + 1]:
+        if st > prev + 1:
+            out.append((prev + 1, st - 1))
+        prev = st
+    return out
+
+
+def missing_count(ranges: Sequence[tuple[int, int]]) -> int:
+    """How many steps the ranges of :func:`missing_steps` hold."""
+    return sum(hi - lo + 1 for lo, hi in ranges)
+
+
+def format_ranges(ranges: Sequence[tuple[int, int]], limit: int = 20) -> str:
+    """``"3-4, 6-7"``: the ranges of :func:`missing_steps`; more than ``limit`` are cut to the first ones,
+    ``... (k more)`` and the last one."""
+    parts = [f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in ranges]
+    if len(parts) > limit:
+        parts = [*parts[: limit - 1], f"... ({len(parts) - limit} more)", parts[-1]]
+    return ", ".join(parts) if parts else "-"
 
 
 def bootstrap_gaps(n: np.ndarray, s: np.ndarray, replicates: int, rng: np.random.Generator) -> np.ndarray:
@@ -232,14 +260,18 @@ class GapReport:
     notes: list[str] = field(default_factory=list)
     replicates: np.ndarray | None = None
     drift: DriftResult | None = None
-    missing: list[int] = field(default_factory=list)
+    missing: list[tuple[int, int]] = field(default_factory=list)
 
     def mean_interval(self, indices: list[int] | np.ndarray) -> tuple[float | None, float | None]:
         """Bootstrap interval of the mean gap over the steps at ``indices`` (stratified: each step
         resampled on its own, replicate ``r`` of the mean = mean of the steps' replicates ``r``)."""
         if self.replicates is None:
             return None, None
-        return _interval(self.replicates[np.asarray(indices, dtype=np.int64)].mean(axis=0), self.ci)
+        idx = np.asarray(indices, dtype=np.int64)
+        total = np.zeros(self.replicates.shape[1], dtype=np.float64)
+        for lo in range(0, idx.size, 256):  # a few rows at a time: never a copy of every replicate
+            total += self.replicates[idx[lo : lo + 256]].sum(axis=0)
+        return _interval(total / max(idx.size, 1), self.ci)
 
     def overall(self) -> dict[str, Any]:
         """Mean over all steps of the gap and the covariance term, the interval of the mean gap, and the
@@ -271,7 +303,8 @@ class GapReport:
             "overall": self.overall(),
             "not_computable": dict(NOT_COMPUTABLE),
             "notes": list(self.notes),
-            "missing_steps": list(self.missing),
+            "missing_steps": [list(r) for r in self.missing],
+            "missing_step_count": missing_count(self.missing),
             "compare_drift": self.drift.to_dict() if self.drift else None,
         }
 
@@ -289,6 +322,14 @@ def _check_gap_arguments(
         raise ValueError(f"fixed_length must be >= 1, got {fixed_length}")
     if not samples:
         raise ValueError("samples: the dump holds no step")
+    if any(np.asarray(v[1]).size == 0 for v in samples.values()):
+        raise ValueError("a step needs at least one sample")
+    if bootstrap * len(samples) > MAX_BOOTSTRAP_VALUES:
+        most = max(MAX_BOOTSTRAP_VALUES // len(samples), 1)
+        raise ValueError(
+            f"--bootstrap {bootstrap} over {len(samples)} steps would hold {bootstrap * len(samples)} replicates, more "
+            f"than the {MAX_BOOTSTRAP_VALUES} kept; use at most --bootstrap {most}"
+        )
 
 
 def compute_gap(
@@ -304,48 +345,58 @@ def compute_gap(
 ) -> GapReport:
     """Compute a :class:`GapReport` from ``{step: (rows, n, s)}`` (as :func:`read_sample_dump` returns).
 
-    Per step: :func:`step_mode_values`, the gap identity (``per_token − per_sample`` from the two means and
-    :func:`covariance_gap`, computed independently), and, with
-    ``bootstrap > 0``, :func:`bootstrap_gaps` with one ``numpy.random.default_rng(seed)`` drawn in step
-    order (so the result is a deterministic function of the seed). ``per_microbatch`` needs the rows of
-    a step to be exactly ``0..N-1``.
+    Per step: the values of :func:`step_mode_values`, the gap identity (``per_token − per_sample`` from the
+    two means and the covariance of :func:`covariance_gap`, computed independently), and, with
+    ``bootstrap > 0``, the replicates of :func:`bootstrap_gaps` drawn from one
+    ``numpy.random.default_rng(seed)`` in step order (a deterministic function of the seed). Steps with the
+    same number of samples are computed together as ``[G, N]`` arrays (:mod:`._gap_batch`; their indices
+    drawn in one ``rng.integers`` call per block). ``per_microbatch`` needs the rows of a step to be exactly
+    ``0..N-1``.
     """
     _check_gap_arguments(samples, microbatch_size, fixed_length, bootstrap, ci)
     rng = np.random.default_rng(seed)
     notes: list[str] = []
     rows_out: list[StepGap] = []
-    reps: list[np.ndarray] = []
+    # filled in place, one row per step: never the list of rows and its stacked copy at once
+    reps = np.empty((len(samples), bootstrap), dtype=np.float64) if bootstrap else None
     mb_problem: str | None = None
-    for step in sorted(samples):
-        rows, n, s = samples[step]
+    for block in step_blocks(samples):
+        n2 = np.stack([np.asarray(samples[st][1], dtype=np.float64) for st in block])
+        s2 = np.stack([np.asarray(samples[st][2], dtype=np.float64) for st in block])
+        vals = block_values(n2, s2, microbatch_size, fixed_length)
         b = microbatch_size
-        if b is not None and (rows.size % b or not np.array_equal(rows, np.arange(rows.size))):
-            mb_problem = mb_problem or (
-                f"per_microbatch not computed from step {step}: its {rows.size} rows are not 0..N-1 in blocks of b={b}"
+        for i, step in enumerate(block):
+            rows = samples[step][0]
+            mb = vals["per_microbatch"]
+            if b is not None and (rows.size % b or not np.array_equal(rows, np.arange(rows.size))):
+                mb_problem = mb_problem or (
+                    f"per_microbatch not computed from step {step}: its {rows.size} rows are not 0..N-1 in blocks "
+                    f"of b={b}"
+                )
+                mb = None
+            per_token, per_sample = float(vals["per_token"][i]), float(vals["per_sample"][i])  # type: ignore[index]
+            rows_out.append(
+                StepGap(
+                    step=step,
+                    samples=int(n2.shape[1]),
+                    tokens=int(vals["tokens"][i]),  # type: ignore[index]
+                    per_token=per_token,
+                    per_sample=per_sample,
+                    per_microbatch=None if mb is None else float(mb[i]),
+                    sample_sum=float(vals["sample_sum"][i]),  # type: ignore[index]
+                    sample_sum_norm=value_at(vals["sample_sum_norm"], i),
+                    gap=per_token - per_sample,
+                    cov=float(vals["cov"][i]),  # type: ignore[index]
+                    mean_count=float(vals["mean_count"][i]),  # type: ignore[index]
+                    cov_term=float(vals["cov_term"][i]),  # type: ignore[index]
+                )
             )
-            b = None
-        vals = step_mode_values(n, s, microbatch_size=b, fixed_length=fixed_length)
-        cov, mean_n, cov_term = covariance_gap(n, s)
-        per_token, per_sample = float(vals["per_token"]), float(vals["per_sample"])  # type: ignore[arg-type]
-        st = StepGap(
-            step=step,
-            samples=int(n.size),
-            tokens=int(n.sum()),
-            per_token=per_token,
-            per_sample=per_sample,
-            per_microbatch=vals["per_microbatch"],
-            sample_sum=float(vals["sample_sum"]),  # type: ignore[arg-type]
-            sample_sum_norm=vals["sample_sum_norm"],  # type: ignore[arg-type]
-            gap=per_token - per_sample,
-            cov=cov,
-            mean_count=mean_n,
-            cov_term=cov_term,
-        )
-        if bootstrap:
-            r = bootstrap_gaps(n, s, bootstrap, rng)
-            st.ci_low, st.ci_high = _interval(r, ci)
-            reps.append(r)
-        rows_out.append(st)
+        if reps is not None:
+            bootstrap_block(n2, s2, bootstrap, rng, reps[len(rows_out) - len(block) : len(rows_out)])
+    if reps is not None:
+        lows, highs = quantile_rows(reps, ci)
+        for st, lo, hi in zip(rows_out, lows.tolist(), highs.tolist()):
+            st.ci_low, st.ci_high = lo, hi
     if microbatch_size is None:
         notes.append("per_microbatch not computed: give --microbatch-size (the dump's meta has no microbatch_size)")
     elif mb_problem:
@@ -362,7 +413,7 @@ def compute_gap(
         ci=ci,
         steps=rows_out,
         notes=notes,
-        replicates=np.stack(reps) if reps else None,
+        replicates=reps,
     )
 
 
@@ -529,7 +580,7 @@ def format_table(report: GapReport, every: int = 1) -> str:
     lines += [f"  {k}: {why}" for k, why in NOT_COMPUTABLE.items()]
     lines += [f"  note: {x}" for x in report.notes]
     if report.missing:
-        lines.append(f"  MISSING STEPS: the dump lacks step(s) {step_ranges(report.missing)}")
+        lines.append(f"  MISSING STEPS: the dump lacks step(s) {format_ranges(report.missing)}")
     d = report.drift
     if d is not None:
         lines.append(f"  compare-drift: {d.metric}, A = {d.a_source}, B = {d.b_source}")
@@ -546,40 +597,3 @@ def format_table(report: GapReport, every: int = 1) -> str:
         lines += _table(("step" if every == 1 else "steps", "observed A−B", "gap", pct, "in CI"), drows)
         lines.append("  " + d.verdict)
     return "\n".join(lines)
-
-
-def plot_gap(report: GapReport, path: str) -> None:
-    """Write a PNG: the per-step gap with its bootstrap band, the ``Cov(n,l)/mean(n)`` term, and (with a
-    drift check) the observed ``A − B`` of the two logs. Uses matplotlib's Agg canvas."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    x = np.array([st.step for st in report.steps], dtype=np.float64)
-    fig = Figure(figsize=(9, 4.5), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.subplots()
-    if report.replicates is not None:
-        lo = np.array([st.ci_low for st in report.steps], dtype=np.float64)
-        hi = np.array([st.ci_high for st in report.steps], dtype=np.float64)
-        ax.fill_between(x, lo, hi, color="tab:blue", alpha=0.2, label=f"{100 * report.ci:g}% bootstrap CI")
-    ax.plot(x, [st.gap for st in report.steps], color="tab:blue", lw=1.4, label="gap per_token − per_sample")
-    ax.plot(
-        x, [st.cov_term for st in report.steps], color="tab:orange", lw=0, marker=".", ms=4, label="Cov(n, l) / mean(n)"
-    )
-    if report.drift is not None:
-        ax.plot(
-            report.drift.steps,
-            report.drift.observed,
-            color="tab:red",
-            lw=0,
-            marker="x",
-            ms=5,
-            label=f"observed {report.drift.metric} A − B",
-        )
-    ax.axhline(0.0, color="black", lw=0.5)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss difference")
-    ax.set_title("estimator gap" + (f" — {report.drift.verdict.split(' (')[0]}" if report.drift else ""))
-    ax.legend(loc="best")
-    fig.tight_layout()
-    fig.savefig(path)

@@ -45,8 +45,9 @@ CANONICAL_METRICS: tuple[str, ...] = (
 )
 """Canonical names; ``mtp_<k>_loss`` (k >= 1) is canonical too (see :func:`is_canonical`)."""
 
-MTP_RE = re.compile(r"^mtp_([1-9]\d*)_loss$")
-_RAW_MTP_RE = re.compile(r"^(?:learning/)?mtp_([1-9]\d*)[ _-]loss$")
+# a depth of at most 6 digits: a longer number is no MTP depth, and never reaches int()'s digit limit
+MTP_RE = re.compile(r"^mtp_([1-9]\d{0,5})_loss$")
+_RAW_MTP_RE = re.compile(r"^(?:learning/)?mtp_([1-9]\d{0,5})[ _-]loss$")
 
 # Sentinel values in a user name map that drop a metric instead of renaming it.
 DROP_NAMES: frozenset[str] = frozenset({"", "-"})

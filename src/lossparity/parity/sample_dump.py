@@ -39,15 +39,30 @@ import os
 import re
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
-from ..atomic_io import atomic_write_bytes
+from ..atomic_io import atomic_write, atomic_write_bytes
+from ._dump_input import (
+    MAX_DUMP_RECORDS,
+    RECORD,
+    RECORD_BYTES,
+    RECORD_FIELDS,
+    SampleDumpError,
+    check_meta,
+    check_records,
+    named,
+    read_meta_json,
+    read_npz,
+    read_rank_file,
+    record_chunks,
+)
 
 __all__ = [
     "DUMP_SUBDIR",
     "FORMAT_NAME",
+    "MAX_DUMP_RECORDS",
     "FORMAT_VERSION",
     "META_FILE",
     "RECORD_BYTES",
@@ -65,17 +80,11 @@ FORMAT_NAME = "lossparity-samples"
 FORMAT_VERSION = 1
 META_FILE = "samples_meta.json"
 DUMP_SUBDIR = "samples"
-_RECORD = np.dtype("<f8")
-RECORD_FIELDS = 4
-RECORD_BYTES = RECORD_FIELDS * _RECORD.itemsize
-_RANK_FILE_RE = re.compile(r"^samples_rank(\d+)\.bin$")
+_RECORD = RECORD
+_RANK_FILE_RE = re.compile(r"^samples_rank(\d{1,9})\.bin$")  # a longer number is no rank
 _META_KEYS = ("global_batch", "microbatch_size", "seq_len", "fixed_length", "step_base", "mode", "world_size")
 
 StepSamples = tuple[np.ndarray, np.ndarray, np.ndarray]
-
-
-class SampleDumpError(ValueError):
-    """A sample dump that cannot be read: names the file and, where known, the record or step."""
 
 
 def rank_file_name(rank: int) -> str:
@@ -110,24 +119,46 @@ def write_sample_meta(path_dir: str | os.PathLike[str], **fields: Any) -> str:
 def truncate_records(path: str, step: int) -> list[str]:
     """Resume of a dump: keep the records of steps ``<= step`` of the rank file ``path`` and drop a torn
     last record (a kill mid-write), replacing the file atomically (temporary file + fsync + rename, never
-    an in-place rewrite) when anything is dropped. Returns notes for the user; no file: nothing to do."""
-    if not os.path.exists(path):
+    an in-place rewrite) when anything is dropped. Returns notes for the user; no file: nothing to do.
+
+    The file is read as ``gap`` reads it (:mod:`._dump_input`): a regular file only (a FIFO or a device
+    raises :class:`SampleDumpError` naming it, never a hang), in chunks (memory of one chunk, whatever its
+    size: a long run's dump is never capped here), each chunk checked as ``gap`` checks it, and a record of
+    a step before 1 (the trainer's first) is no record of this run (a sparse file's zeros): an error naming
+    the file and the record."""
+    if not os.path.lexists(path):
         return []
-    with open(path, "rb") as f:
-        data = f.read()
-    notes = []
-    torn = len(data) % RECORD_BYTES
+    if not os.path.exists(path):
+        raise SampleDumpError(f"{path}: a link to nothing; remove it or start a new run with --overwrite")
+    notes: list[str] = []
+    torn: list[str] = []
+    kept = dropped = 0
+    for start, chunk in record_chunks(path, torn, cap=None):
+        check_records(chunk, named(path, start))
+        early = np.flatnonzero(chunk[:, 0] < 1)
+        if early.size:
+            i = int(early[0])
+            raise SampleDumpError(
+                f"{path} record {start + i}: step {chunk[i, 0]:g}, before the run's first step 1; not a record of "
+                "this run's dump (repair or remove the file, or start a new run with --overwrite)"
+            )
+        keep = int((chunk[:, 0] <= step).sum())
+        kept, dropped = kept + keep, dropped + chunk.shape[0] - keep
     if torn:
+        size = os.path.getsize(path)
         notes.append(
-            f"{path}: dropped a torn last record ({torn} of {RECORD_BYTES} bytes; the run was killed while writing it)"
+            f"{path}: dropped a torn last record ({size % RECORD_BYTES} of {RECORD_BYTES} bytes; the run was killed "
+            "while writing it)"
         )
-    records = np.frombuffer(data[: len(data) - torn], dtype=_RECORD).reshape(-1, RECORD_FIELDS)
-    keep = records[:, 0] <= step
-    if not keep.all():
-        notes.append(f"{path}: dropped {int((~keep).sum())} record(s) after step {step}, the step resumed from")
-    new = records[keep].astype(_RECORD).tobytes()
-    if new != data:
-        atomic_write_bytes(path, new)
+    if dropped:
+        notes.append(f"{path}: dropped {dropped} record(s) after step {step}, the step resumed from")
+    if torn or dropped:
+
+        def write(f: BinaryIO) -> None:
+            for _, chunk in record_chunks(path, cap=None):
+                f.write(chunk[chunk[:, 0] <= step].astype(_RECORD).tobytes())
+
+        atomic_write(path, write)
     return notes
 
 
@@ -217,51 +248,27 @@ class SampleDumpWriter:
         self.close()
 
 
-def _read_records(path: str) -> np.ndarray:
-    """All records of one rank file as an ``[R, 4]`` float64 array; raises on a truncated file."""
-    size = os.path.getsize(path)
-    if size % RECORD_BYTES:
-        index = size // RECORD_BYTES
-        raise SampleDumpError(
-            f"{path}: truncated: record {index} (0-based) is incomplete, {size % RECORD_BYTES} of {RECORD_BYTES} "
-            f"bytes; the file holds {index} whole records ({size} bytes)"
-        )
-    data = np.fromfile(path, dtype=_RECORD)
-    return data.reshape(-1, RECORD_FIELDS)
-
-
-def _read_rank_file(path: str, notes: list[str]) -> np.ndarray:
-    """The whole records of one rank file; a torn last record (a write cut by a crash) is ignored with a note."""
-    size = os.path.getsize(path)
-    whole = size // RECORD_BYTES
-    if size % RECORD_BYTES:
-        notes.append(
-            f"{os.path.basename(path)}: incomplete last record ignored ({size % RECORD_BYTES} of "
-            f"{RECORD_BYTES} bytes after {whole} whole records; the run stopped while writing it)"
-        )
-    data = np.fromfile(path, dtype=_RECORD, count=whole * RECORD_FIELDS)
-    return data.reshape(-1, RECORD_FIELDS)
-
-
 def find_dump(path: str | os.PathLike[str]) -> str:
     """Resolve ``path`` to a dump: an ``.npz`` file, a directory holding ``samples_rank*.bin`` or
     ``samples_meta.json``, or a run directory with such a ``samples/`` subdirectory. Raises
-    ``FileNotFoundError`` naming what was looked for."""
+    ``FileNotFoundError`` naming what was looked for, :class:`SampleDumpError` for a path that is neither."""
     p = os.fspath(path)
-    if os.path.isfile(p):
-        if p.endswith(".npz"):
-            return p
-        raise SampleDumpError(f"{p}: a sample dump is a directory of samples_rank<r>.bin files or an .npz file")
-    if not os.path.isdir(p):
+    if os.path.isdir(p):
+        for candidate in (p, os.path.join(p, DUMP_SUBDIR)):
+            if os.path.isdir(candidate) and (
+                os.path.lexists(os.path.join(candidate, META_FILE)) or _rank_files(candidate)
+            ):
+                return candidate
+        raise FileNotFoundError(
+            f"no sample dump in {p}: expected samples_rank<r>.bin files (and {META_FILE}) there or in "
+            f"{os.path.join(p, DUMP_SUBDIR)}, or an .npz file (a run writes them with `lossparity train "
+            "--dump-samples`)"
+        )
+    if not os.path.lexists(p):
         raise FileNotFoundError(f"sample dump {p} does not exist")
-    for candidate in (p, os.path.join(p, DUMP_SUBDIR)):
-        if os.path.isdir(candidate) and (os.path.exists(os.path.join(candidate, META_FILE)) or _rank_files(candidate)):
-            return candidate
-    raise FileNotFoundError(
-        f"no sample dump in {p}: expected samples_rank<r>.bin files (and {META_FILE}) there or in "
-        f"{os.path.join(p, DUMP_SUBDIR)}, or an .npz file (a run writes them with `lossparity train "
-        "--dump-samples`)"
-    )
+    if p.endswith(".npz"):
+        return p  # opened as a regular file only, when read
+    raise SampleDumpError(f"{p}: a sample dump is a directory of samples_rank<r>.bin files or an .npz file")
 
 
 def _rank_files(path_dir: str) -> list[str]:
@@ -275,59 +282,47 @@ def _rank_files(path_dir: str) -> list[str]:
 
 def read_sample_meta(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The run description of a dump (``samples_meta.json``, or the scalar entries of an NPZ file), or
-    ``None`` when there is none. Raises :class:`SampleDumpError` on an unreadable or foreign file."""
+    ``None`` when there is none, its numbers checked (``global_batch`` and the other sizes integers >= 1,
+    ``step_base`` an integer, all below 2**53). Raises :class:`SampleDumpError` naming the file when it
+    cannot be read, is foreign or holds a bad value."""
     p = find_dump(path)
     if p.endswith(".npz"):
-        with np.load(p) as z:
-            meta = {k: z[k].item() for k in _META_KEYS if k in z.files and z[k].ndim == 0}
-        return meta or None
+        return read_npz(p)[1] or None
     mpath = os.path.join(p, META_FILE)
-    if not os.path.exists(mpath):
+    if not os.path.lexists(mpath):
         return None
-    try:
-        with open(mpath, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise SampleDumpError(f"{mpath}: cannot be read as JSON: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+    meta = read_meta_json(mpath)
+    if meta.get("format") != FORMAT_NAME:
         raise SampleDumpError(f'{mpath}: expected a JSON object with "format": "{FORMAT_NAME}"')
     if meta.get("version") != FORMAT_VERSION:
-        raise SampleDumpError(
-            f"{mpath}: unsupported version {meta.get('version')!r}; this reader knows version {FORMAT_VERSION}"
-        )
-    return meta
+        shown = repr(meta.get("version"))[:60]
+        raise SampleDumpError(f"{mpath}: unsupported version {shown}; this reader knows version {FORMAT_VERSION}")
+    return check_meta(mpath, meta)
 
 
-def _read_npz(path: str) -> tuple[np.ndarray, list[tuple[str, int]]]:
-    try:
-        z = np.load(path)
-    except (OSError, ValueError) as e:
-        raise SampleDumpError(f"{path}: cannot be read as .npz: {e}") from None
-    with z:
-        missing = [k for k in ("step", "row", "n", "s") if k not in z.files]
-        if missing:
-            raise SampleDumpError(f"{path}: missing arrays {missing}; an NPZ dump needs step, row, n, s")
-        cols = [np.asarray(z[k], dtype=np.float64) for k in ("step", "row", "n", "s")]
-    shapes = [c.shape for c in cols]
-    if any(c.ndim != 1 for c in cols) or len(set(shapes)) != 1:
-        raise SampleDumpError(f"{path}: step, row, n, s must be 1-D arrays of one length, got shapes {shapes}")
-    records = np.stack(cols, axis=1)
-    return records, [(os.path.basename(path), i) for i in range(records.shape[0])]
+def _read_dump_records(p: str, notes: list[str]) -> tuple[np.ndarray, list[tuple[str, int]]]:
+    """``(records, [(file, number of its records)])`` of a dump directory; every chunk checked as it is read."""
+    parts, files = [], []
+    budget = MAX_DUMP_RECORDS
+    for f in _rank_files(p):
+        rec = read_rank_file(f, notes, budget)
+        budget -= rec.shape[0]
+        parts.append(rec)
+        files.append((f, rec.shape[0]))
+    if not parts:
+        raise SampleDumpError(f"{p}: no samples_rank<r>.bin files")
+    return (parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)), files
 
 
-def _check_values(records: np.ndarray, origin: list[tuple[str, int]]) -> None:
-    """Integer step/row/n, n >= 0, finite s: the first offending record is named."""
-    bad_int = (records[:, :3] != np.round(records[:, :3])).any(axis=1) | (records[:, :3] < 0).any(axis=1)
-    bad_s = ~np.isfinite(records[:, 3]) | ~np.isfinite(records[:, :3]).all(axis=1)
-    bad = np.flatnonzero(bad_int | bad_s)
-    if bad.size:
-        i = int(bad[0])
-        f, r = origin[i]
-        step, row, n, s = records[i].tolist()
-        raise SampleDumpError(
-            f"{f} record {r}: expected integer step, row, n >= 0 and a finite loss sum, got "
-            f"step={step}, row={row}, n={n}, s={s}"
-        )
+def _origin(files: list[tuple[str, int]]) -> Callable[[int], str]:
+    """``"<file> record <i>"`` of a record by its index among all files' records (no per-record objects)."""
+    ends = np.cumsum([n for _, n in files])
+
+    def where(i: int) -> str:
+        k = int(np.searchsorted(ends, i, side="right"))
+        return f"{files[k][0]} record {i - (int(ends[k - 1]) if k else 0)}"
+
+    return where
 
 
 def read_sample_dump(path: str | os.PathLike[str], notes: list[str] | None = None) -> dict[int, StepSamples]:
@@ -338,40 +333,31 @@ def read_sample_dump(path: str | os.PathLike[str], notes: list[str] | None = Non
     (fewer rows than ``global_batch``: the step being written when the run stopped); each such decision is
     appended to ``notes``. Raises :class:`SampleDumpError` for a duplicate ``(step, row)`` (both
     locations), non-integer steps/rows/counts or a non-finite sum, and, when ``samples_meta.json`` gives
-    ``global_batch``, an earlier step whose rows are not exactly ``0..N-1``.
+    ``global_batch``, an earlier step whose rows are not exactly ``0..N-1``. Files are read as
+    :mod:`._dump_input` says (regular files only, checked chunk by chunk, at most :data:`MAX_DUMP_RECORDS`
+    records): memory is a few times the records present.
     """
     notes = notes if notes is not None else []
     p = find_dump(path)
     if p.endswith(".npz"):
-        records, origin = _read_npz(p)
+        records, npz_meta = read_npz(p)
+        meta: dict[str, Any] | None = npz_meta
+        check_records(records, lambda i: f"{p} record {i}")
+        files = [(p, records.shape[0])]
     else:
-        parts, origin = [], []
-        for f in _rank_files(p):
-            rec = _read_rank_file(f, notes)
-            parts.append(rec)
-            origin += [(os.path.basename(f), i) for i in range(rec.shape[0])]
-        if not parts:
-            raise SampleDumpError(f"{p}: no samples_rank<r>.bin files")
-        records = np.concatenate(parts, axis=0)
+        meta = read_sample_meta(p)  # a bad description is refused before any record is read
+        records, files = _read_dump_records(p, notes)
     if records.shape[0] == 0:
         raise SampleDumpError(f"{p}: the dump holds no records")
-    _check_values(records, origin)
+    if len(files) > 1:  # duplicates across rank files (each file was checked on its own, chunk by chunk)
+        check_records(records, _origin(files))
     order = np.lexsort((records[:, 1], records[:, 0]))
     records = records[order]
-    same = np.flatnonzero((records[1:, 0] == records[:-1, 0]) & (records[1:, 1] == records[:-1, 1]))
-    if same.size:
-        i = int(same[0])
-        a, b = origin[int(order[i])], origin[int(order[i + 1])]
-        raise SampleDumpError(
-            f"duplicate sample (step {int(records[i, 0])}, row {int(records[i, 1])}) in "
-            f"{a[0]} record {a[1]} and {b[0]} record {b[1]}"
-        )
-    meta = read_sample_meta(p)
-    n_expected = int(meta["global_batch"]) if meta and meta.get("global_batch") else None
+    n_expected = meta["global_batch"] if meta and meta.get("global_batch") else None
     out: dict[int, StepSamples] = {}
     steps, starts = np.unique(records[:, 0], return_index=True)
-    bounds = list(starts[1:]) + [records.shape[0]]
-    for j, (step, lo, hi) in enumerate(zip(steps, starts, bounds)):
+    bounds = [*starts[1:].tolist(), records.shape[0]]
+    for j, (step, lo, hi) in enumerate(zip(steps.tolist(), starts.tolist(), bounds)):
         block = records[lo:hi]
         rows = block[:, 1].astype(np.int64)
         incomplete = n_expected is not None and (rows.size != n_expected or rows[-1] != n_expected - 1)

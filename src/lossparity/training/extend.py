@@ -14,17 +14,19 @@ restores only the step counter, so the decay is recomputed over the new total an
 back up at the resume; lossparity does not do that silently: a longer decay is a new run.
 
 Refused on resume (:class:`~lossparity.checkpoint.folder.RunDirError`, one line, exit 2 from the CLI):
-``N`` below the saved ``steps`` (a run is extended, never shortened), and another ``lr``, ``min_lr``,
-``warmup`` or ``decay_steps`` than the saved run's.
+``N`` below the saved ``steps`` (a run is extended, never shortened), another ``lr``, ``min_lr``,
+``warmup`` or ``decay_steps`` than the saved run's, and a saved value of these fields that the command line
+would refuse (a word, a list, ``NaN``, ``1e400``, a negative step), named with the saved ``config.json``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from ..checkpoint.folder import RunDirError
-from .config import TrainConfig
+from .config import TrainConfig, check_field
 
 __all__ = ["SCHEDULE_FIELDS", "resume_config"]
 
@@ -36,11 +38,13 @@ def resume_config(saved: dict[str, Any], cfg: TrainConfig) -> tuple[TrainConfig,
     """``(cfg', note)``: ``cfg`` with the saved run's schedule end ``decay_steps`` when it resumes the run
     whose ``config.json`` is ``saved``; ``note`` says how a longer run is extended (``None`` otherwise).
     Raises :class:`RunDirError` for fewer ``steps`` than saved or a changed schedule field."""
-    saved_steps = saved.get("steps")
-    if not isinstance(saved_steps, int) or isinstance(saved_steps, bool):
+    if "steps" not in saved:
         return cfg, None  # not a config.json of a run: the other checks report it
-    saved_end = saved.get("decay_steps")
-    end = saved_steps if saved_end is None else int(saved_end)
+    for name in ("steps", "decay_steps", *SCHEDULE_FIELDS):
+        _check_saved(saved, name, cfg)
+    saved_steps: int = saved["steps"]
+    saved_end: int | None = saved.get("decay_steps")
+    end = saved_steps if saved_end is None else saved_end
     where = f"--resume into {cfg.out}"
     if cfg.steps < saved_steps:
         raise RunDirError(
@@ -72,3 +76,19 @@ def resume_config(saved: dict[str, Any], cfg: TrainConfig) -> tuple[TrainConfig,
         f"{end}, as --decay-steps {end}); {held}"
     )
     return dataclasses.replace(cfg, decay_steps=end), note
+
+
+def _check_saved(saved: dict[str, Any], name: str, cfg: TrainConfig) -> None:
+    """A saved schedule value is checked as the command line checks it (type, finite, range): the file
+    comes from elsewhere, and a bad value would otherwise reach the schedule's arithmetic."""
+    if name not in saved:
+        return
+    try:
+        check_field(name, saved[name])
+    except (TypeError, ValueError) as e:
+        path = os.path.join(cfg.out or ".", "config.json")
+        text = " ".join(str(e).split())
+        raise RunDirError(
+            f"{path}: {text if len(text) <= 300 else text[:297] + '...'}; --resume needs the saved run's schedule "
+            "(repair the file, or start a new run with another --out or --overwrite)"
+        ) from None

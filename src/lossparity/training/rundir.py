@@ -39,7 +39,7 @@ from ..checkpoint.folder import (
     rotate_checkpoints,
     sharded_checkpoint_intact,
 )
-from ..input_files import InputFileError, loads_json, read_capped
+from ..input_files import InputFileError, check_regular, loads_json, read_capped
 from ..notes import Notify, warn_note
 from .config import TrainConfig, numbers_mismatch
 from .extend import resume_config
@@ -117,6 +117,19 @@ def _check_resumable(out: str) -> None:
                 f"{path}: expected a folder (the run's {name}), got a file or a dangling link; repair the run "
                 "folder or start a new run with another --out"
             )
+    samples = os.path.join(out, "samples")
+    if os.path.isdir(samples):  # the dump a --dump-samples resume appends to: regular files only (never a FIFO)
+        for name in sorted(os.listdir(samples)):
+            if name == "samples_meta.json" or (name.startswith("samples_rank") and name.endswith(".bin")):
+                try:
+                    check_regular(os.path.join(samples, name), "a sample dump file (a regular file)")
+                except InputFileError as e:
+                    raise RunDirError(f"{e}; repair the run folder or start a new run with another --out") from None
+                except OSError as e:  # a link to nothing
+                    raise RunDirError(
+                        f"{os.path.join(samples, name)}: cannot be opened ({e.strerror}); repair the run folder or "
+                        "start a new run with another --out"
+                    ) from None
     metrics = os.path.join(out, METRICS_FILE)
     if os.path.lexists(metrics):
         try:
