@@ -34,8 +34,10 @@ class TinyLM(nn.Module):
         self.mix = nn.Linear(H, H)
         self.head = nn.Linear(H, V, bias=False)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         logits = self.head(torch.tanh(self.mix(self.emb(tokens))))
+        if labels is None:  # the documented recipe computes the loss from the logits itself
+            return logits
         logits = logits if logits.dtype == torch.float64 else logits.float()
         flat = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1).clamp(min=0), reduction="none")
         return flat.view(labels.shape)
@@ -189,3 +191,19 @@ def plain_case(rank: int, world: int, stage: int, ga: int) -> dict:
     grads = step_gradients(model, mbs, loss_fn, zero_stage=stage, micro_batch_size=N // (world * ga))
     untouched = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     return {"grads": grads if rank == 0 else None, "untouched": untouched}
+
+
+def doc_recipe_case(rank: int, world: int, code: str, lr: float) -> dict:
+    """docs/integrations.md's DeepSpeed recipe as written (``model``, ``ds_config``, ``lr`` given), one step of
+    ZeRO-2 with GA 2; returns its logs and the parameters after the optimizer step (ZeRO-2 keeps them whole)."""
+    from lossparity.integrations.deepspeed import deepspeed_config
+
+    ns = {
+        "model": TinyLM(),
+        "ds_config": deepspeed_config(2, gradient_accumulation_steps=2, micro_batch_size=4),
+        "lr": lr,
+    }
+    exec(compile(code, "docs/integrations.md DeepSpeed", "exec"), ns)
+    logs = ns["train_step"](microbatches(rank, world, 2))
+    params = {n: p.detach().double().clone() for n, p in ns["engine"].module.named_parameters()}
+    return {"logs": logs, "params": params}
