@@ -93,4 +93,8 @@ def hf_case(rank: int, world: int, specs: list[dict]) -> list[dict]:
             trainer.train()
             logs = trainer.state.log_history[0]
         out.append({**spec, "grads": grads[0] if rank == 0 else None, "logs": logs, "world": world})
+        # One Accelerator with a DeepSpeed plugin per AcceleratorState: drop it (keep the process state) for the next
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=False)
     return out
