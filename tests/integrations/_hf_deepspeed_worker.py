@@ -53,11 +53,23 @@ def boundary_grads(trainer) -> list[dict[str, torch.Tensor]]:
     return grads
 
 
+def _model_and_rows(spec: dict):
+    """``llama``: the tiny Llama on padded (packed for per_document) rows; ``mixtral``: the float32 tiny
+    Mixtral of the aux tests (router logits on, coefficient 0.5) on their one global batch of 8 rows."""
+    from _hf_common import rows_for, tiny_model
+
+    if spec.get("model", "llama") == "mixtral":
+        from _hf_aux_common import moe_model, rows8
+
+        return moe_model("mixtral").float(), rows8()
+    return tiny_model(), rows_for("packed" if spec["mode"] == "per_document" else "padded")
+
+
 def hf_case(rank: int, world: int, specs: list[dict]) -> list[dict]:
-    """One optimizer step of ``LossParityTrainer`` per spec ``{stage, offload, ga, mode, b}`` on the first
-    ``b·ga·world`` rows; returns the step's full gradients (rank 0) and its log entry."""
+    """``LossParityTrainer`` per spec ``{stage, offload, ga, mode, b}`` (optional ``model``, ``steps``,
+    ``aux_scope``, ``lr``) from the first rows; returns the last step's full gradients (rank 0) and the logs."""
     configure_deepspeed_state()
-    from _hf_common import RowDataset, rows_for, tiny_model, training_args
+    from _hf_common import RowDataset, training_args
 
     from lossparity.integrations.deepspeed import deepspeed_config
     from lossparity.integrations.hf import LossParityTrainer
@@ -71,28 +83,31 @@ def hf_case(rank: int, world: int, specs: list[dict]) -> list[dict]:
             micro_batch_size=spec["b"],
             world_size=world,
         )
-        data = "packed" if spec["mode"] == "per_document" else "padded"
+        model, rows = _model_and_rows(spec)
+        extra = {"aux_scope": spec["aux_scope"]} if "aux_scope" in spec else {}
         with tempfile.TemporaryDirectory() as tmp:
             args = training_args(
                 tmp,
                 spec["b"],
                 spec["ga"],
-                steps=1,
+                steps=spec.get("steps", 1),
+                learning_rate=spec.get("lr", 0.5),
                 deepspeed=cfg,
                 use_cpu=False,
                 accelerator_config={"use_configured_state": True},
             )
             trainer = LossParityTrainer(
-                model=tiny_model(),
+                model=model,
                 args=args,
-                train_dataset=RowDataset(rows_for(data)),
+                train_dataset=RowDataset(rows),
                 loss_mode=spec["mode"],
                 fixed_length=12,
+                **extra,
             )
             grads = boundary_grads(trainer)
             trainer.train()
-            logs = trainer.state.log_history[0]
-        out.append({**spec, "grads": grads[0] if rank == 0 else None, "logs": logs, "world": world})
+            logs = trainer.state.log_history
+        out.append({**spec, "grads": grads[-1] if rank == 0 else None, "logs": logs, "world": world})
         # One Accelerator with a DeepSpeed plugin per AcceleratorState: drop it (keep the process state) for the next
         from accelerate.state import AcceleratorState
 
