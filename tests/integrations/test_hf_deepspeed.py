@@ -96,4 +96,4 @@ def test_moe_aux_term_stays_exact_under_zero3():
     print(
         f"measured: LossParityTrainer DeepSpeed ZeRO-3 x 2 proc Mixtral global_lagged, step 2 vs plain 8x1: {err:.1e}"
     )
-    assert err <= 1e-5
+    assert err <= RTOL  # measured 3.2e-7
