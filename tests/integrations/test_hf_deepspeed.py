@@ -71,23 +71,31 @@ def _specs(world: int) -> list[dict]:
     ]
 
 
+MOE_SPEC = {"stage": 3, "offload": False, "ga": 2, "b": 2, "mode": "per_token", "model": "mixtral", "steps": 2}
+MOE_SPEC.update(lr=0.0, aux_scope="global_lagged")
+
+
+@pytest.fixture(scope="module")
+def trainer_runs():
+    """One launch per process count (the 2-process one also runs the Mixtral case): rank 0's results."""
+    return {w: spawn(hf_case, w, _specs(w) + ([MOE_SPEC] if w == 2 else []), timeout_s=TIMEOUT_S)[0] for w in (1, 2)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
-def test_loss_parity_trainer_gradients_under_deepspeed(world):
-    _check(spawn(hf_case, world, _specs(world), timeout_s=TIMEOUT_S)[0])
+def test_loss_parity_trainer_gradients_under_deepspeed(trainer_runs, world):
+    _check([r for r in trainer_runs[world] if r.get("model") != "mixtral"])
 
 
 @pytest.mark.slow
-def test_moe_aux_term_stays_exact_under_zero3():
+def test_moe_aux_term_stays_exact_under_zero3(trainer_runs):
     """Mixtral (router logits, coefficient 0.5), ``aux_scope="global_lagged"``, float32, learning rate 0, one
     global batch of 8 rows, 2 steps under ZeRO-3 (the router and experts partitioned) at 2 processes × 2 × GA 2:
     the second step's gradient (its lagged fractions are its own batch's) equals plain ``transformers.Trainer``'s
     at 8×1 in one step, its aux term on the whole batch (transformers' own formula: the expected values)."""
     from _hf_aux_common import run as plain_run
 
-    spec = {"stage": 3, "offload": False, "ga": 2, "b": 2, "mode": "per_token", "model": "mixtral"}
-    spec.update(steps=2, lr=0.0, aux_scope="global_lagged")
-    got = spawn(hf_case, 2, [spec], timeout_s=TIMEOUT_S)[0][0]
+    (got,) = [r for r in trainer_runs[2] if r.get("model") == "mixtral"]
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
