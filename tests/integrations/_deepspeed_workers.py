@@ -12,8 +12,12 @@ per-mode loops written out here, never lossparity's formulas.
 from __future__ import annotations
 
 import os
+import pathlib
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # a CPU test: never pick up a GPU accelerator
+# DeepSpeed's compiled ops cached in the work folder, as ./dev.sh sets it, also when pytest runs alone
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_ROOT / ".cache" / "torch_extensions"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
