@@ -8,6 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${LOSSPARITY_VENV:-.venv}"
 PY="${PYTHON:-python3}"
+# DeepSpeed compiles its CPU ops (the shm communication op at every init_distributed) with g++/ninja on first
+# use: cached in the work folder (gitignored .cache/) so that later runs, CI's included, load them.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}"
 
 ensure_env() {  # $1 = extras profile: main | test
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
@@ -26,6 +29,8 @@ ensure_env() {  # $1 = extras profile: main | test
     # torchtitan.trainer imports triton (CPU runs never call it).
     "$VENV/bin/pip" install -q --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3" "torchdata==0.11.0" "triton==3.9.0"
     "$VENV/bin/pip" install -q tyro einops
+    # DeepSpeed: the engine and ZeRO 0-3 tests run it for real on CPU (gloo); pure Python, ops compiled on use.
+    "$VENV/bin/pip" install -q "deepspeed==0.19.8"
   else
     "$VENV/bin/pip" install -q -e .
   fi

@@ -30,6 +30,7 @@ REFERENCE: tuple[tuple[str, str, str], ...] = (
     ("integrations-hf-head", "lossparity.integrations.hf_head", "lossparity.integrations.hf_head"),
     ("integrations-hf-moe", "lossparity.integrations.hf_moe", "lossparity.integrations.hf_moe"),
     ("integrations-hf-aux-terms", "lossparity.integrations.hf_aux_terms", "lossparity.integrations.hf_aux_terms"),
+    ("integrations-deepspeed", "lossparity.integrations.deepspeed", "lossparity.integrations.deepspeed"),
     ("integrations-megatron", "lossparity.integrations.megatron", "lossparity.integrations.megatron"),
     ("integrations-megatron-moe", "lossparity.integrations.megatron_moe", "lossparity.integrations.megatron_moe"),
     (

@@ -31,6 +31,9 @@ EXECUTED = {
         "from lossparity.integrations.hf import LossParityTrainer  # was: from transformers import Trainer",
     ): ("tests/integrations/test_integration_readme.py::test_hf_trainer_snippet"),
     ("docs/integrations.md", "import trl"): "tests/integrations/test_integration_readme.py::test_trl_snippet",
+    ("docs/integrations.md", "import torch"): (
+        "tests/integrations/test_integration_deepspeed.py::test_documented_recipe_steps_on_the_objective_gradient"
+    ),
     ("docs/integrations.md", "from functools import partial"): (
         "tests/integrations/test_integration_readme.py::test_megatron_snippet"
     ),

@@ -19,6 +19,7 @@ EXTRAS = {
     "trl": ("trl", "lossparity.integrations.hf", "trl"),
     "megatron": ("megatron-core", "lossparity.integrations.megatron", "megatron.core"),
     "torchtitan": ("torchtitan", "lossparity.integrations.torchtitan", "torchtitan"),
+    "deepspeed": ("deepspeed", "lossparity.integrations.deepspeed", "deepspeed"),
     "jax": ("jax", "lossparity.jax", "jax"),
     "maxtext": ("jax", "lossparity.jax", "jax"),
     "report": ("matplotlib", "lossparity.parity.report", "matplotlib.figure"),

@@ -54,6 +54,7 @@ def run(
     scope: str | None,
     mode: str = "per_token",
     fused_loss: bool = True,
+    dtype: torch.dtype = torch.float64,
 ):
     """Train ``steps`` steps at learning rate 0 on :func:`rows8` (``scope=None``: plain
     ``transformers.Trainer``). Returns (gradients recorded before each optimizer step, log_history)."""
@@ -63,7 +64,7 @@ def run(
 
     rec = grad_recorder()
     kw = dict(
-        model=moe_model(kind),
+        model=moe_model(kind).to(dtype),
         args=training_args(out_dir, b, ga, steps, learning_rate=0.0),
         train_dataset=RowDataset(rows8()),
         callbacks=[rec],

@@ -5,6 +5,9 @@ itself imports no framework):
 
 - :mod:`lossparity.integrations.hf`: ``LossParityMixin`` / ``LossParityTrainer`` for Hugging Face
   ``transformers.Trainer`` and TRL trainers (``pip install "lossparity[hf]"``, TRL: ``"lossparity[trl]"``).
+- :mod:`lossparity.integrations.deepspeed`: ``DeepSpeedAccountant``, the accountant whose microbatch shares
+  drive a ``deepspeed.DeepSpeedEngine`` (ZeRO 0-3, offload), and the audit helpers ``step_gradients`` /
+  ``full_gradients`` (``pip install "lossparity[deepspeed]"``).
 - :mod:`lossparity.integrations.megatron`: ``LossFunc``, the ``loss_func`` of a megatron-core
   ``forward_step`` with ``calculate_per_token_loss=True`` (``pip install "lossparity[megatron]"``).
 - :mod:`lossparity.integrations.torchtitan`: ``LossParityLoss`` (with its step hook

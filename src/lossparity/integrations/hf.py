@@ -9,9 +9,10 @@ all-reduce (:class:`lossparity.Accountant`). Each microbatch then back-propagate
 ``numerator(mb) / denominator`` of ``J``, with the causal shift and ``ignore_index = -100`` that HF causal
 LMs use, computed by the fused cross-entropy from the LM head's input and weight (no logits tensor;
 ``integrations/hf_head.py``) or, for heads that are not a scaled linear map, from the model's logits;
-the share is multiplied by the number of processes because DDP averages gradients (so that they are
-summed, as §3 requires). ``log_history`` gains ``lm_loss`` (global
-token mean ``S/Ntok``) and ``objective`` (``J``); HF's own ``loss`` is ``J`` too.
+the share is multiplied by the number of processes because DDP and DeepSpeed (every ZeRO stage; the Trainer
+passes ``scale_wrt_gas=False``) average gradients (so that they are summed, as §3 requires).
+``log_history`` gains ``lm_loss`` (global token mean ``S/Ntok``) and ``objective`` (``J``); HF's own ``loss``
+is ``J`` too.
 
 Packed rows: ``per_document`` takes the documents from a ``segment_ids`` column (0 = padding) or, as
 TRL's padding-free collator emits, from ``position_ids`` restarting at 0 (positions where
