@@ -177,6 +177,12 @@ def drop_in_case(rank: int, world: int, cases: list[dict]) -> list[dict]:
                 acc.step()
             logs = acc.logs()
             out.append({**case, "mode": mode, "grads": grads if rank == 0 else None, "logs": logs})
+        if case.get("check_bad_masks"):  # rank 1 gives one mask fewer than K: both ranks must raise, none hang
+            try:
+                DeepSpeedAccountant(engine, "per_sample").begin_step([mb["mask"] for mb in mbs][: len(mbs) - rank])
+                out[-1]["bad_masks_error"] = None
+            except ValueError as e:
+                out[-1]["bad_masks_error"] = str(e)
         engine.destroy()
     return out
 

@@ -32,7 +32,7 @@ if FULL:
     CASES = [{"stage": s, "offload": o, "ga": ga, "dtype": "float32"} for s, o in STAGES for ga in (1, 2, 4)]
 else:  # the CI subset: every stage once, offload at both stages that partition gradients, GA 1, 2 and 4
     CASES = [
-        {"stage": 0, "offload": False, "ga": 2, "dtype": "float32"},
+        {"stage": 0, "offload": False, "ga": 2, "dtype": "float32", "check_bad_masks": True},
         {"stage": 1, "offload": False, "ga": 4, "dtype": "float32"},
         {"stage": 2, "offload": False, "ga": 2, "dtype": "float32", "scale_wrt_gas": True},
         {"stage": 2, "offload": True, "ga": 4, "dtype": "float32"},
@@ -75,6 +75,12 @@ def test_every_mode_gives_the_objective_gradient_at_every_zero_stage(engine_runs
         assert got["logs"]["objective"] == pytest.approx(J, rel=1e-6)
         assert other["logs"]["objective"] == got["logs"]["objective"]
     assert set(worst) == set(MODES)
+    # a wrong mask count on rank 1 only (CI cases): both ranks stop with a ValueError, neither hangs
+    bad = [(a, b) for a, b in engine_runs if "bad_masks_error" in a]
+    assert len(bad) == (0 if FULL else 1)
+    for got, other in bad:
+        assert "another rank" in got["bad_masks_error"]
+        assert other["bad_masks_error"].startswith("masks: 1 microbatch masks on rank 1")
     print("measured: worst per mode " + ", ".join(f"{m} {e:.1e}" for m, e in worst.items()))
 
 

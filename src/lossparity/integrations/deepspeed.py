@@ -45,6 +45,7 @@ from . import require
 __all__ = ["DeepSpeedAccountant", "deepspeed_config", "full_gradients", "step_gradients", "DTYPES"]
 
 DTYPES = ("float32", "bfloat16")  # the precisions of deepspeed_config / step_gradients
+_BAD_MASKS = "lossparity_deepspeed_bad_masks"  # extra count: a rank's mask count is not the engine's K
 _MB = TypeVar("_MB")
 
 
@@ -111,18 +112,24 @@ class DeepSpeedAccountant(Accountant):
     def begin_step(
         self, masks: Sequence[Tensor], segment_ids: Sequence[Tensor | None] | None = None, **kwargs: Any
     ) -> None:
-        """:meth:`Accountant.begin_step` (one all-reduce) after checking that ``masks`` holds one mask per
-        microbatch of the engine's accumulation window (``gradient_accumulation_steps``)."""
+        """:meth:`Accountant.begin_step` (one all-reduce), checking that ``masks`` holds one mask per microbatch
+        of the engine's accumulation window (``gradient_accumulation_steps``) on every rank: a rank's wrong
+        count travels in the same all-reduce, so every rank raises ``ValueError`` instead of one hanging."""
         k = int(self.engine.gradient_accumulation_steps())
-        if len(masks) != k:
-            rank = dist.get_rank() if dist.is_initialized() else 0
+        bad = float(len(masks) != k)
+        extra = {**dict(kwargs.pop("extra_counts", None) or {}), _BAD_MASKS: bad}
+        super().begin_step(masks, segment_ids, extra_counts=extra, **kwargs)
+        self._backwards = self._steps = 0
+        if bad or self.global_count(_BAD_MASKS) > 0:
+            self._step.state = StepState.IDLE  # the step is not run: the next begin_step may follow
+            rank = self.groups.token_rank()
             raise ValueError(
                 f"masks: {len(masks)} microbatch masks on rank {rank} but the engine accumulates "
                 f"gradient_accumulation_steps={k} microbatches per optimizer step; give one mask per microbatch "
                 "of the step"
+                if bad
+                else f"masks: another rank gave a number of masks other than gradient_accumulation_steps={k}"
             )
-        super().begin_step(masks, segment_ids, **kwargs)
-        self._backwards = self._steps = 0
 
     def backward(self, loss: Tensor, *, scale_wrt_gas: bool = False, retain_graph: bool = False) -> Tensor:
         """Back-propagate this microbatch's share of ``J`` through the engine: ``engine.backward(loss · D ·
@@ -134,11 +141,12 @@ class DeepSpeedAccountant(Accountant):
         if step.state is not StepState.MICROBATCHES or self._backwards >= step.n_mbs:
             raise ProtocolError(
                 f"backward called for microbatch {self._backwards} of a step of {step.n_mbs} microbatches "
-                f"({self.where}): expected {self.expected_call()}"
+                f"(rank {self.groups.token_rank()}): expected {self.expected_call()}"
             )
         if self._backwards >= step.mb:
             raise ProtocolError(
-                f"backward called for microbatch {self._backwards} before its lm_loss ({self.where}): "
+                f"backward called for microbatch {self._backwards} before its lm_loss "
+                f"(rank {self.groups.token_rank()}): "
                 "compute the share with lm_loss (or add_lm_share) first"
             )
         factor = self.dp_factor * (float(self.engine.gradient_accumulation_steps()) if scale_wrt_gas else 1.0)
@@ -153,11 +161,14 @@ class DeepSpeedAccountant(Accountant):
         the engine reduced them)."""
         step = self._step
         if step.state is not StepState.MICROBATCHES or self._steps >= self._backwards:
-            raise ProtocolError(f"step called without a backward before it ({self.where}): expected backward")
+            raise ProtocolError(
+                f"step called without a backward before it (rank {self.groups.token_rank()}, microbatch "
+                f"{self._steps}): expected backward"
+            )
         last = self._steps + 1 == step.n_mbs
         if last != bool(self.engine.is_gradient_accumulation_boundary()):
             raise ValueError(
-                f"engine: microbatch {self._steps} of {step.n_mbs} ({self.where}) but the engine "
+                f"engine: microbatch {self._steps} of {step.n_mbs} (rank {self.groups.token_rank()}) but the engine "
                 f"{'is' if not last else 'is not'} at its gradient accumulation boundary: call begin_step at "
                 "the engine's boundary with one mask per accumulated microbatch"
             )
