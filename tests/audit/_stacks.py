@@ -213,3 +213,9 @@ def trainer_mixtral(ctx):
 
     args = ctx.args(output_dir="unused", learning_rate=0.1, optim="sgd")
     return transformers.Trainer(model=tiny_mixtral(), args=args, train_dataset=ctx.train_dataset)
+
+
+def deepspeed_hf_loss(engine, mb):
+    """A DeepSpeed loop's loss: the model's own (token mean of the microbatch), handed to engine.backward
+    with DeepSpeed's defaults: the mean of the microbatch means (DeepSpeed divides by GA, DDP averages)."""
+    return engine(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], labels=mb["labels"]).loss

@@ -10,6 +10,7 @@ autograd. See docs/audit.md.
 
 from .batch import CLASSES, DEFAULT_CLASSES, AuditBatch, Config, craft_batch
 from .core import AuditError, AuditReport, ConfigRow, audit
+from .deepspeed import DeepSpeedStep
 from .identify import Identification, identify
 from .kernel import KernelReport, audit_kernel
 from .megatron import MegatronStep
@@ -27,6 +28,7 @@ __all__ = [
     "HandLoop",
     "TrainerFactory",
     "MegatronStep",
+    "DeepSpeedStep",
     "StepContext",
     "TrainerContext",
     "Identification",

@@ -166,7 +166,9 @@ CLASSES: dict[str, str] = {
     "dp": "2 data-parallel ranks (GA 1 and 2)",
     "recompute": "activation checkpointing on",
     "packing": "the same documents packed two per row",
+    "zero": "DeepSpeed ZeRO-1, 2, 3 and ZeRO-2 with optimizer offload at 2 ranks x GA 2",
 }
+_ZERO = (("ZeRO-1", 1, False), ("ZeRO-2", 2, False), ("ZeRO-3", 3, False), ("ZeRO-2+offload", 2, True))
 DEFAULT_CLASSES = ("ga", "microbatch", "dp", "recompute")
 
 
@@ -185,6 +187,10 @@ def configs_for(classes: list[str], n_rows: int = 8) -> list[Config]:
             ]
         elif c == "recompute":
             out.append(Config("K2 b4 +recompute", c, ga=2, micro=n_rows // 2, recompute=True))
+        elif c == "zero":  # DeepSpeed: ZeRO stages and optimizer offload at 2 ranks x GA 2
+            for name, stage, offload in _ZERO:
+                extra: dict[str, object] = {"zero_stage": stage, "offload": offload}
+                out.append(Config(f"D2 K2 b2 {name}", c, dp=2, ga=2, micro=n_rows // 4, extra=extra))
         elif c == "packing":
             out.append(Config("packed K1 b4", c, micro=n_rows // 2, packed=True))
         else:

@@ -20,6 +20,7 @@ from torch import nn
 from ..distributed.launch import free_port
 from ..options import MODES
 from .batch import DEFAULT_CLASSES, AuditBatch, Config, configs_for, craft_batch
+from .deepspeed import DeepSpeedStep
 from .identify import (
     NAME_TOL,
     Basis,
@@ -48,7 +49,7 @@ from .worker import user_frame
 
 __all__ = ["audit", "AuditError", "AuditReport", "ConfigRow", "Stack"]
 
-Stack = HandLoop | TrainerFactory | MegatronStep
+Stack = HandLoop | TrainerFactory | MegatronStep | DeepSpeedStep
 
 SEPARABLE_TOL = 1e-4  # a float32 stack's gradient is fitted to ~1e-6; a non-separable term leaves far more
 LOG_TOL = 1e-4  # the logged loss against the optimized objective (float32 values)
@@ -162,7 +163,7 @@ def _logits_fn(stack: Any) -> Any:
 def _losses_fn(stack: Any) -> Any:
     """The per-token losses the documents' gradients are taken of: your Megatron ``forward_step``'s output
     tensor, or the cross-entropy of the model's logits."""
-    if isinstance(stack, (HandLoop, TrainerFactory)):
+    if not isinstance(stack, MegatronStep):
         return logits_losses(_logits_fn(stack))
     from .megatron import megatron_token_losses
 
@@ -193,7 +194,10 @@ def _spec(stack: Stack) -> tuple[dict[str, Any] | None, str]:
     if isinstance(stack, HandLoop):
         parts: dict[str, Any] = {"model": stack.model, "step": stack.step, "logits": stack.logits}
         spec: dict[str, Any] = {"kind": "hand loop", "wrap_ddp": stack.wrap_ddp}
-    elif not isinstance(stack, TrainerFactory):
+    elif isinstance(stack, DeepSpeedStep):
+        parts = {"model": stack.model, "loss": stack.loss}
+        spec = {"kind": stack.kind, "zero_stage": stack.zero_stage, "offload": stack.offload, "config": stack.config}
+    elif isinstance(stack, MegatronStep):
         parts = {"model": stack.model, "forward_step": stack.forward_step}
         spec = {"kind": stack.kind}
     else:
@@ -210,8 +214,11 @@ def _spec(stack: Stack) -> tuple[dict[str, Any] | None, str]:
     return spec, ""
 
 
-def _run_workers(stack: Stack, cfgs: list[Config], vocab: int, timeout_s: float) -> dict[str, RunResult | AuditError]:
-    """Run the 2-rank configurations in one ``torchrun`` of :mod:`.worker`; every rank's results read back."""
+def _run_workers(
+    stack: Stack, cfgs: list[Config], vocab: int, timeout_s: float, nproc: int = 2
+) -> dict[str, RunResult | AuditError]:
+    """Run the ``nproc``-rank configurations in one ``torchrun`` of :mod:`.worker`; every rank's results read
+    back."""
     spec, why = _spec(stack)
     if spec is None:
         return {c.name: AuditError(why) for c in cfgs}
@@ -223,17 +230,17 @@ def _run_workers(stack: Stack, cfgs: list[Config], vocab: int, timeout_s: float)
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *sys.path[1:], env.get("PYTHONPATH", "")])
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}"]
         cmd += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "lossparity.audit.worker"]
         cmd += [str(Path(tmp) / "spec.json"), tmp]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            return {c.name: AuditError(f"the 2-rank run did not finish in {timeout_s:.0f} s") for c in cfgs}
-        files = [Path(tmp) / f"rank{r}.pt" for r in range(2)]
+            return {c.name: AuditError(f"the {nproc}-rank run did not finish in {timeout_s:.0f} s") for c in cfgs}
+        files = [Path(tmp) / f"rank{r}.pt" for r in range(nproc)]
         if not all(f.exists() for f in files):
             why = _last_error_line(proc.stderr or "")
-            return {c.name: AuditError(f"the 2-rank run failed: {why}") for c in cfgs}
+            return {c.name: AuditError(f"the {nproc}-rank run failed: {why}") for c in cfgs}
         ranks = [torch.load(f, weights_only=True) for f in files]
     out: dict[str, RunResult | AuditError] = {}
     for c in cfgs:
@@ -284,6 +291,8 @@ def audit(
     ``tol`` defaults to 1e-5 for a float32 model and 1e-10 for a float64 one. ``expect`` (a mode of
     ``lossparity modes``) turns any configuration computing another mode, or the same with a factor, into a
     failure. Raises :class:`AuditError` when the stack cannot run."""
+    if "zero" in classes and not isinstance(stack, DeepSpeedStep):
+        raise AuditError("the class 'zero' (ZeRO stages and offload) needs a DeepSpeed stack (--deepspeed)")
     if expect is not None and expect not in MODES:
         raise AuditError(f"--expect {expect!r} is not a mode; valid modes: {', '.join(MODES)}")
     t0 = time.perf_counter()
@@ -296,10 +305,18 @@ def audit(
     cfgs = configs_for(list(classes))
     batches = {False: craft_batch(vocab), True: craft_batch(vocab, packed=True)}
     ref_cfg = cfgs[0]
-    ref = _run_local(stack, ref_cfg, batches[False])
-    results: dict[str, RunResult | AuditError] = {ref_cfg.name: ref}
+    results: dict[str, RunResult | AuditError] = {}
+    if isinstance(stack, DeepSpeedStep):  # DeepSpeed keeps its process groups: one process per launch
+        results.update(_run_workers(stack, [c for c in cfgs if c.dp == 1], vocab, timeout_s, nproc=1))
+        ref_res = results[ref_cfg.name]
+        if isinstance(ref_res, AuditError):
+            raise ref_res
+        ref = ref_res
+    else:
+        ref = _run_local(stack, ref_cfg, batches[False])
+        results[ref_cfg.name] = ref
     for c in cfgs[1:]:
-        if c.dp == 1:
+        if c.dp == 1 and c.name not in results:
             try:
                 results[c.name] = _run_local(stack, c, batches[c.packed])
             except AuditError as e:

@@ -374,6 +374,10 @@ def run_config(stack: Any, cfg: Config, batch: AuditBatch, rank: int, world: int
         return run_hand_loop(stack, cfg, batch, rank, world)
     if isinstance(stack, TrainerFactory):
         return run_trainer(stack, cfg, batch, rank, world)
+    if getattr(stack, "kind", "") == "deepspeed":
+        from .deepspeed import run_deepspeed
+
+        return run_deepspeed(stack, cfg, batch, rank, world)
     from .megatron import run_megatron
 
     return run_megatron(stack, cfg, batch, rank, world, build_model(stack))

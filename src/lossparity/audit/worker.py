@@ -41,6 +41,16 @@ def stack_from_spec(spec: dict[str, Any]) -> Any:
     """The adapter a JSON spec describes (every callable as a ``MODULE:NAME`` string)."""
     if spec["kind"] == "hand loop":
         return HandLoop(model=spec["model"], step=spec["step"], wrap_ddp=spec["wrap_ddp"], logits=spec.get("logits"))
+    if spec["kind"] == "deepspeed":
+        from .deepspeed import DeepSpeedStep
+
+        return DeepSpeedStep(
+            model=spec["model"],
+            loss=spec["loss"],
+            zero_stage=spec["zero_stage"],
+            offload=spec["offload"],
+            config=spec["config"],
+        )
     if spec["kind"] == "megatron-core":
         from .megatron import MegatronStep
 
@@ -54,7 +64,9 @@ def main(argv: list[str]) -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(1)
     stack = stack_from_spec(spec)
-    if not isinstance(stack, TrainerFactory) and world > 1:  # the Trainer's accelerate initializes its own
+    # the Trainer's accelerate initializes its own group; every other stack gets the default group here (also
+    # for one process: torchrun's agent store is where a group of this launch can rendezvous)
+    if not isinstance(stack, TrainerFactory):
         import torch.distributed as dist
 
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec.get("timeout_s", 120)))

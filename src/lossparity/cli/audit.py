@@ -26,6 +26,14 @@ def add_audit_arguments(a: argparse.ArgumentParser) -> None:
         help="a megatron-core forward_step(data_iterator, model) (with --model and --vocab-size)",
     )
     a.add_argument("--vocab-size", type=int, default=None, help="with --megatron: the model's vocabulary size")
+    a.add_argument(
+        "--deepspeed",
+        default=None,
+        metavar="MODULE:FN",
+        help="loss(engine, microbatch) of a DeepSpeed loop (with --model; --zero-stage, --offload)",
+    )
+    a.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, help="with --deepspeed: your stage")
+    a.add_argument("--offload", action="store_true", help="with --deepspeed: optimizer offload to the CPU")
     a.add_argument("--no-ddp", action="store_true", help="with --step: hand 2-rank steps the bare model, not DDP")
     a.add_argument(
         "--trainer", default=None, metavar="MODULE:FN", help="factory(ctx) -> transformers.Trainer (TRL's too)"
@@ -38,7 +46,8 @@ def add_audit_arguments(a: argparse.ArgumentParser) -> None:
         "--classes",
         default="",
         metavar="NAME[,NAME...]",
-        help="equivalence classes: ga, microbatch, dp, recompute, packing (default: ga,microbatch,dp,recompute)",
+        help="equivalence classes: ga, microbatch, dp, recompute, packing, zero (DeepSpeed) "
+        "(default: ga,microbatch,dp,recompute)",
     )
     a.add_argument("--expect", default=None, metavar="MODE", help="fail unless every configuration computes MODE")
     a.add_argument("--tol", type=float, default=None, help="invariance tolerance (default 1e-5 float32, 1e-10 float64)")
@@ -62,14 +71,15 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from ..audit import AuditError, HandLoop, TrainerFactory, audit, audit_kernel, render
     from ..audit.batch import CLASSES, DEFAULT_CLASSES
     from ..audit.core import Stack
+    from ..audit.deepspeed import DeepSpeedStep
     from ..audit.kernel import render_kernel
     from ..audit.megatron import MegatronStep
     from ..audit.stack import resolve
     from ..audit.worker import user_frame
 
-    chosen = [x for x in (args.step, args.trainer, args.kernel, args.megatron) if x is not None]
+    chosen = [x for x in (args.step, args.trainer, args.kernel, args.megatron, args.deepspeed) if x is not None]
     if len(chosen) != 1:
-        raise UsageError("name exactly one of --step (with --model), --trainer, --megatron, --kernel")
+        raise UsageError("name exactly one of --step (with --model), --trainer, --megatron, --deepspeed, --kernel")
     if args.tol is not None and not (0 < args.tol < 1):
         raise UsageError(f"--tol must be in (0, 1), got {args.tol}")
     classes = [c for c in args.classes.split(",") if c] or list(DEFAULT_CLASSES)
@@ -86,11 +96,15 @@ def cmd_audit(args: argparse.Namespace) -> int:
             print(render_kernel(kreport))
             _write_json(args.json, kreport.as_dict())
             return kreport.exit_code
-        if (args.step is not None or args.megatron is not None) and args.model is None:
-            raise UsageError("--step/--megatron need --model MODULE:FN (the model the step trains)")
+        if (args.step or args.megatron or args.deepspeed) and args.model is None:
+            raise UsageError("--step/--megatron/--deepspeed need --model MODULE:FN (the model the step trains)")
         stack: Stack
         if args.step is not None:
             stack = HandLoop(model=args.model, step=args.step, wrap_ddp=not args.no_ddp)
+        elif args.deepspeed is not None:
+            if args.offload and args.zero_stage == 0:
+                raise UsageError("--offload needs --zero-stage 1, 2 or 3")
+            stack = DeepSpeedStep(args.model, args.deepspeed, zero_stage=args.zero_stage, offload=args.offload)
         elif args.megatron is not None:
             if args.vocab_size is None or args.vocab_size < 8:
                 raise UsageError("--megatron needs --vocab-size N (N >= 8): the model's vocabulary")
