@@ -47,7 +47,16 @@ __all__ = [
     "MODE_INFO",
 ]
 
-Mode = Literal["per_token", "per_sample", "per_microbatch", "per_document", "sample_sum", "sample_sum_norm"]
+Mode = Literal[
+    "per_token",
+    "per_sample",
+    "per_microbatch",
+    "per_document",
+    "sample_sum",
+    "sample_sum_norm",
+    "token_sum",
+    "per_group",
+]
 MODES: tuple[Mode, ...] = get_args(Mode)
 
 # precount: normalizers counted before the step; deferred: raw sums back-propagated, gradients divided
@@ -104,7 +113,12 @@ MODE_INFO: dict[Mode, tuple[str, str]] = {
     ),
     "per_document": ("(1/Ndoc) Σ_j s_j / max(n_j, 1)", "packed SFT: every conversation counts once"),
     "sample_sum": ("(1/N) Σ_i s_i", "verl seq-mean-token-sum"),
-    "sample_sum_norm": ("S / (N · L)", "Dr. GRPO; verl seq-mean-token-sum-norm"),
+    "sample_sum_norm": ("S / (N · L)", "Dr. GRPO; verl seq-mean-token-sum-norm; TRL dr_grpo"),
+    "token_sum": ("S", "verl token-sum (0.9)"),
+    "per_group": (
+        "(1/Ngrp) Σ_g s_g / max(n_g, 1)",
+        "GRPO prompt groups: each prompt's completions weigh the same (no framework does it exactly)",
+    ),
 }
 
 # Gradient engine of the trainer: DistributedDataParallel, FSDP2 (fully_shard) or a plain module whose
