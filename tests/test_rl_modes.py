@@ -41,7 +41,9 @@ def test_per_group_needs_group_ids() -> None:
 
 def test_per_group_token_weights_and_numerator() -> None:
     w = token_weights("per_group", MASK, group_ids=GROUPS, denominator=3.0)
-    assert float((w * LOSS).sum()) == pytest.approx(float(objective("per_group", LOSS, MASK, group_ids=GROUPS)), abs=1e-15)
+    assert float((w * LOSS).sum()) == pytest.approx(
+        float(objective("per_group", LOSS, MASK, group_ids=GROUPS)), abs=1e-15
+    )
     # microbatches that split group 1: the global group counts come as unit_counts
     n_g = torch.tensor([4.0, 2.0, 2.0])[GROUPS].unsqueeze(-1).expand_as(MASK)
     parts = [numerator("per_group", LOSS[a:b], MASK[a:b], unit_counts=n_g[a:b]) for a, b in ((0, 3), (3, 5))]

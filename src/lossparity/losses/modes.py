@@ -104,7 +104,8 @@ def count_normalizers(mask: Tensor, segment_ids: Tensor | None = None) -> Normal
 
 def denominator(mode: str, norms: Normalizers, fixed_length: int | None = None) -> float:
     """The global denominator of ``mode`` (``mode_table``): ``max(count, 1)`` of ``Ntok``, ``N``, ``Ndoc``,
-    ``D·K`` or ``Ngrp`` (1 for ``token_sum``); the ``max`` turns an empty count into 1 so that an empty batch gives ``J = 0``.
+    ``D·K`` or ``Ngrp`` (1 for ``token_sum``); the ``max`` turns an empty count into 1 so that an empty batch
+    gives ``J = 0``.
     ``sample_sum_norm``'s ``L`` is divided in :func:`numerator`, so its denominator is ``N``: passing
     ``fixed_length`` raises (as in the JAX port) instead of being silently ignored."""
     check_mode(mode)

@@ -154,7 +154,9 @@ class RLAccountant:
         rank: int,
     ) -> list[Tensor | None]:
         if isinstance(masks, Tensor) or not isinstance(masks, Sequence) or not masks:
-            raise ValueError(f"masks must be a non-empty sequence of [b, S] tensors (rank {rank}), got {describe(masks)}")
+            raise ValueError(
+                f"masks must be a non-empty sequence of [b, S] tensors (rank {rank}), got {describe(masks)}"
+            )
         if needs_groups and (group_ids is None or not g):
             raise ValueError(f"a per_group term needs group_ids and num_groups > 0 (rank {rank}), got {num_groups!r}")
         if group_ids is not None and len(group_ids) != len(masks):
@@ -229,8 +231,10 @@ class RLAccountant:
             t = self.terms[name]
             if not isinstance(v, Tensor) or mask is None or v.shape != mask.shape:
                 shape = None if mask is None else tuple(mask.shape)
-                raise ValueError(f"share: values[{name!r}] must be a tensor of the mask's shape {shape} "
-                                 f"(microbatch {microbatch}), got {describe(v)}")
+                raise ValueError(
+                    f"share: values[{name!r}] must be a tensor of the mask's shape {shape} "
+                    f"(microbatch {microbatch}), got {describe(v)}"
+                )
             w = self.token_weights(microbatch, name).to(v.device)
             part = (torch.where(w > 0, v.to(torch.float64), torch.zeros_like(w)) * w).sum()
             step.sums[name] = step.sums.get(name, torch.zeros((), dtype=torch.float64, device=v.device)) + part.detach()

@@ -68,11 +68,13 @@ class LossParityGRPOMixin:
                 "supported (their masks and ratios are not row-homogeneous)"
             )
         if t.args.steps_per_generation % t.args.gradient_accumulation_steps:
-            raise ValueError("LossParityGRPOMixin: steps_per_generation must be a multiple of gradient_accumulation_steps")
+            raise ValueError(
+                "LossParityGRPOMixin: steps_per_generation must be a multiple of gradient_accumulation_steps"
+            )
         if t.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo"):
             raise ValueError(
-                f"LossParityGRPOMixin: loss_type {t.loss_type!r} has another surrogate; use grpo, bnpo, dr_grpo or dapo "
-                "(the clipped surrogate; lossparity_mode sets its normalization)"
+                f"LossParityGRPOMixin: loss_type {t.loss_type!r} has another surrogate; use grpo, bnpo, dr_grpo or "
+                "dapo (the clipped surrogate; lossparity_mode sets its normalization)"
             )
         t.loss_type = "dr_grpo"  # the reduction whose token weight is known: Σ / (b · L · GA)
         L = fixed_length if fixed_length is not None else float(t.max_completion_length)
@@ -81,7 +83,10 @@ class LossParityGRPOMixin:
             "policy": Term(lossparity_mode, 1.0, fixed_length=L, **common),  # type: ignore[arg-type]
             "kl": Term(kl_mode or lossparity_mode, float(t.beta), fixed_length=L, **common),  # type: ignore[arg-type]
             "entropy": Term(
-                entropy_mode or lossparity_mode, -float(t.entropy_coef), fixed_length=L, **common  # type: ignore[arg-type]
+                entropy_mode or lossparity_mode,
+                -float(t.entropy_coef),
+                fixed_length=L,
+                **common,  # type: ignore[arg-type]
             ),
         }
         self._lp_count_scope = count_scope
@@ -114,7 +119,9 @@ class LossParityGRPOMixin:
             self._lp_acc.begin_step(masks, [b[_GROUP_KEY] for b in batches], num_groups=num_groups)
         self._lp_mb = k - scope_start
 
-    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None) -> Tensor:
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Tensor:
         t: Any = self
         if not t.model.training:  # evaluation: TRL's own loss
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)  # type: ignore[misc]

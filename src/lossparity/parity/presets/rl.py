@@ -49,7 +49,9 @@ _OPENRLHF_CODE = "OpenRLHF 0.11.2, openrlhf/models/loss.py aggregate_loss and op
 
 def _one_positional(spec: str, name: str, positional: list[str], valid: tuple[str, ...], key: str | None) -> str:
     if len(positional) != 1:
-        raise ValueError(f"preset {spec!r}: {name} needs one {key or 'mode'}, e.g. {name}:{valid[0]}; valid: {', '.join(valid)}")
+        raise ValueError(
+            f"preset {spec!r}: {name} needs one {key or 'mode'}, e.g. {name}:{valid[0]}; valid: {', '.join(valid)}"
+        )
     return str(_choice(positional[0], key or "mode", valid))
 
 
@@ -183,8 +185,12 @@ def verl(spec: str, positional: list[str], options: dict[str, str]) -> Preset:
         settings=[f"actor_rollout_ref.actor.loss_agg_mode={agg}"]
         + ([f"actor_rollout_ref.actor.loss_scale_factor={L}"] if L is not None else []),
         requires=requires,
-        log_names={"objective": "actor/pg_loss", "policy": "actor/pg_loss", "entropy": "actor/entropy_loss",
-                   "kl": "actor/kl_loss"},
+        log_names={
+            "objective": "actor/pg_loss",
+            "policy": "actor/pg_loss",
+            "entropy": "actor/entropy_loss",
+            "kl": "actor/kl_loss",
+        },
         terms={"policy": mode, "kl": mode, "entropy": mode},
     )
 
