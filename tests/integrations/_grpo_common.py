@@ -26,7 +26,7 @@ def rollout(prompt_list: list[str], trainer) -> dict:
     for j, ids in enumerate(prompt_ids):
         k = j % NUM_GENERATIONS
         seed = sum(ids) * 7 + k
-        length = 1 + (seed * 5) % MAX_COMPLETION
+        length = 1 + (sum(ids) % 5 + 2 * k) % MAX_COMPLETION  # groups of different token totals
         body = [1 + (seed * (t + 3)) % (VOCAB - 2) for t in range(length)]
         if k != 3:
             body[-1] = VOCAB - 1
@@ -126,14 +126,15 @@ class StepParams:
 
 def naive_objective(out_dir: str, rows: list[dict], terms: dict[str, tuple[str, float]], L: int = MAX_COMPLETION):
     """``J = Σ_k coef_k · J_{mode_k}`` of the rows of one step at the initial parameters, in float64, written out
-    row by row from semantics §1/§9 (groups: rows with the same prompt); returns (J, its gradient by name)."""
+    row by row from semantics §1/§9 (groups: rows with the same prompt; microbatches: the entries of ``rows``);
+    returns (J, its gradient by name, each term's value)."""
     import os
 
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out_dir, "tiny-llama"), dtype=torch.float64)
-    per_row = []  # (group key, n_i, {term: s_i})
-    for mb in rows:
+    per_row = []  # (group key, n_i, {term: s_i}, microbatch)
+    for m, mb in enumerate(rows):
         for i in range(mb["completion_ids"].shape[0]):
             p_ids, p_m = mb["prompt_ids"][i], mb["prompt_mask"][i]
             c_ids, c_m = mb["completion_ids"][i], mb["completion_mask"][i].double()
@@ -148,9 +149,10 @@ def naive_objective(out_dir: str, rows: list[dict], terms: dict[str, tuple[str, 
             kl = torch.exp(d) - d - 1
             ent = -(logp_all.exp() * logp_all).sum(-1)
             sums = {"policy": (pg * c_m).sum(), "kl": (kl * c_m).sum(), "entropy": (ent * c_m).sum()}
-            per_row.append((tuple(p_ids[p_m > 0].tolist()), float(c_m.sum()), sums))
+            per_row.append((tuple(p_ids[p_m > 0].tolist()), float(c_m.sum()), sums, m))
     ntok = sum(n for _, n, _ in per_row)
     J = torch.zeros((), dtype=torch.float64)
+    values: dict[str, float] = {}
     for name, (mode, coef) in terms.items():
         if mode == "per_token":
             j = sum(r[2][name] for r in per_row) / max(ntok, 1)
@@ -164,8 +166,14 @@ def naive_objective(out_dir: str, rows: list[dict], terms: dict[str, tuple[str, 
                 sum(r[2][name] for r in per_row if r[0] == k) / max(sum(r[1] for r in per_row if r[0] == k), 1)
                 for k in keys
             ) / len(keys)
+        elif mode == "per_microbatch":
+            j = sum(
+                sum(r[2][name] for r in per_row if r[3] == m) / max(sum(r[1] for r in per_row if r[3] == m), 1)
+                for m in range(len(rows))
+            ) / len(rows)
         else:
             raise ValueError(mode)
+        values[name] = float(j)
         J = J + coef * j
     J.backward()
-    return float(J), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return float(J.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}, values

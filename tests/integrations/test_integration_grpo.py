@@ -16,15 +16,18 @@ from _grpo_common import StepParams, naive_objective, rel_update_diff, run_grpo 
 BETA, ENTROPY = 0.04, 0.1
 
 
-def _check_against_naive(out_dir, run, terms, lr=1.0):
-    """The first step's update (−lr·∇J) and logged objective against the naive float64 J of its rows."""
+def _check_against_naive(out_dir, run, terms, rows=None, lr=1.0):
+    """The first step's update (−lr·∇J) and logged objective (and policy term) against the naive float64 J of
+    its rows (default: the first generation batch)."""
     before, _, logs, trainer = run
-    J, grad = naive_objective(out_dir, trainer._test_rows, terms)
+    J, grad, values = naive_objective(out_dir, rows or trainer._test_rows, terms)
     after1 = trainer._test_params[0]
     upd = torch.cat([(after1[k] - before[k]).flatten() for k in before])
     ref = torch.cat([(-lr * grad[k]).float().flatten() for k in before])
     g_rel = float((upd - ref).abs().max() / ref.abs().max())
-    o_rel = abs(logs[0]["objective"] - J) / abs(J)
+    o_rel = abs(logs[0]["objective"] - J) / abs(J) if "objective" in logs[0] else float("nan")
+    if "lossparity/policy" in logs[0]:  # the policy term's log: its value may be ~0 (advantages sum to 0)
+        o_rel = max(o_rel, abs(logs[0]["lossparity/policy"] - values["policy"]) / max(abs(J), 1e-30))
     return g_rel, o_rel, J
 
 
@@ -44,3 +47,34 @@ def test_drop_in_is_layout_invariant_and_exact(tmp_path, mode):
     assert max(w[1] for w in worst) <= 1e-6, worst
     print(f"measured: GRPO drop-in {mode}: updates GA2/GA4 vs GA1 {diffs[0]:.1e}/{diffs[1]:.1e} (2 steps); "
           f"step-1 update vs naive float64 {max(w[0] for w in worst):.1e}, objective {max(w[1] for w in worst):.1e}")
+
+
+def test_drop_in_counts_the_steps_own_tokens_with_spg(tmp_path):
+    """steps_per_generation = 2·GA: one generation batch feeds two steps; the first step divides by its own
+    token count (count_scope="step"), not by the generation batch's mean step count as TRL's dapo does."""
+    run = _run(tmp_path, 2, 2, "per_token", steps=1, spg=4)
+    trainer = run[3]
+    rows = trainer._buffered_inputs[0:2]  # the micro-batches of step 1 (TRL's shuffled split)
+    terms = {"policy": ("per_token", 1.0), "kl": ("per_token", BETA), "entropy": ("per_token", -ENTROPY)}
+    g_rel, o_rel, _ = _check_against_naive(tmp_path, run, terms, rows=rows)
+    assert g_rel <= 1e-5 and o_rel <= 1e-6, (g_rel, o_rel)
+    native = _run(tmp_path, 2, 2, steps=1, spg=4, mixin=False, loss_type="dapo", beta=0.0, entropy_coef=0.0)
+    n_rel, _, _ = _check_against_naive(tmp_path, native, {"policy": ("per_token", 1.0)}, rows=rows)
+    step = sum(float(r["completion_mask"].sum()) for r in rows)
+    gen = sum(float(r["completion_mask"].sum()) for r in trainer._buffered_inputs)
+    print(f"measured: spg=2·GA per_token: drop-in vs naive (step's own {step:.0f} tokens) {g_rel:.1e}, objective "
+          f"{o_rel:.1e}; TRL dapo (divides by {gen / 2:.1f}) vs the same naive {n_rel:.1e}")
+
+
+def test_native_bnpo_is_its_preset(tmp_path):
+    """TRL's own bnpo (no drop-in) at GA 2: its update is ∇ of the trl-grpo:bnpo preset's objective (policy and KL
+    per_microbatch, entropy per_microbatch), computed naively on the micro-batches TRL split."""
+    from lossparity.parity.presets import resolve_preset
+
+    p = resolve_preset("trl-grpo:bnpo")
+    run = _run(tmp_path, 4, 2, steps=1, mixin=False, loss_type="bnpo")
+    rows = run[3]._buffered_inputs
+    terms = {"policy": (p.terms["policy"], 1.0), "kl": (p.terms["kl"], BETA), "entropy": (p.terms["entropy"], -ENTROPY)}
+    g_rel, _, _ = _check_against_naive(tmp_path, run, terms, rows=rows)
+    assert g_rel <= 1e-6, g_rel
+    print(f"measured: TRL 1.16 bnpo GA 2 update vs the trl-grpo:bnpo preset's objective: {g_rel:.1e}")

@@ -50,7 +50,7 @@ _OPENRLHF_CODE = "OpenRLHF 0.11.2, openrlhf/models/loss.py aggregate_loss and op
 def _one_positional(spec: str, name: str, positional: list[str], valid: tuple[str, ...], key: str | None) -> str:
     if len(positional) != 1:
         raise ValueError(
-            f"preset {spec!r}: {name} needs one {key or 'mode'}, e.g. {name}:{valid[0]}; valid: {', '.join(valid)}"
+            f"preset {spec!r}: {name} needs a {key or 'mode'} (one), e.g. {name}:{valid[0]}; valid: {', '.join(valid)}"
         )
     return str(_choice(positional[0], key or "mode", valid))
 
