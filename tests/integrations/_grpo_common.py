@@ -14,7 +14,9 @@ MAX_COMPLETION = 8
 
 def prompts(n: int = 8) -> list[dict[str, str]]:
     g = torch.Generator().manual_seed(3)
-    return [{"prompt": " ".join(f"w{int(x)}" for x in torch.randint(1, VOCAB - 1, (4,), generator=g))} for _ in range(n)]
+    return [
+        {"prompt": " ".join(f"w{int(x)}" for x in torch.randint(1, VOCAB - 1, (4,), generator=g))} for _ in range(n)
+    ]
 
 
 def rollout(prompt_list: list[str], trainer) -> dict:

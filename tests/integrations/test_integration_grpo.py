@@ -45,8 +45,10 @@ def test_drop_in_is_layout_invariant_and_exact(tmp_path, mode):
     worst = [_check_against_naive(tmp_path, r, terms) for r in runs]
     assert max(w[0] for w in worst) <= 1e-5, worst  # float32 model against the float64 reference
     assert max(w[1] for w in worst) <= 1e-6, worst
-    print(f"measured: GRPO drop-in {mode}: updates GA2/GA4 vs GA1 {diffs[0]:.1e}/{diffs[1]:.1e} (2 steps); "
-          f"step-1 update vs naive float64 {max(w[0] for w in worst):.1e}, objective {max(w[1] for w in worst):.1e}")
+    print(
+        f"measured: GRPO drop-in {mode}: updates GA2/GA4 vs GA1 {diffs[0]:.1e}/{diffs[1]:.1e} (2 steps); "
+        f"step-1 update vs naive float64 {max(w[0] for w in worst):.1e}, objective {max(w[1] for w in worst):.1e}"
+    )
 
 
 def test_drop_in_counts_the_steps_own_tokens_with_spg(tmp_path):
@@ -62,8 +64,10 @@ def test_drop_in_counts_the_steps_own_tokens_with_spg(tmp_path):
     n_rel, _, _ = _check_against_naive(tmp_path, native, {"policy": ("per_token", 1.0)}, rows=rows)
     step = sum(float(r["completion_mask"].sum()) for r in rows)
     gen = sum(float(r["completion_mask"].sum()) for r in trainer._buffered_inputs)
-    print(f"measured: spg=2·GA per_token: drop-in vs naive (step's own {step:.0f} tokens) {g_rel:.1e}, objective "
-          f"{o_rel:.1e}; TRL dapo (divides by {gen / 2:.1f}) vs the same naive {n_rel:.1e}")
+    print(
+        f"measured: spg=2·GA per_token: drop-in vs naive (step's own {step:.0f} tokens) {g_rel:.1e}, objective "
+        f"{o_rel:.1e}; TRL dapo (divides by {gen / 2:.1f}) vs the same naive {n_rel:.1e}"
+    )
 
 
 def test_native_bnpo_is_its_preset(tmp_path):
