@@ -125,3 +125,13 @@ def test_accountant_bad_input_names_argument() -> None:
         Term("per_document")
     with pytest.raises(ValueError, match="fixed_length"):
         Term("sample_sum_norm")
+
+
+def test_rl_doc_block_runs() -> None:
+    """docs/rl.md's example: its asserts are the hand-worked group means of the page."""
+    import pathlib
+    import re
+
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "rl.md").read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", page, re.S) if b.startswith("import torch")]
+    exec(compile(code, "docs/rl.md", "exec"), {})

@@ -10,11 +10,11 @@ import torch
 from lossparity.distributed.accountant import Accountant
 from lossparity.losses.modes import MODES as ALL_MODES
 from lossparity.losses.modes import numerator
+from lossparity.losses.mtp import CONVENTIONS, mtp_numerator, roll_mtp
+from lossparity.losses.token_weights import mtp_token_weights, token_weights
 
 # per_group's weights need the groups' global counts: tests/test_rl_modes.py
 MODES = tuple(m for m in ALL_MODES if m != "per_group")
-from lossparity.losses.mtp import CONVENTIONS, mtp_numerator, roll_mtp
-from lossparity.losses.token_weights import mtp_token_weights, token_weights
 
 
 def batch(b=3, S=10, seed=0):

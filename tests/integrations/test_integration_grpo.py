@@ -11,7 +11,7 @@ pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
 import torch  # noqa: E402
-from _grpo_common import StepParams, naive_objective, rel_update_diff, run_grpo  # noqa: E402
+from _grpo_common import naive_objective, rel_update_diff, run_grpo  # noqa: E402
 
 BETA, ENTROPY = 0.04, 0.1
 

@@ -78,7 +78,8 @@ def trl_grpo(spec: str, positional: list[str], options: dict[str, str]) -> Prese
     mode = TRL_LOSS_TYPES[lt]
     L = None
     if lt == "dr_grpo":
-        L = _positive(options.get("max_completion_length", "256"), "max_completion_length")
+        # 512: GRPOConfig's default max_completion_length
+        L = _positive(options.get("max_completion_length", "512"), "max_completion_length")
     elif "max_completion_length" in options:
         raise ValueError(f"preset {spec!r}: max_completion_length only sets the L of dr_grpo")
     policy = {
