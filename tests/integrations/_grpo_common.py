@@ -22,8 +22,7 @@ def prompts(n: int = 8) -> list[dict[str, str]]:
 def rollout(prompt_list: list[str], trainer) -> dict:
     """Completions that depend only on the prompt and the row's place in its group: 1..8 tokens, the last one
     <eos> except for every fourth (truncated: masked whole under mask_truncated_completions)."""
-    tok = trainer.processing_class
-    prompt_ids = [tok(p)["input_ids"] for p in prompt_list]
+    prompt_ids = [[int(w[1:]) for w in p.split()] for p in prompt_list]  # the word-level ids of "w5 w17 ..."
     out = []
     for j, ids in enumerate(prompt_ids):
         k = j % NUM_GENERATIONS
@@ -152,7 +151,7 @@ def naive_objective(out_dir: str, rows: list[dict], terms: dict[str, tuple[str, 
             ent = -(logp_all.exp() * logp_all).sum(-1)
             sums = {"policy": (pg * c_m).sum(), "kl": (kl * c_m).sum(), "entropy": (ent * c_m).sum()}
             per_row.append((tuple(p_ids[p_m > 0].tolist()), float(c_m.sum()), sums, m))
-    ntok = sum(n for _, n, _ in per_row)
+    ntok = sum(r[1] for r in per_row)
     J = torch.zeros((), dtype=torch.float64)
     values: dict[str, float] = {}
     for name, (mode, coef) in terms.items():
