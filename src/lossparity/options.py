@@ -14,6 +14,7 @@ from typing import Literal, TypeVar, get_args
 __all__ = [
     "Mode",
     "MODES",
+    "ACCOUNTANT_MODES",
     "Normalization",
     "NORMALIZATIONS",
     "GradReduction",
@@ -58,6 +59,10 @@ Mode = Literal[
     "per_group",
 ]
 MODES: tuple[Mode, ...] = get_args(Mode)
+
+# The modes of the LM Accountant, the reference trainer and `verify`: per_group needs prompt groups (group ids),
+# which only the RL accountant (lossparity.rl.RLAccountant) takes.
+ACCOUNTANT_MODES: tuple[Mode, ...] = tuple(m for m in MODES if m != "per_group")
 
 # precount: normalizers counted before the step; deferred: raw sums back-propagated, gradients divided
 # by the all-reduced count at the end of the step (Megatron calculate_per_token_loss=True).
