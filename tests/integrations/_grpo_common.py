@@ -178,3 +178,25 @@ def naive_objective(out_dir: str, rows: list[dict], terms: dict[str, tuple[str, 
         J = J + coef * j
     J.backward()
     return float(J.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}, values
+
+
+if __name__ == "__main__":  # torchrun entry point: OUT MODE B GA (rank 0 saves the run's parameters and logs)
+    import os
+    import sys
+
+    torch.set_num_threads(1)
+    out, mode, b, ga = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    rank_dir = f"{out}.rank{os.environ.get('RANK', '0')}"  # each rank builds the (seeded, identical) model itself
+    os.makedirs(rank_dir, exist_ok=True)
+    before, after, logs, _ = run_grpo(
+        rank_dir,
+        b,
+        ga,
+        steps=2,
+        lp={"lossparity_mode": mode},
+        beta=0.04,
+        entropy_coef=0.1,
+        mask_truncated_completions=True,
+    )
+    if os.environ.get("RANK", "0") == "0":
+        torch.save({"before": before, "after": after, "logs": logs}, f"{out}.pt")

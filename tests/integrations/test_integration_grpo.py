@@ -82,3 +82,40 @@ def test_native_bnpo_is_its_preset(tmp_path):
     g_rel, _, _ = _check_against_naive(tmp_path, run, terms, rows=rows)
     assert g_rel <= 1e-6, g_rel
     print(f"measured: TRL 1.16 bnpo GA 2 update vs the trl-grpo:bnpo preset's objective: {g_rel:.1e}")
+
+
+@pytest.mark.slow
+def test_drop_in_two_processes_equal_one(tmp_path):
+    """2 gloo processes × batch 4 (torchrun) against 1 process × batch 8, per_group with KL and entropy, 2 steps:
+    the groups are split over the processes (each holds one prompt's 4 completions)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lossparity.distributed.launch import free_port
+
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parents[1] / "src"), str(here)]), OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(here / "_grpo_common.py"),
+        str(tmp_path / "d2"),
+        "per_group",
+        "4",
+        "1",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    d2 = torch.load(tmp_path / "d2.pt")
+    one = _run(tmp_path, 8, 1, "per_group")
+    diff = rel_update_diff(one, (d2["before"], d2["after"]))
+    assert diff <= 1e-6, diff
+    assert abs(d2["logs"][0]["objective"] - one[2][0]["objective"]) <= 1e-6 * abs(one[2][0]["objective"])
+    print(f"measured: GRPO drop-in per_group D2×b4 vs D1×b8, 2 steps: update {diff:.1e}")
