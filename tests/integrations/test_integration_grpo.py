@@ -31,9 +31,10 @@ def _check_against_naive(out_dir, run, terms, rows=None, lr=1.0):
     return g_rel, o_rel, J
 
 
-def _run(tmp_path, b, ga, mode=None, steps=2, spg=None, mixin=True, **over):
+def _run(tmp_path, b, ga, mode=None, steps=2, spg=None, mixin=True, lp=None, **over):
     kw = {"beta": BETA, "entropy_coef": ENTROPY, "mask_truncated_completions": True, **over}
-    return run_grpo(str(tmp_path), b, ga, mixin=mixin, steps=steps, spg=spg, lp={"lossparity_mode": mode}, **kw)
+    lp = {"lossparity_mode": mode, **(lp or {})}
+    return run_grpo(str(tmp_path), b, ga, mixin=mixin, steps=steps, spg=spg, lp=lp, **kw)
 
 
 @pytest.mark.parametrize("mode", ["per_token", "per_sample", "sample_sum_norm", "per_group"])
@@ -68,6 +69,14 @@ def test_drop_in_counts_the_steps_own_tokens_with_spg(tmp_path):
         f"measured: spg=2·GA per_token: drop-in vs naive (step's own {step:.0f} tokens) {g_rel:.1e}, objective "
         f"{o_rel:.1e}; TRL dapo (divides by {gen / 2:.1f}) vs the same naive {n_rel:.1e}"
     )
+    # count_scope="generation": the step's share of the generation batch's J, i.e. its own J × Ntok_step / Ntok_gen
+    g = _run(tmp_path, 2, 2, "per_token", steps=1, spg=4, lp={"count_scope": "generation"})
+    J, grad, _ = naive_objective(str(tmp_path), rows, terms)
+    upd = torch.cat([(g[3]._test_params[0][k] - g[0][k]).flatten() for k in g[0]])
+    ref = torch.cat([(-grad[k] * step / gen).float().flatten() for k in g[0]])
+    gen_rel = float((upd - ref).abs().max() / ref.abs().max())
+    assert gen_rel <= 1e-5 and abs(g[2][0]["objective"] - J * step / gen) <= 1e-6 * abs(J * step / gen), gen_rel
+    print(f"measured: spg=2·GA count_scope=generation: step 1 vs naive J·{step:.0f}/{gen:.0f}: {gen_rel:.1e}")
 
 
 def test_native_bnpo_is_its_preset(tmp_path):
