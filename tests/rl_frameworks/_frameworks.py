@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import pathlib
 import sys
 import types
 
-from conftest import SITE
+# the same folder as conftest.py's (not imported from it: several conftest modules share that name)
+SITE = pathlib.Path(os.environ.get("LOSSPARITY_RL_SITE", pathlib.Path(__file__).resolve().parents[2] / ".venv-rl"))
 
 
 def _package(name: str, root) -> None:
