@@ -128,3 +128,19 @@ def test_openrlhf_equals_its_preset(agg: str, layout) -> None:
     assert got == pytest.approx(_preset_objective(f"openrlhf:{agg}", LOSS, MASK, mbs), rel=1e-12)
     if agg == "seq-mean-token-mean":  # empty rows dropped: N = 7 non-empty rows, not 8
         assert got == pytest.approx(float(objective("per_sample", LOSS, MASK)) * N / 7, rel=1e-8)
+
+
+def test_guard_of_custom_verl_losses() -> None:
+    """A custom loss that calls verl's agg_loss without the global counts gets the legacy per-micro-batch value
+    at K = 2 (measured here against the preset); the guard refuses that call and accepts the engine's info."""
+    from lossparity.rl import check_global_batch_info
+
+    mbs = _microbatches(1, [3, 5])
+    silent = sum(float(VERL.agg_loss(LOSS[sl], MASK[sl], "token-mean")) for sl in mbs[0]) / 2
+    assert silent != pytest.approx(_preset_objective("verl:token-mean", LOSS, MASK, mbs), rel=1e-3)
+    with pytest.raises(ValueError, match="lacks batch_num_tokens.*token-mean.*2 micro-batches"):
+        check_global_batch_info({"dp_size": 1}, "token-mean", 2)
+    with pytest.raises(ValueError, match="lacks dp_size, global_batch_size"):
+        check_global_batch_info(None, "seq-mean-token-mean", 4)
+    check_global_batch_info({"dp_size": 1, "batch_num_tokens": 27, "global_batch_size": 8}, "token-mean", 2)
+    check_global_batch_info(None, "token-mean", 1)  # one micro-batch: its own count is the step's

@@ -4,9 +4,12 @@
   microbatch, and the exact logs of ``J`` and of every term.
 - :class:`LossParityGRPOMixin` (``lossparity.rl.trl``, imports nothing of TRL itself): the drop-in that makes
   TRL's ``GRPOTrainer`` optimize that objective at any layout.
+- :func:`check_global_batch_info` (``lossparity.rl.verl``): the guard of a custom verl loss against the
+  per-micro-batch fallback of verl's ``agg_loss``.
 """
 
 from .accountant import RLAccountant, Term
 from .trl import LossParityGRPOMixin
+from .verl import check_global_batch_info
 
-__all__ = ["RLAccountant", "Term", "LossParityGRPOMixin"]
+__all__ = ["RLAccountant", "Term", "LossParityGRPOMixin", "check_global_batch_info"]
