@@ -115,6 +115,27 @@ maxtext_tests() {  # the MaxText tests, for real, in the 3.12 venv (the main run
     "$MAXTEXT_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/maxtext
 }
 
+# verl and OpenRLHF loss functions (tests/rl_frameworks): their releases with --no-deps into a side folder,
+# imported with the main venv's torch and transformers; ray, tensordict and friends only as far as verl's
+# core_algos imports them (tests/rl_frameworks/_frameworks.py skips the packages' heavy __init__ files).
+RL_SITE="${LOSSPARITY_RL_SITE:-.venv-rl}"
+RL_PACKAGES=(verl==0.9.1 openrlhf==0.11.2 omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 tensordict==0.15.3
+  pyvers==0.2.3 cloudpickle==3.1.3 codetiming==1.4.0 orjson==3.13.0 ray==2.60.0 msgpack==1.2.4 jsonschema==4.26.0
+  jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0)
+ensure_rl_env() {
+  local stamp="$RL_SITE/.lossparity-rl-$(echo "${RL_PACKAGES[*]}" | sha1sum | cut -c1-12)"
+  [ -f "$stamp" ] && return 0
+  "$VENV/bin/pip" install -q --no-deps --target "$RL_SITE/site" "${RL_PACKAGES[@]}"
+  "$VENV/bin/pip" install -q --no-deps --target "$RL_SITE/verl071" verl==0.7.1  # the legacy workers' agg_loss
+  touch "$stamp"
+}
+
+rl_framework_tests() {  # verl's and OpenRLHF's loss functions against the presets (a separate pytest run)
+  ensure_rl_env
+  LOSSPARITY_RL_SITE="$RL_SITE" LOSSPARITY_REQUIRE_RL=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+    tests/rl_frameworks
+}
+
 lint() {  # static checks of the test command: lint (with complexity limits), formatting, types, layers
   "$VENV/bin/ruff" check .
   "$VENV/bin/ruff" format --check .
@@ -153,6 +174,7 @@ case "$cmd" in
       if [ "$#" -eq 0 ]; then  # the whole suite: also the second environments (Python 3.12)
         megatron_tests  # the Megatron subset against megatron-core 0.19.2
         maxtext_tests  # the real MaxText 0.2.5 training loop
+        rl_framework_tests  # verl 0.9.1 / 0.7.1 and OpenRLHF 0.11.2 loss functions
       fi
     fi
     ;;

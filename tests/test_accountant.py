@@ -36,7 +36,7 @@ def assert_close(a: dict, b: dict, rel=1e-10):
 
 
 @pytest.mark.parametrize("normalization", ["precount", "deferred"])
-@pytest.mark.parametrize("mode", lp.MODES)
+@pytest.mark.parametrize("mode", [m for m in lp.MODES if m != "per_group"])  # per_group: tests/test_rl_modes.py
 def test_ga1_equals_ga4_equals_reference(mode, normalization):
     for K in (1, 2, 4, 8):
         if mode == "per_microbatch":
@@ -88,6 +88,8 @@ def test_bad_options():
         lp.Accountant("per_token", normalization="deferred", mtp_depths=1, mtp_convention="own")
     with pytest.raises(ValueError, match="per_document.*segment_ids"):
         lp.Accountant("per_document").begin_step([torch.ones(2, 3)])
+    with pytest.raises(ValueError, match="per_group.*RLAccountant"):
+        lp.Accountant("per_group")
 
 
 def test_mask_values_and_shapes_named():

@@ -50,6 +50,7 @@ EXECUTED = {
     ),
     ("docs/hf-trainer.md", "import torch"): "tests/integrations/test_hf_docs.py::test_hf_trainer_doc_block_runs",
     ("docs/audit.md", "import torch"): "tests/audit/test_audit_stacks.py::test_docs_audit_page_block_runs",
+    ("docs/rl.md", "import torch"): "tests/test_rl_modes.py::test_rl_doc_block_runs",
     # "*": one test runs every python block of the page
     ("docs/accountant-internals.md", "*"): "tests/test_accountant.py::test_docs_accountant_page_code_blocks_run",
     ("docs/checkpoints.md", "*"): "tests/test_checkpoint_safety.py::test_checkpoint_doc_python_blocks_run",

@@ -29,16 +29,21 @@ HAND = {
     "per_document": (1.5 + 3 + 4 + 0 + 1) / 5,
     "sample_sum": 12 / 4,
     "sample_sum_norm": 12 / (4 * 3),  # L = 3
+    "token_sum": 12,
+    "per_group": ((6 + 4) / 4 + (0 + 2) / 2) / 2,  # groups {A, B}, {C, D}
 }
+GROUPS = torch.tensor([0, 0, 1, 1])
+# per_group's counts span microbatches: the RLAccountant counts them (tests/test_rl_modes.py)
+ACCOUNTANT_MODES = tuple(m for m in lp.MODES if m != "per_group")
 
 
 @pytest.mark.parametrize("mode", lp.MODES)
 def test_hand_worked_example(mode):
-    got = lp.objective(mode, LOSS, MASK, segment_ids=SEG, microbatch_size=2, fixed_length=3)
+    got = lp.objective(mode, LOSS, MASK, segment_ids=SEG, microbatch_size=2, fixed_length=3, group_ids=GROUPS)
     assert float(got) == pytest.approx(HAND[mode], abs=1e-15)
 
 
-@pytest.mark.parametrize("mode", lp.MODES)
+@pytest.mark.parametrize("mode", ACCOUNTANT_MODES)
 def test_hand_worked_through_accountant_ga2(mode):
     acc = lp.Accountant(mode, fixed_length=3)
     acc.begin_step([MASK[:2], MASK[2:]], [SEG[:2], SEG[2:]])
@@ -61,7 +66,8 @@ def test_all_padding_sample_counts_in_denominator():
 def test_zero_tokens_gives_zero_objective_and_missing_lm_loss():
     zero = torch.zeros_like(MASK)
     for mode in lp.MODES:
-        assert float(lp.objective(mode, LOSS, zero, segment_ids=SEG, microbatch_size=2, fixed_length=3)) == 0.0
+        kw = {"group_ids": GROUPS} if mode == "per_group" else {}
+        assert float(lp.objective(mode, LOSS, zero, segment_ids=SEG, microbatch_size=2, fixed_length=3, **kw)) == 0.0
     acc = lp.Accountant("per_token")
     acc.begin_step([zero])
     out = acc.lm_loss(LOSS, zero)
@@ -145,6 +151,8 @@ def _naive_float64(mode, loss, mask, seg, b, L):
         return sum(a / max(c, 1) for a, c in docs.values()) / max(len(docs), 1)
     if mode == "sample_sum":
         return sum(s) / rows
+    if mode == "token_sum":
+        return sum(s)
     return sum(s) / (rows * L)
 
 
@@ -171,7 +179,7 @@ def test_property_accountant_matches_naive_for_random_layouts(case):
     cut = torch.randint(0, S + 1, (rows,), generator=g)
     seg = torch.where(torch.arange(S)[None, :] < cut[:, None], 1, 2)
     seg = torch.where(torch.arange(S)[None, :] < torch.tensor(lengths)[:, None] + 1, seg, 0)
-    for mode in lp.MODES:
+    for mode in ACCOUNTANT_MODES:
         ref = _naive_float64(mode, loss, mask, seg, b, S)
         acc = lp.Accountant(mode, fixed_length=S)
         acc.begin_step([mask[i : i + b] for i in range(0, rows, b)], [seg[i : i + b] for i in range(0, rows, b)])

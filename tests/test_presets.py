@@ -86,8 +86,25 @@ EXPECTED = {
     "hf-trainer": ("per_token", "precount", "own", "token_mean", "microbatch", "microbatch"),
     "hf-trainer-legacy": ("per_microbatch", "precount", "own", "token_mean", "microbatch", "microbatch"),
     "torchtitan": ("per_token", "precount", "main", "token_mean", "none", "global"),
-    "verl:token-mean": ("per_microbatch", "precount", "own", "token_mean", "none", "global"),
-    "verl:token-mean,use_legacy_worker_impl=disable": ("per_token", "precount", "own", "token_mean", "none", "global"),
+    "verl:token-mean": ("per_token", "precount", "own", "token_mean", "none", "global"),
+    "verl:token-mean,use_legacy_worker_impl=enable": (
+        "per_microbatch",
+        "precount",
+        "own",
+        "token_mean",
+        "none",
+        "global",
+    ),
+    "verl:token-sum": ("token_sum", "precount", "own", "token_mean", "none", "global"),
+    "verl<0.8:token-mean": ("per_microbatch", "precount", "own", "token_mean", "none", "global"),
+    "verl<0.8:seq-mean-token-sum-norm": ("sample_sum_norm", "precount", "own", "token_mean", "none", "global"),
+    "trl-grpo:grpo": ("per_sample", "precount", "own", "token_mean", "none", "global"),
+    "trl-grpo:bnpo": ("per_microbatch", "precount", "own", "token_mean", "none", "global"),
+    "trl-grpo:dr_grpo": ("sample_sum_norm", "precount", "own", "token_mean", "none", "global"),
+    "trl-grpo:dapo": ("per_token", "precount", "own", "token_mean", "none", "global"),
+    "trl-grpo:luspo": ("sample_sum", "precount", "own", "token_mean", "none", "global"),
+    "openrlhf:token-mean": ("per_token", "precount", "own", "token_mean", "none", "global"),
+    "openrlhf:seq-mean-token-mean": ("per_sample", "precount", "own", "token_mean", "none", "global"),
     "verl:seq-mean-token-mean": ("per_sample", "precount", "own", "token_mean", "none", "global"),
     "verl:seq-mean-token-sum": ("sample_sum", "precount", "own", "token_mean", "none", "global"),
     "verl:seq-mean-token-sum-norm": ("sample_sum_norm", "precount", "own", "token_mean", "none", "global"),
@@ -106,7 +123,16 @@ def test_preset_resolves_to_documented_semantics(spec: str) -> None:
 
 def test_every_preset_is_valid_and_documented() -> None:
     presets = all_presets()
-    assert {p.framework for p in presets} == {"megatron", "maxtext", "hf-trainer", "torchtitan", "verl", "lossparity"}
+    assert {p.framework for p in presets} == {
+        "megatron",
+        "maxtext",
+        "hf-trainer",
+        "torchtitan",
+        "verl",
+        "trl",
+        "openrlhf",
+        "lossparity",
+    }
     for p in presets:
         assert p.mode in MODES and p.normalization in NORMALIZATIONS and p.mtp_convention in CONVENTIONS
         assert p.aux_scope in SCOPES and p.z_form in Z_FORMS and p.grad_reduction in GRAD_REDUCTIONS
@@ -154,6 +180,8 @@ def test_bad_options_list_the_valid_ones() -> None:
         resolve_preset("maxtext:mtp_per_layer_loss_norm=true")
     with pytest.raises(ValueError, match="needs a loss_agg_mode"):
         resolve_preset("verl")
+    with pytest.raises(ValueError, match="needs a loss_type.*grpo, sapo, bnpo, dr_grpo, dapo, cispo, vespo, luspo"):
+        resolve_preset("trl-grpo")
     with pytest.raises(ValueError, match="valid values: " + ", ".join(MODES)):
         resolve_preset("lossparity:mode=per_word")
     with pytest.raises(ValueError, match="given twice"):
@@ -243,3 +271,19 @@ def test_preset_table_has_one_row_per_preset() -> None:
     table = preset_table()
     for p in all_presets():
         assert f"| `{p.name}` | `{p.mode}` |" in table
+
+
+def test_rl_presets_state_each_terms_convention() -> None:
+    """The conventions read in the frameworks' code (semantics §9): epsilon, empty rows, the entropy's scope."""
+    assert resolve_preset("trl-grpo:dr_grpo,max_completion_length=64").fixed_length == 64
+    dapo = resolve_preset("trl-grpo:dapo")
+    assert dapo.terms == {"policy": "per_token", "kl": "per_token", "entropy": "per_microbatch"}
+    o = resolve_preset("openrlhf:seq-mean-token-mean")
+    assert (o.epsilon, o.empty_rows) == (1e-8, "drop")
+    v = resolve_preset("verl:seq-mean-token-mean")
+    assert (v.epsilon, v.empty_rows, v.terms["entropy"]) == (1e-8, "count", "per_sample")
+    legacy = resolve_preset("verl<0.8:seq-mean-token-sum-norm")
+    assert legacy.empty_rows == "drop" and not any("without a 1/N" in n for n in legacy.notes)
+    assert resolve_preset("verl:seq-mean-token-sum-norm,use_legacy_worker_impl=enable").name == (
+        "verl<0.8:seq-mean-token-sum-norm"
+    )

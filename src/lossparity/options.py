@@ -14,6 +14,7 @@ from typing import Literal, TypeVar, get_args
 __all__ = [
     "Mode",
     "MODES",
+    "ACCOUNTANT_MODES",
     "Normalization",
     "NORMALIZATIONS",
     "GradReduction",
@@ -47,8 +48,21 @@ __all__ = [
     "MODE_INFO",
 ]
 
-Mode = Literal["per_token", "per_sample", "per_microbatch", "per_document", "sample_sum", "sample_sum_norm"]
+Mode = Literal[
+    "per_token",
+    "per_sample",
+    "per_microbatch",
+    "per_document",
+    "sample_sum",
+    "sample_sum_norm",
+    "token_sum",
+    "per_group",
+]
 MODES: tuple[Mode, ...] = get_args(Mode)
+
+# The modes of the LM Accountant, the reference trainer and `verify`: per_group needs prompt groups (group ids),
+# which only the RL accountant (lossparity.rl.RLAccountant) takes.
+ACCOUNTANT_MODES: tuple[Mode, ...] = tuple(m for m in MODES if m != "per_group")
 
 # precount: normalizers counted before the step; deferred: raw sums back-propagated, gradients divided
 # by the all-reduced count at the end of the step (Megatron calculate_per_token_loss=True).
@@ -104,7 +118,12 @@ MODE_INFO: dict[Mode, tuple[str, str]] = {
     ),
     "per_document": ("(1/Ndoc) Σ_j s_j / max(n_j, 1)", "packed SFT: every conversation counts once"),
     "sample_sum": ("(1/N) Σ_i s_i", "verl seq-mean-token-sum"),
-    "sample_sum_norm": ("S / (N · L)", "Dr. GRPO; verl seq-mean-token-sum-norm"),
+    "sample_sum_norm": ("S / (N · L)", "Dr. GRPO; verl seq-mean-token-sum-norm; TRL dr_grpo"),
+    "token_sum": ("S", "verl token-sum (0.9)"),
+    "per_group": (
+        "(1/Ngrp) Σ_g s_g / max(n_g, 1)",
+        "GRPO prompt groups: each prompt's completions weigh the same (no framework does it exactly)",
+    ),
 }
 
 # Gradient engine of the trainer: DistributedDataParallel, FSDP2 (fully_shard) or a plain module whose

@@ -2,7 +2,8 @@
 
 The reference is written with plain Python loops over lists of floats, sharing no code with the
 library, and the library side runs through the :class:`Accountant` with gradient accumulation
-(``K = 4`` microbatches of ``b = 2``), so a wrong share or denominator shows up here.
+(``K = 4`` microbatches of ``b = 2``), so a wrong share or denominator shows up here. ``per_group`` runs through
+the :class:`~lossparity.rl.RLAccountant` (its groups of 3 rows span microbatches: ``GROUPS``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import torch
 
 from .distributed.accountant import Accountant
 from .losses.modes import MODES
+from .rl.accountant import RLAccountant, Term
+
+GROUPS = [0, 0, 0, 1, 1, 1, 2, 2]  # the per_group groups of the example's rows (they span microbatches)
 
 __all__ = ["example_batch", "naive_objective", "run_selfcheck"]
 
@@ -51,6 +55,13 @@ def naive_objective(mode: str, losses, masks, segs, b: int, length: int) -> floa
         return sum(s) / N
     if mode == "sample_sum_norm":
         return sum(s) / (N * length)
+    if mode == "token_sum":
+        return sum(s)
+    if mode == "per_group":
+        ids = sorted(set(GROUPS))
+        sg = [sum(s[i] for i in rows if GROUPS[i] == g) for g in ids]
+        ng = [sum(n[i] for i in rows if GROUPS[i] == g) for g in ids]
+        return sum(a / max(c, 1) for a, c in zip(sg, ng)) / len(ids)
     raise ValueError(mode)
 
 
@@ -63,6 +74,18 @@ def run_selfcheck(tol: float = 1e-12) -> list[tuple[str, float, float, bool]]:
     G = torch.tensor(segs, dtype=torch.long)
     rows: list[tuple[str, float, float, bool]] = []
     for mode in MODES:
+        if mode == "per_group":
+            rl = RLAccountant({"lm": Term("per_group")})
+            gid = torch.tensor(GROUPS)
+            rl.begin_step(
+                [W[i : i + 2] for i in range(0, 8, 2)], [gid[i : i + 2] for i in range(0, 8, 2)], num_groups=3
+            )
+            total = sum(float(rl.share(k, {"lm": L[2 * k : 2 * k + 2]})) for k in range(4))
+            ref = naive_objective(mode, losses, masks, segs, 2, 6)
+            rl_logged = rl.logs()["objective"]
+            ok = abs(total - ref) <= tol * max(1.0, abs(ref)) and abs(rl_logged - ref) <= tol * max(1.0, abs(ref))
+            rows.append((mode, total, ref, ok))
+            continue
         acc = Accountant(mode, fixed_length=6)
         acc.begin_step([W[i : i + 2] for i in range(0, 8, 2)], [G[i : i + 2] for i in range(0, 8, 2)])
         total = sum(float(acc.lm_loss(L[i : i + 2], W[i : i + 2], G[i : i + 2])) for i in range(0, 8, 2))

@@ -238,4 +238,10 @@ def test_bad_input_raises_clear_errors():
 
 
 def test_modes_match_torch_names():
-    assert lj.MODES == tmodes.MODES
+    assert lj.MODES == tuple(m for m in tmodes.MODES if m not in ("token_sum", "per_group"))
+
+
+@pytest.mark.parametrize("mode", ["token_sum", "per_group"])
+def test_rl_modes_are_refused_by_name(mode):
+    with pytest.raises(ValueError, match=f"mode {mode!r} is not in the JAX port.*lossparity.rl"):
+        lj.objective(mode, jnp.ones((2, 3)), jnp.ones((2, 3)))

@@ -311,6 +311,7 @@ def _one_line(e: BaseException) -> str:
 def cmd_verify(args: argparse.Namespace) -> int:
     """``lossparity verify``: the layout-invariance table; exit 1 on any FAIL."""
     from ..losses.modes import MODES
+    from ..options import ACCOUNTANT_MODES
     from ..verify.reference import (
         DEFAULT_LAYOUTS,
         FULL_LAYOUTS,
@@ -321,10 +322,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
         write_json,
     )
 
-    modes = tuple(args.modes.split(",")) if args.modes else MODES
+    modes = tuple(args.modes.split(",")) if args.modes else ACCOUNTANT_MODES
     for m in modes:
+        if m == "per_group":
+            raise UsageError(
+                "mode 'per_group' needs prompt groups, which the reference trainer's data has none of: it is checked "
+                "by tests/test_rl_modes.py through lossparity.rl.RLAccountant"
+            )
         if m not in MODES:
-            raise UsageError(f"unknown mode {m!r}; valid modes: {', '.join(MODES)}")
+            raise UsageError(f"unknown mode {m!r}; valid modes: {', '.join(ACCOUNTANT_MODES)}")
     if sum(map(bool, (args.quick, args.full, args.layouts))) > 1:
         raise UsageError("--quick, --full and --layouts exclude each other")
     try:

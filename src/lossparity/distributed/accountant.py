@@ -152,6 +152,11 @@ class Accountant(MicrobatchShares):
         self.mtp_convention = check_option("mtp_convention", mtp_convention, MTP_CONVENTIONS)
         self.mtp_log_estimator = check_option("mtp_log_estimator", mtp_log_estimator, MTP_LOG_ESTIMATORS)
         self.mtp_depths = _check_int("mtp_depths", mtp_depths, 0)
+        if mode == "per_group":  # its group counts span microbatches and ranks: the RL accountant counts them
+            raise ValueError(
+                "Accountant: mode 'per_group' needs the group ids of every row; use "
+                "lossparity.rl.RLAccountant (its begin_step takes group_ids) for GRPO prompt groups"
+            )
         if mode == "sample_sum_norm" and fixed_length is None:
             raise ValueError(f"mode 'sample_sum_norm' needs fixed_length > 0, got fixed_length={fixed_length}")
         if fixed_length is not None:

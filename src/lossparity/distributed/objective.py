@@ -193,7 +193,7 @@ class Objective:
         }
         if ndoc:
             out["documents"] = ndoc
-        counts = {"tokens": ntok, "samples": nsamp, "microbatches": nmb, "documents": ndoc}
+        counts = {"tokens": ntok, "samples": nsamp, "microbatches": nmb, "documents": ndoc, "one": 1.0}
         main_den = max(counts[DENOMINATOR_KEY[self.mode]], 1.0)
         lm_term = objective = lm_num / main_den
         if self.mtp_depths:

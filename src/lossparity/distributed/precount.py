@@ -198,8 +198,9 @@ class PreCount:
 
     # ------------------------------------------------------------------ reads (no host sync)
     def denominator(self, key: str) -> float:
-        """The step's count ``key`` (at least 1: an empty unit set gives a zero objective, not a NaN)."""
-        return max(self.host[key][0], 1.0)
+        """The step's count ``key`` (at least 1: an empty unit set gives a zero objective, not a NaN);
+        ``one`` (``token_sum``) is 1."""
+        return 1.0 if key == "one" else max(self.host[key][0], 1.0)
 
     def global_count(self, name: str) -> float:
         """A count of this step by name (see ``Accountant.global_count``)."""

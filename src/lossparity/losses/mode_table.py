@@ -10,6 +10,12 @@ Every mode is ``J = Σ_mb numerator(mb) / denominator``. A mode is fully describ
 | per_document     | document   | unit_mean: Σ_j s_j/max(n_j,1) | max(Ndoc, 1) |
 | sample_sum       | sample     | sum:       Σ s              | max(N, 1)     |
 | sample_sum_norm  | sample     | sum_over_length: Σ s / L    | max(N, 1)     |
+| token_sum        | token      | sum:       Σ s              | 1             |
+| per_group        | group      | unit_mean: Σ_g s_g/max(n_g,1) | max(Ngrp, 1) |
+
+A **group** (semantics §1, GRPO: the completions of one prompt) is a set of rows given by a row-level group
+id; its rows may lie in several microbatches and ranks, so ``n_g`` is a global count (pre-counted like
+``Ntok``), and a microbatch's numerator holds ``Σ_{i∈mb} s_i / max(n_{g(i)}, 1)``.
 
 **Empty-unit rule** (one for every mode): a unit without a loss-bearing token (``n_u = 0``) contributes
 ``s_u / max(n_u, 1) = 0`` to the numerator and still counts in the denominator; an empty global count
@@ -49,11 +55,12 @@ __all__ = [
     "count_document_runs",
 ]
 
-Unit = Literal["token", "sample", "microbatch", "document"]
+Unit = Literal["token", "sample", "microbatch", "document", "group"]
 # sum: Σ s over the microbatch; unit_mean: Σ_u s_u / max(n_u, 1); sum_over_length: Σ s / L (Dr. GRPO).
 Reduction = Literal["sum", "unit_mean", "sum_over_length"]
 # The field of the step's global counts (``Normalizers``) that divides the numerators.
-Count = Literal["tokens", "samples", "microbatches", "documents"]
+# "one": no global count (token_sum divides by 1).
+Count = Literal["tokens", "samples", "microbatches", "documents", "groups", "one"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,8 @@ _ROWS: dict[Mode, tuple[Unit, Reduction, Count]] = {
     "per_document": ("document", "unit_mean", "documents"),
     "sample_sum": ("sample", "sum", "samples"),
     "sample_sum_norm": ("sample", "sum_over_length", "samples"),
+    "token_sum": ("token", "sum", "one"),
+    "per_group": ("group", "unit_mean", "groups"),
 }
 
 MODE_TABLE: Mapping[Mode, ModeSpec] = {

@@ -25,7 +25,15 @@ from ..options import MODES as _MODES
 from ..options import Mode
 from ._checks import check_int, check_int_tensor, check_tensor, describe
 from .mode_table import MODE_TABLE, check_mode, check_no_fixed_length, mode_spec, reduce_units
-from .stats import check_inputs, document_stats, masked_token_sum, rows_documents, sample_stats, unit_count_map
+from .stats import (
+    check_inputs,
+    document_stats,
+    group_token_counts,
+    masked_token_sum,
+    rows_documents,
+    sample_stats,
+    unit_count_map,
+)
 
 __all__ = [
     "DENOMINATOR_KEY",
@@ -62,12 +70,20 @@ class Normalizers:
     samples: int
     documents: int
     microbatches: int
+    groups: int = 0  # Ngrp of per_group: distinct group ids of the step (not additive over microbatches)
 
     def __post_init__(self) -> None:
-        for name in ("tokens", "samples", "documents", "microbatches"):
+        for name in ("tokens", "samples", "documents", "microbatches", "groups"):
             check_int(f"Normalizers.{name}", getattr(self, name), minimum=0)
 
+    @property
+    def one(self) -> int:
+        """The count of ``token_sum``: its denominator is 1."""
+        return 1
+
     def __add__(self, other: Normalizers) -> Normalizers:
+        if self.groups or other.groups:  # a group may have rows on both sides: counts do not add
+            raise ValueError("Normalizers with groups do not add: count Ngrp over the whole step's group ids")
         return Normalizers(
             self.tokens + other.tokens,
             self.samples + other.samples,
@@ -87,8 +103,9 @@ def count_normalizers(mask: Tensor, segment_ids: Tensor | None = None) -> Normal
 
 
 def denominator(mode: str, norms: Normalizers, fixed_length: int | None = None) -> float:
-    """The global denominator of ``mode`` (``mode_table``): ``max(count, 1)`` of ``Ntok``, ``N``, ``Ndoc``
-    or ``D·K``; the ``max`` turns an empty count into 1 so that an empty batch gives ``J = 0``.
+    """The global denominator of ``mode`` (``mode_table``): ``max(count, 1)`` of ``Ntok``, ``N``, ``Ndoc``,
+    ``D·K`` or ``Ngrp`` (1 for ``token_sum``); the ``max`` turns an empty count into 1 so that an empty batch
+    gives ``J = 0``.
     ``sample_sum_norm``'s ``L`` is divided in :func:`numerator`, so its denominator is ``N``: passing
     ``fixed_length`` raises (as in the JAX port) instead of being silently ignored."""
     check_mode(mode)
@@ -123,6 +140,7 @@ def numerator(
     fixed_length: int | None = None,
     unit_counts: Tensor | None = None,
     documents: tuple[Tensor, int] | None = None,
+    group_ids: Tensor | None = None,
 ) -> Tensor:
     """The numerator of ``mode`` for one microbatch (module table); differentiable w.r.t. the loss.
 
@@ -132,7 +150,9 @@ def numerator(
     :func:`unit_count_map` of the whole rows, restricted to these positions) replaces the local unit
     counts of the unit modes: needed when the positions are a context-parallel shard of the rows.
     ``documents`` (``per_document``): ``stats.rows_documents(segment_ids)`` computed and validated by the
-    caller beforehand, so that this call has no host synchronization.
+    caller beforehand, so that this call has no host synchronization. ``per_group`` needs the group token
+    counts: ``unit_counts`` (the global ``n_g`` at every position: groups span microbatches), or
+    ``group_ids`` ``[b]`` when these rows hold their groups whole.
     """
     check_mode(mode)
     _check_arguments(mode, per_token_loss, mask, segment_ids if unit_counts is None else None, fixed_length)
@@ -144,6 +164,10 @@ def numerator(
         loss = per_token_loss
         per_pos = torch.where(mask > 0, loss / unit_counts.to(loss.dtype).clamp(min=1), torch.zeros_like(loss))
         return per_pos.sum()
+    if mode == "per_group":
+        counts = unit_count_map(mode, mask, group_ids=group_ids)
+        assert counts is not None
+        return numerator(mode, per_token_loss, mask, unit_counts=counts.view_as(mask))
     s, n = _unit_stats(mode, per_token_loss, mask, segment_ids, documents)
     return reduce_units(mode, s, n, fixed_length=fixed_length)
 
@@ -173,13 +197,15 @@ def objective(
     segment_ids: Tensor | None = None,
     microbatch_size: int | None = None,
     fixed_length: int | None = None,
+    group_ids: Tensor | None = None,
 ) -> Tensor:
     """The objective ``J`` of semantics §1 on a whole global batch ``[N, S]`` held in one process.
 
     ``per_microbatch`` cuts the rows into consecutive microbatches of ``microbatch_size`` rows (the
     layout convention of lossparity: rank ``d`` holds rows ``[d·K·b, (d+1)·K·b)``, microbatch ``k`` of
     it the ``k``-th block of ``b`` rows); the other modes ignore ``microbatch_size``. Equivalent to
-    ``Σ_mb numerator(mb) / denominator``, but computed directly from the formula.
+    ``Σ_mb numerator(mb) / denominator``, but computed directly from the formula. ``per_group`` needs
+    ``group_ids`` ``[N]`` (one group id per row).
     """
     check_mode(mode)
     _check_arguments(mode, per_token_loss, mask, segment_ids, fixed_length)
@@ -199,6 +225,14 @@ def objective(
         return torch.stack(parts).sum() / max(len(parts), 1)
     if mode == "per_token":
         return masked_token_sum(loss, w) / max(float(w.sum()), 1.0)
+    if mode == "token_sum":
+        return masked_token_sum(loss, w)
+    if mode == "per_group":
+        if group_ids is None:
+            raise ValueError("mode 'per_group' needs group_ids (one group id per row)")
+        index, n, ngrp = group_token_counts(w, group_ids)
+        s = torch.zeros(ngrp, dtype=loss.dtype, device=loss.device).index_add(0, index, sample_stats(loss, w)[0])
+        return (s / n.to(loss.dtype).clamp(min=1)).sum() / max(ngrp, 1)
     if mode == "per_document":
         if segment_ids is None:
             raise ValueError("mode 'per_document' needs segment_ids (packed rows)")

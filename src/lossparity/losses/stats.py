@@ -26,6 +26,7 @@ __all__ = [
     "count_documents",
     "masked_token_sum",
     "unit_count_map",
+    "group_token_counts",
 ]
 
 
@@ -209,12 +210,34 @@ def document_stats(
     return s, n
 
 
+def group_token_counts(mask: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, int]:
+    """The groups of rows (semantics §1, ``per_group``) of ``mask`` ``[b, S]`` with row-level ``group_ids``
+    ``[b]`` (any integers): ``(index, n, Ngrp)`` with ``index[i]`` the dense number of row ``i``'s group,
+    ``n[g] = Σ_{i∈g} n_i`` (float64) and ``Ngrp`` the number of distinct ids (a group of empty rows counts).
+    One host synchronization (the number of groups); the accountant calls it once per step."""
+    w = mask if mask.dim() == 2 else mask.unsqueeze(0)
+    if not isinstance(group_ids, Tensor) or group_ids.is_floating_point() or group_ids.is_complex():
+        raise TypeError(f"group_ids must be an integer tensor (one id per row), got {describe(group_ids)}")
+    if group_ids.shape != (w.shape[0],):
+        raise ValueError(f"group_ids must have shape [{w.shape[0]}] (one id per row), got {tuple(group_ids.shape)}")
+    uniq, index = torch.unique(group_ids.to(w.device), return_inverse=True)
+    n = torch.zeros(uniq.numel(), dtype=torch.float64, device=w.device)
+    n.index_add_(0, index, w.to(torch.float64).sum(dim=-1))
+    return index, n, int(uniq.numel())
+
+
 def unit_count_map(
-    mode: str, mask: Tensor, segment_ids: Tensor | None = None, *, documents: tuple[Tensor, int] | None = None
+    mode: str,
+    mask: Tensor,
+    segment_ids: Tensor | None = None,
+    *,
+    documents: tuple[Tensor, int] | None = None,
+    group_ids: Tensor | None = None,
 ) -> Tensor | None:
-    """For the modes that normalize per unit (``per_sample``, ``per_document``, ``per_microbatch``): a
-    ``[b, S]`` map giving at every position the token count ``n`` of the unit (sample, document,
-    microbatch) that contains it, computed from whole rows; ``None`` for the other modes.
+    """For the modes that normalize per unit (``per_sample``, ``per_document``, ``per_microbatch``,
+    ``per_group``): a ``[b, S]`` map giving at every position the token count ``n`` of the unit (sample,
+    document, microbatch, group of rows by ``group_ids``) that contains it, computed from whole rows;
+    ``None`` for the other modes.
 
     Context parallelism splits a row's columns over ranks; a shard's numerator is then
     ``Σ_{shard positions} w·l / max(n_unit, 1)`` with ``n_unit`` read from this map, and the shards'
@@ -229,6 +252,11 @@ def unit_count_map(
         return w.sum(dim=-1, keepdim=True).expand_as(w)
     if mode == "per_microbatch":
         return w.sum().expand_as(w)
+    if mode == "per_group":  # groups held whole by these rows; spanning groups take the pre-counted map
+        if group_ids is None:
+            raise ValueError("mode 'per_group' needs group_ids (one group id per row) or the groups' unit_counts")
+        index, n, _ = group_token_counts(w, group_ids)
+        return n[index].unsqueeze(-1).expand_as(w)
     if segment_ids is None:
         raise ValueError("mode 'per_document' needs segment_ids (packed rows)")
     doc, ndoc = rows_documents(segment_ids) if documents is None else documents

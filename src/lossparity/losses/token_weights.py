@@ -11,6 +11,8 @@ Every mode's microbatch share is linear in the per-token losses, ``numerator(mb)
 | per_document     | 1 / (Ndoc · max(n_j, 1))     (j: the document of t)      |
 | sample_sum       | 1 / N                                                    |
 | sample_sum_norm  | 1 / (N · L)                                              |
+| token_sum        | 1                                                        |
+| per_group        | 1 / (Ngrp · max(n_g, 1))     (g: the group of t's row)   |
 
 (the modes themselves — unit, reduction, count — are read from :mod:`lossparity.losses.mode_table`;
 the table's global denominator is the ``denominator`` argument; pass 1 for the raw numerator, as the
@@ -47,6 +49,7 @@ def token_weights(
     fixed_length: int | None = None,
     unit_counts: Tensor | None = None,
     denominator: float = 1.0,
+    group_ids: Tensor | None = None,
 ) -> Tensor:
     """Float64 weights ``w`` of shape ``mask.shape`` with ``Σ w·l = numerator(mode, l, mask, ...) /
     denominator`` for every per-token loss ``l`` (module table): ``w = mask / (max(n_unit, 1) ·
@@ -54,7 +57,8 @@ def token_weights(
     holding the position, from ``unit_counts`` when given, e.g. whole-row counts under context
     parallelism, else from these rows; ``unit_counts`` with as many entries as ``mask`` is read in its
     shape), ``mask / (L · denominator)`` for ``sample_sum_norm`` and ``mask / denominator`` otherwise.
-    ``mask`` is ``[b, S]`` or ``[S]`` of 0/1."""
+    ``mask`` is ``[b, S]`` or ``[S]`` of 0/1. ``per_group``: ``unit_counts`` holds the groups' global
+    counts ``n_g`` (groups span microbatches), or ``group_ids`` ``[b]`` numbers groups held whole here."""
     check_mode(mode)
     check_tensor("mask", mask, dims=(1, 2), shape_text="[b, S] or [S]")
     check_real("denominator", denominator, positive=True)
@@ -72,7 +76,7 @@ def token_weights(
     if unit_counts is None:
         _check_documents(mode, w, segment_ids)
         seg2 = None if segment_ids is None else segment_ids.reshape(-1, w.shape[-1])
-        counts = unit_count_map(mode, w.reshape(-1, w.shape[-1]), seg2)
+        counts = unit_count_map(mode, w.reshape(-1, w.shape[-1]), seg2, group_ids=group_ids)
         assert counts is not None  # every unit mode has a count map
         unit_counts = counts.view_as(w)
     elif unit_counts.shape != mask.shape and unit_counts.numel() == mask.numel():

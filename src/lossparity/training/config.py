@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from ..options import (
+    ACCOUNTANT_MODES,
     AUX_SCOPES,
     DTYPES,
     ENGINES,
     LOSS_IMPLS,
-    MODES,
     MTP_CONVENTIONS,
     MTP_LOG_ESTIMATORS,
     NORMALIZATIONS,
@@ -62,7 +62,7 @@ FieldKind = Literal["numbers", "layout", "run"]
 
 # The option fields and their valid spellings (the CLI's choices, validate()'s check).
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {
-    "mode": MODES,
+    "mode": ACCOUNTANT_MODES,  # per_group needs prompt groups: lossparity.rl.RLAccountant
     "normalization": NORMALIZATIONS,
     "mtp_convention": MTP_CONVENTIONS,
     "mtp_log_estimator": MTP_LOG_ESTIMATORS,

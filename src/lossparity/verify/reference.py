@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from ..losses.modes import MODES
-from ..options import DType
+from ..options import ACCOUNTANT_MODES, DType
 from ..training.trainer import TrainConfig, Trainer
 from .layouts import (
     DEFAULT_LAYOUTS,
@@ -136,7 +135,7 @@ def _b_dependent(mode: str, base: dict[str, Any]) -> bool:
 
 def run_verify(
     layouts: tuple[Layout, ...] = DEFAULT_LAYOUTS,
-    modes: tuple[str, ...] = MODES,
+    modes: tuple[str, ...] = ACCOUNTANT_MODES,
     *,
     steps: int = 3,
     dtype: DType = "float64",

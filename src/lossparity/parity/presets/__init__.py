@@ -16,9 +16,13 @@ Spec strings (:func:`resolve_preset`)::
     hf-trainer[:average_tokens_across_devices=true|false]    transformers >= 4.46 (num_items_in_batch)
     hf-trainer-legacy                          transformers < 4.46 (mean of microbatch means)
     torchtitan
-    verl:<loss_agg_mode>[,use_legacy_worker_impl=auto|enable|disable][,loss_scale_factor=L]
-         (also spelled verl-<loss_agg_mode>); loss_agg_mode: token-mean, seq-mean-token-mean,
-         seq-mean-token-sum, seq-mean-token-sum-norm
+    verl:<loss_agg_mode>[,loss_scale_factor=L]    verl >= 0.8 engine workers (also spelled
+         verl-<loss_agg_mode>); loss_agg_mode: token-mean, seq-mean-token-mean, seq-mean-token-sum,
+         seq-mean-token-sum-norm, token-sum (0.9); use_legacy_worker_impl=enable: the legacy workers
+    verl<0.8:<loss_agg_mode>[,loss_scale_factor=L]   verl's legacy per-micro-batch workers (<= 0.7.1)
+    trl-grpo:<loss_type>[,max_completion_length=L]    TRL 1.16 GRPOTrainer: grpo, sapo, bnpo, dr_grpo,
+         dapo, cispo, vespo, luspo
+    openrlhf:<loss_agg_mode>                   OpenRLHF 0.11.2: token-mean, seq-mean-token-mean
     lossparity[:mode=...,normalization=...,mtp_convention=...,mtp_log_estimator=...,aux_scope=...,
                z_form=...,fixed_length=L]     the exact, layout-invariant defaults (and overrides)
 
@@ -26,7 +30,7 @@ Spec strings (:func:`resolve_preset`)::
 preset S?", with the conditions of an exact translation and warnings where none exists.
 
 The package: :mod:`.spec` (the :class:`Preset` record and the parsing of spec options),
-:mod:`.registry` (one builder per framework, :func:`resolve_preset`, :func:`all_presets`,
+:mod:`.registry` (one builder per framework; the RL ones in :mod:`.rl`, :func:`resolve_preset`, :func:`all_presets`,
 :func:`preset_table`) and :mod:`.translation` (:func:`translate`). Import from here.
 """
 

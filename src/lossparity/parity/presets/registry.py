@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ...options import AUX_SCOPES, MODES, MTP_CONVENTIONS, MTP_LOG_ESTIMATORS, NORMALIZATIONS, Z_FORMS, Mode
+from . import rl
 from .spec import (
     _MEGATRON_LB,
     _VERL_MODES,
@@ -379,93 +380,6 @@ def _torchtitan(spec: str, positional: list[str], options: dict[str, str]) -> Pr
     )
 
 
-def _verl(spec: str, positional: list[str], options: dict[str, str]) -> Preset:
-    _check_options(spec, "verl", options, ("use_legacy_worker_impl", "loss_scale_factor", "loss_agg_mode"))
-    agg = options.get("loss_agg_mode")
-    if positional:
-        if len(positional) > 1 or (agg is not None and agg != positional[0]):
-            raise ValueError(f"preset {spec!r}: give one loss_agg_mode; valid: {', '.join(_VERL_MODES)}")
-        agg = positional[0]
-    if agg is None:
-        raise ValueError(
-            f"preset {spec!r}: verl needs a loss_agg_mode, e.g. verl:token-mean; valid: {', '.join(_VERL_MODES)}"
-        )
-    agg = _choice(agg, "loss_agg_mode", tuple(_VERL_MODES))
-    impl = _choice(
-        options.get("use_legacy_worker_impl", "auto"), "use_legacy_worker_impl", ("auto", "enable", "disable")
-    )
-    legacy = impl != "disable"
-    L = _positive(options["loss_scale_factor"], "loss_scale_factor") if "loss_scale_factor" in options else None
-    if L is not None and agg != "seq-mean-token-sum-norm":
-        raise ValueError(f"preset {spec!r}: loss_scale_factor only applies to seq-mean-token-sum-norm")
-    mode = _VERL_MODES[agg]
-    requires: list[str] = []
-    notes = [
-        "verified (verl main, trainer/ppo/core_algos.py agg_loss): token-mean = masked sum / token count, "
-        "seq-mean-token-mean = mean over sequences of their token means, seq-mean-token-sum = mean over sequences "
-        "of their sums, seq-mean-token-sum-norm = sum of the sequence sums / loss_scale_factor (default: the "
-        "response length of the batch).",
-        "verified (trainer/main_ppo.py, workers/actor/dp_actor.py): with the default use_legacy_worker_impl=auto the "
-        "legacy actor aggregates each micro-batch on its own (its own token or sequence count), scales it by "
-        "1/gradient_accumulation and FSDP averages the ranks; with use_legacy_worker_impl=disable the engine workers "
-        "pass the global token count (all-reduced) and the global batch size (workers/utils/losses.py), which makes "
-        "the aggregation global.",
-        "verl is an RL trainer: the loss is the policy loss and its log actor/pg_loss; no MTP, no MoE aux loss of its "
-        "own (a Megatron backend brings Megatron's MoE settings).",
-    ]
-    if agg == "token-mean" and legacy:
-        mode = "per_microbatch"
-        notes.append(
-            "legacy workers: token-mean is the mean over micro-batches of their token means (per_microbatch, "
-            "b = ppo_micro_batch_size_per_gpu); exact per_token needs use_legacy_worker_impl=disable."
-        )
-        requires.append("use_dynamic_bsz=False (dynamic micro-batches weigh micro-batch means by their row counts)")
-    elif agg in ("seq-mean-token-mean", "seq-mean-token-sum") and legacy:
-        requires += [
-            "every response has at least one loss token (the legacy aggregation drops empty responses "
-            "from the micro-batch's sequence count)",
-            "use_dynamic_bsz=False and a fixed ppo_micro_batch_size_per_gpu",
-        ]
-    elif agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
-        notes.append(
-            "assumed: the engine's global_batch_size counts every sequence, empty ones included, so a "
-            "response without loss tokens counts in the denominator (semantics §1)."
-        )
-    if agg == "seq-mean-token-sum-norm":
-        requires.append(
-            "the same L (loss_scale_factor) in both runs; verl divides a micro-batch's *sum* of sequence "
-            "sums by L without a 1/N, so its value is lossparity's sample_sum_norm times a constant (b "
-            "with the legacy workers): same gradient direction, the learning rate absorbs the factor"
-        )
-    name = f"verl:{agg}" + ("" if impl == "auto" else f",use_legacy_worker_impl={impl}")
-    if L is not None:
-        name += f",loss_scale_factor={L}"
-    settings = [f"actor_rollout_ref.actor.loss_agg_mode={agg}"]
-    if impl != "auto":
-        settings.append(f"trainer.use_legacy_worker_impl={impl}")
-    if L is not None:
-        settings.append(f"actor_rollout_ref.actor.loss_scale_factor={L}")
-    return Preset(
-        name=name,
-        framework="verl",
-        mode=mode,
-        normalization="precount",
-        mtp_convention="own",
-        mtp_log_estimator="token_mean",
-        aux_scope="none",
-        z_form="global",
-        grad_reduction="mean",
-        has_mtp=False,
-        has_router_z_loss=False,
-        fixed_length=L,
-        description=f"verl loss_agg_mode={agg} ({'legacy' if legacy else 'engine'} workers)",
-        notes=notes,
-        settings=settings,
-        requires=requires,
-        log_names={"objective": "actor/pg_loss"},
-    )
-
-
 def _lossparity(spec: str, positional: list[str], options: dict[str, str]) -> Preset:
     _no_positional(spec, "lossparity", positional)
     keys = ("mode", "normalization", "mtp_convention", "mtp_log_estimator", "aux_scope", "z_form", "fixed_length")
@@ -519,7 +433,10 @@ _BUILDERS = {
     "hf-trainer": _hf,
     "hf-trainer-legacy": _hf_legacy,
     "torchtitan": _torchtitan,
-    "verl": _verl,
+    "verl": rl.verl,
+    "verl<0.8": rl.verl_legacy,
+    "trl-grpo": rl.trl_grpo,
+    "openrlhf": rl.openrlhf,
     "lossparity": _lossparity,
 }
 
@@ -557,8 +474,10 @@ def all_presets() -> list[Preset]:
         "hf-trainer",
         "hf-trainer-legacy",
         "torchtitan",
-        *(f"verl:{m}" for m in _VERL_MODES),
-        "verl:token-mean,use_legacy_worker_impl=disable",
+        *(f"verl:{m}" for m in rl.VERL_MODES),
+        *(f"verl<0.8:{m}" for m in rl.VERL_LEGACY_MODES),
+        *(f"trl-grpo:{m}" for m in rl.TRL_LOSS_TYPES),
+        *(f"openrlhf:{m}" for m in rl.OPENRLHF_MODES),
         "lossparity",
     ]
     return [resolve_preset(s) for s in specs]

@@ -20,7 +20,16 @@ from ...options import (
 
 __all__ = ["FRAMEWORKS", "PRESET_NAMES", "Preset"]
 
-FRAMEWORKS: tuple[str, ...] = ("megatron", "maxtext", "hf-trainer", "torchtitan", "verl", "lossparity")
+FRAMEWORKS: tuple[str, ...] = (
+    "megatron",
+    "maxtext",
+    "hf-trainer",
+    "torchtitan",
+    "verl",
+    "trl",
+    "openrlhf",
+    "lossparity",
+)
 PRESET_NAMES: tuple[str, ...] = (
     "megatron",
     "maxtext",
@@ -28,13 +37,17 @@ PRESET_NAMES: tuple[str, ...] = (
     "hf-trainer-legacy",
     "torchtitan",
     "verl",
+    "verl<0.8",
+    "trl-grpo",
+    "openrlhf",
     "lossparity",
 )
-_VERL_MODES: dict[str, Mode] = {
+_VERL_MODES: dict[str, Mode] = {  # verl >= 0.8 (engine workers); the presets live in presets/rl.py
     "token-mean": "per_token",
     "seq-mean-token-mean": "per_sample",
     "seq-mean-token-sum": "sample_sum",
     "seq-mean-token-sum-norm": "sample_sum_norm",
+    "token-sum": "token_sum",
 }
 _MEGATRON_LB: dict[str, AuxScope] = FRAMEWORK_AUX_SCOPES["megatron"]  # public: lossparity.moe.aux_scope_for
 _QUIRKS = (
@@ -55,6 +68,8 @@ class Preset:
     framework implements the feature at all. ``log_names``: the framework's names for lossparity's
     ``lm_loss`` (global token mean), ``objective`` and ``mtp_loss`` (per depth) when it logs them.
     ``aux_note``: how its load-balancing coefficient maps to lossparity's ``aux_coeff``.
+    RL presets (semantics §9): ``terms`` the mode of each term (policy, kl, entropy), ``epsilon`` the
+    per-sequence epsilon, ``empty_rows`` ``count``/``drop``; ``log_names`` then also names each term's log.
     """
 
     name: str
@@ -76,6 +91,9 @@ class Preset:
     log_names: dict[str, str] = field(default_factory=dict)
     aux_note: str = ""
     fixed_length: int | None = None
+    epsilon: float = 0.0
+    empty_rows: str = "count"
+    terms: dict[str, str] = field(default_factory=dict)
 
     def accountant_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``Accountant(...)`` that this preset fixes."""

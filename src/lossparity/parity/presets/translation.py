@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .registry import _lossparity_settings, resolve_preset
+from .rl import OPENRLHF_MODES, TRL_LOSS_TYPES, VERL_LEGACY_MODES
 from .spec import _MEGATRON_LB, _QUIRKS, _VERL_MODES, FRAMEWORKS, PRESET_NAMES, Preset
 
 __all__ = ["Translation", "translate"]
@@ -145,12 +146,15 @@ def _candidates(target: str, source: Preset) -> list[Preset]:
         return [resolve_preset("hf-trainer"), resolve_preset("hf-trainer-legacy")]
     if key == "torchtitan":
         return [resolve_preset("torchtitan")]
+    if key == "trl":
+        L = f",max_completion_length={source.fixed_length}" if source.fixed_length else ""
+        return [resolve_preset(f"trl-grpo:{t}" + (L if t == "dr_grpo" else "")) for t in TRL_LOSS_TYPES]
+    if key == "openrlhf":
+        return [resolve_preset(f"openrlhf:{m}") for m in OPENRLHF_MODES]
     if key == "verl":
         L = f",loss_scale_factor={source.fixed_length}" if source.fixed_length else ""
-        return [
-            resolve_preset(f"verl:{m},use_legacy_worker_impl={impl}" + (L if m.endswith("norm") else ""))
-            for impl in ("disable", "auto")
-            for m in _VERL_MODES
+        return [resolve_preset(f"verl:{m}" + (L if m.endswith("norm") else "")) for m in _VERL_MODES] + [
+            resolve_preset(f"verl<0.8:{m}" + (L if m.endswith("norm") else "")) for m in VERL_LEGACY_MODES
         ]
     try:
         return [resolve_preset(t)]
