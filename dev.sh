@@ -46,6 +46,13 @@ MEGATRON_TESTS=(  # the representative subset run in it (the full matrix: script
   tests/integrations/test_integration_megatron_ragged_cp.py
   tests/integrations/test_integration_megatron_schedules.py
   tests/integrations/test_integration_megatron_scopes.py
+  # the oracle tests: lossparity's formulas against this release's own functions
+  tests/test_megatron_oracle.py
+  tests/integrations/test_megatron_cp_coefficients.py
+  tests/test_moe_toolkit.py::test_routing_and_gates_match_megatron
+  tests/test_moe_toolkit.py::test_seq_load_balancing_loss_matches_megatron_sb
+  tests/test_moe_toolkit.py::test_global_running_matches_megatron_over_microbatches
+  tests/test_docs.py::test_moe_worked_example_matches_megatron
 )
 
 find_python312() {  # prints a Python 3.12 interpreter (PYTHON312, python3.12 on PATH, or pyenv's), or nothing
@@ -126,7 +133,7 @@ lint_tests() {  # the static checks, as the first part of `./dev.sh test`
 # part runs even when one before it failed; each pytest part writes its counts to $LOSSPARITY_TEST_SUMMARY
 # (tests/_ci_skips.py) and the command ends with one line per part, exiting 1 when any part failed. Another
 # environment: define its NAME_tests function above and add NAME here.
-TEST_PARTS=(lint main megatron maxtext)
+read -r -a TEST_PARTS <<<"${LOSSPARITY_TEST_PARTS:-lint main megatron maxtext}"  # overridable: LOSSPARITY_TEST_PARTS="main maxtext"
 
 summary_line() {  # $1 part, $2 exit status, $3 seconds, $4 the part's counts file (JSON, absent: no pytest summary)
   "$PY" - "$@" <<'PYEOF'
@@ -144,7 +151,7 @@ print(f"{part:>10}: {status} (exit {rc}, {secs} s): {counts}")
 PYEOF
 }
 
-run_parts() {  # runs the parts named (the rest of the arguments: the pytest arguments of each), then the summary
+run_parts() {  # runs the parts named (each with the pytest arguments PART_ARGS), then the summary
   local part rc start counts lines=() failed=0
   local -a names=("$@")
   for part in "${names[@]}"; do
