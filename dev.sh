@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # lossparity's two commands: `./dev.sh main` (the main job) and `./dev.sh test` (static checks, then the whole test
-# suite). Also: `./dev.sh test --fast` (the single-process tests alone), `./dev.sh lint` (the static checks alone),
+# suite in each of its environments: TEST_PARTS below; every part runs, a summary line per part, exit 1 when one
+# failed; under CI=true a skip for a missing dependency or missing data is a failure, tests/_ci_skips.py).
+# Also: `./dev.sh test --fast` (the single-process tests alone), `./dev.sh lint` (the static checks alone),
 # `./dev.sh wheel` (build the wheel and test it installed), `./dev.sh docs` (build the API reference site).
 # Each does its own set-up: creates or reuses ./.venv, installs the project, and installs the CPU build
 # torch==2.13.0 only when no torch is importable (a bare `torch` requirement would pull a CUDA build).
@@ -11,26 +13,28 @@ PY="${PYTHON:-python3}"
 # DeepSpeed compiles its CPU ops (the shm communication op at every init_distributed) with g++/ninja on first
 # use: cached in the work folder (gitignored .cache/) so that later runs, CI's included, load them.
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}"
+CONSTRAINTS=requirements/constraints-test.txt  # the pinned versions of the test environment
 
 ensure_env() {  # $1 = extras profile: main | test
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
   if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
     "$VENV/bin/pip" install -q "torch==2.13.0"
   fi
-  local stamp="$VENV/.lossparity-$1-$(cat pyproject.toml dev.sh | sha1sum | cut -c1-12)"
+  local stamp="$VENV/.lossparity-$1-$(cat pyproject.toml dev.sh "$CONSTRAINTS" | sha1sum | cut -c1-12)"
   [ -f "$stamp" ] && return 0
   if [ "$1" = test ]; then
-    # hf/trl: the Hugging Face Trainer and TRL integrations (their tests build tiny models from configs).
-    "$VENV/bin/pip" install -q -e ".[dev,report,tensorboard,jax,jax-test,config,hf,trl,docs]"
+    # hf/trl: the Hugging Face Trainer and TRL integrations (their tests build tiny models from configs);
+    # every version pinned by the constraints file (a new release changes nothing until it does)
+    "$VENV/bin/pip" install -q -c "$CONSTRAINTS" -e ".[dev,report,tensorboard,jax,jax-test,config,hf,trl,docs]"
     # megatron-core is the oracle of the MoE tests; --no-deps keeps it from touching torch.
     "$VENV/bin/pip" install -q --no-deps "megatron-core==0.16.1"
     # torchtitan 0.3.0 pins datasets<4.8 and pulls wandb/torch_checkpointing that its trainer module does not
     # need: install it and the modules it imports without their dependencies (torch stays as installed).
     # torchtitan.trainer imports triton (CPU runs never call it).
     "$VENV/bin/pip" install -q --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3" "torchdata==0.11.0" "triton==3.9.0"
-    "$VENV/bin/pip" install -q tyro einops
+    "$VENV/bin/pip" install -q -c "$CONSTRAINTS" tyro einops
     # DeepSpeed: the engine and ZeRO 0-3 tests run it for real on CPU (gloo); pure Python, ops compiled on use.
-    "$VENV/bin/pip" install -q "deepspeed==0.19.8"
+    "$VENV/bin/pip" install -q -c "$CONSTRAINTS" "deepspeed==0.19.8"
   else
     "$VENV/bin/pip" install -q -e .
   fi
@@ -47,6 +51,13 @@ MEGATRON_TESTS=(  # the representative subset run in it (the full matrix: script
   tests/integrations/test_integration_megatron_ragged_cp.py
   tests/integrations/test_integration_megatron_schedules.py
   tests/integrations/test_integration_megatron_scopes.py
+  # the oracle tests: lossparity's formulas against this release's own functions
+  tests/test_megatron_oracle.py
+  tests/integrations/test_megatron_cp_coefficients.py
+  tests/test_moe_toolkit.py::test_routing_and_gates_match_megatron
+  tests/test_moe_toolkit.py::test_seq_load_balancing_loss_matches_megatron_sb
+  tests/test_moe_toolkit.py::test_global_running_matches_megatron_over_microbatches
+  tests/test_docs.py::test_moe_worked_example_matches_megatron
 )
 
 find_python312() {  # prints a Python 3.12 interpreter (PYTHON312, python3.12 on PATH, or pyenv's), or nothing
@@ -90,7 +101,7 @@ megatron_tests() {  # the Megatron subset against megatron-core 0.19.2 (a second
     echo "megatron-core 0.19.2 tests: no venv (no Python 3.12 interpreter: set PYTHON312; or a step above failed)" >&2
     return 1
   fi
-  "$MEGATRON_VENV/bin/python" -m pytest -q -p no:cacheprovider "${MEGATRON_TESTS[@]}"
+  "$MEGATRON_VENV/bin/python" -m pytest -q -p no:cacheprovider "${MEGATRON_TESTS[@]}" "$@"
 }
 
 MAXTEXT_VENV="${LOSSPARITY_MAXTEXT_VENV:-.venv-maxtext}"
@@ -112,7 +123,57 @@ ensure_maxtext_env() {  # Python 3.12 venv with MaxText 0.2.5 on CPU and losspar
 maxtext_tests() {  # the MaxText tests, for real, in the 3.12 venv (the main run skips tests/maxtext)
   ensure_maxtext_env
   DECOUPLE_GCLOUD=TRUE JAX_PLATFORMS=cpu LOSSPARITY_REQUIRE_MAXTEXT=1 \
-    "$MAXTEXT_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/maxtext
+    "$MAXTEXT_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/maxtext "$@"
+}
+
+main_tests() {  # the main suite in ./.venv (Python 3.11 or the default python3; the arguments: pytest's)
+  "$VENV/bin/python" -m pytest -q "$@"
+}
+
+lint_tests() {  # the static checks, as the first part of `./dev.sh test`
+  lint
+}
+
+# The parts of `./dev.sh test`, one per environment, in order: part NAME runs the function NAME_tests. Every
+# part runs even when one before it failed; each pytest part writes its counts to $LOSSPARITY_TEST_SUMMARY
+# (tests/_ci_skips.py) and the command ends with one line per part, exiting 1 when any part failed. Another
+# environment: define its NAME_tests function above and add NAME here.
+read -r -a TEST_PARTS <<<"${LOSSPARITY_TEST_PARTS:-lint main megatron maxtext rl}"  # overridable: LOSSPARITY_TEST_PARTS="main maxtext"
+
+summary_line() {  # $1 part, $2 exit status, $3 seconds, $4 the part's counts file (JSON, absent: no pytest summary)
+  "$PY" - "$@" <<'PYEOF'
+import json, os, sys
+part, rc, secs, path = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+status = "passed" if rc == 0 else "FAILED"
+if os.path.exists(path):
+    c = json.load(open(path))
+    counts = f"{c['ran']} ran, {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"
+elif part == "lint":
+    counts = "ruff, ruff format, mypy, lint-imports, check_sizes"
+else:
+    counts = "no test counts (pytest did not finish)"
+print(f"{part:>10}: {status} (exit {rc}, {secs} s): {counts}")
+PYEOF
+}
+
+run_parts() {  # runs the parts named (each with the pytest arguments PART_ARGS), then the summary
+  local part rc start counts lines=() failed=0
+  local -a names=("$@")
+  for part in "${names[@]}"; do
+    counts="$(mktemp -u "${TMPDIR:-/tmp}/lossparity-$part-XXXXXX.json")"
+    start=$SECONDS
+    echo "== ./dev.sh test: $part" >&2
+    set +e  # a failing part must not stop the others: run it in a subshell that keeps its own set -e
+    (set -e; LOSSPARITY_TEST_SUMMARY="$counts" "${part}_tests" "${PART_ARGS[@]}")
+    rc=$?
+    set -e
+    lines+=("$(summary_line "$part" "$rc" "$((SECONDS - start))" "$counts")")
+    rm -f "$counts"
+    [ "$rc" -eq 0 ] || failed=1
+  done
+  echo "== ./dev.sh test: summary (CI=${CI:-})"
+  printf '%s\n' "${lines[@]}"
+  return "$failed"
 }
 
 # verl and OpenRLHF loss functions (tests/rl_frameworks): their releases with --no-deps into a side folder,
@@ -130,7 +191,7 @@ ensure_rl_env() {
   touch "$stamp"
 }
 
-rl_framework_tests() {  # verl's and OpenRLHF's loss functions against the presets (a separate pytest run)
+rl_tests() {  # verl's and OpenRLHF's loss functions against the presets (a separate pytest run)
   ensure_rl_env
   LOSSPARITY_RL_SITE="$RL_SITE" LOSSPARITY_REQUIRE_RL=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
     tests/rl_frameworks
@@ -168,14 +229,12 @@ case "$cmd" in
     if [ "${1:-}" = "--fast" ]; then  # the quick loop: single-process tests only, no static checks
       shift
       "$VENV/bin/python" -m pytest -q -m "not slow and not multiprocess and not frameworks" "$@"
-    else
-      lint
-      "$VENV/bin/python" -m pytest -q "$@"
-      if [ "$#" -eq 0 ]; then  # the whole suite: also the second environments (Python 3.12)
-        megatron_tests  # the Megatron subset against megatron-core 0.19.2
-        maxtext_tests  # the real MaxText 0.2.5 training loop
-        rl_framework_tests  # verl 0.9.1 / 0.7.1 and OpenRLHF 0.11.2 loss functions
-      fi
+    elif [ "$#" -eq 0 ]; then  # the whole suite: every part, each environment (TEST_PARTS)
+      PART_ARGS=()
+      run_parts "${TEST_PARTS[@]}"
+    else  # pytest arguments: the static checks and the main environment with them
+      PART_ARGS=("$@")
+      run_parts lint main
     fi
     ;;
   test-megatron)

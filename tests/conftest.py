@@ -13,6 +13,10 @@ import pathlib
 import re
 
 import pytest
+from _ci_skips import pytest_collectreport, pytest_runtest_makereport, pytest_sessionfinish, terminal_summary
+
+# the hooks of _ci_skips (CI=true: a skip for a missing dependency or missing data fails), registered here
+__all__ = ["pytest_collectreport", "pytest_runtest_makereport", "pytest_sessionfinish"]
 
 # What starts another process in these tests: the launcher, subprocesses, the CLI's multi-rank runs.
 PROCESS_MARKS = re.compile(
@@ -74,7 +78,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """One line: how long the quick loop's tests took in this run (CI's full run measures the quick loop)."""
+    """One line: how long the quick loop's tests took in this run (CI's full run measures the quick loop);
+    under CI=true, the module-level skips that are failures."""
+    terminal_summary(terminalreporter)
     if _FAST_SECONDS:
         terminalreporter.write_line(
             f"single-process tests (./dev.sh test --fast): {len(_FAST_SECONDS)} ran, "

@@ -74,3 +74,46 @@ def test_trusted_labels_give_the_same_losses_and_gradients(fused):
     assert float(loss[0, 2]) == 0.0 and float(loss[1, 5]) == 0.0
     torch.testing.assert_close(h.grad, want[1], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(w.grad, want[2], rtol=1e-10, atol=1e-12)
+
+
+def _x() -> torch.Tensor:
+    return torch.tensor([0.5, -1.0, 2.0, 0.0])
+
+
+# Each reads values back to the host (on a GPU: waits for the device); the guard must see every one of them.
+SYNCING = {
+    "item": lambda: _x().sum().item(),
+    "bool": lambda: bool(_x().sum() > 0),
+    "float": lambda: float(_x().sum()),
+    "int": lambda: int(_x().sum()),
+    "equal": lambda: torch.equal(_x(), _x()),
+    "nonzero": lambda: _x().nonzero(),
+    "where(cond)": lambda: torch.where(_x() > 0),
+    "argwhere": lambda: torch.argwhere(_x()),
+    "boolean index": lambda: _x()[_x() >= 0],
+    "boolean index_put": lambda: _x().__setitem__(_x() > 0, 1.0),
+    "masked_select": lambda: _x().masked_select(_x() > 0),
+    "unique": lambda: torch.unique(_x()),
+    "unique_consecutive": lambda: torch.unique_consecutive(_x()),
+    "bincount": lambda: torch.bincount(torch.tensor([0, 2, 2])),
+    "repeat_interleave": lambda: torch.repeat_interleave(_x(), torch.tensor([1, 0, 2, 1])),
+    "tolist": lambda: _x().tolist(),
+    "numpy": lambda: _x().numpy(),
+}
+
+
+@pytest.mark.parametrize("name", list(SYNCING))
+def test_the_guard_sees_every_synchronizing_operation(name):
+    with no_host_sync(), pytest.raises(AssertionError, match="host synchronization"):
+        SYNCING[name]()
+
+
+def test_the_guard_lets_device_side_operations_pass():
+    # the fixed-shape forms of the same computations: no value leaves the device
+    with no_host_sync():
+        x = _x()
+        torch.repeat_interleave(x, torch.tensor([1, 0, 2, 1]), output_size=4)
+        torch.where(x > 0, x, torch.zeros_like(x)).sum()
+        x.index_select(0, torch.tensor([2, 0])).cumsum(0)
+        x[torch.tensor([1, 3])] = 0.0
+    assert x.tolist() == [0.5, 0.0, 2.0, 0.0]

@@ -69,6 +69,30 @@ def test_log_rows_end_in_one_line(row, tmp_path):
             assert case.needle in out.stdout, (case.name, out.stdout[-2000:])
 
 
+# The series written in the valid logs of rows 2, 3, 9 and 10 (the cut file: up to the cut, its last step lost),
+# under its canonical name (MindFormers' and torchtitan's `loss` is the objective, TensorBoard's `lm loss`).
+_WRITTEN = {
+    2: ("objective", {1: 10.873456}),
+    3: ("objective", {1: 1.5}),
+    9: ("lm_loss", dict(_hostile.LOSSES)),
+    10: ("lm_loss", dict(_hostile.LOSSES[:-1])),
+}
+
+
+@pytest.mark.parametrize("row", sorted(_WRITTEN))
+def test_valid_hostile_logs_are_read_with_the_values_written(row, tmp_path):
+    """The valid logs of rows 2, 3, 9 and 10 compared with themselves above give PARITY whatever the reader
+    reads (every loss read as 0 too): here the loss series read is the one written, step for step."""
+    from lossparity.parity.readers import read_log
+
+    if row in _NEEDS_TB:
+        pytest.importorskip("tensorboard")
+    case = next(c for c in _hostile.ROWS[row](tmp_path) if c.code == 0)
+    run = read_log(case.argv[1])
+    name, series = _WRITTEN[row]
+    assert dict(run.metrics[name].items()) == series
+
+
 def test_row12_wide_csv_and_long_jsonl_are_read(tmp_path):
     """Row 12 at a CI size (the full size is measured by the script): every value is read, the comparison
     with itself passes."""

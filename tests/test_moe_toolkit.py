@@ -353,7 +353,7 @@ def test_seq_load_balancing_loss_matches_megatron_sb(mcore, with_padding):
         num_experts=E,
         coeff=coeff,
         keep_mask=~pad,
-        own_length=not with_padding,  # Megatron 0.16.1 divides by the mean kept length under padding
+        own_length=not with_padding,  # Megatron (0.16.1 and 0.19.2) divides by the mean kept length under padding
     )
     torch.testing.assert_close(got.double(), cap["aux"].double(), rtol=1e-6, atol=0)
 

@@ -66,3 +66,51 @@ def test_compare_runs_still_fails_a_difference_large_on_the_quantitys_scale():
     verdict = compare_runs(run, _record(dict(REF)), 1e-10)
     assert not verdict["pass"] and verdict["first"] == "gradient of tiny at step 1"
     assert verdict["diffs"]["grads"] == pytest.approx(1e-9, rel=1e-3)
+
+
+# The float32-floor rule of verify --hf (verify/hf.py's report): a layout's row passes when each quantity's
+# difference from its reference is at most max(tol, 10 x floor), the floor being the difference between two
+# single-process runs that differ only in the order of the rows (at least 2**-24 where the model computes in
+# float32), and no floor at all when that exceeds 1e-5 (a model that does not repeat itself). Worked by hand:
+# the objective of the D2 run is 1.5 x (1 + r) against the reference 1.5.
+def _run(objective: float, float32_param: bool = False) -> dict:
+    params = {"w": _t(2.0, -4.0)}
+    if float32_param:
+        params["g"] = torch.tensor([1.0], dtype=torch.float32)
+    return {"per_token": {"history": [{"objective": objective}], "grads": [dict(params)], "params": params}}
+
+
+def _d2_row(r: float, floor_r: float, float32_param: bool = False) -> dict:
+    from lossparity.verify.hf import _report
+    from lossparity.verify.hf_spec import FLOOR, ModelSpec
+    from lossparity.verify.layouts import Layout
+
+    results = {
+        (0, "1x1"): _run(1.5, float32_param),
+        (0, FLOOR): _run(1.5 * (1 + floor_r), float32_param),
+        (0, "D2"): _run(1.5 * (1 + r), float32_param),
+    }
+    report = _report(0, ModelSpec(name="m"), (Layout("D2", 2, 1),), ("per_token",), 1, results, {}, 0.0)
+    (row,) = report["rows"]
+    assert row["reference"] == "1x1"
+    return row
+
+
+@pytest.mark.parametrize(
+    "r,floor_r,float32_param,passes",
+    [
+        (5e-11, 0.0, False, True),  # within tol 1e-10, no floor
+        (5e-9, 0.0, False, False),  # a float64 model whose rows-reversed run is identical: tol alone
+        (5e-9, 1e-9, False, True),  # floor 1e-9: limit 1e-8
+        (2e-8, 1e-9, False, False),
+        (5e-7, 0.0, True, True),  # a float32 parameter: floor at least 2**-24, limit 10 x 2**-24 = 5.96e-7
+        (7e-7, 0.0, True, False),
+        (5e-9, 2e-5, False, False),  # floor 2e-5 > 1e-5: not deterministic, no floor, tol alone
+    ],
+)
+def test_the_float32_floor_widens_the_tolerance_as_worked_by_hand(r, floor_r, float32_param, passes):
+    row = _d2_row(r, floor_r, float32_param)
+    assert row["pass"] is passes, row
+    assert row["diffs"]["objective"] == pytest.approx(r, rel=1e-6)
+    if not passes:
+        assert row["first"].startswith("objective at step 1")

@@ -9,6 +9,8 @@ soft-capping: the fallback with its note).
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -61,10 +63,21 @@ def one_step(tmp_path, kind: str, mode: str, fused: bool, data: str, b: int = 2,
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # 2 shared cores: one intra-op thread, restored afterwards
+    # count the fused kernel's calls in training: a silent fall back to the logits path would make none
+    hf_module, calls = sys.modules[LossParityTrainer.__module__], []
+    kernel = hf_module.fused_linear_cross_entropy
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    hf_module.fused_linear_cross_entropy = counted
     try:
         trainer.train()
     finally:
         torch.set_num_threads(threads)
+        hf_module.fused_linear_cross_entropy = kernel
+    trainer.fused_calls = len(calls)
     logs = [x for x in trainer.state.log_history if "objective" in x]
     return rec.grads[0], logs[0], trainer
 
@@ -80,8 +93,10 @@ def one_step(tmp_path, kind: str, mode: str, fused: bool, data: str, b: int = 2,
     ],
 )
 def test_fused_and_logits_paths_agree_in_float64(tmp_path, kind, mode, data):
-    g_fused, log_fused, _ = one_step(tmp_path, kind, mode, True, data)
-    g_logits, log_logits, _ = one_step(tmp_path, kind, mode, False, data)
+    g_fused, log_fused, fused = one_step(tmp_path, kind, mode, True, data)
+    g_logits, log_logits, logits = one_step(tmp_path, kind, mode, False, data)
+    # the fused run took the fused path in each of its 2 microbatches, the logits run never
+    assert (fused.fused_calls, logits.fused_calls) == (2, 0)
     assert g_fused.keys() == g_logits.keys()
     worst = max(float((g_fused[n] - g).abs().max() / g.abs().max()) for n, g in g_logits.items() if g.abs().max() > 0)
     print(f"measured: {kind} {mode} fused vs logits path, float64 step gradients: max rel {worst:.1e}")
@@ -114,7 +129,8 @@ def test_evaluation_loss_and_its_gradients_agree(tmp_path, mode):
 
 
 def test_soft_capped_model_falls_back_with_one_note(tmp_path, capsys):
-    g_default, log_default, _ = one_step(tmp_path, "gemma2", "per_sample", True, "padded", b=2, ga=2)
+    g_default, log_default, fell_back = one_step(tmp_path, "gemma2", "per_sample", True, "padded", b=2, ga=2)
+    assert fell_back.fused_calls == 0
     printed = capsys.readouterr().out
     notes = [line for line in printed.splitlines() if line.startswith("lossparity:")]
     assert len(notes) == 1, printed

@@ -204,6 +204,36 @@ def test_fsdp_with_a_module_holding_two_parameter_dtypes(tmp_path, monkeypatch, 
     assert "float32 parameters: block.gain" in out
 
 
+def test_negative_controls_make_d2_fsdp_and_t2_rows_fail(tmp_path, monkeypatch, capsys):
+    """The rows of the CI subset pass; these show a D2, D2+fsdp and T2 row can FAIL. A float64 model whose output
+    depends on the rows it sees (it centres each batch on its mean: under D each rank sees half of them) fails
+    D2 and D2+fsdp; a tensor-parallel plan that changes the model (it scales the head) fails T2."""
+    (tmp_path / "batch_tp_lm.py").write_text(
+        "import torch\n"
+        "class LM(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.embed, self.head = torch.nn.Embedding(64, 8), torch.nn.Linear(8, 64)\n"
+        "    def forward(self, input_ids, position_ids=None):\n"
+        "        h = self.embed(input_ids)\n"
+        "        return self.head(torch.tanh((h - h.mean(0, keepdim=True)).cumsum(1)))\n"
+        "def build(seed, dtype):\n"
+        "    torch.manual_seed(seed)\n"
+        "    return LM().to(dtype)\n"
+        "def tp(model, mesh):\n"
+        "    with torch.no_grad():\n"
+        "        model.head.weight.mul_(1.5)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["--model", "batch_tp_lm:build", "--parallelize", "batch_tp_lm:tp", "--layouts", "D2,D2+fsdp,T2"]
+    code, out, err = _verify(argv, capsys)
+    sys.modules.pop("batch_tp_lm", None)
+    assert code == 1, out + err
+    for layout in ("D2", "D2+fsdp", "T2"):
+        line = next(x for x in out.splitlines() if x.startswith(f"FAIL {layout} per_token"))
+        assert "objective at step 1" in line, line
+
+
 def test_T_model_has_the_reference_buffers(capsys):
     """CodeGen's T run builds the model again (from_pretrained with a TP plan), whose recomputed buffers
     (its sinusoidal positions, computed in float32 there: 5.7e-7 from the reference build's float64 ones)

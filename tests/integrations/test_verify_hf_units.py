@@ -153,6 +153,11 @@ def test_keep_float64_computes_the_models_float32_in_float64_with_gradients():
         y = torch.nn.functional.linear(x, w)
         s = x.sum(dtype=torch.float32)
     assert a.dtype == b.dtype == y.dtype == s.dtype == torch.float64
+    # the values too: float64 all the way (a float64 tensor of float32-rounded values has the right dtype);
+    # randn's float64 draws need all 53 bits, so a rounding through float32 changes them
+    assert not torch.equal(x.float().double(), x)
+    assert torch.equal(a, x) and torch.equal(b, x) and torch.equal(s, x.sum())
+    assert torch.equal(y, torch.nn.functional.linear(x, w.double()))
     y.sum().backward()
     assert w.grad is not None and w.grad.dtype == torch.float32
     expected = x.detach().sum(0).float().expand(2, 4)  # d(sum(x @ w.T))/dw = column sums of x, per output row

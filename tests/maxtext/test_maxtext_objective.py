@@ -26,6 +26,21 @@ CONFIGS = {
     "mtp_upstream_ga1": (["mtp_num_layers=1"], None),
     "mtp_ps_ga1": (["mtp_num_layers=1"], "per_sample"),
     "mtp_ps_ga2": (["mtp_num_layers=1", "gradient_accumulation_steps=2"], "per_sample"),
+    # the MTP gradient control: the same model and batch with the MTP term weighted 0
+    "mtp_ps_ga1_lambda0": (["mtp_num_layers=1", "mtp_loss_scaling_factor=0.0"], "per_sample"),
+    # an MoE model (MaxText's mixtral block, dense expert matmuls on CPU) with its load-balancing loss on
+    "moe_ps_ga1": (
+        [
+            "decoder_block=mixtral",
+            "num_experts=4",
+            "num_experts_per_tok=2",
+            "base_moe_mlp_dim=128",
+            "sparse_matmul=false",
+            "megablox=false",
+            "load_balance_loss_weight=0.01",
+        ],
+        "per_sample",
+    ),
 }
 
 
@@ -33,7 +48,7 @@ def get(name: str) -> dict:
     """The run of configuration ``name`` (run once per session)."""
     if name not in _RUNS:
         args, mode = CONFIGS[name]
-        _RUNS[name] = run(args, mode=mode, capture=name in ("ps_ga1", "mtp_ps_ga1"))
+        _RUNS[name] = run(args, mode=mode, capture=name in ("ps_ga1", "mtp_ps_ga1", "moe_ps_ga1"))
     return _RUNS[name]
 
 
@@ -156,3 +171,26 @@ def test_metrics_file_reads_as_maxtext_metrics(tmp_path) -> None:  # noqa: ANN00
     bad.write_text('{"step": 0, "loss": 1.0}\n', encoding="utf8")
     with pytest.raises(ValueError, match="MaxText metrics line"):
         read_log(bad, fmt="maxtext_metrics")
+
+
+def test_mtp_term_carries_its_gradient() -> None:
+    """The MTP checks above compare values; a ``stop_gradient`` on the hook's MTP term would keep every value and
+    drop its gradient. Control: with the term weighted 0 the step's gradient is the main loss's alone, so with
+    λ = 0.1 (same model, same batch, same LM loss) the gradient must differ from it."""
+    with_mtp, without = step0("mtp_ps_ga1"), step0("mtp_ps_ga1_lambda0")
+    assert with_mtp["learning/lm_loss"] == without["learning/lm_loss"]
+    assert with_mtp["learning/mtp_loss"] > 0 and without["learning/mtp_loss"] == 0.0
+    assert abs(with_mtp["learning/raw_grad_norm"] / without["learning/raw_grad_norm"] - 1) > 1e-4
+
+
+def test_moe_load_balancing_term_is_added_once_to_the_per_sample_objective() -> None:
+    """An MoE run through the hook: the objective is the per-sample LM term, recomputed in float64 NumPy from the
+    logits MaxText produced, plus MaxText's own load-balancing term (GA 1: one microbatch, added once)."""
+    r = get("moe_ps_ga1")
+    batch = ragged_batch()
+    mask = (batch["targets_segmentation"] != 0).astype(np.float64)
+    lm = _per_sample64(_xent64(r["logits"][0], batch["targets"]), mask)
+    m = r["metrics"][0]
+    assert m["learning/moe_lb_loss"] > 0
+    assert m["lossparity/lm_objective"] == pytest.approx(lm, rel=2e-7, abs=0)
+    assert m["learning/loss"] == pytest.approx(lm + m["learning/moe_lb_loss"], rel=2e-7, abs=0)

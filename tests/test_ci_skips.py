@@ -1,0 +1,47 @@
+"""Under CI=true a skip for a missing dependency or missing data fails (tests/_ci_skips.py): a pytest run of three
+small test files, with and without CI=true, in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+TESTS = pathlib.Path(__file__).resolve().parent
+
+CONFTEST = f"""
+import sys
+sys.path.insert(0, {str(TESTS)!r})
+from _ci_skips import pytest_collectreport, pytest_runtest_makereport, pytest_sessionfinish  # noqa: F401
+"""
+FILES = {
+    "test_a.py": "import pytest\n"
+    "def test_import():\n    pytest.importorskip('no_such_module_for_issue_49')\n"
+    "def test_plain_skip():\n    pytest.skip('not this platform')\n"
+    "def test_ok():\n    pass\n",
+    "test_b.py": "import pytest\npytest.importorskip('no_such_module_for_issue_49')\ndef test_never():\n    pass\n",
+    "test_c.py": "import pytest\n"
+    "@pytest.mark.skipif(True, reason='../shared/reallogs is not present in this checkout')\n"
+    "def test_real():\n    pass\n",
+}
+
+
+def _run(tmp_path: pathlib.Path, ci: str) -> tuple[int, dict]:
+    for name, text in {"conftest.py": CONFTEST, **FILES}.items():
+        (tmp_path / name).write_text(text)
+    summary = tmp_path / f"summary{ci}.json"
+    env = {**os.environ, "CI": ci, "LOSSPARITY_TEST_SUMMARY": str(summary), "LOSSPARITY_REQUIRE_DEPS": ""}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path)]
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    return out.returncode, json.loads(summary.read_text())
+
+
+def test_skips_for_missing_dependencies_or_data_fail_only_under_ci(tmp_path):
+    code, counts = _run(tmp_path, "")
+    assert code == 0 and counts == {**counts, "passed": 1, "failed": 0, "skipped": 4, "ran": 1}
+    # CI=true: the test-level import skip fails, the real-logs skipif fails at set-up (an error: the test did not
+    # run), the module-level skip fails the run; the plain skip stays a skip
+    code, counts = _run(tmp_path, "true")
+    assert code == 1 and counts == {**counts, "passed": 1, "failed": 3, "skipped": 1, "ran": 2}
