@@ -44,7 +44,7 @@ def test_help_has_no_markup_and_no_repository_paths(command):
 
 
 def test_every_subcommand_is_covered():
-    assert subcommands() == ["compare", "convert-checkpoint", "gap", "modes", "train", "verify"]
+    assert subcommands() == ["audit", "compare", "convert-checkpoint", "gap", "modes", "train", "verify"]
 
 
 def test_verify_quick_help_gives_its_expected_time():
