@@ -154,7 +154,10 @@ def run_megatron(
             if g is not None:
                 grads[n] = g.detach().double().clone()
         assignment = {row: (r, k) for r, ks in enumerate(parts) for k, rows in enumerate(ks) for row in rows}
-        return RunResult(grads, logged, assignment, initial)
+        note = ""
+        if cfg.recompute:  # megatron-core's recomputation is a TransformerConfig field the user sets
+            note = "megatron-core: recomputation is your TransformerConfig's (recompute_granularity); run as configured"
+        return RunResult(grads, logged, assignment, initial, note)
     finally:
         if created:
             import torch.distributed as dist
