@@ -28,11 +28,13 @@ FILES = {
 }
 
 
-def _run(tmp_path: pathlib.Path, ci: str) -> tuple[int, dict]:
+def _run(tmp_path: pathlib.Path, ci: str, shared: bool = True) -> tuple[int, dict]:
     for name, text in {"conftest.py": CONFTEST, **FILES}.items():
         (tmp_path / name).write_text(text)
     summary = tmp_path / f"summary{ci}.json"
     env = {**os.environ, "CI": ci, "LOSSPARITY_TEST_SUMMARY": str(summary), "LOSSPARITY_REQUIRE_DEPS": ""}
+    (tmp_path / "shared").mkdir(exist_ok=True)  # the developers' shared folder: present, or named but absent
+    env["LOSSPARITY_SHARED_DIR"] = str(tmp_path / ("shared" if shared else "no_shared_folder"))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path)]
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     return out.returncode, json.loads(summary.read_text())
@@ -45,3 +47,10 @@ def test_skips_for_missing_dependencies_or_data_fail_only_under_ci(tmp_path):
     # run), the module-level skip fails the run; the plain skip stays a skip
     code, counts = _run(tmp_path, "true")
     assert code == 1 and counts == {**counts, "passed": 1, "failed": 3, "skipped": 1, "ran": 2}
+
+
+def test_real_log_skips_stay_skips_in_a_clone_without_the_shared_folder(tmp_path):
+    # a user's clone has no ../shared: the real-log tests cannot run there, and CI=true does not fail them;
+    # the import skips still fail
+    code, counts = _run(tmp_path, "true", shared=False)
+    assert code == 1 and counts == {**counts, "passed": 1, "failed": 2, "skipped": 2, "ran": 2}
