@@ -325,8 +325,7 @@ def audit(
     if multi:
         results.update(_run_workers(stack, multi, vocab, timeout_s))
     model = basis_model(stack, ref)
-    dtype = next(iter(ref.initial.values())).dtype if ref.initial else torch.float32
-    dtype = _param_dtype(stack, ref, dtype)
+    dtype = _param_dtype(stack, ref)
     tol = tol if tol is not None else (1e-10 if dtype == torch.float64 else 1e-5)
     losses = _losses_fn(stack)
     model64 = _copy(model).double()
@@ -383,13 +382,13 @@ def _describe_aux(rows: list[ConfigRow], cfgs: list[Config]) -> None:
             row.aux = "aux × [" + ", ".join(fmt_factor(x) for x in f) + "]"
 
 
-def _param_dtype(stack: Stack, ref: RunResult, fallback: torch.dtype) -> torch.dtype:
+def _param_dtype(stack: Stack, ref: RunResult) -> torch.dtype:
     """The dtype the stack computes in: its reference run's model's parameters (float32 if unknown)."""
     if ref.model is not None:
         return next(ref.model.parameters()).dtype
     if not isinstance(stack, TrainerFactory):
         return next(build_model(stack).parameters()).dtype
-    return fallback
+    return torch.float32  # a Trainer whose run kept no model (not reached: run_trainer always keeps it)
 
 
 def _copy(model: nn.Module) -> nn.Module:

@@ -12,16 +12,14 @@ optimizer offload; the other classes keep the stack's own ``zero_stage``/``offlo
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor, nn
 
-from ..distributed.launch import free_port
 from .batch import AuditBatch, Config, split_rows
-from .stack import RunResult, build_model, resolve
+from .stack import RunResult, build_model, ensure_process_group, resolve
 
 __all__ = ["DeepSpeedStep", "run_deepspeed"]
 
@@ -40,26 +38,11 @@ class DeepSpeedStep:
     kind: str = field(default="deepspeed", init=False)
 
 
-def _ensure_group() -> bool:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return False
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{free_port()}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    return True
-
-
 def run_deepspeed(stack: DeepSpeedStep, cfg: Config, batch: AuditBatch, rank: int, world: int) -> RunResult:
     """One optimizer step of ``stack`` through a real DeepSpeed engine on this rank."""
     from ..integrations.deepspeed import step_gradients
 
-    created = _ensure_group()
+    created = ensure_process_group()
     import os
 
     os.environ.setdefault("LOCAL_RANK", str(rank))  # DeepSpeed asserts it even on an initialized group

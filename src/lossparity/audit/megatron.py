@@ -19,7 +19,6 @@ number is averaged over microbatches and ranks.
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,9 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..distributed.launch import free_port
 from .batch import IGNORE, AuditBatch, Config, split_rows
-from .stack import RunResult, resolve
+from .stack import RunResult, ensure_process_group, resolve
 
 __all__ = ["MegatronStep", "megatron_microbatch", "run_megatron", "megatron_token_losses"]
 
@@ -82,21 +80,11 @@ def megatron_token_losses(stack: MegatronStep) -> Callable[[nn.Module, Mapping[s
 
 
 def _ensure_groups() -> bool:
-    """Initialize a 1-process gloo group and Megatron's parallel state when the caller has none; returns
-    whether this call created the default group (so that the caller destroys it)."""
-    import torch.distributed as dist
+    """A 1-process group and Megatron's parallel state when the caller has none; returns whether this call
+    created the default group (so that the caller destroys it)."""
     from megatron.core import parallel_state
 
-    created = False
-    if not dist.is_initialized():
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{free_port()}",
-            rank=0,
-            world_size=1,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        created = True
+    created = ensure_process_group(60.0)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
     return created

@@ -367,6 +367,27 @@ def basis_model(stack: Any, result: RunResult) -> nn.Module:
     return model
 
 
+def ensure_process_group(timeout_s: float = 120.0) -> bool:
+    """Initialize a 1-process gloo group when the caller has none (megatron-core and DeepSpeed need one even
+    for one rank); returns whether this call created it (so that the caller destroys it)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from ..distributed.launch import free_port
+
+    if dist.is_initialized():
+        return False
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return True
+
+
 def run_config(stack: Any, cfg: Config, batch: AuditBatch, rank: int, world: int) -> RunResult:
     """Run ``cfg`` of ``stack`` (a :class:`HandLoop`, :class:`TrainerFactory` or
     :class:`~lossparity.audit.megatron.MegatronStep`) on this rank."""
