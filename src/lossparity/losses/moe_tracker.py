@@ -37,7 +37,7 @@ def tracker_log_value(
             f"terms must be a float tensor [..., microbatches, layers], got {terms.dtype} {tuple(terms.shape)}"
         )
     m, n = terms.shape[-2], terms.shape[-1]
-    for name, v, default in (("num_layers", num_layers, n), ("num_microbatches", num_microbatches, m)):
+    for name, v in (("num_layers", num_layers), ("num_microbatches", num_microbatches)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     layers = n if num_layers is None else num_layers
