@@ -288,6 +288,32 @@ def test_tracker_log_value_hand_worked():
         moe.tracker_log_value(terms, 0.01, num_microbatches=0)
 
 
+def test_tracker_log_value_matches_megatron_track_moe_metrics(monkeypatch):
+    # megatron-core's own tracker (0.16.1, one rank: its cross-rank reductions are the identity) on 4 decoder
+    # layers with moe_layer_freq [1, 0, 1, 1] and one MoE MTP layer: MoE layer numbers 1, 3, 4, 5
+    mu = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    monkeypatch.setattr(mu, "reduce_aux_losses_tracker_across_ranks", lambda *a, **k: None)
+    tracker = mu.get_moe_layer_wise_logging_tracker()
+    saved = dict(tracker)
+    tracker.clear()
+    coeff, ga, moe_layers = 0.01, 3, [1, 3, 4, 5]
+    terms = _randn(ga, len(moe_layers), seed=40).abs() * 0.02
+    try:
+        for m in range(ga):
+            for j, layer in enumerate(moe_layers):  # the router saves aux_loss / coeff (router.py)
+                value = torch.tensor(terms[m, j].item() / coeff, dtype=torch.float32)
+                mu.save_to_aux_losses_tracker("load_balancing_loss", value, layer, 5)
+        logged: dict[str, torch.Tensor] = {}
+        mu.track_moe_metrics(
+            1.0 / ga, 0, total_loss_dict=logged, num_layers=4, moe_layer_freq=[1, 0, 1, 1], mtp_num_layers=1
+        )
+    finally:
+        tracker.clear()
+        tracker.update(saved)
+    got = moe.tracker_log_value(terms.float(), coeff)
+    torch.testing.assert_close(got, logged["load_balancing_loss"].float(), rtol=1e-6, atol=0)
+
+
 # ------------------------------------------------------------------------------------------------
 # one argument order: probs, [counts,] total_num_tokens, state
 # ------------------------------------------------------------------------------------------------
