@@ -485,9 +485,10 @@ def test_public_alias_module():
     from lossparity.distributed.moe.accounting import MoEAccounting
 
     assert moe_alias.switch_load_balancing_loss is moe.switch_load_balancing_loss
-    from lossparity.losses import aux_scopes, router
+    from lossparity.losses import aux_scopes, indexer, moe_tracker, router
 
-    assert moe_alias.__all__ == moe.__all__ + router.__all__ + aux_scopes.__all__  # each name has one home
+    homes = moe.__all__ + router.__all__ + aux_scopes.__all__ + indexer.__all__ + moe_tracker.__all__
+    assert moe_alias.__all__ == homes  # each name has one home
     for name in moe.__all__:
         assert getattr(moe_alias, name) is getattr(moe, name)
     assert lossparity.MoEAccounting is MoEAccounting and "MoEAccounting" in lossparity.__all__

@@ -217,7 +217,7 @@ def test_global_lagged_uses_the_previous_steps_fractions():
     lg1, lg2 = _logits(12, E, seed=20), _logits(10, E, seed=21)
     p1 = moe.router_probs(lg1)
     # step 0: uniform k/E fractions -> α·Σ_x Σ_e p / T = α (each row sums to 1)
-    assert moe.global_lagged_load_balancing_loss(p1, state, 12, topk=K, num_experts=E, coeff=0.5).item() == (
+    assert moe.global_lagged_load_balancing_loss(p1, 12, state, topk=K, num_experts=E, coeff=0.5).item() == (
         pytest.approx(0.5, rel=1e-12)
     )
     for half in (slice(0, 5), slice(5, 12)):  # two microbatches of step 0
@@ -230,10 +230,10 @@ def test_global_lagged_uses_the_previous_steps_fractions():
     want = 0.5 * E / K * sum(f[e] * sum(pr2[x][e] for x in range(8)) / 8 for e in range(E))
     p2 = moe.router_probs(lg2).clone()
     p2[9] = float("nan")  # a dropped row must not leak
-    got = moe.global_lagged_load_balancing_loss(p2, state, 8, topk=K, num_experts=E, coeff=0.5, keep_mask=keep)
+    got = moe.global_lagged_load_balancing_loss(p2, 8, state, topk=K, num_experts=E, coeff=0.5, keep_mask=keep)
     assert got.item() == pytest.approx(want, rel=1e-12)
     t_dev = keep.sum()  # a device count: no host read
-    got_t = moe.global_lagged_load_balancing_loss(p2, state, t_dev, topk=K, num_experts=E, coeff=0.5, keep_mask=keep)
+    got_t = moe.global_lagged_load_balancing_loss(p2, t_dev, state, topk=K, num_experts=E, coeff=0.5, keep_mask=keep)
     assert got_t.item() == pytest.approx(want, rel=1e-12)
     # checkpoint round trip; a step without tokens keeps the fractions
     saved = state.state_dict()

@@ -152,6 +152,7 @@ ALIASES: dict[str, dict[str, str]] = {
         "seq_aux_loss": "sequence",
         "global_aux_loss": "global_running",
         "gbs_aux_loss": "global_running",
+        "sub_seq_aux_loss": "microbatch",
     },
 }
 
@@ -165,13 +166,16 @@ FRAMEWORK_AUX_SCOPES: dict[str, dict[str, AuxScope]] = {
         "global_aux_loss": "global_running",
         "none": "none",
     },
-    # MindSpore MindFormers moe_router_load_balancing_type (its Megatron-style names; its global running counts
-    # are summed over TP x CP only, and its graph-mode router spells the global form gbs_aux_loss)
+    # MindSpore MindFormers moe_router_load_balancing_type: the pynative TopKRouter's Megatron-style names (its
+    # global running counts summed over CP (2.0.0) or TP x CP (2.1.0), not DP) and the graph-mode router's
+    # gbs_aux_loss (global over DP) and sub_seq_aux_loss (the config default: one Switch term per rank's
+    # microbatch slice, the microbatch scope at TP = CP = 1); docs/moe.md has a row per mode
     "mindformers": {
         "aux_loss": "microbatch",
         "seq_aux_loss": "sequence",
         "global_aux_loss": "global_running",
         "gbs_aux_loss": "global_running",
+        "sub_seq_aux_loss": "microbatch",
         "none": "none",
     },
 }

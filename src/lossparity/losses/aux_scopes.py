@@ -21,6 +21,7 @@ scope              function                                             framewor
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import torch
@@ -260,8 +261,8 @@ def global_lagged_weights(
 
 def global_lagged_load_balancing_loss(
     probs: Tensor,
-    state: GlobalLaggedCounts,
     total_num_tokens: int | float | Tensor,
+    state: GlobalLaggedCounts | None = None,
     *,
     topk: int,
     num_experts: int,
@@ -272,9 +273,31 @@ def global_lagged_load_balancing_loss(
     ``α·E/k · Σ_e (c_e^prev/T^prev) · Σ_{x kept} p[x,e] / T`` with ``T`` = ``total_num_tokens``, the current
     step's kept tokens of the whole global batch. Summed over the step's microbatches and ranks it is the Switch
     term of the global batch with the previous step's fractions: layout-invariant. ``probs [tokens, E]``
-    (``state.counts`` ``[E]``)."""
-    if not isinstance(state, GlobalLaggedCounts):
-        raise TypeError(f"state must be a GlobalLaggedCounts, got {type(state).__name__}")
+    (``state.counts`` ``[E]``).
+
+    Argument order, the one of every load-balancing function: ``probs``, this microbatch's counts where the
+    scope takes them, ``total_num_tokens``, the carried ``state``, then the keywords
+    (:func:`global_running_load_balancing_loss` ``(probs, counts, T, state)``). The former order
+    ``(probs, state, T)`` still works for one release with a ``DeprecationWarning``."""
+    t_arg: object = total_num_tokens
+    st: object = state
+    if isinstance(t_arg, GlobalLaggedCounts):  # the former (probs, state, T) order
+        warnings.warn(
+            "global_lagged_load_balancing_loss(probs, state, total_num_tokens) is deprecated and will be removed "
+            "in the next release: pass (probs, total_num_tokens, state), the order of every load-balancing "
+            "function (state after the token count)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        t_arg, st = st, t_arg
+    if not isinstance(st, GlobalLaggedCounts):
+        raise TypeError(f"state must be a GlobalLaggedCounts, got {type(st).__name__}")
+    if isinstance(t_arg, bool) or not isinstance(t_arg, (int, float, Tensor)):
+        raise TypeError(
+            f"total_num_tokens must be a number or a scalar tensor (the step's global kept tokens), "
+            f"got {type(t_arg).__name__}"
+        )
+    state, total_num_tokens = st, t_arg
     if state.counts.dim() != 1:
         raise ValueError("global_lagged_load_balancing_loss takes one layer: a state of counts [E]")
     p = probs

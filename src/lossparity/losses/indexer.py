@@ -12,7 +12,8 @@ renormalized over kept keys *before* the heads are summed — exactly Megatron-L
 ``compute_dsa_indexer_loss`` (which adds the same ``-inf`` mask to the attention scores and the indexer
 scores before both softmaxes). When the main attention already has no mass outside the kept set (the
 dense loss with a causal mask) this renormalization is the identity. A sparse indexer may instead pass the
-selected keys themselves (``topk_indices``).
+selected keys themselves (``topk_indices``), and with ``sparse_logits=True`` only their logits ``[B, Tq, k]``
+(MindFormers 2.1.0's ``index_scores``), which :func:`scatter_indexer_logits` places on the key axis.
 
 Queries without a kept key (the first rows of compressed attention, where no compressed key is causal yet):
 their two distributions are undefined, so by rule their ``KL_t`` is 0, they carry no gradient, and they are
@@ -25,7 +26,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["INDEXER_REDUCTIONS", "INDEXER_MEANS", "indexer_kl", "indexer_token_count", "indexer_loss"]
+__all__ = [
+    "INDEXER_REDUCTIONS",
+    "INDEXER_MEANS",
+    "indexer_kl",
+    "indexer_token_count",
+    "indexer_loss",
+    "scatter_indexer_logits",
+]
 
 INDEXER_REDUCTIONS = ("sum", "none")
 INDEXER_MEANS = ("all", "valid")
@@ -73,6 +81,38 @@ def _selected_keys(idx: Tensor, b: int, tq: int, tk: int, unbatched: bool, devic
     return out.scatter_(-1, torch.where(idx < 0, tk, idx), True)[..., :tk]  # -1 lands in a dropped column
 
 
+def scatter_indexer_logits(selected_logits: Tensor, topk_indices: Tensor, num_keys: int) -> Tensor:
+    """The dense indexer logits ``I [..., Tq, Tk]`` of a sparse indexer's output: ``I[..., t, j] = s[..., t, i]``
+    where ``topk_indices[..., t, i] = j``, ``-inf`` at every key not listed (``-1`` entries list none).
+
+    ``selected_logits`` ``[B, Tq, k]`` (or ``[Tq, k]``) are the logits of the selected keys, in the order of
+    ``topk_indices`` (int, same shape; MindFormers 2.1.0's ``index_scores`` and ``topk_indices``); ``num_keys``
+    is ``Tk``. A key listed twice in one row is an error. Gradients flow to ``selected_logits``.
+    """
+    if not isinstance(selected_logits, Tensor) or not selected_logits.is_floating_point():
+        raise TypeError("selected_logits must be a floating-point torch.Tensor [B, Tq, k]")
+    if not isinstance(topk_indices, Tensor) or topk_indices.is_floating_point() or topk_indices.is_complex():
+        raise TypeError("topk_indices must be an integer tensor [B, Tq, k] (-1 = no key)")
+    if topk_indices.dtype == torch.bool:
+        raise TypeError("topk_indices must be an integer tensor [B, Tq, k] (-1 = no key), got bool")
+    if selected_logits.shape != topk_indices.shape or selected_logits.dim() not in (2, 3):
+        raise ValueError(
+            f"sparse indexer logits {tuple(selected_logits.shape)} and topk_indices {tuple(topk_indices.shape)} "
+            "must have the same shape [B, Tq, k] (or [Tq, k])"
+        )
+    if isinstance(num_keys, bool) or not isinstance(num_keys, int) or num_keys < 1:
+        raise ValueError(f"num_keys must be a positive int (Tk), got {num_keys!r}")
+    idx = topk_indices.to(device=selected_logits.device, dtype=torch.long)
+    if idx.numel() and bool(((idx < -1) | (idx >= num_keys)).any()):
+        raise ValueError(f"topk_indices must be in -1..{num_keys - 1} (-1 = no key)")
+    listed = torch.where(idx < 0, num_keys, idx)  # -1 lands in a column that is cut off below
+    ordered = listed.sort(dim=-1).values
+    if idx.shape[-1] > 1 and bool(((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] < num_keys)).any()):
+        raise ValueError("topk_indices lists a key twice in one query row")
+    dense = selected_logits.new_full((*idx.shape[:-1], num_keys + 1), float("-inf"))
+    return dense.scatter(-1, listed, selected_logits)[..., :num_keys]
+
+
 def indexer_loss(
     main_attn_probs: Tensor,
     indexer_logits: Tensor,
@@ -83,14 +123,19 @@ def indexer_loss(
     mean_over: str = "all",
     topk: int | None = None,
     topk_indices: Tensor | None = None,
+    sparse_logits: bool = False,
 ) -> Tensor:
     """The indexer loss of one set of queries in the forms frameworks train and log:
     ``c · Σ_t KL_t / Q`` (:func:`indexer_kl`), with ``c = coeff`` when ``include_coeff`` (the objective term;
     Megatron's ``compute_dsa_indexer_loss`` and MindFormers' trackers) else 1 (a log divided by its coefficient),
     and ``Q`` the number of ``all`` queries (``mask`` ones, or ``B·Tq`` without a mask: Megatron's mean over
-    ``b·sq``) or of the ``valid`` ones (mask ones with at least one kept key). ``Q = 0`` gives 0."""
+    ``b·sq``, MindFormers' mean over ``b·sq``) or of the ``valid`` ones (mask ones with at least one kept key).
+    ``Q = 0`` gives 0. With ``sparse_logits=True``, ``indexer_logits`` are the ``[B, Tq, k]`` logits of the keys
+    ``topk_indices`` lists (MindFormers 2.1.0 ``index_scores``), placed on the key axis by
+    :func:`scatter_indexer_logits` first. Public path: ``lossparity.moe.indexer_loss``."""
     if mean_over not in INDEXER_MEANS:
         raise ValueError(f"mean_over must be one of {INDEXER_MEANS}, got {mean_over!r}")
+    indexer_logits = _dense_logits(main_attn_probs, indexer_logits, topk_indices, sparse_logits)
     per_q = indexer_kl(main_attn_probs, indexer_logits, mask, topk=topk, reduction="none", topk_indices=topk_indices)
     q = per_q.new_ones(per_q.shape) if mask is None else (mask != 0).to(per_q.dtype).reshape(per_q.shape)
     if mean_over == "valid":  # a query keeps a key iff one is finite (and selected): topk keeps the largest
@@ -102,6 +147,21 @@ def indexer_loss(
         q = q * has_key.any(dim=-1).reshape(per_q.shape).to(q.dtype)
     scale = float(coeff) if include_coeff else 1.0
     return per_q.sum() * scale / q.sum().clamp(min=1)
+
+
+def _dense_logits(
+    main_attn_probs: Tensor, indexer_logits: Tensor, topk_indices: Tensor | None, sparse_logits: bool
+) -> Tensor:
+    """``indexer_logits`` on the key axis: scattered from the sparse ``[B, Tq, k]`` form when ``sparse_logits``."""
+    if not isinstance(sparse_logits, bool):
+        raise TypeError(f"sparse_logits must be a bool, got {type(sparse_logits).__name__}")
+    if not sparse_logits:
+        return indexer_logits
+    if topk_indices is None:
+        raise ValueError("sparse_logits=True needs topk_indices (the keys whose logits indexer_logits holds)")
+    if not isinstance(main_attn_probs, Tensor) or main_attn_probs.dim() not in (3, 4):
+        raise ValueError("main_attn_probs must be [B, heads, Tq, Tk] or [heads, Tq, Tk]")
+    return scatter_indexer_logits(indexer_logits, topk_indices, main_attn_probs.shape[-1])
 
 
 def indexer_token_count(mask: Tensor) -> Tensor:
@@ -123,6 +183,7 @@ def indexer_kl(
     topk: int | None = None,
     reduction: str = "sum",
     topk_indices: Tensor | None = None,
+    sparse_logits: bool = False,
 ) -> Tensor:
     """Indexer KL loss ``Σ_{valid t} KL(p_t || softmax(I_t))`` (``reduction="sum"``, float32 scalar).
 
@@ -135,9 +196,12 @@ def indexer_kl(
     ``KL_t = Σ_{j in K_t, p>0} p_t[j] (log p_t[j] − log q_t[j])`` (``0·log 0 = 0``). ``reduction="none"``
     returns ``KL_t`` as ``[B, Tq]`` (``[Tq]``) with 0 at masked queries and at queries with no kept key (the
     module's rule). ``p_t`` is detached. Errors: NaN/``+inf`` logits, negative/NaN probabilities, a query with
-    kept keys but no attention mass on them, ``topk`` together with ``topk_indices``.
+    kept keys but no attention mass on them, ``topk`` together with ``topk_indices``. ``sparse_logits=True``:
+    ``indexer_logits`` are ``[B, Tq, k]``, the logits of the keys ``topk_indices`` lists
+    (:func:`scatter_indexer_logits`).
     """
     _check_floats(main_attn_probs, indexer_logits, reduction)
+    indexer_logits = _dense_logits(main_attn_probs, indexer_logits, topk_indices, sparse_logits)
     unbatched = main_attn_probs.dim() == 3
     if main_attn_probs.dim() not in (3, 4):
         raise ValueError(
@@ -148,9 +212,12 @@ def indexer_kl(
     b, _, tq, tk = a.shape
     if logits.shape != (b, tq, tk):
         expect = (tq, tk) if unbatched else (b, tq, tk)
+        hint = ""
+        if topk_indices is not None and indexer_logits.shape == topk_indices.shape:
+            hint = " (logits of the selected keys only? pass sparse_logits=True)"
         raise ValueError(
             f"indexer_logits shape {tuple(indexer_logits.shape)} does not match main_attn_probs "
-            f"{tuple(main_attn_probs.shape)}: expected {expect}"
+            f"{tuple(main_attn_probs.shape)}: expected {expect}{hint}"
         )
     if mask is not None and unbatched and isinstance(mask, Tensor) and mask.dim() == 1:
         mask = mask.unsqueeze(0)

@@ -7,7 +7,9 @@ options map onto their arguments (docs/moe.md):
 
 - ``expert_bias`` (aux-loss-free balancing): added to the scores for the selection only;
 - ``num_groups``/``group_topk`` (Megatron ``moe_router_num_groups``/``moe_router_group_topk``, DeepSeek
-  ``n_groups``/``topk_groups``): group-limited (device- or node-limited) routing;
+  ``n_groups``/``topk_groups``): group-limited (device- or node-limited) routing, with ``group_score_topk``
+  (how many of a group's best experts score it) and ``group_fill`` (what the dropped groups' experts get)
+  for the frameworks that differ (docs/moe.md);
 - ``normalize`` (HF and MindFormers ``norm_topk_prob``; Megatron: ``sigmoid``/``sqrtsoftplus`` with
   ``k > 1``, or ``softmax`` without ``moe_router_pre_softmax``; DeepSeek: every score function but softmax)
   and ``scaling_factor`` (Megatron/MindFormers ``moe_router_topk_scaling_factor``, DeepSeek ``route_scale``).
@@ -17,12 +19,20 @@ Public path: ``lossparity.moe``. Float math in the dtype of the scores; no host 
 
 from __future__ import annotations
 
+import math
+from typing import Literal
+
 import torch
 from torch import Tensor
 
 from ._checks import check_float_tensor as _check_float_tensor
 
-__all__ = ["topk_routing", "gate_weights"]
+__all__ = ["AUX_COUNTS", "topk_routing", "aux_routing_map", "gate_weights"]
+
+AuxCounts = Literal["topk", "dispatch"]
+# What the auxiliary losses count: the plain top-k of the unbiased scores (semantics §5; Megatron, MindFormers
+# pynative) or the experts the router dispatched to, bias and group limit included (MindFormers graph mode).
+AUX_COUNTS: tuple[AuxCounts, ...] = ("topk", "dispatch")
 
 
 def _check_groups(num_experts: int, topk: int, num_groups: int | None, group_topk: int | None) -> None:
@@ -51,17 +61,21 @@ def topk_routing(
     num_groups: int | None = None,
     group_topk: int | None = None,
     group_score_topk: int | None = None,
+    group_fill: float = -math.inf,
 ) -> tuple[Tensor, Tensor]:
     """Expert selection: ``(indices [..., k] int64, routing_map [..., E] bool)``.
 
     The selection values are ``v[x,e] = scores[x,e] + b_e`` (``expert_bias`` ``b [E]``, default 0); the
     selected experts are the ``k`` largest ``v[x,:]`` (``torch.topk`` order and ties). Group-limited routing
     (``num_groups`` ``G``, ``group_topk`` ``g``): the experts form ``G`` contiguous groups of ``E/G``; group
-    ``γ`` scores ``Σ`` of its ``group_score_topk`` largest ``v`` (default ``k // g``, Megatron and MindFormers;
-    DeepSeek-V3's reference uses 2 with a bias and 1, the group maximum, without); the ``g`` best groups stay
-    and the ``k`` largest ``v`` among their experts are selected (the others are masked with ``-inf``, as
-    Megatron; MindFormers masks with 0, the same for non-negative selection values). The bias only selects:
-    gates use the unbiased scores (:func:`gate_weights`).
+    ``γ`` scores ``S_γ = Σ`` of its ``m`` largest ``v``, ``m = group_score_topk`` (default ``k // g``:
+    Megatron, MindFormers graph mode; MindFormers pynative (2.x ``TopKRouter``) and DeepSeek-V3 with a bias
+    use 2, DeepSeek-V3's reference without a bias 1, the group maximum); the ``g`` groups of largest ``S_γ``
+    stay, every expert of the other groups gets ``v = group_fill``, and the ``k`` largest ``v`` are selected.
+    ``group_fill`` is ``-inf`` by default (Megatron, MindFormers pynative, DeepSeek: a dropped group's expert is
+    never selected); MindFormers graph mode fills with ``0.0``, which selects a dropped group's expert over a
+    kept one whose biased value is negative (the same selection when every kept ``v`` is ``>= 0``). The bias
+    only selects: gates use the unbiased scores (:func:`gate_weights`).
     """
     scores = _check_float_tensor("scores", scores)
     if scores.dim() < 1:
@@ -70,6 +84,8 @@ def topk_routing(
     if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= num_experts:
         raise ValueError(f"topk must be an int in 1..num_experts={num_experts}, got {topk!r}")
     _check_groups(num_experts, topk, num_groups, group_topk)
+    if isinstance(group_fill, bool) or not isinstance(group_fill, (int, float)) or math.isnan(group_fill):
+        raise ValueError(f"group_fill must be a number (-inf or 0.0), got {group_fill!r}")
     v = scores.detach()
     if expert_bias is not None:
         _check_float_tensor("expert_bias", expert_bias)
@@ -86,10 +102,46 @@ def topk_routing(
         keep = torch.zeros_like(group_scores, dtype=torch.bool)
         keep.scatter_(-1, group_scores.topk(group_topk, dim=-1).indices, True)
         keep_e = keep.unsqueeze(-1).expand_as(grouped).reshape(v.shape)
-        v = v.masked_fill(~keep_e, float("-inf"))
+        v = v.masked_fill(~keep_e, float(group_fill))
     idx = v.topk(topk, dim=-1).indices
     routing_map = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, idx, True)
     return idx, routing_map
+
+
+def aux_routing_map(
+    scores: Tensor,
+    topk: int,
+    *,
+    counts: AuxCounts = "topk",
+    expert_bias: Tensor | None = None,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    group_score_topk: int | None = None,
+    group_fill: float = -math.inf,
+) -> Tensor:
+    """The routing map ``m [..., E]`` (bool) whose counts ``c_e = Σ_x m[x,e]`` the auxiliary losses use.
+
+    ``counts="topk"`` (default; semantics §5, Megatron, MindFormers pynative): the plain top-``k`` of the unbiased
+    ``scores``, ``m[x,e] = (e ∈ top-k of scores[x,:])``, whatever the router dispatched (the routing options are
+    ignored; the same map as :func:`~lossparity.losses.moe.topk_routing_map` of the normalized probs, since a
+    positive row scale keeps the order). ``counts="dispatch"`` (MindFormers graph mode, whose aux losses count
+    the router's ``expert_index``): the map of :func:`topk_routing` with the given ``expert_bias`` and group
+    options, i.e. the experts the tokens were sent to. ``scores`` are the router's selection scores
+    (``softmax``, ``sigmoid`` or ``sqrtsoftplus``, see :func:`~lossparity.losses.moe.router_scores`).
+    """
+    if counts not in AUX_COUNTS:
+        raise ValueError(f"counts must be one of {AUX_COUNTS} (what the aux losses count), got {counts!r}")
+    if counts == "topk":
+        return topk_routing(scores, topk)[1]
+    return topk_routing(
+        scores,
+        topk,
+        expert_bias=expert_bias,
+        num_groups=num_groups,
+        group_topk=group_topk,
+        group_score_topk=group_score_topk,
+        group_fill=group_fill,
+    )[1]
 
 
 def gate_weights(
