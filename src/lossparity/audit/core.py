@@ -45,11 +45,12 @@ from .stack import (
     spec_of,
     trainer_overrides,
 )
+from .torchtitan import TitanStep, titan_logits, uses_float32_loss
 from .worker import user_frame
 
 __all__ = ["audit", "AuditError", "AuditReport", "ConfigRow", "Stack"]
 
-Stack = HandLoop | TrainerFactory | MegatronStep | DeepSpeedStep
+Stack = HandLoop | TrainerFactory | MegatronStep | DeepSpeedStep | TitanStep
 
 SEPARABLE_TOL = 1e-4  # a float32 stack's gradient is fitted to ~1e-6; a non-separable term leaves far more
 LOG_TOL = 1e-4  # the logged loss against the optimized objective (float32 values)
@@ -154,6 +155,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _logits_fn(stack: Any) -> Any:
+    if isinstance(stack, TitanStep):
+        return titan_logits
     logits = getattr(stack, "logits", None)
     if logits is None:
         return default_logits
@@ -199,6 +202,11 @@ def _spec(stack: Stack) -> tuple[dict[str, Any] | None, str]:
         spec = {"kind": stack.kind, "zero_stage": stack.zero_stage, "offload": stack.offload, "config": stack.config}
     elif isinstance(stack, MegatronStep):
         parts = {"model": stack.model, "forward_step": stack.forward_step}
+        spec = {"kind": stack.kind}
+    elif isinstance(stack, TitanStep):
+        if stack.model_config is not None:
+            return None, "a torchtitan model_config does not travel to a worker process (leave it None for 2 ranks)"
+        parts = {"model": stack.model, "loss": stack.loss, "trainer": stack.trainer, "parallelize": stack.parallelize}
         spec = {"kind": stack.kind}
     else:
         parts = {"factory": stack.factory, "logits": stack.logits}
@@ -383,7 +391,10 @@ def _describe_aux(rows: list[ConfigRow], cfgs: list[Config]) -> None:
 
 
 def _param_dtype(stack: Stack, ref: RunResult) -> torch.dtype:
-    """The dtype the stack computes in: its reference run's model's parameters (float32 if unknown)."""
+    """The dtype the stack computes in: its reference run's model's parameters (float32 if unknown; float32
+    for torchtitan's own cross-entropy, which casts the logits to float32)."""
+    if isinstance(stack, TitanStep) and uses_float32_loss(stack):
+        return torch.float32
     if ref.model is not None:
         return next(ref.model.parameters()).dtype
     if not isinstance(stack, TrainerFactory):

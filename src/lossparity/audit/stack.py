@@ -395,6 +395,10 @@ def run_config(stack: Any, cfg: Config, batch: AuditBatch, rank: int, world: int
         return run_hand_loop(stack, cfg, batch, rank, world)
     if isinstance(stack, TrainerFactory):
         return run_trainer(stack, cfg, batch, rank, world)
+    if getattr(stack, "kind", "") == "torchtitan":
+        from .torchtitan import run_titan
+
+        return run_titan(stack, cfg, batch, rank, world)
     if getattr(stack, "kind", "") == "deepspeed":
         from .deepspeed import run_deepspeed
 

@@ -51,6 +51,12 @@ def stack_from_spec(spec: dict[str, Any]) -> Any:
             offload=spec["offload"],
             config=spec["config"],
         )
+    if spec["kind"] == "torchtitan":
+        from .torchtitan import TitanStep
+
+        return TitanStep(
+            model=spec["model"], loss=spec["loss"], trainer=spec["trainer"], parallelize=spec["parallelize"]
+        )
     if spec["kind"] == "megatron-core":
         from .megatron import MegatronStep
 

@@ -1,4 +1,5 @@
-"""CLI glue of ``lossparity audit``: the user's own training stack (``--step``/``--model``, ``--trainer``) or
+"""CLI glue of ``lossparity audit``: the user's own training stack (``--step``/``--model``, ``--trainer``,
+``--megatron``, ``--deepspeed``, ``--torchtitan``) or
 cross-entropy kernel (``--kernel``). Exit 0 invariant (and as ``--expect``ed), 1 not, 2 could not run."""
 
 from __future__ import annotations
@@ -34,6 +35,21 @@ def add_audit_arguments(a: argparse.ArgumentParser) -> None:
     )
     a.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=0, help="with --deepspeed: your stage")
     a.add_argument("--offload", action="store_true", help="with --deepspeed: optimizer offload to the CPU")
+    a.add_argument(
+        "--torchtitan",
+        default=None,
+        metavar="MODULE:FN",
+        help="build() -> a torchtitan model (model(tokens, positions=) -> logits) run by torchtitan's train_step",
+    )
+    a.add_argument(
+        "--loss", default=None, metavar="MODULE:NAME", help="with --torchtitan: your loss (default: torchtitan's)"
+    )
+    a.add_argument(
+        "--trainer-class",
+        default=None,
+        metavar="MODULE:NAME",
+        help="with --torchtitan: your Trainer subclass (default: torchtitan.trainer.Trainer)",
+    )
     a.add_argument("--no-ddp", action="store_true", help="with --step: hand 2-rank steps the bare model, not DDP")
     a.add_argument(
         "--trainer", default=None, metavar="MODULE:FN", help="factory(ctx) -> transformers.Trainer (TRL's too)"
@@ -66,20 +82,46 @@ def _write_json(path: str | None, data: dict[str, Any]) -> None:
         atomic_write_bytes(path, (text + "\n").encode())
 
 
+def _stack(args: argparse.Namespace) -> Any:
+    """The adapter the options name (``UsageError`` for a missing companion option)."""
+    from ..audit import HandLoop, TrainerFactory
+    from ..audit.deepspeed import DeepSpeedStep
+    from ..audit.megatron import MegatronStep
+    from ..audit.torchtitan import TitanStep
+
+    if args.torchtitan is not None:
+        return TitanStep(model=args.torchtitan, loss=args.loss, trainer=args.trainer_class)
+    if (args.step or args.megatron or args.deepspeed) and args.model is None:
+        raise UsageError("--step/--megatron/--deepspeed need --model MODULE:FN (the model the step trains)")
+    if args.step is not None:
+        return HandLoop(model=args.model, step=args.step, wrap_ddp=not args.no_ddp)
+    if args.deepspeed is not None:
+        if args.offload and args.zero_stage == 0:
+            raise UsageError("--offload needs --zero-stage 1, 2 or 3")
+        return DeepSpeedStep(args.model, args.deepspeed, zero_stage=args.zero_stage, offload=args.offload)
+    if args.megatron is not None:
+        if args.vocab_size is None or args.vocab_size < 8:
+            raise UsageError("--megatron needs --vocab-size N (N >= 8): the model's vocabulary")
+        return MegatronStep(model=args.model, forward_step=args.megatron, vocab_size=args.vocab_size)
+    return TrainerFactory(args.trainer)
+
+
 def cmd_audit(args: argparse.Namespace) -> int:
     """Run the audit the options name and print its table; the exit code of the report."""
-    from ..audit import AuditError, HandLoop, TrainerFactory, audit, audit_kernel, render
+    from ..audit import AuditError, audit, audit_kernel, render
     from ..audit.batch import CLASSES, DEFAULT_CLASSES
-    from ..audit.core import Stack
-    from ..audit.deepspeed import DeepSpeedStep
     from ..audit.kernel import render_kernel
-    from ..audit.megatron import MegatronStep
     from ..audit.stack import resolve
     from ..audit.worker import user_frame
 
-    chosen = [x for x in (args.step, args.trainer, args.kernel, args.megatron, args.deepspeed) if x is not None]
+    stacks = (args.step, args.trainer, args.kernel, args.megatron, args.deepspeed, args.torchtitan)
+    chosen = [x for x in stacks if x is not None]
     if len(chosen) != 1:
-        raise UsageError("name exactly one of --step (with --model), --trainer, --megatron, --deepspeed, --kernel")
+        raise UsageError(
+            "name exactly one of --step (with --model), --trainer, --megatron, --deepspeed, --torchtitan, --kernel"
+        )
+    if args.torchtitan is None and (args.loss is not None or args.trainer_class is not None):
+        raise UsageError("--loss and --trainer-class go with --torchtitan")
     if args.tol is not None and not (0 < args.tol < 1):
         raise UsageError(f"--tol must be in (0, 1), got {args.tol}")
     classes = [c for c in args.classes.split(",") if c] or list(DEFAULT_CLASSES)
@@ -96,21 +138,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
             print(render_kernel(kreport))
             _write_json(args.json, kreport.as_dict())
             return kreport.exit_code
-        if (args.step or args.megatron or args.deepspeed) and args.model is None:
-            raise UsageError("--step/--megatron/--deepspeed need --model MODULE:FN (the model the step trains)")
-        stack: Stack
-        if args.step is not None:
-            stack = HandLoop(model=args.model, step=args.step, wrap_ddp=not args.no_ddp)
-        elif args.deepspeed is not None:
-            if args.offload and args.zero_stage == 0:
-                raise UsageError("--offload needs --zero-stage 1, 2 or 3")
-            stack = DeepSpeedStep(args.model, args.deepspeed, zero_stage=args.zero_stage, offload=args.offload)
-        elif args.megatron is not None:
-            if args.vocab_size is None or args.vocab_size < 8:
-                raise UsageError("--megatron needs --vocab-size N (N >= 8): the model's vocabulary")
-            stack = MegatronStep(model=args.model, forward_step=args.megatron, vocab_size=args.vocab_size)
-        else:
-            stack = TrainerFactory(args.trainer)
+        stack = _stack(args)
         report = audit(stack, classes=classes, expect=args.expect, tol=args.tol)
     except AuditError as e:
         text = str(e).replace("\n", "\\n")
