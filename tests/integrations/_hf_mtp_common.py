@@ -24,8 +24,8 @@ STEPS = 2
 LAMBDA = 0.3
 
 
-def mtp_model(depths: int):
-    """The tiny Llama (1 layer) with ``depths`` MTP layers attached, float64, seeded."""
+def mtp_model(depths: int, dtype: str = "float64"):
+    """The tiny Llama (1 layer) with ``depths`` MTP layers attached, float64 (or ``dtype``), seeded."""
     import transformers
 
     from lossparity.integrations.hf_mtp import attach_mtp
@@ -33,7 +33,7 @@ def mtp_model(depths: int):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
     attach_mtp(model, depths)
-    return model.double()
+    return model.to(getattr(torch, dtype))
 
 
 def rows_for(data: str) -> list[dict[str, torch.Tensor]]:
@@ -48,7 +48,7 @@ def run(out_dir: str, spec: dict, record_grads: bool = True):
 
     from lossparity.integrations.hf import LossParityTrainer
 
-    model = mtp_model(spec["depths"])
+    model = mtp_model(spec["depths"], spec.get("dtype", "float64"))
     rec = grad_recorder() if record_grads else None
     counts: list[list[float]] = []
 
@@ -130,7 +130,13 @@ def naive_objective(rows: list[dict], depths: int, mode: str, convention: str) -
     n = len(units)
     main = sum(u[0][0] / max(u[0][1], 1) for u in units) / n
     if convention == "pooled":
-        term = sum(sum(u[k][0] for k in range(1, depths + 1)) / max(sum(u[k][1] for k in range(1, depths + 1)), 1) for u in units) / n
+        term = (
+            sum(
+                sum(u[k][0] for k in range(1, depths + 1)) / max(sum(u[k][1] for k in range(1, depths + 1)), 1)
+                for u in units
+            )
+            / n
+        )
     else:
         term = sum(sum(u[k][0] / max(u[k][1], 1) for u in units) / n for k in range(1, depths + 1)) / depths
     return main + LAMBDA * term

@@ -12,6 +12,9 @@ model's forward output carries, besides ``logits``, one of (the documented hook,
 - ``mtp_logits``: a sequence of ``Dm`` logits ``[b, S, V]`` (an MTP head of its own); the per-token losses
   are computed from them (needs ``fused_loss=False`` when the module calls the shared LM head itself).
 
+A forward sets them with :func:`with_mtp_output` (``return with_mtp_output(out, "mtp_hidden_states", hs)``):
+under DDP an item that the output's dataclass does not declare is refused when DDP rebuilds the output.
+
 The labels and masks of depth ``k`` are never taken from the model: they are the main term's shifted labels
 rolled left by ``k`` within each row and each document (:func:`lossparity.losses.mtp.roll_mtp`), so
 padding, prompt tokens (``-100``) and the positions whose target lies in the next packed document carry no
@@ -30,13 +33,14 @@ packed row they keep every document boundary that transformers detects from posi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["HIDDEN_KEY", "LOGITS_KEY", "MtpHook", "attach_mtp", "mtp_outputs", "rolled_inputs"]
+__all__ = ["HIDDEN_KEY", "LOGITS_KEY", "MtpHook", "attach_mtp", "mtp_outputs", "rolled_inputs", "with_mtp_output"]
 
 HIDDEN_KEY = "mtp_hidden_states"  # output key of the hook: per-depth LM-head inputs
 LOGITS_KEY = "mtp_logits"  # output key of the hook: per-depth logits
@@ -45,6 +49,26 @@ ATTACHED = "lossparity_mtp"  # the submodule name attach_mtp registers the layer
 
 def _get(outputs: Any, key: str) -> Any:
     return outputs.get(key) if isinstance(outputs, Mapping) else getattr(outputs, key, None)
+
+
+_WITH_FIELD: dict[tuple[type, str], type] = {}  # (output class, key) -> its subclass with the MTP field
+
+
+def with_mtp_output(output: Any, key: str, values: Sequence[Tensor]) -> Any:
+    """``output`` (a forward's ``ModelOutput``) with ``key`` (:data:`HIDDEN_KEY` or :data:`LOGITS_KEY`) set to
+    ``values``. DDP rebuilds a ``ModelOutput`` from its dataclass fields (``output_type(**fields)``), so an
+    item set on an output whose class lacks the field is refused there: the output is re-made as a
+    subclass of its class that declares the field (one per class, registered as a pytree node by
+    transformers like every ``ModelOutput``). A plain dict gets the item."""
+    names = {f.name for f in dataclasses.fields(output)} if dataclasses.is_dataclass(output) else None
+    if names is None or key in names:
+        output[key] = tuple(values)
+        return output
+    cls = _WITH_FIELD.get((type(output), key))
+    if cls is None:
+        cls = dataclasses.make_dataclass(f"{type(output).__name__}WithMTP", [(key, Any, None)], bases=(type(output),))
+        _WITH_FIELD[(type(output), key)] = cls
+    return cls(**{n: getattr(output, n) for n in names}, **{key: tuple(values)})
 
 
 def mtp_outputs(outputs: Any, depths: int) -> tuple[str, list[Tensor]]:
@@ -121,9 +145,8 @@ class MtpHook:
             hidden = self.mtp.forward_layer(i, hidden, pos_k, None, input_ids=ids_k)  # type: ignore[operator]
             # MtpModel._project_to_logits divides the head input by the muP multiplier: the same head input here
             outs.append(hidden if multiplier is None else hidden / multiplier)
-        output[HIDDEN_KEY] = tuple(outs)
         self._inputs, self._last = {}, None
-        return output
+        return with_mtp_output(output, HIDDEN_KEY, outs)
 
     def remove(self) -> None:
         for h in self.handles:
