@@ -44,7 +44,6 @@ def rows_for(data: str) -> list[dict[str, torch.Tensor]]:
 def run(out_dir: str, spec: dict, record_grads: bool = True):
     """One training run of ``spec`` (depths, convention, mode, data, b, ga, fused): (params, logs, grads,
     the MTP token counts of the first step)."""
-    import transformers
 
     from lossparity.integrations.hf import LossParityTrainer
 
@@ -129,16 +128,11 @@ def naive_objective(rows: list[dict], depths: int, mode: str, convention: str) -
                 units.append(row_unit)
     n = len(units)
     main = sum(u[0][0] / max(u[0][1], 1) for u in units) / n
-    if convention == "pooled":
-        term = (
-            sum(
-                sum(u[k][0] for k in range(1, depths + 1)) / max(sum(u[k][1] for k in range(1, depths + 1)), 1)
-                for u in units
-            )
-            / n
-        )
-    else:
-        term = sum(sum(u[k][0] / max(u[k][1], 1) for u in units) / n for k in range(1, depths + 1)) / depths
+    depth_range = range(1, depths + 1)
+    if convention == "pooled":  # per unit: its loss over all depths over its tokens over all depths
+        term = sum(sum(u[k][0] for k in depth_range) / max(sum(u[k][1] for k in depth_range), 1) for u in units) / n
+    else:  # per depth: J_k, the mean over units of their depth-k means; then the mean over depths
+        term = sum(sum(u[k][0] / max(u[k][1], 1) for u in units) / n for k in depth_range) / depths
     return main + LAMBDA * term
 
 

@@ -205,10 +205,9 @@ def test_users_own_mtp_module_through_the_output_hook(own_head):
 
 def test_mtp_bad_input_names_the_argument(tmp_path):
     import transformers
-
-    from lossparity.integrations.hf import LossParityTrainer
     from _hf_mtp_common import mtp_model
 
+    from lossparity.integrations.hf import LossParityTrainer
     from lossparity.integrations.hf_mtp import attach_mtp
 
     args = training_args(str(tmp_path), 2, 1, 1)

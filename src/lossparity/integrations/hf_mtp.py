@@ -163,7 +163,7 @@ def attach_mtp(model: nn.Module, num_mtp_layers: int | None = None, mtp: nn.Modu
     if getattr(model, "_lp_mtp_hook", None) is not None:
         raise ValueError("model: attach_mtp was already called on this model")
     if mtp is None:
-        config = model.config  # type: ignore[attr-defined]
+        config: Any = model.config
         text = config.get_text_config()
         n = num_mtp_layers if num_mtp_layers is not None else getattr(text, "num_mtp_layers", None)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
