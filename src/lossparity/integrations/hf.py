@@ -188,14 +188,11 @@ class LossParityMixin(MoEAuxTerms):
         if self._lp_acc is None:
             from ..distributed.accountant import Accountant
 
-            sizes = [getattr(self, f"get_{k}_size", lambda: 1)() for k in ("tp", "cp", "sp")]
-            if any(s > 1 for s in sizes):
-                raise ValueError(f"LossParityMixin supports data parallelism only; tp/cp/sp sizes are {sizes}")
-            # Gradients: the loss is multiplied by the process count (DDP averages), so the accountant
-            # touches none (grad_reduction="sum"); its group is the default one (data parallel).
+            # Gradients: the loss is multiplied by the data-parallel size (DDP averages over it), so the
+            # accountant touches none (grad_reduction="sum"); it counts over the data-parallel ranks only.
             self._lp_acc = Accountant(
                 self.loss_mode,
-                group=None,
+                dims=self._lp_dims(),
                 grad_reduction="sum",
                 fixed_length=self.lp_fixed_length,
                 mtp_depths=self.lp_mtp_depths,
@@ -213,6 +210,34 @@ class LossParityMixin(MoEAuxTerms):
         if self.lp_mtp_depths and ("segment_ids" in batch or isinstance(batch.get("position_ids"), Tensor)):
             return segments_of(batch, shape)
         return None
+
+    def _lp_dims(self) -> Any:
+        """The layout the accountant counts over: the data-parallel ranks (``world / tp``); tensor-parallel
+        ranks hold the same rows (transformers' Trainer gives them the same batches) and are not counted
+        again. Context and sequence parallelism are refused with the reason (docs/hf-trainer.md)."""
+        from ..distributed.parallel_dims import ParallelDims
+
+        tp, cp, sp = (int(getattr(self, f"get_{k}_size", lambda: 1)()) for k in ("tp", "cp", "sp"))
+        if cp > 1:
+            raise ValueError(
+                f"parallelism_config.cp_size={cp}: LossParityMixin does not support transformers' context "
+                "parallelism: it was tried on CPU (gloo) and torch's context_parallel has no CPU attention "
+                "kernel (NotImplementedError: aten._scaled_dot_product_flash_attention_for_cpu has no sharding "
+                "strategy), so its per-shard shares are untested; see docs/hf-trainer.md"
+            )
+        if sp > 1:
+            raise ValueError(
+                f"parallelism_config.sp_size={sp}: LossParityMixin does not support DeepSpeed Ulysses sequence "
+                "parallelism (its loss path is DeepSpeed's own, deepspeed_sp_compute_loss); see docs/hf-trainer.md"
+            )
+        world = int(getattr(self.accelerator, "num_processes", 1))  # type: ignore[attr-defined]
+        if tp == 1:
+            return ParallelDims.from_group(None)
+        if world % tp:
+            raise ValueError(f"tp_size={tp} does not divide the {world} processes")
+        dims = ParallelDims(dp=world // tp, tp=tp)
+        dims.build_mesh(getattr(getattr(self.accelerator, "device", None), "type", "cpu"))  # type: ignore[attr-defined]
+        return dims
 
     def _lp_masks(self, batches: Sequence[Mapping[str, Any]]) -> tuple[list[Tensor], list[Tensor | None] | None]:
         shift = getattr(self, "_loss_shifts_labels", True)
@@ -277,7 +302,9 @@ class LossParityMixin(MoEAuxTerms):
             )
         self._lp_left, self._lp_open = len(masks), True
         self._lp_mbs = acc.global_count("microbatches")
-        self._lp_factor = float(getattr(self.accelerator, "num_processes", 1))  # type: ignore[attr-defined]
+        # DDP (and DeepSpeed) average gradients over the data-parallel ranks: the shares are multiplied back
+        # by their count; tensor-parallel ranks compute the same share of the same rows (not averaged).
+        self._lp_factor = float(acc.groups.dp_size)
         if ROWS in extra:
             self._lp_aux_start(acc)
 
