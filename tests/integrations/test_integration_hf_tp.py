@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from _hf_common import RowDataset, padded_rows, training_args, tiny_model  # noqa: E402
+from _hf_common import RowDataset, padded_rows, tiny_model, training_args  # noqa: E402
 from _hf_tp_worker import MODES, run, save_model  # noqa: E402
 
 from lossparity.distributed.launch import free_port  # noqa: E402
