@@ -9,8 +9,8 @@ all-reduce (:class:`lossparity.Accountant`). Each microbatch then back-propagate
 ``numerator(mb) / denominator`` of ``J``, with the causal shift and ``ignore_index = -100`` that HF causal
 LMs use, computed by the fused cross-entropy from the LM head's input and weight (no logits tensor;
 ``integrations/hf_head.py``) or, for heads that are not a scaled linear map, from the model's logits;
-the share is multiplied by the number of processes because DDP and DeepSpeed (every ZeRO stage; the Trainer
-passes ``scale_wrt_gas=False``) average gradients (so that they are summed, as §3 requires).
+the share is multiplied by the number of data-parallel processes because DDP and DeepSpeed (every ZeRO stage;
+the Trainer passes ``scale_wrt_gas=False``) average gradients (so that they are summed, as §3 requires).
 ``log_history`` gains ``lm_loss`` (global token mean ``S/Ntok``) and ``objective`` (``J``); HF's own ``loss``
 is ``J`` too.
 
@@ -123,6 +123,15 @@ class LossParityMixin(MoEAuxTerms):
     made. Models whose logits are not ``hidden @ W.T`` up to a constant scale (soft-capping, a head bias, a
     custom head, sharded weights) fall back to the logits path with one printed note
     (:mod:`lossparity.integrations.hf_head`); ``fused_loss=False`` always uses the logits path.
+
+    MTP (docs/semantics.md §4): ``mtp_depths`` ``Dm`` (default: the layers :func:`~lossparity.integrations.
+    hf_mtp.attach_mtp` attached, else 0), ``mtp_convention`` (``own``: ``λ·(1/Dm)·Σ_k J_k``; ``main``: every
+    depth over the main denominator; ``pooled``: ``λ·J_pooled``) and ``mtp_weight`` ``λ``. The model's output
+    carries the depths (``mtp_hidden_states`` or ``mtp_logits``, :mod:`lossparity.integrations.hf_mtp`); depth
+    ``k``'s labels are the main shifted labels rolled left by ``k`` within rows and documents.
+
+    Tensor parallelism (``tp_plan``): counts over the ``world / tp`` data-parallel ranks, shares multiplied
+    by that size (not by ``tp``); context and sequence parallelism raise ``ValueError`` with the reason.
 
     Bad input (no labels, ``per_document`` without segment ids or position ids, all labels ignored, a
     model output without ``logits``) raises ``ValueError`` naming the argument before the first optimizer
