@@ -235,3 +235,24 @@ def test_attached_mtp_leaves_plain_forward_and_generate_alone():
     out = model(input_ids=rows[0]["input_ids"][None])
     assert "mtp_hidden_states" not in out  # the layers run in LossParityTrainer's loss forward only
     assert any(n.startswith("lossparity_mtp.layers.0.") for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "logits path"])
+def test_evaluate_reports_the_batch_objective_with_the_mtp_term(tmp_path, fused):
+    from _hf_mtp_common import LAMBDA, mtp_model
+
+    from lossparity.integrations.hf import LossParityTrainer
+
+    rows = rows_for("packed")
+    args = training_args(str(tmp_path), 8, 1, 1, per_device_eval_batch_size=8)
+    trainer = LossParityTrainer(
+        model=mtp_model(2),
+        args=args,
+        eval_dataset=RowDataset(rows),
+        loss_mode="per_document",
+        mtp_convention="pooled",
+        mtp_weight=LAMBDA,
+        fused_loss=fused,
+    )
+    got = trainer.evaluate()["eval_loss"]
+    assert got == pytest.approx(naive_objective(rows, 2, "per_document", "pooled"), rel=1e-10)
