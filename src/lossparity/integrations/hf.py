@@ -44,13 +44,13 @@ from torch import Tensor
 from ..losses.fused_cross_entropy import fused_linear_cross_entropy
 from ..losses.modes import count_normalizers, denominator
 from ..losses.modes import objective as _batch_objective
-from ..losses.mtp import mtp_objective, roll_mtp
-from ..losses.token_weights import mtp_token_weights, token_weights
+from ..losses.token_weights import token_weights
 from ..options import MODES, MTP_CONVENTIONS, Mode, MTPConvention, check_option
 from . import require
 from .hf_aux_terms import ROWS, MoEAuxTerms
-from .hf_head import HeadCapture, HeadPlan, plan_head
-from .hf_mtp import mtp_outputs
+from .hf_head import HeadCapture, HeadPlanner
+from .hf_mtp import mtp_forward
+from .hf_mtp_terms import MTPTerms, per_token_ce
 from .hf_parity import ParityCallback as ParityCallback  # the live parity guard (hf_parity.py)
 
 __all__ = ["IGNORE_INDEX", "LossParityMixin", "LossParityTrainer", "shifted_labels", "segments_of"]  # noqa: F822
@@ -96,7 +96,7 @@ def segments_of(batch: Mapping[str, Any], shape: torch.Size) -> Tensor:
     return seg
 
 
-class LossParityMixin(MoEAuxTerms):
+class LossParityMixin(MoEAuxTerms, MTPTerms, HeadPlanner):
     """Mix into ``transformers.Trainer`` or a subclass (TRL ``SFTTrainer``...), **first** in the bases.
 
     Extra constructor keywords: ``loss_mode`` (a mode of docs/semantics.md §1, default ``per_sample``),
@@ -175,7 +175,7 @@ class LossParityMixin(MoEAuxTerms):
         if isinstance(mtp_weight, bool) or not isinstance(mtp_weight, (int, float)) or not mtp_weight >= 0:
             raise ValueError(f"mtp_weight: the MTP λ must be a finite number >= 0, got {mtp_weight!r}")
         self.lp_mtp_weight = float(mtp_weight)
-        self._lp_head: HeadPlan | None = None  # decided at the first compute_loss (hf_head.plan_head)
+        self._lp_head = None  # decided at the first compute_loss (hf_head.plan_head)
         self._lp_aux_local: Tensor | None = None  # [E + 1]: this rank's counts c_e and rows R of the step
         self._lp_aux_prev: list[float] | None = None  # the previous step's local counts and rows (host)
         self._lp_att: Tensor | None = None
@@ -219,34 +219,6 @@ class LossParityMixin(MoEAuxTerms):
         if self.lp_mtp_depths and ("segment_ids" in batch or isinstance(batch.get("position_ids"), Tensor)):
             return segments_of(batch, shape)
         return None
-
-    def _lp_dims(self) -> Any:
-        """The layout the accountant counts over: the data-parallel ranks (``world / tp``); tensor-parallel
-        ranks hold the same rows (transformers' Trainer gives them the same batches) and are not counted
-        again. Context and sequence parallelism are refused with the reason (docs/hf-trainer.md)."""
-        from ..distributed.parallel_dims import ParallelDims
-
-        tp, cp, sp = (int(getattr(self, f"get_{k}_size", lambda: 1)()) for k in ("tp", "cp", "sp"))
-        if cp > 1:
-            raise ValueError(
-                f"parallelism_config.cp_size={cp}: LossParityMixin does not support transformers' context "
-                "parallelism: it was tried on CPU (gloo) and torch's context_parallel has no CPU attention "
-                "kernel (NotImplementedError: aten._scaled_dot_product_flash_attention_for_cpu has no sharding "
-                "strategy), so its per-shard shares are untested; see docs/hf-trainer.md"
-            )
-        if sp > 1:
-            raise ValueError(
-                f"parallelism_config.sp_size={sp}: LossParityMixin does not support DeepSpeed Ulysses sequence "
-                "parallelism (its loss path is DeepSpeed's own, deepspeed_sp_compute_loss); see docs/hf-trainer.md"
-            )
-        world = int(getattr(self.accelerator, "num_processes", 1))  # type: ignore[attr-defined]
-        if tp == 1:
-            return ParallelDims.from_group(None)
-        if world % tp:
-            raise ValueError(f"tp_size={tp} does not divide the {world} processes")
-        dims = ParallelDims(dp=world // tp, tp=tp)
-        dims.build_mesh(getattr(getattr(self.accelerator, "device", None), "type", "cpu"))  # type: ignore[attr-defined]
-        return dims
 
     def _lp_masks(self, batches: Sequence[Mapping[str, Any]]) -> tuple[list[Tensor], list[Tensor | None] | None]:
         shift = getattr(self, "_loss_shifts_labels", True)
@@ -345,18 +317,12 @@ class LossParityMixin(MoEAuxTerms):
             # As TRL does: no KV cache in a loss forward (it also keeps HF's packed-sequence attention mask on).
             fwd.setdefault("use_cache", False)
         plan = self._lp_head_plan()
-        hook = getattr(self.model, "_lp_mtp_hook", None)
-        if hook is not None:
-            hook.active = True  # attach_mtp's layers run in this forward only (not in generate)
-        try:
+        with mtp_forward(self.model):  # attach_mtp's layers run in this forward only (not in generate)
             if plan.fused:
                 with HeadCapture(self.model) as capture:
                     outputs = model(**fwd)
             else:
                 outputs = model(**fwd)
-        finally:
-            if hook is not None:
-                hook.active = False
         self._lp_att = fwd.get("attention_mask")  # the rows transformers' aux term weights (HF's convention)
         logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None)
         if not isinstance(logits, Tensor):
@@ -371,7 +337,7 @@ class LossParityMixin(MoEAuxTerms):
                 hidden = hidden * plan.scale
             loss = self._lp_fused_loss(hidden, capture.head.weight, labels, seg, outputs, mtp, plan.scale)
             return (loss, outputs) if return_outputs else loss
-        per_token = self._lp_ce(logits, labels)
+        per_token = per_token_ce(logits, labels)
         mask = (labels != IGNORE_INDEX).to(per_token.dtype)
         mtp_losses: list[Tensor] = []
         if mtp is not None:
@@ -379,7 +345,7 @@ class LossParityMixin(MoEAuxTerms):
             head = self.model.get_output_embeddings()
             for x, lab in zip(xs, mtp_labels):
                 # hidden states share the main head (and its known constant scale), logits are the model's own
-                mtp_losses.append(self._lp_ce(head(x) * plan.scale if kind == "hidden" else x, lab))
+                mtp_losses.append(per_token_ce(head(x) * plan.scale if kind == "hidden" else x, lab))
         if self._lp_in_train and self._lp_left > 0:
             acc = self._lp_acc
             share = acc.lm_loss(per_token, mask, seg)
@@ -398,84 +364,6 @@ class LossParityMixin(MoEAuxTerms):
             if mtp is not None:
                 loss = loss + self._lp_eval_mtp(mtp_losses, mtp[3], mask, seg)
         return (loss, outputs) if return_outputs else loss
-
-    @staticmethod
-    def _lp_ce(logits: Tensor, labels: Tensor) -> Tensor:
-        """Per-token cross-entropy ``[b, S]`` (0 at ignored labels), float32 as HF's loss computes (bf16/fp16
-        upcast), float64 logits kept float64 (HF casts them down)."""
-        return F.cross_entropy(
-            (logits if logits.dtype == torch.float64 else logits.float()).flatten(0, 1),
-            labels.flatten().to(logits.device),
-            ignore_index=IGNORE_INDEX,
-            reduction="none",
-        ).view(labels.shape)
-
-    def _lp_mtp_inputs(
-        self, outputs: Any, labels: Tensor, seg: Tensor | None
-    ) -> tuple[str, list[Tensor], list[Tensor], list[Tensor]] | None:
-        """The MTP depths of this forward: (``"hidden"``/``"logits"``, the model's per-depth tensors, the
-        depths' labels and masks rolled from the main shifted labels within rows and documents)."""
-        if not self.lp_mtp_depths:
-            return None
-        kind, xs = mtp_outputs(outputs, self.lp_mtp_depths)
-        mask = (labels != IGNORE_INDEX).float()
-        lab_k, mask_k = [], []
-        for k in range(1, self.lp_mtp_depths + 1):
-            lab, w = roll_mtp(labels, mask, seg, k, ignore_index=IGNORE_INDEX)
-            lab_k.append(lab.to(xs[k - 1].device))
-            mask_k.append(w)
-        return kind, xs, lab_k, mask_k
-
-    def _lp_eval_mtp(self, losses: list[Tensor], masks: list[Tensor], mask: Tensor, seg: Tensor | None) -> Tensor:
-        """Evaluation: the MTP term of this batch alone (one microbatch)."""
-        return mtp_objective(
-            self.loss_mode,
-            losses,
-            [w.to(losses[0].dtype) for w in masks],
-            mask,
-            weight=self.lp_mtp_weight,
-            convention=self.lp_mtp_convention,
-            segment_ids=seg if self.loss_mode == "per_document" else None,
-            microbatch_size=mask.shape[0],
-            fixed_length=self.lp_fixed_length,
-        )
-
-    def _lp_resolve_mtp_depths(self, depths: int | None) -> int:
-        """``mtp_depths``: the argument, else the depth count of :func:`~lossparity.integrations.hf_mtp.attach_mtp`'s
-        layers on the model, else 0; an argument that contradicts the attached layers raises."""
-        hook = getattr(self.model, "_lp_mtp_hook", None)
-        attached = len(hook.mtp.layers) if hook is not None else None
-        if depths is None:
-            return attached or 0
-        if isinstance(depths, bool) or not isinstance(depths, int) or depths < 0:
-            raise ValueError(f"mtp_depths: need an int >= 0, got {depths!r}")
-        if attached is not None and depths != attached:
-            raise ValueError(f"mtp_depths={depths} but the model has {attached} MTP layers attached (attach_mtp)")
-        return depths
-
-    def _lp_head_plan(self) -> HeadPlan:
-        """The loss path of this trainer's model, decided once (hf_head.plan_head); a fallback prints its note."""
-        if self._lp_head is None:
-            model = self.model
-            if not self.lp_fused_loss:
-                kind = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
-                self._lp_head = HeadPlan(False, str(kind))
-            else:
-                self._lp_head = plan_head(model, sharded=self._lp_sharded())
-                if self._lp_head.reason is not None and getattr(self, "is_world_process_zero", lambda: True)():
-                    print(self._lp_head.note(), flush=True)
-        return self._lp_head
-
-    def _lp_sharded(self) -> bool:
-        """Whether the Trainer shards the parameters (FSDP, DeepSpeed ZeRO-3): the head weight is then not
-        whole outside the model's forward."""
-        if getattr(self, "is_fsdp_enabled", False):
-            return True
-        if getattr(self, "is_deepspeed_enabled", False):
-            from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
-            return bool(is_deepspeed_zero3_enabled())
-        return False
 
     def _lp_fused_loss(
         self,
@@ -517,7 +405,7 @@ class LossParityMixin(MoEAuxTerms):
                         x * scale if scale != 1.0 else x, weight, lab, wk.to(x.device), ignore_index=IGNORE_INDEX
                     )
                 else:
-                    l_k = self._lp_ce(x, lab)
+                    l_k = per_token_ce(x, lab)
                     s_k = (wk.to(l_k.device, l_k.dtype) * l_k).sum()
                 mtp_share = s_k if mtp_share is None else mtp_share + s_k
                 mtp_losses.append(l_k)
@@ -527,25 +415,6 @@ class LossParityMixin(MoEAuxTerms):
         if mtp is not None and mtp_share is not None:
             out = out + acc.add_mtp_share(mtp_share, mtp_losses, mtp[3], seg)
         return self._lp_train_share(out, outputs)
-
-    def _lp_eval_mtp_weights(
-        self, masks: list[Tensor], mask: Tensor, seg: Tensor | None, main_den: float
-    ) -> list[Tensor]:
-        """Evaluation: per-depth weights of the MTP term of this batch alone (λ, ``1/Dm`` and the
-        convention's denominators included), counted from its rolled masks."""
-        from ..losses.mtp import mtp_denominators, mtp_scale
-
-        tokens = [float(w.sum()) for w in masks]  # evaluation only: host counts are fine here
-        dens = mtp_denominators(self.loss_mode, self.lp_mtp_convention, main_den, tokens)
-        return mtp_token_weights(
-            self.loss_mode,
-            masks,
-            convention=self.lp_mtp_convention,
-            segment_ids=seg,
-            fixed_length=self.lp_fixed_length,
-            denominators=dens,
-            scale=mtp_scale(self.lp_mtp_weight, self.lp_mtp_convention, len(masks)),
-        )
 
     def _lp_train_share(self, lm_share: Tensor, outputs: Any) -> Tensor:
         loss = lm_share

@@ -33,14 +33,24 @@ packed row they keep every document boundary that transformers detects from posi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["HIDDEN_KEY", "LOGITS_KEY", "MtpHook", "attach_mtp", "mtp_outputs", "rolled_inputs", "with_mtp_output"]
+__all__ = [
+    "HIDDEN_KEY",
+    "LOGITS_KEY",
+    "MtpHook",
+    "attach_mtp",
+    "mtp_forward",
+    "mtp_outputs",
+    "rolled_inputs",
+    "with_mtp_output",
+]
 
 HIDDEN_KEY = "mtp_hidden_states"  # output key of the hook: per-depth LM-head inputs
 LOGITS_KEY = "mtp_logits"  # output key of the hook: per-depth logits
@@ -151,6 +161,20 @@ class MtpHook:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def mtp_forward(model: nn.Module) -> Iterator[None]:
+    """Within the block, the layers :func:`attach_mtp` attached to ``model`` (if any) run in its forward."""
+    hook = getattr(model, "_lp_mtp_hook", None)
+    if hook is None:
+        yield
+        return
+    hook.active = True
+    try:
+        yield
+    finally:
+        hook.active = False
 
 
 def attach_mtp(model: nn.Module, num_mtp_layers: int | None = None, mtp: nn.Module | None = None) -> MtpHook:
