@@ -29,14 +29,22 @@ def save_model(path: str) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(path)
 
 
-def run(model_dir: str, out_dir: str, mode: str, tp: bool, b: int, ga: int) -> tuple[dict, list]:
-    """Two steps of ``mode`` (packed rows for per_document, else padded): (full parameters, log_history)."""
+def run(model_dir: str, out_dir: str, mode: str, tp: bool, b: int, ga: int, mtp: int = 0) -> tuple[dict, list]:
+    """Two steps of ``mode`` (packed rows for per_document, else padded): (full parameters, log_history).
+    ``mtp``: that many transformers ``MtpModel`` layers attached after loading (replicated on the TP ranks),
+    convention ``pooled``, λ = 0.3."""
     import transformers
 
     from lossparity.integrations.hf import LossParityTrainer
 
     kw = {"tp_plan": "auto"} if tp else {}
     model = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float64, **kw)
+    if mtp:
+        from lossparity.integrations.hf_mtp import attach_mtp
+
+        torch.manual_seed(1)  # the same MTP weights on every rank and in the reference
+        attach_mtp(model, mtp)
+        model.lossparity_mtp.double()
     rows = (packed_rows() if mode == "per_document" else padded_rows())[:16]
     trainer = LossParityTrainer(
         model=model,
@@ -44,6 +52,8 @@ def run(model_dir: str, out_dir: str, mode: str, tp: bool, b: int, ga: int) -> t
         train_dataset=RowDataset(rows),
         loss_mode=mode,
         fixed_length=12 if mode == "sample_sum_norm" else None,
+        mtp_convention="pooled",
+        mtp_weight=0.3,
     )
     trainer.train()
     params = {
@@ -64,9 +74,10 @@ if __name__ == "__main__":
     for spec in json.loads(sys.argv[3]):
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                results[spec["mode"]] = run(sys.argv[1], tmp, spec["mode"], True, spec["b"], spec["ga"])
+                name = spec["mode"] + ("+mtp" if spec.get("mtp") else "")
+                results[name] = run(sys.argv[1], tmp, spec["mode"], True, spec["b"], spec["ga"], spec.get("mtp", 0))
             except ValueError as e:
-                results[spec["mode"]] = str(e)
+                results[name] = str(e)
     torch.save(results, f"{sys.argv[2]}.rank{os.environ.get('RANK', '0')}.pt")
     import torch.distributed as dist
 

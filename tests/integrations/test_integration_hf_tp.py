@@ -1,7 +1,8 @@
 """Tensor parallelism in ``LossParityTrainer`` (transformers ``tp_plan="auto"``, 2 gloo ranks = TP 2, float64):
-every mode's parameters after 2 steps and step-1 objective equal the 1-process run's (the expected values come
-from transformers' own single-process model and Trainer, not from a lossparity layout), the loss is not
-scaled by the TP size; context and sequence parallelism are refused with their reason."""
+every mode's parameters after 2 steps (and per_document with 2 attached MTP layers) and step-1 objective
+equal the 1-process run's (the expected values come from transformers' own single-process model and Trainer,
+not from a lossparity layout), the loss is not scaled by the TP size; context and sequence parallelism are
+refused with their reason."""
 
 from __future__ import annotations
 
@@ -31,23 +32,25 @@ def test_tp2_equals_one_process_for_every_mode(tmp_path):
     model_dir = str(tmp_path / "model")
     save_model(model_dir)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(HERE)]), OMP_NUM_THREADS="1")
-    specs = [{"mode": m, "b": 2, "ga": 4} for m in MODES]
+    specs = [{"mode": m, "b": 2, "ga": 4} for m in MODES] + [{"mode": "per_document", "b": 2, "ga": 4, "mtp": 2}]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2"]
     cmd += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", str(HERE / "_hf_tp_worker.py")]
     cmd += [model_dir, str(tmp_path / "out"), json.dumps(specs)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"out.rank{r}.pt") for r in range(2)]
-    for mode in MODES:
-        ref_params, ref_logs = run(model_dir, str(tmp_path / "ref"), mode, False, 2, 4)  # the same microbatches
+    for spec in specs:
+        mode, name = spec["mode"], spec["mode"] + ("+mtp" if spec.get("mtp") else "")
+        # the same microbatches in one process
+        ref_params, ref_logs = run(model_dir, str(tmp_path / "ref"), mode, False, 2, 4, spec.get("mtp", 0))
         for rank in ranks:
-            assert not isinstance(rank[mode], str), rank[mode]
-            params, logs = rank[mode]
+            assert not isinstance(rank[name], str), rank[name]
+            params, logs = rank[name]
             rel = max(float((params[n] - p).abs().max() / p.abs().max()) for n, p in ref_params.items())
-            print(f"measured: HF TP 2 {mode} vs 1 process (2x4): params after 2 steps {rel:.1e}")
-            assert rel <= 1e-10, (mode, rel)
+            print(f"measured: HF TP 2 {name} vs 1 process (2x4): params after 2 steps {rel:.1e}")
+            assert rel <= 1e-10, (name, rel)
             for key in ("objective", "loss"):  # HF's own logged loss too: not scaled by the TP size
-                assert logs[0][key] == pytest.approx(ref_logs[0][key], rel=1e-7), (mode, key)
+                assert logs[0][key] == pytest.approx(ref_logs[0][key], rel=1e-7), (name, key)
 
 
 @pytest.mark.parametrize("dim", ["cp", "sp"])
