@@ -9,8 +9,8 @@ all-reduce (:class:`lossparity.Accountant`). Each microbatch then back-propagate
 ``numerator(mb) / denominator`` of ``J``, with the causal shift and ``ignore_index = -100`` that HF causal
 LMs use, computed by the fused cross-entropy from the LM head's input and weight (no logits tensor;
 ``integrations/hf_head.py``) or, for heads that are not a scaled linear map, from the model's logits;
-the share is multiplied by the number of processes because DDP and DeepSpeed (every ZeRO stage; the Trainer
-passes ``scale_wrt_gas=False``) average gradients (so that they are summed, as §3 requires).
+the share is multiplied by the number of data-parallel processes because DDP and DeepSpeed (every ZeRO stage;
+the Trainer passes ``scale_wrt_gas=False``) average gradients (so that they are summed, as §3 requires).
 ``log_history`` gains ``lm_loss`` (global token mean ``S/Ntok``) and ``objective`` (``J``); HF's own ``loss``
 is ``J`` too.
 
@@ -45,10 +45,12 @@ from ..losses.fused_cross_entropy import fused_linear_cross_entropy
 from ..losses.modes import count_normalizers, denominator
 from ..losses.modes import objective as _batch_objective
 from ..losses.token_weights import token_weights
-from ..options import MODES, Mode, check_option
+from ..options import MODES, MTP_CONVENTIONS, Mode, MTPConvention, check_option
 from . import require
 from .hf_aux_terms import ROWS, MoEAuxTerms
-from .hf_head import HeadCapture, HeadPlan, plan_head
+from .hf_head import HeadCapture, HeadPlanner
+from .hf_mtp import mtp_forward
+from .hf_mtp_terms import MTPTerms, per_token_ce
 from .hf_parity import ParityCallback as ParityCallback  # the live parity guard (hf_parity.py)
 
 __all__ = ["IGNORE_INDEX", "LossParityMixin", "LossParityTrainer", "shifted_labels", "segments_of"]  # noqa: F822
@@ -94,7 +96,7 @@ def segments_of(batch: Mapping[str, Any], shape: torch.Size) -> Tensor:
     return seg
 
 
-class LossParityMixin(MoEAuxTerms):
+class LossParityMixin(MoEAuxTerms, MTPTerms, HeadPlanner):
     """Mix into ``transformers.Trainer`` or a subclass (TRL ``SFTTrainer``...), **first** in the bases.
 
     Extra constructor keywords: ``loss_mode`` (a mode of docs/semantics.md §1, default ``per_sample``),
@@ -122,6 +124,15 @@ class LossParityMixin(MoEAuxTerms):
     custom head, sharded weights) fall back to the logits path with one printed note
     (:mod:`lossparity.integrations.hf_head`); ``fused_loss=False`` always uses the logits path.
 
+    MTP (docs/semantics.md §4): ``mtp_depths`` ``Dm`` (default: the layers :func:`~lossparity.integrations.
+    hf_mtp.attach_mtp` attached, else 0), ``mtp_convention`` (``own``: ``λ·(1/Dm)·Σ_k J_k``; ``main``: every
+    depth over the main denominator; ``pooled``: ``λ·J_pooled``) and ``mtp_weight`` ``λ``. The model's output
+    carries the depths (``mtp_hidden_states`` or ``mtp_logits``, :mod:`lossparity.integrations.hf_mtp`); depth
+    ``k``'s labels are the main shifted labels rolled left by ``k`` within rows and documents.
+
+    Tensor parallelism (``tp_plan``): counts over the ``world / tp`` data-parallel ranks, shares multiplied
+    by that size (not by ``tp``); context and sequence parallelism raise ``ValueError`` with the reason.
+
     Bad input (no labels, ``per_document`` without segment ids or position ids, all labels ignored, a
     model output without ``logits``) raises ``ValueError`` naming the argument before the first optimizer
     step, on every rank: a rank's error is flagged inside the pre-count all-reduce so no rank hangs.
@@ -140,6 +151,9 @@ class LossParityMixin(MoEAuxTerms):
         allow_empty_steps: bool = False,
         aux_scope: str = "global_lagged",
         fused_loss: bool = True,
+        mtp_depths: int | None = None,
+        mtp_convention: MTPConvention = "own",
+        mtp_weight: float = 1.0,
         **kwargs: Any,
     ) -> None:
         transformers = require("transformers", "hf")
@@ -157,7 +171,11 @@ class LossParityMixin(MoEAuxTerms):
         if not isinstance(fused_loss, bool):
             raise TypeError(f"fused_loss must be True or False, got {fused_loss!r}")
         self.lp_fused_loss = fused_loss
-        self._lp_head: HeadPlan | None = None  # decided at the first compute_loss (hf_head.plan_head)
+        self.lp_mtp_convention = check_option("mtp_convention", mtp_convention, MTP_CONVENTIONS)
+        if isinstance(mtp_weight, bool) or not isinstance(mtp_weight, (int, float)) or not mtp_weight >= 0:
+            raise ValueError(f"mtp_weight: the MTP λ must be a finite number >= 0, got {mtp_weight!r}")
+        self.lp_mtp_weight = float(mtp_weight)
+        self._lp_head = None  # decided at the first compute_loss (hf_head.plan_head)
         self._lp_aux_local: Tensor | None = None  # [E + 1]: this rank's counts c_e and rows R of the step
         self._lp_aux_prev: list[float] | None = None  # the previous step's local counts and rows (host)
         self._lp_att: Tensor | None = None
@@ -167,6 +185,7 @@ class LossParityMixin(MoEAuxTerms):
         self._lp_in_train = False
         self._lp_step_logs: list[dict[str, float | None]] = []
         super().__init__(*args, **kwargs)
+        self.lp_mtp_depths = self._lp_resolve_mtp_depths(mtp_depths)
         # The mixin computes the loss itself: options that would change HF's loss would be silently ignored.
         if getattr(self, "compute_loss_func", None) is not None:
             raise ValueError("compute_loss_func: LossParityMixin computes the loss of loss_mode itself; drop it")
@@ -178,34 +197,44 @@ class LossParityMixin(MoEAuxTerms):
         if self._lp_acc is None:
             from ..distributed.accountant import Accountant
 
-            sizes = [getattr(self, f"get_{k}_size", lambda: 1)() for k in ("tp", "cp", "sp")]
-            if any(s > 1 for s in sizes):
-                raise ValueError(f"LossParityMixin supports data parallelism only; tp/cp/sp sizes are {sizes}")
-            # Gradients: the loss is multiplied by the process count (DDP averages), so the accountant
-            # touches none (grad_reduction="sum"); its group is the default one (data parallel).
+            # Gradients: the loss is multiplied by the data-parallel size (DDP averages over it), so the
+            # accountant touches none (grad_reduction="sum"); it counts over the data-parallel ranks only.
             self._lp_acc = Accountant(
-                self.loss_mode, group=None, grad_reduction="sum", fixed_length=self.lp_fixed_length
+                self.loss_mode,
+                dims=self._lp_dims(),
+                grad_reduction="sum",
+                fixed_length=self.lp_fixed_length,
+                mtp_depths=self.lp_mtp_depths,
+                mtp_convention=self.lp_mtp_convention,
             )
             if self._lp_aux_coef() is not None:
                 self._lp_acc.declare_metric("aux_loss")
         return self._lp_acc
 
-    def _lp_masks(self, batches: Sequence[Mapping[str, Any]]) -> tuple[list[Tensor], list[Tensor] | None]:
+    def _lp_segments(self, batch: Mapping[str, Any], shape: torch.Size) -> Tensor | None:
+        """The documents of a batch where the loss needs them: ``per_document``, and MTP on rows that carry
+        documents (``segment_ids`` or ``position_ids``: the depths' labels are rolled within documents)."""
+        if self.loss_mode == "per_document":
+            return segments_of(batch, shape)
+        if self.lp_mtp_depths and ("segment_ids" in batch or isinstance(batch.get("position_ids"), Tensor)):
+            return segments_of(batch, shape)
+        return None
+
+    def _lp_masks(self, batches: Sequence[Mapping[str, Any]]) -> tuple[list[Tensor], list[Tensor | None] | None]:
         shift = getattr(self, "_loss_shifts_labels", True)
         masks, segs = [], []
         for batch in batches:
             labels = shifted_labels(batch, shift)
             masks.append((labels != IGNORE_INDEX).float())
             self._lp_warn_packed_rows(batch)
-            if self.loss_mode == "per_document":
-                seg = segments_of(batch, labels.shape)
-                # Checked here, inside the pre-count, so that every rank stops (not one rank mid-backward).
-                if bool(((seg == 0) & (labels != IGNORE_INDEX)).any()):
-                    raise ValueError(
-                        "segment_ids: a label (not -100) sits at segment id 0 (padding); it would belong to no document"
-                    )
-                segs.append(seg)
-        return masks, (segs if self.loss_mode == "per_document" else None)
+            seg = self._lp_segments(batch, labels.shape)
+            # Checked here, inside the pre-count, so that every rank stops (not one rank mid-backward).
+            if seg is not None and bool(((seg == 0) & (labels != IGNORE_INDEX)).any()):
+                raise ValueError(
+                    "segment_ids: a label (not -100) sits at segment id 0 (padding); it would belong to no document"
+                )
+            segs.append(seg)
+        return masks, (segs if any(s is not None for s in segs) else None)
 
     def _lp_warn_packed_rows(self, batch: Mapping[str, Any]) -> None:
         """Warn once when a row-weighted mode meets rows that pack several examples (padding-free/packing)."""
@@ -239,7 +268,7 @@ class LossParityMixin(MoEAuxTerms):
             masks = [torch.zeros(1, 1)]
             segs = [torch.ones(1, 1, dtype=torch.long)] if self.loss_mode == "per_document" else None
         extra = {_BAD: float(error is not None), **self._lp_aux_counts(batches)}
-        acc.begin_step(masks, segs, extra_counts=extra)
+        acc.begin_step(masks, segs, extra_counts=extra, mtp_weight=self.lp_mtp_weight if self.lp_mtp_depths else None)
         if error is not None:
             raise error
         if acc.global_count(_BAD) > 0:
@@ -254,7 +283,9 @@ class LossParityMixin(MoEAuxTerms):
             )
         self._lp_left, self._lp_open = len(masks), True
         self._lp_mbs = acc.global_count("microbatches")
-        self._lp_factor = float(getattr(self.accelerator, "num_processes", 1))  # type: ignore[attr-defined]
+        # DDP (and DeepSpeed) average gradients over the data-parallel ranks: the shares are multiplied back
+        # by their count; tensor-parallel ranks compute the same share of the same rows (not averaged).
+        self._lp_factor = float(acc.groups.dp_size)
         if ROWS in extra:
             self._lp_aux_start(acc)
 
@@ -277,19 +308,21 @@ class LossParityMixin(MoEAuxTerms):
     def compute_loss(
         self, model: Any, inputs: dict, return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
-        """This microbatch's exact share of ``J`` (training) or the batch's own ``J`` (evaluation)."""
+        """This microbatch's exact share of ``J`` (training) or the batch's own ``J`` (evaluation); with MTP
+        depths, ``J`` includes ``λ·(1/Dm)·Σ_k J_k`` (``own``/``main``) or ``λ·J_pooled`` (docs/semantics.md §4)."""
         labels = shifted_labels(inputs, getattr(self, "_loss_shifts_labels", True))
-        seg = segments_of(inputs, labels.shape) if self.loss_mode == "per_document" else None
+        seg = self._lp_segments(inputs, labels.shape)
         fwd = {k: v for k, v in inputs.items() if k not in _LOSS_ONLY_KEYS}
         if getattr(getattr(self.model, "config", None), "use_cache", None) is not None:
             # As TRL does: no KV cache in a loss forward (it also keeps HF's packed-sequence attention mask on).
             fwd.setdefault("use_cache", False)
         plan = self._lp_head_plan()
-        if plan.fused:
-            with HeadCapture(self.model) as capture:
+        with mtp_forward(self.model):  # attach_mtp's layers run in this forward only (not in generate)
+            if plan.fused:
+                with HeadCapture(self.model) as capture:
+                    outputs = model(**fwd)
+            else:
                 outputs = model(**fwd)
-        else:
-            outputs = model(**fwd)
         self._lp_att = fwd.get("attention_mask")  # the rows transformers' aux term weights (HF's convention)
         logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None)
         if not isinstance(logits, Tensor):
@@ -297,79 +330,91 @@ class LossParityMixin(MoEAuxTerms):
                 "model: its outputs have no 'logits' tensor; LossParityMixin computes the per-token "
                 "loss from the logits (a model that fuses the LM head into its loss cannot be used)"
             )
+        mtp = self._lp_mtp_inputs(outputs, labels, seg)
         hidden = capture.check(plan.model_type, plan.scale != 1.0) if plan.fused else None
         if hidden is not None:
             if plan.scale != 1.0:
                 hidden = hidden * plan.scale
-            loss = self._lp_fused_loss(hidden, capture.head.weight, labels, seg, outputs)
+            loss = self._lp_fused_loss(hidden, capture.head.weight, labels, seg, outputs, mtp, plan.scale)
             return (loss, outputs) if return_outputs else loss
-        per_token = F.cross_entropy(
-            # float32 as HF's loss computes (bf16/fp16 upcast), float64 logits kept float64 (HF casts them down)
-            (logits if logits.dtype == torch.float64 else logits.float()).flatten(0, 1),
-            labels.flatten().to(logits.device),
-            ignore_index=IGNORE_INDEX,
-            reduction="none",
-        ).view(labels.shape)
+        per_token = per_token_ce(logits, labels)
         mask = (labels != IGNORE_INDEX).to(per_token.dtype)
+        mtp_losses: list[Tensor] = []
+        if mtp is not None:
+            kind, xs, mtp_labels, _ = mtp
+            head = self.model.get_output_embeddings()
+            for x, lab in zip(xs, mtp_labels):
+                # hidden states share the main head (and its known constant scale), logits are the model's own
+                mtp_losses.append(per_token_ce(head(x) * plan.scale if kind == "hidden" else x, lab))
         if self._lp_in_train and self._lp_left > 0:
-            loss = self._lp_train_share(self._lp_acc.lm_loss(per_token, mask, seg), outputs)
+            acc = self._lp_acc
+            share = acc.lm_loss(per_token, mask, seg)
+            if mtp is not None:
+                share = share + acc.mtp_loss(mtp_losses, mtp[3], seg)
+            loss = self._lp_train_share(share, outputs)
         else:
             loss = _batch_objective(
                 self.loss_mode,
                 per_token,
                 mask,
-                segment_ids=seg,
+                segment_ids=seg if self.loss_mode == "per_document" else None,
                 microbatch_size=per_token.shape[0],
                 fixed_length=self.lp_fixed_length,
             )
+            if mtp is not None:
+                loss = loss + self._lp_eval_mtp(mtp_losses, mtp[3], mask, seg)
         return (loss, outputs) if return_outputs else loss
 
-    def _lp_head_plan(self) -> HeadPlan:
-        """The loss path of this trainer's model, decided once (hf_head.plan_head); a fallback prints its note."""
-        if self._lp_head is None:
-            model = self.model
-            if not self.lp_fused_loss:
-                kind = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
-                self._lp_head = HeadPlan(False, str(kind))
-            else:
-                self._lp_head = plan_head(model, sharded=self._lp_sharded())
-                if self._lp_head.reason is not None and getattr(self, "is_world_process_zero", lambda: True)():
-                    print(self._lp_head.note(), flush=True)
-        return self._lp_head
-
-    def _lp_sharded(self) -> bool:
-        """Whether the Trainer shards the parameters (FSDP, DeepSpeed ZeRO-3): the head weight is then not
-        whole outside the model's forward."""
-        if getattr(self, "is_fsdp_enabled", False):
-            return True
-        if getattr(self, "is_deepspeed_enabled", False):
-            from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
-            return bool(is_deepspeed_zero3_enabled())
-        return False
-
     def _lp_fused_loss(
-        self, hidden: Tensor, weight: Tensor, labels: Tensor, seg: Tensor | None, outputs: Any
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        seg: Tensor | None,
+        outputs: Any,
+        mtp: tuple[str, list[Tensor], list[Tensor], list[Tensor]] | None = None,
+        scale: float = 1.0,
     ) -> Tensor:
         """The fused path: ``Σ_t w[t]·CE_t`` from the head's input with the mode's per-token weights ``w``
-        (the accountant's, training; the batch's own ``J``, evaluation), gradients formed in the forward."""
+        (the accountant's, training; the batch's own ``J``, evaluation), gradients formed in the forward;
+        MTP depths given as head inputs likewise (their weights: the MTP term's), as logits from them."""
         labels = labels.to(hidden.device)
         mask = (labels != IGNORE_INDEX).float()
-        if self._lp_in_train and self._lp_left > 0:
+        train = self._lp_in_train and self._lp_left > 0
+        if train:
             acc = self._lp_acc
             w = acc.token_weights(mask, seg)
-            share, per_token = fused_linear_cross_entropy(hidden, weight, labels, w, ignore_index=IGNORE_INDEX)
-            return self._lp_train_share(acc.add_lm_share(share, per_token, mask, seg), outputs)
-        # Evaluation: the weights of J on this batch alone (one microbatch: D·K = 1).
-        norms = count_normalizers(mask, seg)
-        w = token_weights(
-            self.loss_mode,
-            mask,
-            segment_ids=seg,
-            fixed_length=self.lp_fixed_length,
-            denominator=denominator(self.loss_mode, norms),
-        )
-        return fused_linear_cross_entropy(hidden, weight, labels, w.to(mask.device), ignore_index=IGNORE_INDEX)[0]
+            # the MTP weights read the microbatch index that add_lm_share advances: taken before it
+            w_mtp = acc.mtp_token_weights(mtp[3], seg) if mtp is not None else None
+        else:  # evaluation: the weights of J on this batch alone (one microbatch: D·K = 1)
+            doc_seg = seg if self.loss_mode == "per_document" else None
+            norms = count_normalizers(mask, doc_seg)
+            den = denominator(self.loss_mode, norms)
+            w = token_weights(
+                self.loss_mode, mask, segment_ids=doc_seg, fixed_length=self.lp_fixed_length, denominator=den
+            ).to(mask.device)
+            w_mtp = self._lp_eval_mtp_weights(mtp[3], mask, doc_seg, den) if mtp is not None else None
+        share, per_token = fused_linear_cross_entropy(hidden, weight, labels, w, ignore_index=IGNORE_INDEX)
+        mtp_share: Tensor | None = None
+        mtp_losses: list[Tensor] = []
+        if mtp is not None and w_mtp is not None:
+            kind, xs, mtp_labels, _ = mtp
+            for x, lab, wk in zip(xs, mtp_labels, w_mtp):
+                if kind == "hidden":
+                    s_k, l_k = fused_linear_cross_entropy(
+                        x * scale if scale != 1.0 else x, weight, lab, wk.to(x.device), ignore_index=IGNORE_INDEX
+                    )
+                else:
+                    l_k = per_token_ce(x, lab)
+                    s_k = (wk.to(l_k.device, l_k.dtype) * l_k).sum()
+                mtp_share = s_k if mtp_share is None else mtp_share + s_k
+                mtp_losses.append(l_k)
+        if not train:
+            return share if mtp_share is None else share + mtp_share
+        out = acc.add_lm_share(share, per_token, mask, seg)
+        if mtp is not None and mtp_share is not None:
+            out = out + acc.add_mtp_share(mtp_share, mtp_losses, mtp[3], seg)
+        return self._lp_train_share(out, outputs)
 
     def _lp_train_share(self, lm_share: Tensor, outputs: Any) -> Tensor:
         loss = lm_share
@@ -381,11 +426,13 @@ class LossParityMixin(MoEAuxTerms):
 
     # ------------------------------------------------------------------ logs and columns
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        """Trainer hook: training logs gain ``lm_loss``, ``objective`` (and ``aux_loss``), each the plain mean
+        """Trainer hook: training logs gain ``lm_loss``, ``objective`` (and ``aux_loss``, ``mtp_<k>_loss``: depth
+        ``k``'s global token mean ``S_k/Ntok_k``, without ``λ``), each the plain mean
         of its per-step values over the logging interval (docs/semantics.md §2)."""
         if "loss" in logs and self._lp_step_logs:
             steps, self._lp_step_logs = self._lp_step_logs, []
-            for key in ("lm_loss", "objective", "aux_loss"):
+            mtp = [f"mtp_{k}_loss" for k in range(1, self.lp_mtp_depths + 1)]
+            for key in ("lm_loss", "objective", "aux_loss", *mtp):
                 values = [v for s in steps if (v := s.get(key)) is not None]
                 if values:
                     logs[key] = sum(values) / len(values)

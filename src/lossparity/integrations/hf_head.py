@@ -37,7 +37,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["HeadPlan", "HeadCapture", "plan_head"]
+__all__ = ["HeadPlan", "HeadCapture", "HeadPlanner", "plan_head"]
 
 # Model types whose causal-LM forward multiplies (cohere family) or divides (granite family) the head's
 # output by a constant read from the config: transformers' modeling files, `logits = self.lm_head(...)`
@@ -165,3 +165,36 @@ class HeadCapture:
                 "(an unknown soft-capping or scaling); pass fused_loss=False to compute the loss from the logits"
             )
         return self.hidden
+
+
+class HeadPlanner:
+    """The head-plan methods of :class:`~lossparity.integrations.hf.LossParityMixin` (its base class); its
+    ``__init__`` sets ``lp_fused_loss`` and ``_lp_head``."""
+
+    model: Any
+    lp_fused_loss: bool
+    _lp_head: HeadPlan | None
+
+    def _lp_head_plan(self) -> HeadPlan:
+        """The loss path of this trainer's model, decided once (hf_head.plan_head); a fallback prints its note."""
+        if self._lp_head is None:
+            model = self.model
+            if not self.lp_fused_loss:
+                kind = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+                self._lp_head = HeadPlan(False, str(kind))
+            else:
+                self._lp_head = plan_head(model, sharded=self._lp_sharded())
+                if self._lp_head.reason is not None and getattr(self, "is_world_process_zero", lambda: True)():
+                    print(self._lp_head.note(), flush=True)
+        return self._lp_head
+
+    def _lp_sharded(self) -> bool:
+        """Whether the Trainer shards the parameters (FSDP, DeepSpeed ZeRO-3): the head weight is then not
+        whole outside the model's forward."""
+        if getattr(self, "is_fsdp_enabled", False):
+            return True
+        if getattr(self, "is_deepspeed_enabled", False):
+            from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+            return bool(is_deepspeed_zero3_enabled())
+        return False
