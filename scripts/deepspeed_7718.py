@@ -3,9 +3,14 @@
 A correct engine applies the mean of the 4 microbatch means; deepspeed 0.17.6-0.18.2 at ZeRO-2 applies the last
 microbatch's alone (#7718, fixed in 0.18.3). Prints, per stage, the relative gradient difference to both.
 
-Usage: .venv/bin/python scripts/deepspeed_7718.py
-       PYTHONPATH=.cache/ds0182 .venv/bin/python scripts/deepspeed_7718.py   (a `pip install --no-deps --target
-       .cache/ds0182 deepspeed==0.18.2` shadowing the installed release)
+With ``--audit``: ``lossparity audit``'s class ``zero`` on the tiny Llama of tests/audit/_stacks.py instead (a
+DeepSpeed loop handing each microbatch's token mean to ``engine.backward``): on 0.18.2 the ZeRO-2 row is named
+"only the last micro-step of each rank"; on 0.19.8 every stage computes per_microbatch.
+
+Usage: .venv/bin/python scripts/deepspeed_7718.py [--audit]
+       PYTHONPATH=.cache/ds0182 TORCH_EXTENSIONS_DIR=.cache/torch_extensions_0182 .venv/bin/python
+       scripts/deepspeed_7718.py [--audit]   (a `pip install --no-deps --target .cache/ds0182 deepspeed==0.18.2`
+       shadowing the installed release; its compiled ops in their own folder)
 """
 
 from __future__ import annotations
@@ -51,5 +56,16 @@ def main() -> None:
         print(f"ZeRO-{stage}: vs mean of the 4 microbatch means {a:.1e}, vs last microbatch only {b:.1e}: {verdict}")
 
 
+def audit_zero() -> None:
+    import deepspeed
+
+    from lossparity.audit import DeepSpeedStep, audit, render
+
+    stacks = str(ROOT / "tests" / "audit" / "_stacks.py")
+    print(f"deepspeed {deepspeed.__version__}: lossparity audit --classes zero (2 ranks x GA 2 x 2 rows)")
+    report = audit(DeepSpeedStep(model=f"{stacks}:tiny_llama", loss=f"{stacks}:deepspeed_hf_loss"), classes=["zero"])
+    print(render(report))
+
+
 if __name__ == "__main__":
-    main()
+    audit_zero() if "--audit" in sys.argv[1:] else main()

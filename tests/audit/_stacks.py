@@ -219,3 +219,15 @@ def deepspeed_hf_loss(engine, mb):
     """A DeepSpeed loop's loss: the model's own (token mean of the microbatch), handed to engine.backward
     with DeepSpeed's defaults: the mean of the microbatch means (DeepSpeed divides by GA, DDP averages)."""
     return engine(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], labels=mb["labels"]).loss
+
+
+def deepspeed_recording_loss(engine, mb):
+    """``deepspeed_hf_loss``, also appending the engine's own ZeRO stage and offload to the file named by
+    ``LOSSPARITY_TEST_RECORD`` (the test reads what each configuration's engine really ran)."""
+    import os
+
+    import torch.distributed as dist
+
+    with open(os.environ["LOSSPARITY_TEST_RECORD"], "a") as f:
+        f.write(f"{dist.get_rank()} {engine.zero_optimization_stage()} {bool(engine.zero_cpu_offload())}\n")
+    return deepspeed_hf_loss(engine, mb)

@@ -16,9 +16,16 @@ STACKS = str(Path(__file__).resolve().parent / "_stacks.py")
 pytestmark = [pytest.mark.frameworks, pytest.mark.multiprocess]
 
 
-def test_deepspeed_default_loop_is_per_microbatch_at_every_zero_stage():
-    stack = DeepSpeedStep(model=f"{STACKS}:tiny_llama", loss=f"{STACKS}:deepspeed_hf_loss")
+def test_deepspeed_default_loop_is_per_microbatch_at_every_zero_stage(tmp_path, monkeypatch):
+    # the loss also has each engine record its own ZeRO stage and offload (an earlier version dropped the
+    # configuration's stage on its way to the worker processes: every "ZeRO-k" row ran the stack's own stage)
+    record = tmp_path / "engines.txt"
+    monkeypatch.setenv("LOSSPARITY_TEST_RECORD", str(record))
+    stack = DeepSpeedStep(model=f"{STACKS}:tiny_llama", loss=f"{STACKS}:deepspeed_recording_loss")
     report = audit(stack, classes=["ga", "zero"])
+    seen = {tuple(line.split()[1:]) for line in record.read_text().splitlines()}
+    # the stack's own ZeRO-0 (reference and ga), ZeRO-1/2/3 and ZeRO-2 with offload
+    assert seen == {("0", "False"), ("1", "False"), ("2", "False"), ("3", "False"), ("2", "True")}, seen
     names = {r.config: r.found.name for r in report.rows}
     assert names == {
         "D1 K1 b8": "per_token",
@@ -40,3 +47,4 @@ def test_the_zero_class_needs_a_deepspeed_stack():
 
     with pytest.raises(AuditError, match="needs a DeepSpeed stack"):
         audit(HandLoop(model=f"{STACKS}:tiny_llama", step=f"{STACKS}:mean_over_ga"), classes=["zero"])
+

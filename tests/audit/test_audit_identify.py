@@ -96,6 +96,24 @@ def test_identify_names_a_rank_whose_rows_were_dropped():
     assert found.name == "per_token; rank 0's rows × 1, rank 1's rows × 0"
 
 
+def test_identify_names_a_step_that_kept_only_the_last_micro_step():
+    # DeepSpeed #7718's signature at 2 ranks x GA 2 x 2 rows: each microbatch's token mean / (D·K), the first
+    # micro-step of each rank dropped. Rows 0,1 | 2,3 are microbatches 0 | 1 (step 0), rows 4,5 | 6,7 are 2 | 3.
+    basis = _synthetic_basis()
+    cfg = Config("d2k2", "zero", dp=2, ga=2, micro=2)
+    assign = _assign(cfg)
+    mb_tokens = {2: TARGETS[4] + TARGETS[5], 3: TARGETS[6] + TARGETS[7]}  # 19 and 15 targets
+    c = torch.tensor(
+        [0.0] * 4 + [1 / (4 * mb_tokens[2])] * 2 + [1 / (4 * mb_tokens[3])] * 2, dtype=torch.float64
+    )
+    found = identify(basis, {"w": basis.grads @ c}, assign, 2, 2, separable_tol=1e-8)
+    assert found.mode is None
+    assert found.name == (
+        "per_microbatch; microbatch 0's rows × 0, microbatch 1's rows × 0, microbatch 2's rows × 1, "
+        "microbatch 3's rows × 1 (only the last micro-step of each rank)"
+    )
+
+
 def test_identify_reports_a_non_separable_gradient():
     basis = _synthetic_basis()
     extra = torch.randn(200, generator=torch.Generator().manual_seed(9), dtype=torch.float64)

@@ -51,9 +51,18 @@ def run_deepspeed(stack: DeepSpeedStep, cfg: Config, batch: AuditBatch, rank: in
         initial = {n: p.detach().double().clone() for n, p in model.named_parameters()}
         parts = split_rows(batch.rows, cfg)
         mbs = [batch.microbatch(rows) for rows in parts[rank]]
-        loss = resolve(stack.loss) if isinstance(stack.loss, str) else stack.loss
+        user_loss = resolve(stack.loss) if isinstance(stack.loss, str) else stack.loss
         stage = int(cfg.extra.get("zero_stage", stack.zero_stage))  # type: ignore[call-overload]
         offload = bool(cfg.extra.get("offload", stack.offload))
+
+        def loss(engine: Any, mb: Mapping[str, Tensor]) -> Tensor:
+            # the engine itself says which stage and offload it runs: a configuration that did not reach the
+            # engine would make the class ``zero`` compare a stage with itself
+            ran = (int(engine.zero_optimization_stage()), bool(engine.zero_cpu_offload()) if stage else False)
+            if ran != (stage, offload):
+                raise RuntimeError(f"audit: asked for ZeRO-{stage} offload={offload}, the engine runs {ran}")
+            return user_loss(engine, mb)
+
         grads = step_gradients(
             model,
             mbs,

@@ -344,7 +344,10 @@ def _grouped_name(
     ga: int,
 ) -> tuple[str, float] | None:
     """A mode whose weights fit ``c`` with one factor per rank or per microbatch, e.g. ``per_token; rank
-    1's rows × 2``: the signature of a reduction that sums (or drops) one rank's gradient."""
+    1's rows × 2``: the signature of a reduction that sums (or drops) one rank's gradient. Among the modes
+    that fit, the one with the fewest factors other than 1 is named (``per_microbatch; microbatch 0's rows ×
+    0, ...`` rather than ``per_token`` with a factor on every microbatch); a step that kept only the last
+    micro-step of every rank is said so."""
     units = [basis.batch.units[i] for i in live]
     for label, key in (
         ("rank", lambda r: assignment[r][0]),
@@ -355,7 +358,8 @@ def _grouped_name(
             groups.setdefault(key(u.row), []).append(j)
         if len(groups) < 2:
             continue
-        for mode in _PREFERENCE:
+        fits: list[tuple[int, int, str, dict[int, float], float]] = []
+        for rank_, mode in enumerate(_PREFERENCE):
             p_full = mode_weights(mode, basis.batch, assignment, dp, ga)
             if p_full is None:
                 continue
@@ -364,12 +368,17 @@ def _grouped_name(
             for gid, idx in sorted(groups.items()):
                 ix = torch.tensor(idx)
                 alpha, misfit = _fit(sol[ix], p[ix], sol.norm())
-                factors[gid], worst = alpha, max(worst, misfit)
+                factors[gid], worst = (alpha if abs(alpha) > NAME_TOL else 0.0), max(worst, misfit)
                 ok = ok and misfit <= NAME_TOL
             if ok:
-                parts = [
-                    f"{label} {gid}'s rows × {fmt_factor(a if abs(a) > NAME_TOL else 0.0)}"
-                    for gid, a in factors.items()
-                ]
-                return f"{mode}; " + ", ".join(parts), worst
+                off_one = sum(abs(a - 1.0) > NAME_TOL for a in factors.values())
+                fits.append((off_one, rank_, mode, factors, worst))
+        if fits:
+            _, _, mode, factors, worst = min(fits, key=lambda f: (f[0], f[1]))
+            parts = [f"{label} {gid}'s rows × {fmt_factor(a)}" for gid, a in factors.items()]
+            name = f"{mode}; " + ", ".join(parts)
+            last = {gid for gid in factors if gid // dp == ga - 1}
+            if label == "microbatch" and ga > 1 and all((a != 0.0) == (gid in last) for gid, a in factors.items()):
+                name += " (only the last micro-step of each rank)"
+            return name, worst
     return None
