@@ -47,4 +47,3 @@ def test_the_zero_class_needs_a_deepspeed_stack():
 
     with pytest.raises(AuditError, match="needs a DeepSpeed stack"):
         audit(HandLoop(model=f"{STACKS}:tiny_llama", step=f"{STACKS}:mean_over_ga"), classes=["zero"])
-

@@ -103,9 +103,7 @@ def test_identify_names_a_step_that_kept_only_the_last_micro_step():
     cfg = Config("d2k2", "zero", dp=2, ga=2, micro=2)
     assign = _assign(cfg)
     mb_tokens = {2: TARGETS[4] + TARGETS[5], 3: TARGETS[6] + TARGETS[7]}  # 19 and 15 targets
-    c = torch.tensor(
-        [0.0] * 4 + [1 / (4 * mb_tokens[2])] * 2 + [1 / (4 * mb_tokens[3])] * 2, dtype=torch.float64
-    )
+    c = torch.tensor([0.0] * 4 + [1 / (4 * mb_tokens[2])] * 2 + [1 / (4 * mb_tokens[3])] * 2, dtype=torch.float64)
     found = identify(basis, {"w": basis.grads @ c}, assign, 2, 2, separable_tol=1e-8)
     assert found.mode is None
     assert found.name == (

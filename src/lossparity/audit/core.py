@@ -232,7 +232,8 @@ def _run_workers(
         return {c.name: AuditError(why) for c in cfgs}
     spec.update(
         # every field, ``extra`` too: it carries the ZeRO stage and offload of the class ``zero``'s configurations
-        vocab=vocab, configs=[{k: getattr(c, k) for k in Config.__dataclass_fields__} for c in cfgs]
+        vocab=vocab,
+        configs=[{k: getattr(c, k) for k in Config.__dataclass_fields__} for c in cfgs],
     )
     spec["timeout_s"] = 60
     with tempfile.TemporaryDirectory() as tmp:
