@@ -13,6 +13,7 @@ import importlib.util
 import os
 import pathlib
 import sys
+import tempfile
 
 STUBS = pathlib.Path(__file__).resolve().parent / "stubs"
 
@@ -30,5 +31,7 @@ if not (_installed("mindspore") and _installed("mindformers")):
     collect_ignore_glob = ["test_*.py"]
 else:
     os.environ.setdefault("GLOG_v", "3")  # MindSpore's C++ warnings off the test output
+    # MindFormers' logger writes ./output/log at import: into a temporary folder, not the checkout
+    os.environ.setdefault("LOCAL_DEFAULT_PATH", tempfile.mkdtemp(prefix="lossparity-mindformers-"))
     if str(STUBS) not in sys.path:
         sys.path.insert(0, str(STUBS))

@@ -7,44 +7,18 @@ from __future__ import annotations
 import mindspore as ms
 import numpy as np
 import pytest
+from _data import ASL, DOCUMENTS, LENGTHS, B, S, batch, lm_jobs
 from _torch_ref import run
 from mindspore import Tensor
 
 import lossparity.mindspore as lpm
 
-B, S, V, E, TOPK = 8, 12, 17, 6, 2
-# loss-bearing tokens per row: a full row, a row without targets, a one-token row, ragged rows
-LENGTHS = (12, 0, 7, 1, 12, 5, 9, 3)
-# MindFormers' actual_seq_len per row: document ends, padded with S (3 slots); rows 2 and 4 hold 2–3 documents
-ASL = np.array(
-    [[12, 12, 12], [12, 12, 12], [4, 12, 12], [12, 12, 12], [3, 8, 12], [12, 12, 12], [6, 12, 12], [12, 12, 12]],
-    np.int32,
-)
-
-
-def _batch(seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    mask = np.zeros((B, S), np.float32)
-    for i, n in enumerate(LENGTHS):
-        mask[i, :n] = 1.0
-    return {
-        "logits": rng.normal(0.0, 2.0, (B, S, V)).astype(np.float32),
-        "labels": rng.integers(0, V, (B, S)).astype(np.int32),
-        "mask": mask,
-    }
+E, TOPK = 6, 2
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, np.ndarray]:
-    x = _batch()
-    seg = lpm.segment_ids_from_actual_seq_len(Tensor(ASL), S).asnumpy()
-    jobs: dict[str, np.ndarray] = {}
-    for micro in (8, 4, 2):  # GA 1, 2, 4 (rows per microbatch)
-        name = f"lm{micro}"
-        jobs.update({f"job/{name}/{k}": v for k, v in x.items()})
-        jobs[f"job/{name}/segment_ids"] = seg
-        jobs[f"job/{name}/microbatch_rows"] = np.array(micro)
-        jobs[f"job/{name}/kind"] = np.array("lm")
+    jobs = lm_jobs(lpm.segment_ids_from_actual_seq_len(Tensor(ASL), S).asnumpy())  # GA 1, 2, 4
     rng = np.random.default_rng(1)
     probs = rng.dirichlet(np.ones(E), (4, 10)).astype(np.float32)
     jobs.update(
@@ -70,14 +44,14 @@ def test_segment_ids_from_actual_seq_len_hand_worked() -> None:
 
 
 def test_token_nll_matches_torch_cross_entropy(reference) -> None:
-    x = _batch()
+    x = batch()
     nll = lpm.token_nll(Tensor(x["logits"]), Tensor(x["labels"])).asnumpy()
     np.testing.assert_allclose(nll, reference["out/lm8/nll"], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["per_token", "per_sample", "per_document", "sample_sum"])
 def test_objective_and_logit_gradient_match_torch(reference, mode: str) -> None:
-    x = _batch()
+    x = batch()
     mask, labels = Tensor(x["mask"]), Tensor(x["labels"])
     seg = lpm.segment_ids_from_actual_seq_len(Tensor(ASL), S)
 
@@ -93,7 +67,7 @@ def test_objective_and_logit_gradient_match_torch(reference, mode: str) -> None:
 @pytest.mark.parametrize("micro", [8, 4, 2])
 @pytest.mark.parametrize("mode", ["per_token", "per_sample", "per_document"])
 def test_microbatch_shares_match_torch_and_sum_to_the_objective(reference, mode: str, micro: int) -> None:
-    x = _batch()
+    x = batch()
     seg = lpm.segment_ids_from_actual_seq_len(Tensor(ASL), S)
     nll = lpm.token_nll(Tensor(x["logits"]), Tensor(x["labels"]))
     mask = Tensor(x["mask"])
@@ -114,11 +88,11 @@ def test_microbatch_shares_match_torch_and_sum_to_the_objective(reference, mode:
 
 
 def test_count_normalizers_hand_counted() -> None:
-    x = _batch()
+    x = batch()
     seg = lpm.segment_ids_from_actual_seq_len(Tensor(ASL), S)
     norms = lpm.count_normalizers(Tensor(x["mask"]), seg)
     # tokens: Σ LENGTHS; samples: 8 rows (the empty row counts); documents: 1+1+2+1+3+1+2+1
-    assert norms.stacked().asnumpy().tolist() == [sum(LENGTHS), 8, 12]
+    assert norms.stacked().asnumpy().tolist() == [sum(LENGTHS), B, DOCUMENTS]
 
 
 def test_switch_and_global_running_match_torch(reference) -> None:
@@ -146,7 +120,7 @@ def test_switch_and_global_running_match_torch(reference) -> None:
 
 
 def test_bad_arguments_are_named() -> None:
-    x = _batch()
+    x = batch()
     with pytest.raises(ValueError, match="mode"):
         lpm.objective("per_groupz", Tensor(x["mask"]), Tensor(x["mask"]))
     with pytest.raises(ValueError, match="segment_ids"):
