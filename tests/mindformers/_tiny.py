@@ -7,8 +7,10 @@ own ``Trainer`` methods where they run on a CPU.
   ``GPTModel.compute_language_model_loss`` with its real ``CrossEntropyLoss``.
 - :class:`TinyTrainer`: MindFormers' real ``Trainer._split_micro_batch`` and ``Trainer.compute_loss``; its
   ``training_step`` is MindFormers' ``training_step`` + ``_forward_backward`` algebra (each microbatch's loss
-  divided by ``K``, backward with the sense ``1``), with ``ms.value_and_grad`` for MindSpore's missing
-  ``Tensor.backward`` (MindFormers gets that from hyper_parallel, which no registry here serves).
+  divided by ``K``, backward with MindFormers' own ``get_loss_sense``, ``1/world`` with several ranks; the
+  gradients summed over the ranks and the logged loss averaged, as MindFormers' trainer does), with
+  ``ms.value_and_grad`` for MindSpore's missing ``Tensor.backward`` (MindFormers gets that from hyper_parallel,
+  which no registry here serves).
 """
 
 from __future__ import annotations
@@ -44,10 +46,12 @@ class TinyTrainer:
     _split_micro_batch = Trainer._split_micro_batch
     compute_loss = Trainer.compute_loss
 
-    def __init__(self, model: TinyLM, k: int, rows: int) -> None:
+    def __init__(self, model: TinyLM, k: int, rows: int, world: int = 1) -> None:
         self.model = [model]
         self.num_accumulation_steps = k
-        self.enable_parallel = False
+        self.enable_parallel = world > 1
+        self.world_size = world
+        self.metric_reduce_group = None  # the world group: data parallelism only
         self.config = SimpleNamespace(
             parallelism=SimpleNamespace(pipeline_parallel=1, context_parallel=1),
             training=SimpleNamespace(local_batch_size=rows // k),
@@ -56,8 +60,11 @@ class TinyTrainer:
         self.grad: Any = None
 
     def training_step(self, inputs: dict[str, Tensor], loss: Any, grad_norm: Any, step: int) -> Any:
+        from mindformers.pynative.distributed.utils import get_loss_sense  # noqa: PLC0415
+
         k = self.num_accumulation_steps
         z = self.model[0].z
+        sense = get_loss_sense(self.config.parallelism, self.enable_parallel, k, apply_gradient_accumulation=False)
         self.grad = ops.zeros(z.shape, ms.float32)
         for micro in range(k):
             micro_inputs = self._split_micro_batch(inputs, micro)
@@ -67,8 +74,14 @@ class TinyTrainer:
                 return out / k if k > 1 else out
 
             value, grads = ms.value_and_grad(forward, None, weights=[z])()
-            self.grad = self.grad + grads[0]
+            self.grad = self.grad + grads[0] * sense
             loss = loss + value
+        if self.enable_parallel:
+            from mindspore.mint.distributed import all_reduce  # noqa: PLC0415
+
+            all_reduce(self.grad)  # the data-parallel gradient sum
+            all_reduce(loss)
+            loss = loss / self.world_size
         return loss, grad_norm
 
 

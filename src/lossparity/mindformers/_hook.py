@@ -225,7 +225,8 @@ class Installed:
             if getattr(self.trainer, "enable_parallel", False):
                 from mindspore.mint.distributed import all_reduce  # noqa: PLC0415
 
-                both = ops.concat([counts.astype(ms.float32).reshape(-1), total.astype(ms.float32).reshape(1)])
+                t = total if isinstance(total, Tensor) else Tensor([total], ms.float32)  # MindFormers: a Python int
+                both = ops.concat([counts.astype(ms.float32).reshape(-1), t.astype(ms.float32).reshape(1)])
                 all_reduce(both, group=self._dp_group())
                 counts, total = both[:-1].astype(counts.dtype), both[-1]
             router.global_tokens_per_expert += counts
