@@ -72,6 +72,21 @@ def test_objective_log_and_logit_gradient_match_torch(reference, mode: str, micr
     assert int(handle.logs["lossparity/units"].asnumpy()) == units
 
 
+def test_docs_page_block_runs(reference) -> None:
+    """docs/mindformers.md's block, run as written on the stand-in trainer, then one step."""
+    import pathlib  # noqa: PLC0415
+    import re  # noqa: PLC0415
+
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "mindformers.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", page, re.S)
+    ns = {"trainer": TinyTrainer(TinyLM(batch()["logits"]), 2, B)}
+    exec(compile(code, "docs/mindformers.md", "exec"), ns)
+    ns["trainer"].training_step(_inputs(), 0.0, 0.0, 0)
+    np.testing.assert_allclose(
+        ns["handle"].logs["lossparity/lm_objective"].asnumpy(), reference["lm4/per_sample/objective"], rtol=1e-6
+    )
+
+
 def test_released_gradient_is_the_mean_of_microbatch_token_means(reference) -> None:
     # without lossparity, GA 2 on ragged rows trains the mean of two token means, not the global token mean
     trainer = TinyTrainer(TinyLM(batch()["logits"]), 2, B)

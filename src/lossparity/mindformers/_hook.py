@@ -53,7 +53,7 @@ class _Step:
     micro_rows: int
     segment_ids: Tensor | None
     shares: list[Tensor] = field(default_factory=list)
-    calls: int = 0
+    calls: int = 0  # main-loss calls so far: the microbatch index
 
 
 def _cells(model: Any) -> Iterable[Any]:
@@ -180,30 +180,29 @@ class Installed:
         return training_step
 
     def lm_loss(self, cell: Any, original: Callable[..., Any]) -> Callable[..., Any]:
-        """The cell's ``compute_language_model_loss`` with the gradient of this microbatch's objective share."""
-        depths = int(getattr(getattr(cell, "config", None), "mtp_num_layers", 0) or 0)
-        depths = depths if getattr(cell, "mtp_process", False) else 0
+        """The cell's ``compute_language_model_loss`` with the gradient of this microbatch's objective share.
+
+        GPTModel calls it once per forward for the main loss with the loss mask; MindFormers' MTP depths call
+        it without a mask (``process_mtp_loss``, which masks and averages the per-token losses itself): those
+        calls keep MindFormers' value and gradient."""
 
         def compute_language_model_loss(labels: Tensor, logits: Tensor, loss_mask: Tensor = None) -> Any:
             value = original(labels, logits, loss_mask)
             step = self._step
-            if step is None:  # evaluation, or a forward outside training_step
+            if step is None or loss_mask is None:  # evaluation, a forward outside training_step, an MTP depth
                 return value
-            call = step.calls
+            if isinstance(value, tuple):  # calculate_per_token_loss: (numerator, denominator)
+                raise MindFormersRefusal("lossparity.mindformers: calculate_per_token_loss=True is not hooked")
+            micro = step.calls
             step.calls += 1
-            if call % (depths + 1) != depths:  # an MTP depth (process_mtp_loss calls first): as released
-                return value
-            micro = call // (depths + 1)
             nll = lpm.token_nll(logits.reshape(tuple(labels.shape) + (logits.shape[-1],)), labels)
-            mask = (loss_mask if loss_mask is not None else ops.ones(labels.shape, ms.float32)).reshape(labels.shape)
+            mask = loss_mask.reshape(labels.shape)
             seg = None
             if step.segment_ids is not None:
                 seg = step.segment_ids[micro * step.micro_rows : (micro + 1) * step.micro_rows]
             share = lpm.share(self.mode, nll, mask, step.norms, segment_ids=seg)
             step.shares.append(ops.stop_gradient(share))
             scaled = share * step.factor
-            if isinstance(value, tuple):  # calculate_per_token_loss: (numerator, denominator)
-                raise MindFormersRefusal("lossparity.mindformers: calculate_per_token_loss=True is not hooked")
             return ops.stop_gradient(value) + (scaled - ops.stop_gradient(scaled))
 
         return compute_language_model_loss
@@ -301,6 +300,8 @@ def install(
     cells = handle._lm_cells
     if any(getattr(c, "calculate_per_token_loss", False) for c in cells):
         problems.append("calculate_per_token_loss=true (the loss is a (sum, count) pair)")
+    if any(int(getattr(getattr(c, "config", None), "chunk_loss_num", 0) or 0) > 1 for c in cells):
+        problems.append("chunk_loss_num > 1 (the chunked loss passes transposed logits)")
     if problems:
         raise MindFormersRefusal("lossparity.mindformers refused: " + "; ".join(problems))
     handle._rebind(trainer, "training_step", handle.training_step(trainer.training_step))
