@@ -60,20 +60,21 @@ MEGATRON_TESTS=(  # the representative subset run in it (the full matrix: script
   tests/test_docs.py::test_moe_worked_example_matches_megatron
 )
 
-find_python312() {  # prints a Python 3.12 interpreter (PYTHON312, python3.12 on PATH, or pyenv's), or nothing
-  local c v
-  for c in "${PYTHON312:-}" python3.12; do
-    if [ -n "$c" ] && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
+find_python() {  # $1 = X.Y: prints a Python X.Y interpreter (PYTHONXY, pythonX.Y on PATH, or pyenv's), or nothing
+  local want="$1" c v var="PYTHON${1//./}"
+  for c in "${!var:-}" "python$want"; do
+    if [ -n "$c" ] && "$c" -c "import sys; assert '%d.%d' % sys.version_info[:2] == '$want'" >/dev/null 2>&1; then
       echo "$c"
       return 0
     fi
   done
   if command -v pyenv >/dev/null 2>&1; then
-    v="$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.|$)' | tail -1)"
-    [ -n "$v" ] && [ -x "$(pyenv root)/versions/$v/bin/python3.12" ] && echo "$(pyenv root)/versions/$v/bin/python3.12"
+    v="$(pyenv versions --bare 2>/dev/null | grep -E "^${want//./\\.}(\\.|\$)" | tail -1)"
+    [ -n "$v" ] && [ -x "$(pyenv root)/versions/$v/bin/python$want" ] && echo "$(pyenv root)/versions/$v/bin/python$want"
   fi
   return 0
 }
+find_python312() { find_python 3.12; }
 
 ensure_megatron_env() {  # the Python 3.12 venv with megatron-core 0.19.2; returns 1 when no Python 3.12 exists
   local py stamp pip
@@ -127,25 +128,10 @@ maxtext_tests() {  # the MaxText tests, for real, in the 3.12 venv (the main run
 }
 
 MINDFORMERS_VENV="${LOSSPARITY_MINDFORMERS_VENV:-.venv-mindspore}"
-find_python311() {  # prints a Python 3.11 interpreter (PYTHON311, python3.11 on PATH, or pyenv's), or nothing
-  local c v
-  for c in "${PYTHON311:-}" python3.11; do
-    if [ -n "$c" ] && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 11)' >/dev/null 2>&1; then
-      echo "$c"
-      return 0
-    fi
-  done
-  if command -v pyenv >/dev/null 2>&1; then
-    v="$(pyenv versions --bare 2>/dev/null | grep -E '^3\.11(\.|$)' | tail -1)"
-    [ -n "$v" ] && [ -x "$(pyenv root)/versions/$v/bin/python3.11" ] && echo "$(pyenv root)/versions/$v/bin/python3.11"
-  fi
-  return 0
-}
-
 ensure_mindformers_env() {  # Python 3.11 venv: MindSpore 2.10.0 + MindFormers 2.0.0 on CPU, lossparity without torch
   if [ ! -x "$MINDFORMERS_VENV/bin/python" ]; then
     local py
-    py="$(find_python311)"
+    py="$(find_python 3.11)"
     [ -n "$py" ] || { echo "dev.sh: MindSpore 2.10.0 (cp311 wheel) needs Python 3.11 (set PYTHON311)" >&2; exit 2; }
     "$py" -m venv "$MINDFORMERS_VENV"
   fi
