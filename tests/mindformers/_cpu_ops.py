@@ -49,4 +49,5 @@ def enable() -> None:
     for name, fn in STAND_INS.items():
         _SAVED.setdefault(name, getattr(mint, name))
         setattr(mint, name, fn)
+    ms.Tensor.clone = lambda self: self.copy()  # process_mtp_loss: labels.clone() (Clone: no CPU kernel)
     utils.clear_indexer_losses_tracker = _clear_indexer_losses_tracker

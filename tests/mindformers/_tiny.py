@@ -57,6 +57,10 @@ class TinyTrainer:
             training=SimpleNamespace(local_batch_size=rows // k),
         )
         self.compute_loss_func = None  # MindFormers default: the loss is the model output
+        # the MoE/MTP/indexer auto-scalers' backward scale sense/K, as MindFormers' Trainer.__init__ sets it
+        from mindformers.pynative.trainer.utils import set_auxiliary_loss_backward_scale  # noqa: PLC0415
+
+        set_auxiliary_loss_backward_scale(self.config.parallelism, self.enable_parallel, k)
         self.grad: Any = None
 
     def training_step(self, inputs: dict[str, Tensor], loss: Any, grad_norm: Any, step: int) -> Any:
@@ -83,6 +87,43 @@ class TinyTrainer:
             all_reduce(loss)
             loss = loss / self.world_size
         return loss, grad_norm
+
+
+class TinyMTPLM(TinyLM):
+    """:class:`TinyLM` plus ``D`` MTP depths through MindFormers' real ``process_mtp_loss`` and MTP auto-scaler:
+    depth ``d``'s logits are the table ``Zm[d]`` (the "output layer" is the identity on them), and the main
+    logits depend on the returned hidden states (× 0) so that the auto-scaler's backward runs, as in GPTModel."""
+
+    def __init__(self, logits: np.ndarray, mtp_logits: np.ndarray, scale: float) -> None:
+        from mindformers.pynative.transformers.multi_token_prediction import MTPLossAutoScaler  # noqa: PLC0415
+
+        super().__init__(logits)
+        self.zm = Parameter(Tensor(mtp_logits), name="zm")  # [D, B, S, V]
+        depths = int(mtp_logits.shape[0])
+        self.config = SimpleNamespace(
+            mtp_num_layers=depths, mtp_loss_scaling_factor=scale, calculate_per_token_loss=False, chunk_loss_num=0
+        )
+        self.mtp_process = True
+        self.mtp_loss_auto_scaler = MTPLossAutoScaler()
+
+    def construct(self, input_ids, labels, loss_mask, row_index, actual_seq_len=None):  # noqa: ANN001, ANN201
+        from mindformers.pynative.transformers.multi_token_prediction import process_mtp_loss  # noqa: PLC0415
+
+        main = ops.gather(self.z, row_index, 0)  # [b, S, V]
+        depths = [ops.gather(self.zm[d], row_index, 0) for d in range(self.config.mtp_num_layers)]
+        hidden = ops.concat([x.transpose(1, 0, 2) for x in [ops.zeros_like(main), *depths]], 0)  # [(1+D)·S, b, V]
+        out = process_mtp_loss(
+            hidden,
+            labels,
+            loss_mask,
+            lambda h, weight: h,
+            None,
+            self.compute_language_model_loss,
+            self.config,
+            self.mtp_loss_auto_scaler,
+        )
+        logits = (main + out.sum() * 0).reshape(-1, main.shape[-1])
+        return (self.compute_language_model_loss(labels, logits, loss_mask),)
 
 
 def moe_config(num_experts: int, topk: int, coeff: float) -> Any:

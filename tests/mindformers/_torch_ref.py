@@ -107,7 +107,35 @@ def _moe(x: dict[str, np.ndarray], out: dict[str, np.ndarray], name: str) -> Non
     )
 
 
-JOBS = {"lm": _lm, "moe": _moe}
+def _mtp(x: dict[str, np.ndarray], out: dict[str, np.ndarray], name: str) -> None:
+    """lossparity's ``own`` MTP term ``λ·(1/D)·Σ_d J_d`` (float64) and its gradient w.r.t. every depth's logits:
+    depth ``d`` predicts the labels rolled left by ``d`` (zero-filled) under the mask rolled the same way."""
+    import torch  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    from lossparity.losses import modes  # noqa: PLC0415
+
+    zm = torch.from_numpy(x[f"job/{name}/mtp_logits"]).double().requires_grad_(True)  # [D, B, S, V]
+    labels = torch.from_numpy(x[f"job/{name}/labels"]).long()
+    mask = torch.from_numpy(x[f"job/{name}/mask"]).double()
+    seg = torch.from_numpy(x[f"job/{name}/segment_ids"]).long()
+    mode, scale = str(x[f"job/{name}/mode"]), float(x[f"job/{name}/scale"])
+    depths, b, s, v = zm.shape
+
+    def roll(t: torch.Tensor, d: int) -> torch.Tensor:
+        return torch.cat([t[:, d:], torch.zeros_like(t[:, :d])], 1)
+
+    terms = []
+    for d in range(1, depths + 1):
+        nll = F.cross_entropy(zm[d - 1].reshape(-1, v), roll(labels, d).reshape(-1), reduction="none").reshape(b, s)
+        terms.append(modes.objective(mode, nll, roll(mask, d), segment_ids=seg if mode == "per_document" else None))
+    j = scale * sum(terms) / depths
+    (g,) = torch.autograd.grad(j, zm)
+    out[f"{name}/objective"] = j.detach().numpy()
+    out[f"{name}/grad"] = g.numpy()
+
+
+JOBS = {"lm": _lm, "moe": _moe, "mtp": _mtp}
 
 
 def main(src: str, dst: str) -> None:

@@ -20,7 +20,7 @@ ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
 import _cpu_ops  # noqa: E402 (after the context is set)
 
 _cpu_ops.enable()
-from _tiny import TinyLM, TinyMoELM, TinyTrainer, moe_config  # noqa: E402 (imports MindFormers)
+from _tiny import TinyLM, TinyMoELM, TinyMTPLM, TinyTrainer, moe_config  # noqa: E402 (imports MindFormers)
 
 MODES = ("per_token", "per_sample", "per_document")
 
@@ -85,6 +85,53 @@ def test_docs_page_block_runs(reference) -> None:
     np.testing.assert_allclose(
         ns["handle"].logs["lossparity/lm_objective"].asnumpy(), reference["lm4/per_sample/objective"], rtol=1e-6
     )
+
+
+DEPTHS, LAMBDA = 2, 0.3
+
+
+def _mtp_logits() -> np.ndarray:
+    return np.random.default_rng(7).normal(0.0, 2.0, (DEPTHS, B, S, batch()["logits"].shape[-1])).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def mtp_reference() -> dict[str, np.ndarray]:
+    x = batch()
+    seg = lpm.segment_ids_from_actual_seq_len(Tensor(ASL), S).asnumpy()
+    jobs: dict[str, np.ndarray] = {}
+    for mode in MODES:
+        jobs.update(
+            {
+                f"job/{mode}/kind": np.array("mtp"),
+                f"job/{mode}/mtp_logits": _mtp_logits(),
+                f"job/{mode}/labels": x["labels"],
+                f"job/{mode}/mask": x["mask"],
+                f"job/{mode}/segment_ids": seg,
+                f"job/{mode}/mode": np.array(mode),
+                f"job/{mode}/scale": np.array(LAMBDA),
+            }
+        )
+    return run(jobs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mtp_term_gradient_and_log_match_torch_own_convention(reference, mtp_reference, mode: str) -> None:
+    # GA 2 through MindFormers' own process_mtp_loss and MTP auto-scaler
+    trainer = TinyTrainer(TinyMTPLM(batch()["logits"], _mtp_logits(), LAMBDA), 2, B)
+    z, zm = trainer.model[0].z, trainer.model[0].zm
+    handle = lpmf.install(trainer, mode)
+    inputs = _inputs()
+    k = trainer.num_accumulation_steps
+    grad_z, grad_zm = ms.ops.zeros(z.shape, ms.float32), ms.ops.zeros(zm.shape, ms.float32)
+    handle._step = handle.begin_step(inputs)  # what the rebound training_step does, here with both parameters
+    for micro in range(k):
+        mi = trainer._split_micro_batch(inputs, micro)
+        _, (gz, gzm) = ms.value_and_grad(lambda mi=mi: trainer.compute_loss(trainer.model, mi) / k, None, [z, zm])()
+        grad_z, grad_zm = grad_z + gz, grad_zm + gzm
+    mtp_log = ms.ops.stack(handle._step.mtp_shares).sum().asnumpy()
+    np.testing.assert_allclose(grad_z.asnumpy(), reference[f"lm4/{mode}/grad"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grad_zm.asnumpy(), mtp_reference[f"{mode}/grad"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(LAMBDA * mtp_log, mtp_reference[f"{mode}/objective"], rtol=1e-6)
 
 
 def test_released_gradient_is_the_mean_of_microbatch_token_means(reference) -> None:

@@ -54,6 +54,16 @@ class _Step:
     segment_ids: Tensor | None
     shares: list[Tensor] = field(default_factory=list)
     calls: int = 0  # main-loss calls so far: the microbatch index
+    mtp_masks: list[Tensor] = field(default_factory=list)  # depth d's loss mask of the whole batch (rolled left d)
+    mtp_norms: list[lpm.Normalizers] = field(default_factory=list)
+    mtp_calls: int = 0  # MTP-depth calls since the last main-loss call: the depth index
+    mtp_shares: list[Tensor] = field(default_factory=list)
+
+
+def _roll_left(x: Tensor, d: int) -> Tensor:
+    """``x [b, S]`` shifted left by ``d`` along the sequence, zero-filled: MindFormers' ``roll_tensor(shifts=-1)``
+    applied ``d`` times, as ``process_mtp_loss`` rolls the labels and the loss mask of MTP depth ``d``."""
+    return ops.concat([x[:, d:], ops.zeros((x.shape[0], min(d, x.shape[1])), x.dtype)], 1)[:, : x.shape[1]]
 
 
 def _cells(model: Any) -> Iterable[Any]:
@@ -126,14 +136,23 @@ class Installed:
                     "lossparity.mindformers: per_document needs the packed-row column 'actual_seq_len'"
                 )
             seg = lpm.segment_ids_from_actual_seq_len(asl.reshape(rows, -1), seq)
-        norms = lpm.count_normalizers(mask, seg)
+        depths = self._mtp_depths()
+        masks = [mask] + [_roll_left(mask, d) for d in range(1, depths + 1)]
+        counts = [lpm.count_normalizers(m, seg) for m in masks]
         if getattr(trainer, "enable_parallel", False):
             from mindspore.mint.distributed import all_reduce  # noqa: PLC0415 (only with several ranks)
 
-            stacked = norms.stacked()
+            stacked = ops.stack([c.stacked() for c in counts])  # one all-reduce for the main loss and every depth
             all_reduce(stacked, group=self._dp_group())
-            norms = lpm.Normalizers.from_stacked(stacked)
-        return _Step(norms, k / self._sense(k), rows // k, seg)
+            counts = [lpm.Normalizers.from_stacked(stacked[i]) for i in range(len(counts))]
+        return _Step(counts[0], k / self._sense(k), rows // k, seg, mtp_masks=masks[1:], mtp_norms=counts[1:])
+
+    def _mtp_depths(self) -> int:
+        """MTP depths of the model (``config.mtp_num_layers`` of a cell that runs the MTP block), else 0."""
+        for cell in self._lm_cells:
+            if getattr(cell, "mtp_process", False):
+                return int(getattr(cell.config, "mtp_num_layers", 0) or 0)
+        return 0
 
     def _dp_group(self) -> Any:
         return getattr(self.trainer, "metric_reduce_group", None)
@@ -175,6 +194,13 @@ class Installed:
                 "lossparity/lm_objective": objective,
                 "lossparity/units": getattr(step_ctx.norms, units),
             }
+            if step_ctx.mtp_shares:  # (1/D) Σ_d J_d, without MindFormers' λ
+                mtp = ops.stack(step_ctx.mtp_shares).sum()
+                if getattr(self.trainer, "enable_parallel", False):
+                    from mindspore.mint.distributed import all_reduce  # noqa: PLC0415
+
+                    all_reduce(mtp, group=self._dp_group())
+                self.logs["lossparity/mtp_objective"] = mtp
             return out
 
         return training_step
@@ -182,19 +208,24 @@ class Installed:
     def lm_loss(self, cell: Any, original: Callable[..., Any]) -> Callable[..., Any]:
         """The cell's ``compute_language_model_loss`` with the gradient of this microbatch's objective share.
 
-        GPTModel calls it once per forward for the main loss with the loss mask; MindFormers' MTP depths call
-        it without a mask (``process_mtp_loss``, which masks and averages the per-token losses itself): those
-        calls keep MindFormers' value and gradient."""
+        GPTModel calls it once per forward for the main loss with the loss mask. MindFormers' MTP depths call
+        it before, without a mask (``process_mtp_loss`` masks the per-token losses, divides by the depth's
+        microbatch token count and feeds ``λ/D ·`` that to its MTP auto-scaler): their per-token values keep
+        MindFormers' numbers and get the gradient of lossparity's ``own`` MTP term, ``λ·(1/D)·Σ_d J_d`` with
+        ``J_d`` the mode's objective on depth ``d``'s rolled mask with its own global counts."""
 
         def compute_language_model_loss(labels: Tensor, logits: Tensor, loss_mask: Tensor = None) -> Any:
             value = original(labels, logits, loss_mask)
             step = self._step
-            if step is None or loss_mask is None:  # evaluation, a forward outside training_step, an MTP depth
+            if step is None:  # evaluation, or a forward outside training_step
                 return value
+            if loss_mask is None:
+                return self._mtp_depth(step, labels, logits, value)
             if isinstance(value, tuple):  # calculate_per_token_loss: (numerator, denominator)
                 raise MindFormersRefusal("lossparity.mindformers: calculate_per_token_loss=True is not hooked")
             micro = step.calls
             step.calls += 1
+            step.mtp_calls = 0
             nll = lpm.token_nll(logits.reshape(tuple(labels.shape) + (logits.shape[-1],)), labels)
             mask = loss_mask.reshape(labels.shape)
             seg = None
@@ -206,6 +237,29 @@ class Installed:
             return ops.stop_gradient(value) + (scaled - ops.stop_gradient(scaled))
 
         return compute_language_model_loss
+
+    def _mtp_depth(self, step: _Step, labels: Tensor, logits: Tensor, value: Tensor) -> Tensor:
+        """One MTP depth's per-token losses (MindFormers' ``compute_language_model_loss`` without a mask)."""
+        d = step.mtp_calls
+        if d >= len(step.mtp_masks):  # not an MTP depth this hook counted: MindFormers' own numbers
+            return value
+        step.mtp_calls += 1
+        rows = slice(step.calls * step.micro_rows, (step.calls + 1) * step.micro_rows)
+        mask = step.mtp_masks[d][rows]
+        seg = None if step.segment_ids is None else step.segment_ids[rows]
+        nll = lpm.token_nll(logits.reshape(tuple(labels.shape) + (logits.shape[-1],)), labels)
+        weights = lpm.token_weights(self.mode, mask, step.mtp_norms[d], segment_ids=seg)
+        if d == 0:
+            step.mtp_shares.append(ops.zeros((), ms.float32))
+        step.mtp_shares[-1] = step.mtp_shares[-1] + ops.stop_gradient((weights * nll).sum()) / len(step.mtp_masks)
+        # MindFormers back-propagates (loss_scale·λ/D)·mask'_t/num_tokens' into value_t (loss_scale = sense/K),
+        # with its own depth mask mask': 2.0.0's process_mtp_loss flattens the mask after depth 1, so depth d+1
+        # rolls the flattened depth-1 mask by d across rows. mask' ⊇ mask where mask is 1, so dividing out
+        # num_tokens' leaves exactly lossparity's weights (the extra positions of mask' get no gradient).
+        flat = (step.mtp_masks[0][rows] != 0).astype(ms.float32).reshape(-1)
+        num_tokens = ops.concat([flat[d:], ops.zeros((d,), ms.float32)]).sum() if d else flat.sum()
+        g = (nll * weights * num_tokens * step.factor).reshape(value.shape)
+        return ops.stop_gradient(value) + (g - ops.stop_gradient(g))
 
     # -- the fixes --------------------------------------------------------------------------------------
 
