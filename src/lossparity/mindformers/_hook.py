@@ -12,6 +12,8 @@ What is rebound, on the objects of the running process only (``Installed.uninsta
   microbatches, ``sense`` MindFormers' backward sense ``1/(world/pp)``) so that MindFormers' ``loss / K``
   and its summed data-parallel gradients leave ``Σ ∇J_mb = ∇J``. The value is
   ``v + (c·J_mb − stop_gradient(c·J_mb))``: the bracket is exactly 0 forward.
+- the MTP depths' calls of ``compute_language_model_loss`` (unmasked, from ``process_mtp_loss``): MindFormers'
+  per-token values with the gradient of lossparity's ``own`` MTP term, ``λ·(1/D)·Σ_d J_d``.
 - the fixes (:data:`FIXES`): ``global_aux_dp`` (the routers' ``_apply_global_aux_loss`` sums the running
   counts and tokens over the data-parallel ranks too), ``global_aux_reset`` (the running buffer reset at the
   start of every step, on every stage, as Megatron does), ``indexer_layers`` (one indexer tracker slot per
@@ -336,9 +338,12 @@ def install(
     ``fixes``: a preset name of :data:`PRESETS` (``"lossparity"``: all fixes; ``"mindformers-2.0.0"``: none)
     or names from :data:`FIXES`. MindFormers' logged ``loss`` stays its token mean; the objective of the step
     is ``handle.logs["lossparity/lm_objective"]`` (with ``"lossparity/units"``, the global unit count).
-    The MTP and MoE terms keep MindFormers' own gradients (their accounting agrees with lossparity's except
-    the fixed defects). Raises :class:`MindFormersRefusal` for a run the hook cannot make exact (pipeline
-    parallelism, context parallelism, ``calculate_per_token_loss``), before anything is rebound.
+    With MTP (``mtp_num_layers = D``) the MTP term's gradient becomes lossparity's ``own`` convention,
+    ``λ·(1/D)·Σ_d J_d`` (``J_d``: the mode on depth ``d``'s rolled mask with its own global counts; logged as
+    ``"lossparity/mtp_objective"`` without ``λ``). The MoE terms keep MindFormers' gradients (their accounting
+    agrees with lossparity's except the fixed defects). Raises :class:`MindFormersRefusal` for a run the hook
+    cannot make exact (pipeline or context parallelism, ``calculate_per_token_loss``, ``chunk_loss_num > 1``),
+    before anything is rebound.
     """
     mode = check_option("mode", mode, MINDFORMERS_MODES)
     chosen = PRESETS[check_option("fixes", fixes, tuple(PRESETS))] if isinstance(fixes, str) else tuple(fixes)
