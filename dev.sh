@@ -60,20 +60,21 @@ MEGATRON_TESTS=(  # the representative subset run in it (the full matrix: script
   tests/test_docs.py::test_moe_worked_example_matches_megatron
 )
 
-find_python312() {  # prints a Python 3.12 interpreter (PYTHON312, python3.12 on PATH, or pyenv's), or nothing
-  local c v
-  for c in "${PYTHON312:-}" python3.12; do
-    if [ -n "$c" ] && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
+find_python() {  # $1 = X.Y: prints a Python X.Y interpreter (PYTHONXY, pythonX.Y on PATH, or pyenv's), or nothing
+  local want="$1" c v var="PYTHON${1//./}"
+  for c in "${!var:-}" "python$want"; do
+    if [ -n "$c" ] && "$c" -c "import sys; assert '%d.%d' % sys.version_info[:2] == '$want'" >/dev/null 2>&1; then
       echo "$c"
       return 0
     fi
   done
   if command -v pyenv >/dev/null 2>&1; then
-    v="$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.|$)' | tail -1)"
-    [ -n "$v" ] && [ -x "$(pyenv root)/versions/$v/bin/python3.12" ] && echo "$(pyenv root)/versions/$v/bin/python3.12"
+    v="$(pyenv versions --bare 2>/dev/null | grep -E "^${want//./\\.}(\\.|\$)" | tail -1)"
+    [ -n "$v" ] && [ -x "$(pyenv root)/versions/$v/bin/python$want" ] && echo "$(pyenv root)/versions/$v/bin/python$want"
   fi
   return 0
 }
+find_python312() { find_python 3.12; }
 
 ensure_megatron_env() {  # the Python 3.12 venv with megatron-core 0.19.2; returns 1 when no Python 3.12 exists
   local py stamp pip
@@ -126,6 +127,30 @@ maxtext_tests() {  # the MaxText tests, for real, in the 3.12 venv (the main run
     "$MAXTEXT_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/maxtext "$@"
 }
 
+MINDFORMERS_VENV="${LOSSPARITY_MINDFORMERS_VENV:-.venv-mindspore}"
+ensure_mindformers_env() {  # Python 3.11 venv: MindSpore 2.10.0 + MindFormers 2.0.0 on CPU, lossparity without torch
+  if [ ! -x "$MINDFORMERS_VENV/bin/python" ]; then
+    local py
+    py="$(find_python 3.11)"
+    [ -n "$py" ] || { echo "dev.sh: MindSpore 2.10.0 (cp311 wheel) needs Python 3.11 (set PYTHON311)" >&2; exit 2; }
+    "$py" -m venv "$MINDFORMERS_VENV"
+  fi
+  local stamp="$MINDFORMERS_VENV/.lossparity-mindformers-$(cat requirements/mindformers-cpu.txt pyproject.toml | sha1sum | cut -c1-12)"
+  [ -f "$stamp" ] && return 0
+  # pinned closure, --no-deps: MindFormers 2.0.0 requires hyper-parallel (no registry here serves it; the tests
+  # put an import stub on the path) and pins numpy<2 with pyarrow>=23, which cannot both hold
+  "$MINDFORMERS_VENV/bin/pip" install -q --no-deps -r requirements/mindformers-cpu.txt
+  "$MINDFORMERS_VENV/bin/pip" install -q --no-deps -e .  # lossparity.mindspore / lossparity.mindformers import no torch
+  touch "$stamp"
+}
+
+mindformers_tests() {  # the MindFormers tests, for real, in the MindSpore venv (the main run skips tests/mindformers);
+  # the torch references they compare against run in the main venv (LOSSPARITY_TORCH_PYTHON)
+  ensure_mindformers_env
+  LOSSPARITY_REQUIRE_MINDFORMERS=1 LOSSPARITY_TORCH_PYTHON="$VENV/bin/python" GLOG_v=3 \
+    "$MINDFORMERS_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/mindformers "$@"
+}
+
 main_tests() {  # the main suite in ./.venv (Python 3.11 or the default python3; the arguments: pytest's)
   "$VENV/bin/python" -m pytest -q "$@"
 }
@@ -138,7 +163,7 @@ lint_tests() {  # the static checks, as the first part of `./dev.sh test`
 # part runs even when one before it failed; each pytest part writes its counts to $LOSSPARITY_TEST_SUMMARY
 # (tests/_ci_skips.py) and the command ends with one line per part, exiting 1 when any part failed. Another
 # environment: define its NAME_tests function above and add NAME here.
-read -r -a TEST_PARTS <<<"${LOSSPARITY_TEST_PARTS:-lint main megatron maxtext rl}"  # overridable: LOSSPARITY_TEST_PARTS="main maxtext"
+read -r -a TEST_PARTS <<<"${LOSSPARITY_TEST_PARTS:-lint main megatron maxtext mindformers rl}"  # overridable: LOSSPARITY_TEST_PARTS="main maxtext"
 
 summary_line() {  # $1 part, $2 exit status, $3 seconds, $4 the part's counts file (JSON, absent: no pytest summary)
   "$PY" - "$@" <<'PYEOF'
@@ -243,8 +268,12 @@ case "$cmd" in
   test-maxtext)
     maxtext_tests
     ;;
+  test-mindformers)
+    ensure_env test  # the torch references of tests/mindformers run in the main venv
+    mindformers_tests "$@"
+    ;;
   *)
-    echo "usage: ./dev.sh main|test|test-megatron|test-maxtext|lint|wheel|docs [args...]" >&2
+    echo "usage: ./dev.sh main|test|test-megatron|test-maxtext|test-mindformers|lint|wheel|docs [args...]" >&2
     exit 2
     ;;
 esac

@@ -45,6 +45,9 @@ EXECUTED = {
         "import os",
     ): "tests/jax/test_jax_readme.py::test_maxtext_step_with_ga_and_mesh_matches_float64_and_maxtext_formulas",
     ("docs/jax.md", "import jax"): "tests/jax/test_jax_readme.py::test_maxtext_recipe_runs_with_documented_output",
+    ("docs/mindformers.md", "import lossparity.mindformers as lpmf"): (
+        "tests/mindformers/test_mindformers_hook.py::test_docs_page_block_runs"
+    ),
     ("docs/megatron.md", "from functools import partial"): (
         "tests/integrations/test_integration_megatron_moe.py::test_moe_terms_dp2_tp2_sp_cp2_pp2_give_the_objective_gradients_and_logs"
     ),
