@@ -224,6 +224,7 @@ class Trainer:
             list(segs),
             mtp_weight=self.mtp_weight(self.step),
             extra_counts=MoEAccounting.router_tokens(valids),
+            **self._groups(len(mbs)),
         )
         if self.pipeline is not None:
             return self._finish_pipeline_step(mbs, segs, valids, t0)
@@ -247,6 +248,22 @@ class Trainer:
         self.moe.end_step(self.routers, bias_rate=self.bias_rate(self.step), zero_mean=cfg.bias_zero_mean)
         grad_norm = clip_grad_norm(list(self.raw.parameters()), cfg.grad_clip)
         return self._optimizer_step(grad_norm, {}, t0)
+
+    def _groups(self, k: int) -> dict[str, Any]:
+        """``per_group``'s arguments of ``begin_step``: row ``r`` of the global batch is in group ``r // G``
+        (``G = group_size``, GRPO's completions of one prompt side by side), so this rank's microbatch ``i``
+        (rows ``(d·K + i)·b ...``, the layout convention of ``split_batch``) gets ids ``row // G`` and there
+        are ``ceil(N / G)`` groups; no arguments for the other modes."""
+        cfg = self.cfg
+        if cfg.mode != "per_group":
+            return {}
+        assert cfg.group_size is not None  # TrainConfig.validate
+        b, first = cfg.microbatch_size, self.dp_rank * k * cfg.microbatch_size
+        rows = [torch.arange(first + i * b, first + (i + 1) * b) for i in range(k)]
+        return {
+            "group_ids": [(r // cfg.group_size).to(self.device) for r in rows],
+            "num_groups": -(-cfg.global_batch // cfg.group_size),
+        }
 
     def _microbatch(self, i: int, mb: Batch, seg: Tensor, valid: Tensor, cols: Tensor | None) -> Tensor:
         """Forward of microbatch ``i`` and its exact share of ``J`` (main loss, MTP depths, MoE terms, indexer),
