@@ -87,8 +87,8 @@ def test_accountant_per_group_fused_weights_equal_shares() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({}, ValueError, r"needs num_groups"),
-        ({"num_groups": 5}, ValueError, r"needs group_ids in begin_step.*rank 0"),
+        ({}, ValueError, r"needs group_ids and num_groups in begin_step.*rank 0"),
+        ({"group_ids": [torch.tensor([0, 0, 1]), torch.tensor([1, 2])]}, ValueError, r"needs num_groups.*rank 0"),
         ({"num_groups": 5, "group_ids": [torch.tensor([0, 1, 2])]}, ValueError, r"group_ids has 1 entries"),
         (
             {"num_groups": 5, "group_ids": [torch.tensor([0, 0, 1]), torch.tensor([-1, 1])]},
@@ -140,9 +140,9 @@ def test_group_ids_refused_by_other_modes_and_bad_options() -> None:
 def _fit(mode: str, **kw) -> Trainer:
     cfg = TrainConfig(
         mode=mode,
-        steps=2,
-        global_batch=6,
-        ga=3,
+        steps=1,
+        global_batch=4,
+        ga=2,
         seq_len=16,
         packed=True,
         dtype="float64",
@@ -162,16 +162,16 @@ def _max_rel(a: Trainer, b: Trainer) -> float:
         for k in ("objective", "objective_lm", "objective_mtp", "lm_loss", "grad_norm"):
             worst = max(worst, abs(la[k] - lb[k]) / max(abs(lb[k]), 1e-300))
     for (_, p), (_, q) in zip(a.raw.named_parameters(), b.raw.named_parameters()):
-        worst = max(worst, float((p - q).abs().max() / q.abs().max()))
+        worst = max(worst, float((p.detach() - q.detach()).abs().max() / q.detach().abs().max()))
     return worst
 
 
-@pytest.mark.parametrize(("group_size", "same_as"), [(1, "per_sample"), (6, "per_token")])
+@pytest.mark.parametrize(("group_size", "same_as"), [(1, "per_sample"), (4, "per_token")])
 def test_trainer_per_group_identities(group_size: int, same_as: str) -> None:
     """Groups of one row are the samples (Ngrp = N); one group of every row is the token mean (Ngrp = 1, the
     MTP depth divided by its own token count as per_token's 'own' convention does): the whole trainer (MoE,
-    MTP, indexer, fused head, 3 microbatches of 2 rows) gives the same run to float64 rounding."""
+    MTP, fused head, 2 microbatches of 2 rows) gives the same run to float64 rounding."""
     group = _fit("per_group", group_size=group_size)
     other = _fit(same_as)
-    assert all(line["groups"] == 6 // group_size for line in group.history)
+    assert all(line["groups"] == 4 // group_size for line in group.history)
     assert _max_rel(group, other) <= 1e-12

@@ -163,14 +163,16 @@ class PreCount:
             if group_ids is not None:
                 raise ValueError(f"group_ids is given but mode is {self.mode!r}: only 'per_group' takes group ids")
             return []
+        if group_ids is None or isinstance(group_ids, Tensor):
+            raise ValueError(
+                f"mode 'per_group' needs group_ids and num_groups in begin_step: one integer [b] tensor per "
+                f"microbatch, the group of each row in [0, num_groups) (rank {rank}), got group_ids="
+                f"{'None' if group_ids is None else 'one tensor'}; a caller that passes no groups (an integration "
+                "of a framework's trainer) cannot run per_group: lossparity.rl (RLAccountant, the TRL drop-in)"
+            )
         if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
             raise ValueError(
                 f"mode 'per_group' needs num_groups, an int >= 1 equal on every rank (rank {rank}), got {num_groups!r}"
-            )
-        if group_ids is None or isinstance(group_ids, Tensor):
-            raise ValueError(
-                f"mode 'per_group' needs group_ids in begin_step: one integer [b] tensor per microbatch, the "
-                f"group of each row (rank {rank}), got {'None' if group_ids is None else 'one tensor'}"
             )
         ids = list(group_ids)  # type: ignore[call-overload]
         if len(ids) != len(self.masks):
