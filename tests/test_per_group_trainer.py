@@ -138,20 +138,9 @@ def test_group_ids_refused_by_other_modes_and_bad_options() -> None:
 
 
 def _fit(mode: str, **kw) -> Trainer:
-    cfg = TrainConfig(
-        mode=mode,
-        steps=1,
-        global_batch=4,
-        ga=2,
-        seq_len=16,
-        packed=True,
-        dtype="float64",
-        warmup=1,
-        progress=False,
-        tensorboard=False,
-        **kw,
-    )
-    t = Trainer(cfg)
+    """One float64 step of 2 microbatches of 2 rows (the tiny MoE+MTP model, fused head)."""
+    base = dict(steps=1, global_batch=4, ga=2, seq_len=16, packed=True, dtype="float64", warmup=1, progress=False)
+    t = Trainer(TrainConfig(mode=mode, tensorboard=False, **base, **kw))
     t.fit()
     return t
 
