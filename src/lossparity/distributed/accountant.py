@@ -251,7 +251,16 @@ class Accountant(MicrobatchShares):
             return {**self._fingerprint_fields(names), "mtp_weight": weight}
 
         pre, error = PreCount.count_local(
-            self.mode, self.mtp_depths, self.device, rank, masks, segment_ids, extra_counts, fields, group_ids, num_groups
+            self.mode,
+            self.mtp_depths,
+            self.device,
+            rank,
+            masks,
+            segment_ids,
+            extra_counts,
+            fields,
+            group_ids,
+            num_groups,
         )
         if bad_weight is not None and error is None:
             error = bad_weight

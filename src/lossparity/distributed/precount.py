@@ -228,7 +228,8 @@ class PreCount:
             buf[slots.sl("mtp_tokens")] += torch.tensor(depth_tokens, dtype=torch.float64, device=buf.device)
         if self.num_groups:
             ids = self.group_ids[i].to(buf.device, torch.long)
-            buf[slots.sl("group_rows")].index_add_(0, ids, torch.ones(ids.shape, dtype=torch.float64, device=buf.device))
+            ones = torch.ones(ids.shape, dtype=torch.float64, device=buf.device)
+            buf[slots.sl("group_rows")].index_add_(0, ids, ones)
             per_depth = [w2] + [roll_mask(w2, seg2, k) for k in range(1, self.mtp_depths + 1)]
             tokens = buf[slots.sl("group_tokens")].view(1 + self.mtp_depths, self.num_groups)
             for d, wd in enumerate(per_depth):
