@@ -88,8 +88,8 @@ def test_bad_options():
         lp.Accountant("per_token", normalization="deferred", mtp_depths=1, mtp_convention="own")
     with pytest.raises(ValueError, match="per_document.*segment_ids"):
         lp.Accountant("per_document").begin_step([torch.ones(2, 3)])
-    with pytest.raises(ValueError, match="per_group.*RLAccountant"):
-        lp.Accountant("per_group")
+    with pytest.raises(ValueError, match="per_group.*group_ids"):  # the groups: tests/test_per_group_trainer.py
+        lp.Accountant("per_group").begin_step([torch.ones(2, 3)], num_groups=2)
 
 
 def test_mask_values_and_shapes_named():

@@ -20,12 +20,26 @@ def _cfg(moe: bool = False, **kw) -> TrainConfig:
     return TrainConfig(**{**base, **kw})
 
 
-@pytest.mark.parametrize("loss_impl,moe", [("fused", False), ("chunked", False), ("fused", True)])
-def test_trainer_microbatch_path_does_not_synchronize(loss_impl, moe, monkeypatch):
+# per_group: the groups' global token counts are read from the pre-count's device buffer (groups of 3 rows span
+# the 2 microbatches)
+GROUPS = {"mode": "per_group", "group_size": 3}
+
+
+@pytest.mark.parametrize(
+    "loss_impl,moe,kw",
+    [
+        ("fused", False, {}),
+        ("chunked", False, {}),
+        ("fused", True, {}),
+        ("fused", False, GROUPS),
+        ("chunked", False, GROUPS),
+    ],
+)
+def test_trainer_microbatch_path_does_not_synchronize(loss_impl, moe, kw, monkeypatch):
     # Before: the model read tokens.min/max (and segment/position minima), the cross-entropy read the label
     # range check and the compaction of the ignored positions (bool(...), nonzero) on every microbatch, and
     # the MoE layers one nonzero per expert per layer (model/moe.py's previous dispatch).
-    plain = Trainer(_cfg(moe, loss_impl=loss_impl)).train_step()
+    plain = Trainer(_cfg(moe, loss_impl=loss_impl, **kw)).train_step()
     original = Trainer._microbatch
 
     def guarded(self, *args):
@@ -35,7 +49,7 @@ def test_trainer_microbatch_path_does_not_synchronize(loss_impl, moe, monkeypatc
         return loss.detach().requires_grad_()  # the step's own backward then has nothing left to do
 
     monkeypatch.setattr(Trainer, "_microbatch", guarded)
-    line = Trainer(_cfg(moe, loss_impl=loss_impl)).train_step()
+    line = Trainer(_cfg(moe, loss_impl=loss_impl, **kw)).train_step()
     for key in ("objective", "lm_loss", "grad_norm"):
         assert line[key] == plain[key], key
 

@@ -10,6 +10,7 @@ import torch
 
 from lossparity.checkpoint.checkpointer import atomic_save, load_latest, save_checkpoint
 from lossparity.cli import main
+from lossparity.options import MODES
 from lossparity.training.trainer import TrainConfig, Trainer
 from lossparity.verify.reference import QUICK_LAYOUTS, format_table, run_verify
 
@@ -26,7 +27,7 @@ def test_verify_quick_all_pass(tmp_path):
     table = format_table(report)
     assert all(r["pass"] for r in report["rows"]), table
     # the multi-rank recompute layout really ran every mode
-    modes = {"per_token", "per_sample", "per_microbatch", "per_document", "sample_sum", "sample_sum_norm", "token_sum"}
+    modes = set(MODES)  # every mode, per_group (groups of 3 rows spanning ranks and microbatches) included
     assert {r["mode"] for r in report["rows"] if r["layout"] == "D2xK2+recompute"} == modes
     assert {r["mode"] for r in report["rows"] if r["layout"] == "C2xK2"} == modes  # context parallel
     assert {r["mode"] for r in report["rows"] if r["layout"] == "P2xV2xK2"} == modes  # interleaved pipeline

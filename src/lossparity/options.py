@@ -60,9 +60,9 @@ Mode = Literal[
 ]
 MODES: tuple[Mode, ...] = get_args(Mode)
 
-# The modes of the LM Accountant, the reference trainer and `verify`: per_group needs prompt groups (group ids),
-# which only the RL accountant (lossparity.rl.RLAccountant) takes.
-ACCOUNTANT_MODES: tuple[Mode, ...] = tuple(m for m in MODES if m != "per_group")
+# The modes of the LM Accountant, the reference trainer and `verify`: all of them (per_group takes the rows'
+# group ids at begin_step; the trainer numbers its rows' groups by --group-size).
+ACCOUNTANT_MODES: tuple[Mode, ...] = MODES
 
 # precount: normalizers counted before the step; deferred: raw sums back-propagated, gradients divided
 # by the all-reduced count at the end of the step (Megatron calculate_per_token_loss=True).

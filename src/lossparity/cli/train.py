@@ -324,11 +324,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     modes = tuple(args.modes.split(",")) if args.modes else ACCOUNTANT_MODES
     for m in modes:
-        if m == "per_group":
-            raise UsageError(
-                "mode 'per_group' needs prompt groups, which the reference trainer's data has none of: it is checked "
-                "by tests/test_rl_modes.py through lossparity.rl.RLAccountant"
-            )
         if m not in MODES:
             raise UsageError(f"unknown mode {m!r}; valid modes: {', '.join(ACCOUNTANT_MODES)}")
     if sum(map(bool, (args.quick, args.full, args.layouts))) > 1:

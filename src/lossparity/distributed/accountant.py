@@ -152,11 +152,11 @@ class Accountant(MicrobatchShares):
         self.mtp_convention = check_option("mtp_convention", mtp_convention, MTP_CONVENTIONS)
         self.mtp_log_estimator = check_option("mtp_log_estimator", mtp_log_estimator, MTP_LOG_ESTIMATORS)
         self.mtp_depths = _check_int("mtp_depths", mtp_depths, 0)
-        if mode == "per_group":  # its group counts span microbatches and ranks: the RL accountant counts them
-            raise ValueError(
-                "Accountant: mode 'per_group' needs the group ids of every row; use "
-                "lossparity.rl.RLAccountant (its begin_step takes group_ids) for GRPO prompt groups"
-            )
+        if mode == "per_group" and self.normalization == "deferred":
+            # n_g spans microbatches and ranks: every share divides by it before the backward
+            raise ValueError("mode 'per_group' needs normalization='precount' (its group counts span ranks)")
+        if mode == "per_group" and mtp_depths and self.mtp_convention == "pooled":
+            raise ValueError("mode 'per_group' is not combined with mtp_convention='pooled' (use 'own' or 'main')")
         if mode == "sample_sum_norm" and fixed_length is None:
             raise ValueError(f"mode 'sample_sum_norm' needs fixed_length > 0, got fixed_length={fixed_length}")
         if fixed_length is not None:
@@ -216,6 +216,8 @@ class Accountant(MicrobatchShares):
         *,
         mtp_weight: float | None = None,
         extra_counts: Mapping[str, float] | None = None,
+        group_ids: Sequence[Tensor] | None = None,
+        num_groups: int | None = None,
     ) -> None:
         """Start a step: pre-count the normalizers of every microbatch of this rank and sum them over
         the data-parallel group in one all-reduce (``precount``), or only remember the local counts
@@ -229,6 +231,11 @@ class Accountant(MicrobatchShares):
         them back with :meth:`global_count`. Their names must be the same on every rank. The same
         all-reduce carries a fingerprint of the configuration: ranks built differently stop with an error
         naming the differing field.
+
+        ``per_group`` (and only it) needs ``group_ids``, one integer ``[b]`` tensor per microbatch giving each
+        row's group in ``[0, num_groups)``, ``num_groups`` equal on every rank: the same all-reduce sums each
+        group's rows and its tokens ``n_g`` (at the main loss and every MTP depth) over the data-parallel ranks,
+        so a group may span microbatches and ranks; ``Ngrp`` is the number of ids holding at least one row.
         """
         if self.state is not StepState.IDLE:
             raise ProtocolError(f"begin_step called before the previous step ended: expected {self.expected_call()}")
@@ -244,7 +251,16 @@ class Accountant(MicrobatchShares):
             return {**self._fingerprint_fields(names), "mtp_weight": weight}
 
         pre, error = PreCount.count_local(
-            self.mode, self.mtp_depths, self.device, rank, masks, segment_ids, extra_counts, fields
+            self.mode,
+            self.mtp_depths,
+            self.device,
+            rank,
+            masks,
+            segment_ids,
+            extra_counts,
+            fields,
+            group_ids,
+            num_groups,
         )
         if bad_weight is not None and error is None:
             error = bad_weight
@@ -374,7 +390,8 @@ class Accountant(MicrobatchShares):
         buf.raise_checks(
             get["checks"], self.groups.token_rank(), lambda mb: counted[mb].tokens if mb < len(counted) else "?"
         )
-        return self.objective.log_values(get, buf.metric_values(v), self.mtp_weight)
+        groups = self._step.pre.host.get("groups", [0.0])[0] if self._step.pre is not None else 0.0
+        return self.objective.log_values(get, buf.metric_values(v), self.mtp_weight, groups)
 
 
 assert set(_DEN_KEY) == set(MODES)

@@ -137,7 +137,8 @@ class Objective:
                 "mtp_convention='pooled' with a per-unit mode is not supported under context "
                 "parallelism (its units pool several depths)"
             )
-        if columns is not None and self.mtp_convention != "pooled":
+        # per_group: the groups' token counts span microbatches, so the pre-counted maps always come in
+        if (columns is not None or self.mode == "per_group") and self.mtp_convention != "pooled":
             return [
                 numerator(
                     self.mode,
@@ -177,11 +178,11 @@ class Objective:
 
     # ------------------------------------------------------------------ logged values
     def log_values(
-        self, get: dict[str, list[float]], metrics: dict[str, float | None], weight: float
+        self, get: dict[str, list[float]], metrics: dict[str, float | None], weight: float, groups: float = 0.0
     ) -> dict[str, float | None]:
         """The step's logged values from the reduced states ``get`` (semantics §2, §4): ``lm_loss``, the unit
         counts, the MTP depths' values, the declared ``metrics`` and ``objective`` (language model, MTP and
-        recorded shares)."""
+        recorded shares). ``groups``: ``Ngrp`` of ``per_group`` (pre-counted: a group spans microbatches)."""
         S, ntok, nsamp, ndoc, nmb, lm_num = (
             get[n][0] for n in ("S", "Ntok", "samples", "documents", "microbatches", "lm_num")
         )
@@ -193,7 +194,10 @@ class Objective:
         }
         if ndoc:
             out["documents"] = ndoc
+        if self.mode == "per_group":
+            out["groups"] = groups
         counts = {"tokens": ntok, "samples": nsamp, "microbatches": nmb, "documents": ndoc, "one": 1.0}
+        counts["groups"] = groups
         main_den = max(counts[DENOMINATOR_KEY[self.mode]], 1.0)
         lm_term = objective = lm_num / main_den
         if self.mtp_depths:

@@ -60,7 +60,9 @@ class MicrobatchCounts:
     depth_tokens: list[float]
 
 
-def _count_slots(mtp_depths: int, extra: Sequence[str]) -> BufferSlots:
+def _count_slots(mtp_depths: int, extra: Sequence[str], num_groups: int = 0) -> BufferSlots:
+    """The buffer's slots: ``_COUNT_CAPACITY`` fixed ones, then (``per_group``) each group's rows and its tokens
+    at the main loss and at every MTP depth (their length follows ``num_groups``, equal on every rank)."""
     slots = BufferSlots()
     slots.add("fingerprint", fingerprint_slots())
     slots.add("error")
@@ -74,6 +76,9 @@ def _count_slots(mtp_depths: int, extra: Sequence[str]) -> BufferSlots:
             f"too many counts ({slots.size} > {_COUNT_CAPACITY}): mtp_depths={mtp_depths}, {len(extra)} extra_counts"
         )
     slots.add("pad", _COUNT_CAPACITY - slots.size)
+    if num_groups:
+        slots.add("group_rows", num_groups)
+        slots.add("group_tokens", num_groups * (1 + mtp_depths))  # depth-major: [depth 0 groups, depth 1 ...]
     return slots
 
 
@@ -92,6 +97,8 @@ class PreCount:
     host: dict[str, list[float]] = field(default_factory=dict)
     fp_fields: dict[str, object] = field(default_factory=dict)
     _unit_maps: dict[tuple[int, int], Tensor | None] = field(default_factory=dict)
+    num_groups: int = 0  # per_group: the id range [0, num_groups) of begin_step's group_ids
+    group_ids: list[Tensor] = field(default_factory=list)  # per_group: each microbatch's [b] row group ids
 
     @property
     def extra_names(self) -> list[str]:
@@ -110,17 +117,23 @@ class PreCount:
         segment_ids: object,
         extra_counts: object,
         fields: Callable[[tuple[str, ...]], dict[str, object]],
+        group_ids: object = None,
+        num_groups: object = None,
     ) -> tuple[PreCount, Exception | None]:
-        """This rank's counts of ``masks``/``segment_ids`` (and ``extra_counts``) with the fingerprint of
-        ``fields(count names)``; an invalid input comes back as the exception, flagged in the buffer."""
-        slots = _count_slots(mtp_depths, [])
-        pc = cls(mode, mtp_depths, slots, slots.zeros(device))
+        """This rank's counts of ``masks``/``segment_ids`` (and ``extra_counts``; ``per_group``: each group's
+        rows and tokens from ``group_ids``) with the fingerprint of ``fields(count names)``; an invalid input
+        comes back as the exception, flagged in the buffer."""
+        groups = num_groups if isinstance(num_groups, int) and not isinstance(num_groups, bool) else 0
+        groups = groups if mode == "per_group" and groups > 0 else 0
+        slots = _count_slots(mtp_depths, [], groups)
+        pc = cls(mode, mtp_depths, slots, slots.zeros(device), num_groups=groups)
         error: Exception | None = None
         try:
             pc.masks = list(masks)  # type: ignore[call-overload]
             pc.segs = pc._check_args(segment_ids)
+            pc.group_ids = pc._check_groups(group_ids, num_groups, rank)
             extra = dict(extra_counts or {})  # type: ignore[call-overload]
-            pc.slots = _count_slots(mtp_depths, list(extra))
+            pc.slots = _count_slots(mtp_depths, list(extra), groups)
             pc.buffer = pc.slots.zeros(device)
             for name, value in extra.items():
                 pc.buffer[pc.slots.sl(f"extra:{name}")] = float(value)
@@ -142,6 +155,46 @@ class PreCount:
         if self.mode == "per_document" and any(s is None for s in segs):
             raise ValueError("mode 'per_document' needs segment_ids for every microbatch in begin_step")
         return segs
+
+    def _check_groups(self, group_ids: object, num_groups: object, rank: int) -> list[Tensor]:
+        """``per_group``: one integer ``[b]`` tensor of ids in ``[0, num_groups)`` per microbatch (values read
+        here, once per step); the other modes take none."""
+        if self.mode != "per_group":
+            if group_ids is not None:
+                raise ValueError(f"group_ids is given but mode is {self.mode!r}: only 'per_group' takes group ids")
+            return []
+        if group_ids is None or isinstance(group_ids, Tensor):
+            raise ValueError(
+                f"mode 'per_group' needs group_ids and num_groups in begin_step: one integer [b] tensor per "
+                f"microbatch, the group of each row in [0, num_groups) (rank {rank}), got group_ids="
+                f"{'None' if group_ids is None else 'one tensor'}; a caller that passes no groups (an integration "
+                "of a framework's trainer) cannot run per_group: lossparity.rl (RLAccountant, the TRL drop-in)"
+            )
+        if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
+            raise ValueError(
+                f"mode 'per_group' needs num_groups, an int >= 1 equal on every rank (rank {rank}), got {num_groups!r}"
+            )
+        ids = list(group_ids)  # type: ignore[call-overload]
+        if len(ids) != len(self.masks):
+            raise ValueError(f"group_ids has {len(ids)} entries but masks has {len(self.masks)} (rank {rank})")
+        for i, (g, w) in enumerate(zip(ids, self.masks)):
+            where = f"rank {rank}, microbatch {i}"
+            rows = as_2d(w).shape[0] if isinstance(w, Tensor) else None
+            if not isinstance(g, Tensor) or g.is_floating_point() or g.is_complex() or g.dtype == torch.bool:
+                raise TypeError(f"group_ids[{i}] must be an integer torch.Tensor ({where}), got {type(g).__name__}")
+            if g.dim() != 1 or (rows is not None and g.shape[0] != rows):
+                raise ValueError(
+                    f"group_ids[{i}] must have shape [{rows}] (one id per row of masks[{i}]) ({where}), "
+                    f"got {tuple(g.shape)}"
+                )
+            if g.numel():
+                low, high = int(g.min()), int(g.max())
+                if low < 0 or high >= num_groups:
+                    bad = low if low < 0 else high
+                    raise ValueError(
+                        f"group_ids[{i}] holds the id {bad} ({where}): ids must lie in [0, num_groups={num_groups})"
+                    )
+        return ids
 
     def _count_microbatch(self, i: int, w: object, seg: object, where: str) -> None:
         """Validate microbatch ``i``'s mask (and segment ids) and add its counts."""
@@ -173,6 +226,14 @@ class PreCount:
         buf[slots.sl("documents")] += ndoc
         if self.mtp_depths:
             buf[slots.sl("mtp_tokens")] += torch.tensor(depth_tokens, dtype=torch.float64, device=buf.device)
+        if self.num_groups:
+            ids = self.group_ids[i].to(buf.device, torch.long)
+            ones = torch.ones(ids.shape, dtype=torch.float64, device=buf.device)
+            buf[slots.sl("group_rows")].index_add_(0, ids, ones)
+            per_depth = [w2] + [roll_mask(w2, seg2, k) for k in range(1, self.mtp_depths + 1)]
+            tokens = buf[slots.sl("group_tokens")].view(1 + self.mtp_depths, self.num_groups)
+            for d, wd in enumerate(per_depth):
+                tokens[d].index_add_(0, ids, wd.to(buf.device, torch.float64).sum(dim=-1))
 
     def read(self, error: Exception | None, peers: int, rank: int, raise_fingerprint: Callable[..., None]) -> None:
         """Host copy of the (reduced over ``peers`` ranks) buffer: the step's one read; raise on any rank's
@@ -194,7 +255,10 @@ class PreCount:
             rank,
             "Accountant and MoEAccounting with the same arguments and declare the same metrics",
         )
-        self.host = {name: values[self.slots.sl(name)] for name in self.slots.names() if name != "pad"}
+        skip = ("pad", "group_rows", "group_tokens")
+        self.host = {name: values[self.slots.sl(name)] for name in self.slots.names() if name not in skip}
+        if self.num_groups:  # Ngrp: the ids that hold at least one row of the global batch
+            self.host["groups"] = [float(sum(1 for r in values[self.slots.sl("group_rows")] if r > 0))]
 
     # ------------------------------------------------------------------ reads (no host sync)
     def denominator(self, key: str) -> float:
@@ -205,6 +269,8 @@ class PreCount:
     def global_count(self, name: str) -> float:
         """A count of this step by name (see ``Accountant.global_count``)."""
         c = self.host
+        if name == "groups" and "groups" in c:
+            return c["groups"][0]
         if name in UNIT_COUNTS:
             return c[name][0]
         if name.startswith("mtp_") and name.endswith("_tokens") and name[4:-7].isdigit():
@@ -235,11 +301,18 @@ class PreCount:
         ``None`` without context parallelism (local counts are then the whole-row counts) unless ``whole``
         (the map of the rows given to ``begin_step``: the token weights take it instead of numbering the
         documents again, which would read them to the host every microbatch)."""
-        if columns is None and not whole:
+        if columns is None and not whole and not self.num_groups:
             return None
         if mb >= len(self.masks):
             return None  # more microbatches than counted: the accounting call that follows names it
         key = (mb, depth)
+        if key not in self._unit_maps and self.num_groups:
+            # per_group: the global n_g of each row's group (groups span microbatches and ranks), read from
+            # the reduced buffer on the device: no host sync
+            tokens = self.buffer[self.slots.sl("group_tokens")].view(1 + self.mtp_depths, self.num_groups)
+            w = as_2d(self.masks[mb])
+            n_row = tokens[depth].index_select(0, self.group_ids[mb].to(tokens.device, torch.long))
+            self._unit_maps[key] = n_row.unsqueeze(-1).expand(w.shape)
         if key not in self._unit_maps:
             w, seg = as_2d(self.masks[mb]), self.segs[mb]
             if depth:

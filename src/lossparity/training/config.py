@@ -62,7 +62,7 @@ FieldKind = Literal["numbers", "layout", "run"]
 
 # The option fields and their valid spellings (the CLI's choices, validate()'s check).
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {
-    "mode": ACCOUNTANT_MODES,  # per_group needs prompt groups: lossparity.rl.RLAccountant
+    "mode": ACCOUNTANT_MODES,
     "normalization": NORMALIZATIONS,
     "mtp_convention": MTP_CONVENTIONS,
     "mtp_log_estimator": MTP_LOG_ESTIMATORS,
@@ -114,6 +114,11 @@ class TrainConfig:
         "gradients divided by the all-reduced count at the end",
     )
     fixed_length: int | None = _f(None, "L of sample_sum_norm (default: seq_len)")
+    group_size: int | None = _f(
+        None,
+        "per_group: rows per prompt group (GRPO's num_generations): row r of the global batch is in group "
+        "r // group_size (a last group of fewer rows when it does not divide global_batch)",
+    )
     dp: int = _f(1, "data-parallel ranks (started here unless under torchrun)", "layout")
     cp: int = _f(1, "context-parallel ranks per data-parallel rank (zig-zag shards)", "layout")
     pp: int = _f(1, "pipeline stages (1F1B; needs --ga >= --pp)", "layout")
@@ -204,6 +209,29 @@ class TrainConfig:
             )
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite exclude each other")
+        self._check_groups()
+
+    def _check_groups(self) -> None:
+        """``per_group`` numbers the rows' groups by ``group_size``; its group counts span ranks, so they are
+        pre-counted (``deferred`` knows them only after the backward) and each MTP depth counts its own."""
+        if self.mode != "per_group":
+            return
+        if self.group_size is None:
+            raise ValueError(
+                "mode 'per_group' needs group_size (rows per prompt group, GRPO's num_generations: row r of "
+                "the global batch is in group r // group_size)"
+            )
+        if self.group_size > self.global_batch:
+            raise ValueError(f"group_size={self.group_size} is larger than global_batch={self.global_batch}")
+        if self.normalization == "deferred":
+            raise ValueError(
+                "mode 'per_group' needs normalization='precount': a group's token count n_g spans ranks and "
+                "microbatches, and every share divides by it before the backward"
+            )
+        if self.mtp_convention == "pooled":
+            raise ValueError("mode 'per_group' is not combined with mtp_convention='pooled' (use 'own' or 'main')")
+        if self.dump_samples:
+            raise ValueError("mode 'per_group' is not combined with dump_samples (lossparity gap has no groups)")
 
     def parallel_dims(self) -> Any:
         """The layout of this config as a (not yet built) ``ParallelDims``."""
@@ -358,6 +386,7 @@ def check_field(name: str, value: Any) -> None:
         "warmup": 0,
         "ckpt_interval": 0,
         "fixed_length": 1,
+        "group_size": 1,
         "decay_steps": 1,
         **dict.fromkeys(_OPTIONAL_NON_NEGATIVE_INTS, 0),
     }.get(name)

@@ -4,8 +4,8 @@ One optimizer step (``train_step``) of data-parallel rank ``d``:
 
 1. the global batch of the step (a pure function of the seed and the step) is cut into this rank's
    ``K`` microbatches of ``b`` rows (:func:`split_batch`);
-2. ``acc.begin_step`` pre-counts ``Ntok, N, Ndoc, D·K``, the MTP depths' counts and the routers'
-   non-padding tokens in one all-reduce;
+2. ``acc.begin_step`` pre-counts ``Ntok, N, Ndoc, D·K``, the MTP depths' counts, the routers'
+   non-padding tokens and (``per_group``) every prompt group's rows and tokens in one all-reduce;
 3. per microbatch: forward (optionally with activation recompute), chunked cross-entropy of the main
    head and of every MTP depth, MoE auxiliary shares, one ``backward`` of the sum of the shares;
 4. ``acc.finish_step`` (gradient scaling), MoE end of step (expert-bias update from the step's global
@@ -86,6 +86,23 @@ def _valid_tokens(mb: Batch) -> tuple[Tensor, Tensor]:
     S = mb.tokens.shape[1]
     valid = (mb.positions > 0) | (torch.arange(S, device=mb.tokens.device) == 0)
     return valid.long(), valid
+
+
+def group_arguments(cfg: TrainConfig, dp_rank: int, k: int, device: torch.device) -> dict[str, Any]:
+    """``per_group``'s arguments of ``begin_step`` on data-parallel rank ``dp_rank`` with ``k`` microbatches:
+    row ``r`` of the global batch is in group ``r // G`` (``G = group_size``, GRPO's completions of one prompt
+    side by side), so microbatch ``i`` (rows ``(d·K + i)·b ...``, the layout convention of ``split_batch``)
+    gets ids ``row // G``, and there are ``ceil(N / G)`` groups; no arguments for the other modes."""
+    if cfg.mode != "per_group":
+        return {}
+    assert cfg.group_size is not None  # TrainConfig.validate
+    b = cfg.microbatch_size
+    first = dp_rank * k * b
+    rows = [torch.arange(first + i * b, first + (i + 1) * b) for i in range(k)]
+    return {
+        "group_ids": [(r // cfg.group_size).to(device) for r in rows],
+        "num_groups": -(-cfg.global_batch // cfg.group_size),
+    }
 
 
 def _lr_at(cfg: TrainConfig, step: int) -> float:
@@ -224,6 +241,7 @@ class Trainer:
             list(segs),
             mtp_weight=self.mtp_weight(self.step),
             extra_counts=MoEAccounting.router_tokens(valids),
+            **group_arguments(cfg, self.dp_rank, len(mbs), self.device),
         )
         if self.pipeline is not None:
             return self._finish_pipeline_step(mbs, segs, valids, t0)

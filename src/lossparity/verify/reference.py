@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 TOL = {"float64": 1e-10, "float32": 1e-5}
+VERIFY_GROUP_SIZE = 3  # rows per per_group prompt group in verify's batch of 8 (a last group of 2)
 # Not layout-invariant by definition, or not numbers of the run.
 _SKIP = {"step", "microbatches", "tokens_per_s", "step_time_s"}
 
@@ -158,6 +159,9 @@ def run_verify(
             packed=True,
             warmup=1,
             model_overrides={"indexer_layer": 1},
+            # per_group's prompt groups: 3 rows each, so that groups span microbatches and data-parallel ranks
+            # (rows 0-2 | 3-5 | 6-7 of the 8) at every layout; the other modes ignore it
+            group_size=VERIFY_GROUP_SIZE,
         )
     )
     base.update(overrides or {})
