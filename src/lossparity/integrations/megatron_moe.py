@@ -69,7 +69,7 @@ from ..losses.moe import (
 )
 from ..losses.mtp import mtp_denominators, roll_mask
 from ..options import ALIASES
-from ._common import mode_numerator, unit_count
+from ._common import AttachGrad, mode_numerator, unit_count
 from .megatron_pipeline import check_model_chunks
 
 __all__ = ["TERMS_SCOPES", "MoETerms", "zigzag_positions"]
@@ -86,24 +86,6 @@ _REFUSED = {
     "microbatch order and the layout by construction (docs/semantics.md §5); MoETerms applies layout-invariant "
     "scopes: use 'global_lagged' (or Megatron's own moe_router_load_balancing_type='global_aux_loss' for parity)",
 }
-
-
-class _AttachGrad(torch.autograd.Function):
-    """Identity on ``x`` whose backward also back-propagates ``term`` with the weight ``w·grad_scale``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, term: Tensor, weight: float, config: Any) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(term)
-        ctx.weight, ctx.config = weight, config
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:  # type: ignore[override]
-        (term,) = ctx.saved_tensors
-        scale = torch.full_like(term, ctx.weight)
-        if getattr(ctx.config, "grad_scale_func", None) is not None:  # mixed precision: the loss scale
-            scale = scale * ctx.config.grad_scale_func(torch.ones(1, device=term.device)).to(term.dtype)
-        return grad, scale, None, None
 
 
 def _chunks(model: Any) -> list[torch.nn.Module]:
@@ -374,7 +356,7 @@ class MoETerms:
         acc[off + slot * e : off + (slot + 1) * e] += counts
         off += n_layers * e
         acc[off + slot * e : off + (slot + 1) * e] += routing_map.reshape(-1, e).sum(dim=0).to(torch.float64)
-        probs_out = _AttachGrad.apply(probs_out, term, self.router_weight, self.config)
+        probs_out = AttachGrad.apply(probs_out, term, self.router_weight, self.config)
         return probs_out, routing_map
 
     # ------------------------------------------------------------------ MTP capture

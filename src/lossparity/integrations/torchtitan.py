@@ -16,8 +16,9 @@ their own global count (``N``, ``Ndoc``, ``D·K``) before the first forward:
   with ``trainer.loss_fn = LossParityLoss("per_sample")``.
 
 ``per_document`` reads the documents of packed rows from torchtitan's ``positions`` (per-document
-positions restarting at 0, passed to the loss when the dataloader provides them). Not supported:
-context parallelism and tensor-parallel loss-parallel logits (DTensor ``pred``) for the unit modes.
+positions restarting at 0, passed to the loss when the dataloader provides them). MoE models: the
+router terms and expert biases of :mod:`lossparity.integrations.titan_moe` (``trainer.moe_terms``). Not
+supported: context parallelism and tensor-parallel loss-parallel logits (DTensor ``pred``) for the unit modes.
 """
 
 from __future__ import annotations
@@ -124,7 +125,14 @@ class LossParityLoss:
 class LossParityTitanMixin:
     """Mix first into torchtitan's ``Trainer``: ``train_step`` fetches the step's microbatches, pre-counts
     the loss's normalizer over the ``batch`` mesh (:meth:`LossParityLoss.precount`), then runs torchtitan's
-    own ``train_step`` on the same batches. ``self.loss_fn`` must be a :class:`LossParityLoss`."""
+    own ``train_step`` on the same batches. ``self.loss_fn`` must be a :class:`LossParityLoss`.
+
+    MoE models: with ``self.moe_terms`` a :class:`~lossparity.integrations.titan_moe.TitanMoETerms`, the
+    step also begins and ends its router terms, and torchtitan's metrics log of a logging step carries
+    their logs (``extra_metrics``, lossparity's names) and ``objective`` = torchtitan's ``loss`` (``J_lm``)
+    + the router terms."""
+
+    moe_terms: Any = None
 
     def train_step(self, data_iterator: Iterator[tuple[dict[str, Tensor], Tensor]]) -> Any:
         """Fetch the step's ``gradient_accumulation_steps × pipeline microbatches`` batches, pre-count
@@ -136,13 +144,41 @@ class LossParityTitanMixin:
         dims = self.parallel_dims  # type: ignore[attr-defined]
         if getattr(dims, "cp_enabled", False) and loss_fn.mode != "per_token":
             raise ValueError(f"mode {loss_fn.mode!r}: context parallelism is not supported by LossParityTitanMixin")
+        terms = self.moe_terms
+        if terms is not None:
+            for flag in ("pp_enabled", "tp_enabled", "ep_enabled", "cp_enabled"):
+                if getattr(dims, flag, False):
+                    raise ValueError(f"moe_terms: TitanMoETerms does not support {flag[:-8]} parallelism yet")
         n = self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches  # type: ignore[attr-defined]
         batches = [next(data_iterator) for _ in range(n)]
         group = dims.get_mesh("batch") if dims.dp_enabled else None
+        labels = [lab for _, lab in batches]
         loss_fn.precount(
-            [lab for _, lab in batches],
+            labels,
             [d.get("positions") for d, _ in batches],
             group,
             device=self.device,  # type: ignore[attr-defined]
         )
-        return super().train_step(iter(batches))  # type: ignore[misc]
+        if terms is None:
+            return super().train_step(iter(batches))  # type: ignore[misc]
+        pg = _group_of(group)
+        terms.begin_step([lab.to(self.device) for lab in labels], pg)  # type: ignore[attr-defined]
+        processor = self.metrics_processor  # type: ignore[attr-defined]
+        original = processor.log
+        ended: list[dict[str, float]] = []
+
+        def log(step: int, global_avg_loss: float, *args: Any, extra_metrics: Any = None, **kwargs: Any) -> Any:
+            ended.append(terms.end_step(pg))  # every rank logs the same step: the all-reduce matches
+            extra = dict(extra_metrics or {})
+            extra.update(ended[0])
+            extra["objective"] = float(global_avg_loss) + ended[0]["moe_terms"]
+            return original(step, global_avg_loss, *args, extra_metrics=extra, **kwargs)
+
+        processor.log = log
+        try:
+            out = super().train_step(iter(batches))  # type: ignore[misc]
+        finally:
+            processor.log = original
+        if not ended:  # not a logging step: the bias update and the lagged counts still happen once
+            terms.end_step(pg)
+        return out

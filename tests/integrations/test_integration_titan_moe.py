@@ -1,0 +1,115 @@
+"""lossparity's router terms and expert biases in torchtitan's DeepSeek-V3 MoE model and real
+``Trainer.train_step`` (see _titan_moe_workers).
+
+Expected values: a naive float64 computation on the whole global batch of 16 rows in one forward of the
+same model, with the objective's terms written out here (per-row LM loop, per-layer Switch terms of each
+scope, z-loss) and torchtitan's expert-bias formula, over two steps (the second step routes with the
+updated biases and, for ``global_lagged``, weighs the scores with the first step's fractions).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torchtitan.trainer", exc_type=ImportError)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from _titan_moe_workers import RATE, E, K, V, build_model, global_batch, run_titan_moe, titan_moe_steps  # noqa: E402
+
+from lossparity.distributed.launch import spawn  # noqa: E402
+
+ALPHA, BETA = 0.1, 1e-2
+
+
+def _reference(scope: str, steps: int = 2) -> dict:
+    """Gradients of the last step, biases after it and its objective, computed naively."""
+    from torchtitan.models.common.moe import MoE
+
+    model, _ = build_model("none")
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    seen: dict[int, dict] = {}
+    for i, m in enumerate(moes):
+        m.router.gate.register_forward_hook(lambda mod, a, out, i=i: seen.setdefault(i, {}).update(logits=out))
+        m.router.register_forward_hook(lambda mod, a, out, i=i: seen.setdefault(i, {}).update(ids=out[1]))
+    tokens, labels, positions = global_batch(16)
+    n_rows, length = labels.shape
+    tt = float(labels.numel())
+    frac_prev = torch.full((len(moes), E), K / E, dtype=torch.float64)
+    for _ in range(steps):
+        model.zero_grad()
+        logits = model(tokens, positions=positions, attention_masks=model.get_attention_masks(positions=positions))
+        tok = F.cross_entropy(logits.reshape(-1, V), labels.clamp(min=0).reshape(-1), reduction="none")
+        w = (labels != -100).double()
+        tok = tok.view(labels.shape) * w
+        j = sum(tok[i].sum() / max(float(w[i].sum()), 1.0) for i in range(n_rows)) / n_rows
+        new_frac, disp = [], []
+        for layer in range(len(moes)):
+            z_logits = seen[layer]["logits"].reshape(n_rows, length, E)
+            s = torch.sigmoid(z_logits)
+            p = s / s.sum(-1, keepdim=True)
+            top = torch.zeros_like(p).scatter(-1, p.topk(K, dim=-1).indices, 1.0)
+
+            def switch(pp, tp):  # α·E/k · Σ_e (c_e/T)·(P_e/T) over one token set
+                n = pp.shape[0]
+                return ALPHA * E / K * ((tp.sum(0) / n) * (pp.sum(0) / n)).sum()
+
+            if scope == "global_lagged":
+                aux = ALPHA * E / K * (frac_prev[layer] * p.reshape(-1, E).sum(0) / tt).sum()
+            elif scope == "microbatch":  # 4 microbatches of 4 rows in both layouts
+                aux = sum(switch(p[a : a + 4].reshape(-1, E), top[a : a + 4].reshape(-1, E)) for a in range(0, 16, 4)) / 4
+            elif scope == "sequence":
+                aux = sum(switch(p[i], top[i]) for i in range(n_rows)) / n_rows
+            else:
+                aux = 0.0
+            z = (torch.logsumexp(z_logits, -1) ** 2).sum() / tt
+            j = j + aux + BETA * z
+            new_frac.append(top.reshape(-1, E).sum(0) / tt)
+            disp.append(torch.bincount(seen[layer]["ids"].reshape(-1), minlength=E).double())
+        j.backward()
+        frac_prev = torch.stack(new_frac).detach()
+        with torch.no_grad():
+            for m, c in zip(moes, disp):  # torchtitan's formula, once per step from the global counts
+                delta = RATE * torch.sign(c.mean() - c)
+                m.expert_bias_E += delta - delta.mean()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias_E")}
+    return {"grads": grads, "biases": biases, "objective": float(j)}
+
+
+def _key(name: str) -> str:  # activation checkpointing wraps the blocks
+    return name.replace("._checkpoint_wrapped_module", "")
+
+
+def _compare(got: dict, ref: dict) -> tuple[float, float, float]:
+    g = {_key(n): v for n, v in got["grads"].items()}
+    rel = max(float((g[n] - ref["grads"][n]).abs().max() / ref["grads"][n].abs().max().clamp(min=1e-300)) for n in ref["grads"])
+    b = {_key(n): v for n, v in got["biases"].items()}
+    bias = max(float((b[n] - ref["biases"][n]).abs().max()) for n in ref["biases"])
+    obj = abs(got["logs"]["objective"] - ref["objective"]) / abs(ref["objective"])
+    return rel, bias, obj
+
+
+@pytest.mark.parametrize(("scope", "ac"), [("global_lagged", "none"), ("sequence", "full"), ("microbatch", "selective")])
+def test_ga4_matches_naive_reference(scope, ac):
+    ref = _reference(scope)
+    got = titan_moe_steps(scope, slice(0, 16), 4, ac=ac)
+    rel, bias, obj = _compare(got, ref)
+    print(f"measured: torchtitan MoE {scope} AC {ac} GA 4: grads {rel:.1e}, biases {bias:.1e}, objective {obj:.1e}")
+    assert rel <= 1e-10 and bias <= 1e-12 and obj <= 1e-10
+    routers = [n for n in ref["grads"] if "router.gate" in n]
+    assert routers and all(float(ref["grads"][n].abs().max()) > 0 for n in routers)
+    assert any(float(b.abs().max()) > 0 for b in ref["biases"].values())  # the biases did move
+
+
+@pytest.mark.slow
+def test_two_ranks_ga2_match_naive_reference():
+    cases = [("global_lagged", "full"), ("sequence", "none")]
+    results = spawn(run_titan_moe, 2, cases, timeout_s=300)
+    for case in cases:
+        ref = _reference(case[0])
+        for rank in range(2):
+            rel, bias, obj = _compare(results[rank][case], ref)
+            print(f"measured: torchtitan MoE {case[0]} AC {case[1]} 2 ranks x GA 2 (rank {rank}): grads {rel:.1e}, "
+                  f"biases {bias:.1e}, objective {obj:.1e}")
+            assert rel <= 1e-10 and bias <= 1e-12 and obj <= 1e-10, (case, rank)
