@@ -10,6 +10,9 @@ bridged in the test, each by an instance method on the module (no torchtitan fil
 - ``GroupedExperts.forward``: torchtitan casts the experts' inputs and weights to bfloat16 for
   ``torch._grouped_mm``; the bridge is the same SwiGLU per expert in float64 (a 1e-10 comparison needs it).
 
+torchtitan compiles ``create_block_mask`` with ``torch.compile`` (about 90 s on a 2-core CPU for a 10-token
+row); the runs here disable dynamo (:data:`EAGER`), which builds the same ``BlockMask`` eagerly.
+
 Everything else (router, expert bias, token dispatch, shared experts, MoE block, activation checkpointing
 wrappers, ``train_step``, ``forward_backward_step``, ``post_dataloading_process`` with its attention
 masks) is torchtitan's code.
@@ -28,6 +31,7 @@ from _titan_workers import _Optim, global_batch
 V, S = 11, 10  # global_batch's vocabulary and row length
 DIM, E, K = 16, 4, 2
 RATE = 1e-2  # torchtitan's load_balance_coeff: the expert-bias rate
+EAGER = torch._dynamo.config.patch(disable=True)  # torchtitan's compiled create_block_mask, run eagerly
 
 
 def _attention(self, q, k, v, *, attention_masks, scale=None, **kwargs):
@@ -55,7 +59,7 @@ def build_model(ac: str = "none"):
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import FlexAttention
-    from torchtitan.models.common.moe import MoE, GroupedExperts
+    from torchtitan.models.common.moe import GroupedExperts, MoE
     from torchtitan.models.deepseek_v3 import (
         _EMBEDDING_INIT,
         _NORM_INIT,
@@ -191,12 +195,16 @@ def titan_moe_steps(scope: str, rows: slice, ga: int, *, ac: str = "none", mesh=
     t.moe_terms = TitanMoETerms([model], scope, aux_coeff=0.1, z_coeff=beta)
     b = tokens.shape[0] // ga
     batch = [
-        ({"input": tokens[k * b : (k + 1) * b], "positions": positions[k * b : (k + 1) * b]}, labels[k * b : (k + 1) * b])
+        (
+            {"input": tokens[k * b : (k + 1) * b], "positions": positions[k * b : (k + 1) * b]},
+            labels[k * b : (k + 1) * b],
+        )
         for k in range(ga)
     ]
     data = iter([(dict(d), lab) for _ in range(steps) for d, lab in batch])
     for _ in range(steps):
-        t.train_step(data)
+        with EAGER:
+            t.train_step(data)
         t.step += 1
     biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias_E")}
     return {"grads": t.optimizers.grads, "biases": biases, "logs": logged[-1]}

@@ -15,7 +15,7 @@ pytest.importorskip("torchtitan.trainer", exc_type=ImportError)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _titan_moe_workers import RATE, E, K, V, build_model, global_batch, run_titan_moe, titan_moe_steps  # noqa: E402
+from _titan_moe_workers import EAGER, RATE, E, K, V, build_model, global_batch, run_titan_moe, titan_moe_steps  # noqa: E402
 
 from lossparity.distributed.launch import spawn  # noqa: E402
 
@@ -38,7 +38,9 @@ def _reference(scope: str, steps: int = 2) -> dict:
     frac_prev = torch.full((len(moes), E), K / E, dtype=torch.float64)
     for _ in range(steps):
         model.zero_grad()
-        logits = model(tokens, positions=positions, attention_masks=model.get_attention_masks(positions=positions))
+        with EAGER:
+            masks = model.get_attention_masks(positions=positions)
+        logits = model(tokens, positions=positions, attention_masks=masks)
         tok = F.cross_entropy(logits.reshape(-1, V), labels.clamp(min=0).reshape(-1), reduction="none")
         w = (labels != -100).double()
         tok = tok.view(labels.shape) * w
@@ -57,7 +59,9 @@ def _reference(scope: str, steps: int = 2) -> dict:
             if scope == "global_lagged":
                 aux = ALPHA * E / K * (frac_prev[layer] * p.reshape(-1, E).sum(0) / tt).sum()
             elif scope == "microbatch":  # 4 microbatches of 4 rows in both layouts
-                aux = sum(switch(p[a : a + 4].reshape(-1, E), top[a : a + 4].reshape(-1, E)) for a in range(0, 16, 4)) / 4
+                aux = (
+                    sum(switch(p[a : a + 4].reshape(-1, E), top[a : a + 4].reshape(-1, E)) for a in range(0, 16, 4)) / 4
+                )
             elif scope == "sequence":
                 aux = sum(switch(p[i], top[i]) for i in range(n_rows)) / n_rows
             else:
@@ -74,7 +78,7 @@ def _reference(scope: str, steps: int = 2) -> dict:
                 m.expert_bias_E += delta - delta.mean()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias_E")}
-    return {"grads": grads, "biases": biases, "objective": float(j)}
+    return {"grads": grads, "biases": biases, "objective": float(j.detach())}
 
 
 def _key(name: str) -> str:  # activation checkpointing wraps the blocks
@@ -83,14 +87,18 @@ def _key(name: str) -> str:  # activation checkpointing wraps the blocks
 
 def _compare(got: dict, ref: dict) -> tuple[float, float, float]:
     g = {_key(n): v for n, v in got["grads"].items()}
-    rel = max(float((g[n] - ref["grads"][n]).abs().max() / ref["grads"][n].abs().max().clamp(min=1e-300)) for n in ref["grads"])
+    rel = max(
+        float((g[n] - ref["grads"][n]).abs().max() / ref["grads"][n].abs().max().clamp(min=1e-300))
+        for n in ref["grads"]
+    )
     b = {_key(n): v for n, v in got["biases"].items()}
     bias = max(float((b[n] - ref["biases"][n]).abs().max()) for n in ref["biases"])
     obj = abs(got["logs"]["objective"] - ref["objective"]) / abs(ref["objective"])
     return rel, bias, obj
 
 
-@pytest.mark.parametrize(("scope", "ac"), [("global_lagged", "none"), ("sequence", "full"), ("microbatch", "selective")])
+# one case in the default suite (the CI budget); every scope × AC × layout: scripts/titan_moe_matrix.py
+@pytest.mark.parametrize(("scope", "ac"), [("global_lagged", "full")])
 def test_ga4_matches_naive_reference(scope, ac):
     ref = _reference(scope)
     got = titan_moe_steps(scope, slice(0, 16), 4, ac=ac)
@@ -110,6 +118,8 @@ def test_two_ranks_ga2_match_naive_reference():
         ref = _reference(case[0])
         for rank in range(2):
             rel, bias, obj = _compare(results[rank][case], ref)
-            print(f"measured: torchtitan MoE {case[0]} AC {case[1]} 2 ranks x GA 2 (rank {rank}): grads {rel:.1e}, "
-                  f"biases {bias:.1e}, objective {obj:.1e}")
+            print(
+                f"measured: torchtitan MoE {case[0]} AC {case[1]} 2 ranks x GA 2 (rank {rank}): grads {rel:.1e}, "
+                f"biases {bias:.1e}, objective {obj:.1e}"
+            )
             assert rel <= 1e-10 and bias <= 1e-12 and obj <= 1e-10, (case, rank)
