@@ -31,6 +31,7 @@ from _titan_workers import _Optim, global_batch
 V, S = 11, 10  # global_batch's vocabulary and row length
 DIM, E, K = 16, 4, 2
 RATE = 1e-2  # torchtitan's load_balance_coeff: the expert-bias rate
+LAMBDA = 0.3  # the MTP weight (torchtitan's MTPLoss.mtp_scale default)
 EAGER = torch._dynamo.config.patch(disable=True)  # torchtitan's compiled create_block_mask, run eagerly
 
 
@@ -52,10 +53,10 @@ def _experts(self, x, counts):
     return torch.cat(out)
 
 
-def build_model(ac: str = "none"):
+def build_model(ac: str = "none", mtp: int = 0):
     """A tiny torchtitan DeepSeek-V3 (3 layers, 2 of them MoE with 4 experts, top-2 sigmoid routing with
-    expert bias), float64, the same weights on every call; ``ac``: torchtitan's "full" or "selective"
-    activation checkpointing, or "none"."""
+    expert bias; ``mtp`` DeepSeek-V3 MTP layers, each with a MoE), float64, the same weights on every call;
+    ``ac``: torchtitan's "full" or "selective" activation checkpointing, or "none"."""
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import FlexAttention
@@ -65,6 +66,7 @@ def build_model(ac: str = "none"):
         _NORM_INIT,
         DeepSeekV3Model,
         _build_dsv3_layers,
+        _build_mtp_layers,
         _output_linear_init,
     )
 
@@ -100,6 +102,7 @@ def build_model(ac: str = "none"):
         norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
         lm_head=Linear.Config(in_features=DIM, out_features=V, param_init=_output_linear_init(DIM)),
         layers=layers,
+        mtp_layers=_build_mtp_layers(layers[-1], dim=DIM, num_mtp_layers=mtp),
     )
     torch.manual_seed(5)
     model = cfg.build()
@@ -142,9 +145,12 @@ class _OptimWithHooks(_Optim):
         super().step()
 
 
-def titan_moe_steps(scope: str, rows: slice, ga: int, *, ac: str = "none", mesh=None, steps: int = 2, beta=1e-2):
+def titan_moe_steps(
+    scope: str, rows: slice, ga: int, *, ac: str = "none", mtp: int = 0, mesh=None, steps: int = 2, beta=1e-2
+):
     """``steps`` torchtitan ``train_step`` calls on ``rows`` of the global batch (the same rows each step) cut
-    into ``ga`` microbatches, with ``TitanMoETerms(scope, α=0.1, β)``. Returns the last step's gradients, the
+    into ``ga`` microbatches, with ``TitanMoETerms(scope, α=0.1, β)`` and ``LossParityLoss("per_sample",
+    mtp_depths=mtp, mtp_weight=0.3)``. Returns the last step's gradients, the
     expert biases after it, and the logs torchtitan's metrics processor received."""
     from torchtitan.trainer import Trainer
 
@@ -156,7 +162,7 @@ def titan_moe_steps(scope: str, rows: slice, ga: int, *, ac: str = "none", mesh=
 
     tokens, labels, positions = global_batch(16)
     tokens, labels, positions = tokens[rows], labels[rows], positions[rows]
-    model, cfg = build_model(ac)
+    model, cfg = build_model(ac, mtp)
     t = object.__new__(T)
     group = mesh.get_group() if mesh is not None else None
     t.config = SimpleNamespace(
@@ -191,7 +197,7 @@ def titan_moe_steps(scope: str, rows: slice, ga: int, *, ac: str = "none", mesh=
     t.checkpointer = SimpleNamespace(maybe_wait_for_staging=lambda: None)
     t.train_context = contextlib.nullcontext
     t.fwd_bwd_fn = t._forward_backward_body
-    t.loss_fn = LossParityLoss("per_sample")
+    t.loss_fn = LossParityLoss("per_sample", mtp_depths=mtp, mtp_weight=LAMBDA)
     t.moe_terms = TitanMoETerms([model], scope, aux_coeff=0.1, z_coeff=beta)
     b = tokens.shape[0] // ga
     batch = [
@@ -210,10 +216,12 @@ def titan_moe_steps(scope: str, rows: slice, ga: int, *, ac: str = "none", mesh=
     return {"grads": t.optimizers.grads, "biases": biases, "logs": logged[-1]}
 
 
-def run_titan_moe(rank: int, world: int, cases: list[tuple[str, str]]):
-    """Each ``(scope, ac)`` on 2 ranks × GA 2 × b 4 (rank r holds rows [8r, 8r+8)) over a 1-D ``batch`` mesh."""
+def run_titan_moe(rank: int, world: int, cases: list[tuple[str, str, int]]):
+    """Each ``(scope, ac, mtp)`` on 2 ranks × GA 2 × b 4 (rank r holds rows [8r, 8r+8)) over a 1-D ``batch`` mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("batch",))
     per = 16 // world
-    return {c: titan_moe_steps(c[0], slice(rank * per, (rank + 1) * per), 2, ac=c[1], mesh=mesh) for c in cases}
+    return {
+        c: titan_moe_steps(c[0], slice(rank * per, (rank + 1) * per), 2, ac=c[1], mtp=c[2], mesh=mesh) for c in cases
+    }

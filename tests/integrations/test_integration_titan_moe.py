@@ -15,18 +15,36 @@ pytest.importorskip("torchtitan.trainer", exc_type=ImportError)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _titan_moe_workers import EAGER, RATE, E, K, V, build_model, global_batch, run_titan_moe, titan_moe_steps  # noqa: E402
+from _titan_moe_workers import EAGER, LAMBDA, RATE, E, K, V, build_model, global_batch, run_titan_moe, titan_moe_steps  # noqa: E402
 
 from lossparity.distributed.launch import spawn  # noqa: E402
 
 ALPHA, BETA = 0.1, 1e-2
 
 
-def _reference(scope: str, steps: int = 2) -> dict:
+def _per_sample(logits, labels) -> torch.Tensor:
+    """Mean over rows of each row's token mean (per_sample), with a loop over rows."""
+    w = (labels != -100).double()
+    tok = F.cross_entropy(logits.reshape(-1, V), labels.clamp(min=0).reshape(-1), reduction="none")
+    tok = tok.view(labels.shape) * w
+    return sum(tok[i].sum() / max(float(w[i].sum()), 1.0) for i in range(labels.shape[0])) / labels.shape[0]
+
+
+def _depth_labels(labels, positions, k):
+    """Depth-k labels by hand: the label k positions ahead inside the same document, else ignored."""
+    out = torch.full_like(labels, -100)
+    for i in range(labels.shape[0]):
+        for t in range(labels.shape[1] - k):
+            if positions[i, t + k] == positions[i, t] + k:
+                out[i, t] = labels[i, t + k]
+    return out
+
+
+def _reference(scope: str, steps: int = 2, mtp: int = 0) -> dict:
     """Gradients of the last step, biases after it and its objective, computed naively."""
     from torchtitan.models.common.moe import MoE
 
-    model, _ = build_model("none")
+    model, _ = build_model("none", mtp)
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     seen: dict[int, dict] = {}
     for i, m in enumerate(moes):
@@ -40,11 +58,11 @@ def _reference(scope: str, steps: int = 2) -> dict:
         model.zero_grad()
         with EAGER:
             masks = model.get_attention_masks(positions=positions)
-        logits = model(tokens, positions=positions, attention_masks=masks)
-        tok = F.cross_entropy(logits.reshape(-1, V), labels.clamp(min=0).reshape(-1), reduction="none")
-        w = (labels != -100).double()
-        tok = tok.view(labels.shape) * w
-        j = sum(tok[i].sum() / max(float(w[i].sum()), 1.0) for i in range(n_rows)) / n_rows
+        out = model(tokens, positions=positions, attention_masks=masks)
+        outs = out if isinstance(out, list) else [out]
+        j = _per_sample(outs[0], labels)
+        for k in range(1, mtp + 1):  # own convention, per_sample: every (depth, row) pair weighs the same
+            j = j + LAMBDA / mtp * _per_sample(outs[k], _depth_labels(labels, positions, k))
         new_frac, disp = [], []
         for layer in range(len(moes)):
             z_logits = seen[layer]["logits"].reshape(n_rows, length, E)
@@ -98,12 +116,15 @@ def _compare(got: dict, ref: dict) -> tuple[float, float, float]:
 
 
 # one case in the default suite (the CI budget); every scope × AC × layout: scripts/titan_moe_matrix.py
-@pytest.mark.parametrize(("scope", "ac"), [("global_lagged", "full")])
-def test_ga4_matches_naive_reference(scope, ac):
-    ref = _reference(scope)
-    got = titan_moe_steps(scope, slice(0, 16), 4, ac=ac)
+@pytest.mark.parametrize(("scope", "ac", "mtp"), [("global_lagged", "full", 1)])
+def test_ga4_matches_naive_reference(scope, ac, mtp):
+    ref = _reference(scope, mtp=mtp)
+    got = titan_moe_steps(scope, slice(0, 16), 4, ac=ac, mtp=mtp)
     rel, bias, obj = _compare(got, ref)
-    print(f"measured: torchtitan MoE {scope} AC {ac} GA 4: grads {rel:.1e}, biases {bias:.1e}, objective {obj:.1e}")
+    print(
+        f"measured: torchtitan MoE {scope} AC {ac} MTP {mtp} GA 4: grads {rel:.1e}, biases {bias:.1e}, "
+        f"objective {obj:.1e}"
+    )
     assert rel <= 1e-10 and bias <= 1e-12 and obj <= 1e-10
     routers = [n for n in ref["grads"] if "router.gate" in n]
     assert routers and all(float(ref["grads"][n].abs().max()) > 0 for n in routers)
@@ -112,14 +133,14 @@ def test_ga4_matches_naive_reference(scope, ac):
 
 @pytest.mark.slow
 def test_two_ranks_ga2_match_naive_reference():
-    cases = [("global_lagged", "full"), ("sequence", "none")]
+    cases = [("sequence", "none", 1), ("microbatch", "full", 0)]
     results = spawn(run_titan_moe, 2, cases, timeout_s=300)
     for case in cases:
-        ref = _reference(case[0])
+        ref = _reference(case[0], mtp=case[2])
         for rank in range(2):
             rel, bias, obj = _compare(results[rank][case], ref)
             print(
-                f"measured: torchtitan MoE {case[0]} AC {case[1]} 2 ranks x GA 2 (rank {rank}): grads {rel:.1e}, "
-                f"biases {bias:.1e}, objective {obj:.1e}"
+                f"measured: torchtitan MoE {case[0]} AC {case[1]} MTP {case[2]} 2 ranks x GA 2 (rank {rank}): "
+                f"grads {rel:.1e}, biases {bias:.1e}, objective {obj:.1e}"
             )
             assert rel <= 1e-10 and bias <= 1e-12 and obj <= 1e-10, (case, rank)

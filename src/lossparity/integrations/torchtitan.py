@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..losses.mtp import roll_mask, roll_mtp
 from ..options import MODES, Mode, check_option
 from . import require
 from ._common import mode_numerator, unit_count
@@ -58,15 +59,38 @@ class LossParityLoss:
     Args:
         mode: docs/semantics.md §1 mode (default ``per_sample``).
         fixed_length: the ``L`` of ``sample_sum_norm``.
+        mtp_depths: ``Dm``, the multi-token-prediction depths of the model (torchtitan's DeepSeek-V3
+            ``mtp_layers``; its forward then returns ``[main logits, depth 1, ..., depth Dm]``).
+        mtp_weight: ``λ`` (torchtitan's ``MTPLoss.mtp_scale``).
+        mtp_convention: ``own`` (each depth its own count) or ``main`` (the main loss's count, torchtitan's
+            and the DeepSeek-V3 paper's): docs/semantics.md §4. With depths the objective is
+            ``J = J_lm + λ/Dm · Σ_k J_k``, depth ``k``'s labels and mask rolled left by ``k`` inside each
+            document of the row (the documents of ``positions``, as torchtitan's ``roll_mtp_sequence``).
     """
 
-    def __init__(self, mode: Mode = "per_sample", *, fixed_length: int | None = None) -> None:
+    def __init__(
+        self,
+        mode: Mode = "per_sample",
+        *,
+        fixed_length: int | None = None,
+        mtp_depths: int = 0,
+        mtp_weight: float = 0.3,
+        mtp_convention: str = "own",
+    ) -> None:
         require("torchtitan", "torchtitan")
         self.mode: Mode = check_option("mode", mode, MODES)
         if mode == "sample_sum_norm" and (fixed_length is None or fixed_length <= 0):
             raise ValueError(f"fixed_length: mode 'sample_sum_norm' needs fixed_length > 0, got {fixed_length}")
+        if isinstance(mtp_depths, bool) or not isinstance(mtp_depths, int) or mtp_depths < 0:
+            raise ValueError(f"mtp_depths: expected an int >= 0, got {mtp_depths!r}")
+        if mtp_convention not in ("own", "main"):
+            raise ValueError(f"mtp_convention: expected 'own' or 'main', got {mtp_convention!r}")
+        if mtp_depths and (not isinstance(mtp_weight, (int, float)) or not 0 <= mtp_weight < float("inf")):
+            raise ValueError(f"mtp_weight: expected a finite number >= 0, got {mtp_weight!r}")
         self.fixed_length = fixed_length
+        self.mtp_depths, self.mtp_weight, self.mtp_convention = mtp_depths, float(mtp_weight), mtp_convention
         self.denominator: Tensor | None = None  # set by precount, once per step
+        self.depth_denominators: Tensor | None = None  # [Dm], set by precount
 
     def precount(
         self,
@@ -76,30 +100,37 @@ class LossParityLoss:
         device: torch.device | str | None = None,
     ) -> Tensor:
         """Step hook: ``max(Σ count, 1)`` over this rank's microbatches (their ``labels``, and ``positions``
-        for per_document) and the data-parallel ``group`` (a ``DeviceMesh`` or process group), in one
-        all-reduce. Kept on ``device`` as this step's denominator and returned."""
+        for per_document and MTP) and the data-parallel ``group`` (a ``DeviceMesh`` or process group), in
+        one all-reduce, with the MTP depths' denominators. Kept on ``device`` as this step's denominators;
+        the main one is returned."""
         if not labels:
             raise ValueError("labels: precount needs the labels of at least one microbatch")
         pos = list(positions) if positions is not None else [None] * len(labels)
-        total = torch.zeros((), dtype=torch.int64, device=device or labels[0].device)
+        # [main count, depth-k tokens for k = 1..Dm]
+        total = torch.zeros(1 + self.mtp_depths, dtype=torch.int64, device=device or labels[0].device)
         for i, lab in enumerate(labels):
             seg = None
-            if self.mode == "per_document":
+            if self.mode == "per_document" or self.mtp_depths:
                 p = pos[i]
                 if p is None:
-                    raise ValueError(f"positions: mode 'per_document' needs per-document positions (microbatch {i})")
+                    need = "mode 'per_document'" if self.mode == "per_document" else "MTP"
+                    raise ValueError(f"positions: {need} needs per-document positions (microbatch {i})")
                 seg = segments_from_positions(p)
-            total += unit_count(self.mode, (lab != IGNORE_INDEX), seg).to(total.device)
+            mask = lab != IGNORE_INDEX
+            total[0] += unit_count(self.mode, mask, seg).to(total.device)
+            for k in range(1, self.mtp_depths + 1):
+                total[k] += (roll_mask(mask.long(), seg, k) != 0).sum().to(total.device)
         pg = _group_of(group)
         if pg is not None:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pg)
-        self.denominator = total.clamp(min=1)
+        total = total.clamp(min=1)
+        self.denominator = total[0]
+        if self.mtp_depths:
+            own = self.mode == "per_token" and self.mtp_convention == "own"
+            self.depth_denominators = total[1:] if own else total[:1].expand(self.mtp_depths)
         return self.denominator
 
-    def __call__(
-        self, pred: Tensor, labels: Tensor, global_valid_tokens: Tensor | None = None, **kwargs: Any
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """``(numerator(mb) / global count, {})``: this microbatch's exact share of ``J``."""
+    def _numerator(self, pred: Tensor, labels: Tensor, seg: Tensor | None) -> Tensor:
         if type(pred).__name__ == "DTensor":
             raise TypeError("pred: LossParityLoss takes plain logits; loss-parallel DTensor logits are not supported")
         logits = pred.float() if pred.dtype in (torch.float16, torch.bfloat16) else pred  # fp32 at least, as torchtitan
@@ -107,19 +138,41 @@ class LossParityLoss:
             logits.flatten(0, 1), labels.flatten(0, 1), reduction="none", ignore_index=IGNORE_INDEX
         ).view(labels.shape)
         mask = (labels != IGNORE_INDEX).to(per_token.dtype)
+        return mode_numerator(self.mode, per_token, mask, seg, self.fixed_length)[0]
+
+    def __call__(
+        self, pred: Tensor | list[Tensor], labels: Tensor, global_valid_tokens: Tensor | None = None, **kwargs: Any
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """``(numerator(mb) / global count [+ λ/Dm·Σ_k numerator_k(mb) / count_k], {})``: this microbatch's
+        exact share of ``J``."""
+        preds = list(pred) if isinstance(pred, (list, tuple)) else [pred]
+        if len(preds) != 1 + self.mtp_depths:
+            raise ValueError(
+                f"pred: {len(preds)} logits tensors for mtp_depths={self.mtp_depths} (expected the main logits and "
+                "one per MTP depth: set LossParityLoss(mtp_depths=...) to the model's MTP layers)"
+            )
         positions = kwargs.get("positions")
-        if self.mode == "per_document" and positions is None:
-            raise ValueError("positions: mode 'per_document' needs torchtitan's per-document positions")
-        seg = segments_from_positions(positions) if self.mode == "per_document" and positions is not None else None
-        num, _ = mode_numerator(self.mode, per_token, mask, seg, self.fixed_length)
-        if self.mode == "per_token" and global_valid_tokens is not None:
+        if (self.mode == "per_document" or self.mtp_depths) and positions is None:
+            raise ValueError("positions: mode 'per_document' and MTP need torchtitan's per-document positions")
+        seg = segments_from_positions(positions) if positions is not None else None
+        num = self._numerator(preds[0], labels, seg if self.mode == "per_document" else None)
+        if self.mode == "per_token" and global_valid_tokens is not None and not self.mtp_depths:
             return num / global_valid_tokens, {}
         if self.denominator is None:
             raise RuntimeError(
                 f"LossParityLoss({self.mode!r}) called before precount: call it from the step hook "
                 "(LossParityTitanMixin.train_step) before the first forward of every step"
             )
-        return num / self.denominator.to(num.device), {}
+        share = num / self.denominator.to(num.device)
+        if self.mtp_depths:
+            assert self.depth_denominators is not None and seg is not None  # set by precount / checked above
+            dens = self.depth_denominators.to(num.device)
+            mask = (labels != IGNORE_INDEX).long()
+            for k in range(1, self.mtp_depths + 1):
+                lab_k, _ = roll_mtp(labels, mask, seg, k, ignore_index=IGNORE_INDEX)
+                num_k = self._numerator(preds[k], lab_k, seg if self.mode == "per_document" else None)
+                share = share + num_k * (self.mtp_weight / self.mtp_depths) / dens[k - 1]
+        return share, {}
 
 
 class LossParityTitanMixin:
