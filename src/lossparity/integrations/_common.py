@@ -17,7 +17,7 @@ from torch import Tensor
 from ..losses.mode_table import mode_spec, reduce_units
 from ..losses.stats import document_starts, document_sums, masked_token_sum, sample_stats
 
-__all__ = ["AttachGrad", "document_sums", "mode_numerator", "unit_count"]
+__all__ = ["AttachGrad", "document_sums", "mode_coefficients", "mode_numerator", "unit_count"]
 
 
 def unit_count(mode: str, mask: Tensor, segment_ids: Tensor | None = None) -> Tensor:
@@ -55,6 +55,18 @@ def mode_numerator(
         if spec.unit == "microbatch":
             s, n = s.sum(), n.sum()
     return reduce_units(mode, s, n, fixed_length=fixed_length), count
+
+
+def mode_coefficients(mode: str, mask: Tensor, segment_ids: Tensor | None, fixed_length: int | None) -> Tensor:
+    """``c`` with ``numerator(s) = Σ_t c_t·s_t`` for whole rows ``[b, S]``: the numerators of every mode are
+    linear in the per-token losses ``s`` (docs/semantics.md §1), so ``c = ∂numerator/∂s``, e.g.
+    ``w_t/max(n_i, 1)`` (per_sample) or ``w_t/max(n_j, 1)`` with ``j`` the document of ``t`` (per_document).
+    A context-parallel shard's numerator is then ``Σ_{t in shard} c_t·s_t`` with ``c`` taken on whole rows."""
+    with torch.enable_grad():
+        s = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device, requires_grad=True)
+        num, _ = mode_numerator(mode, s, mask, segment_ids, fixed_length)
+        (c,) = torch.autograd.grad(num, s, allow_unused=True)
+    return torch.zeros_like(s) if c is None else c.detach()
 
 
 class AttachGrad(torch.autograd.Function):

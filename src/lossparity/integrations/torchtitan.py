@@ -18,11 +18,19 @@ their own global count (``N``, ``Ndoc``, ``D·K``) before the first forward:
 ``per_document`` reads the documents of packed rows from torchtitan's ``positions`` (per-document
 positions restarting at 0, passed to the loss when the dataloader provides them). MoE models: the
 router terms and expert biases of :mod:`lossparity.integrations.titan_moe` (``trainer.moe_terms``). Not
-supported: context parallelism and tensor-parallel loss-parallel logits (DTensor ``pred``) for the unit modes.
+supported: tensor-parallel loss-parallel logits (DTensor ``pred``) for the unit modes.
+
+Context parallelism (every mode): the numerators of the unit modes need whole rows (a row's or a document's
+token count), which a CP rank does not hold. :meth:`LossParityTitanMixin.post_dataloading_process` lets
+torchtitan shard a position index with its own sharding (any load balancer), then hands the loss this
+shard's part of the whole-row coefficients ``c`` (``numerator = Σ_t c_t·s_t``, linear in the per-token
+losses ``s``); each CP rank's share is ``Σ_{t in shard} c_t·s_t / G`` and the shares add up to the whole
+rows' numerator. The denominators are pre-counted on whole rows over the ``batch`` mesh, before sharding.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -34,7 +42,7 @@ from torch import Tensor
 from ..losses.mtp import roll_mask, roll_mtp
 from ..options import MODES, Mode, check_option
 from . import require
-from ._common import mode_numerator, unit_count
+from ._common import mode_coefficients, mode_numerator, unit_count
 
 __all__ = ["IGNORE_INDEX", "LossParityLoss", "LossParityTitanMixin", "segments_from_positions"]
 
@@ -91,6 +99,24 @@ class LossParityLoss:
         self.mtp_depths, self.mtp_weight, self.mtp_convention = mtp_depths, float(mtp_weight), mtp_convention
         self.denominator: Tensor | None = None  # set by precount, once per step
         self.depth_denominators: Tensor | None = None  # [Dm], set by precount
+        # context parallelism: this rank's shard of each coming microbatch's whole-row coefficients, in order
+        self._shard_coefficients: deque[Tensor] = deque()
+
+    def shard_coefficients(self, labels: Tensor, positions: Tensor | None, index: Tensor) -> None:
+        """Context parallelism, once per microbatch before its forward: the whole-row coefficients ``c``
+        of the mode (``numerator = Σ_t c_t·s_t``, e.g. ``w_t/max(n_i, 1)`` for per_sample; documents from the
+        whole rows' ``positions``) taken at ``index`` (``[b, S/cp]``: which whole-row position each token of
+        this rank's shard is, as torchtitan's CP sharding placed it). The next loss call uses them."""
+        if self.mtp_depths:
+            raise ValueError("mtp_depths: MTP with context parallelism is not supported (nor by torchtitan's model)")
+        seg = None
+        if self.mode == "per_document":
+            if positions is None:
+                raise ValueError("positions: mode 'per_document' needs per-document positions")
+            seg = segments_from_positions(positions)
+        mask = (labels != IGNORE_INDEX).to(torch.float64)
+        coefficients = mode_coefficients(self.mode, mask, seg, self.fixed_length)
+        self._shard_coefficients.append(coefficients.gather(1, index.to(coefficients.device)))
 
     def precount(
         self,
@@ -151,6 +177,8 @@ class LossParityLoss:
                 f"pred: {len(preds)} logits tensors for mtp_depths={self.mtp_depths} (expected the main logits and "
                 "one per MTP depth: set LossParityLoss(mtp_depths=...) to the model's MTP layers)"
             )
+        if self._shard_coefficients:  # context parallelism: this shard's part of the whole rows' numerator
+            return self._shard_share(preds[0], labels), {}
         positions = kwargs.get("positions")
         if (self.mode == "per_document" or self.mtp_depths) and positions is None:
             raise ValueError("positions: mode 'per_document' and MTP need torchtitan's per-document positions")
@@ -174,6 +202,22 @@ class LossParityLoss:
                 share = share + num_k * (self.mtp_weight / self.mtp_depths) / dens[k - 1]
         return share, {}
 
+    def _shard_share(self, pred: Tensor, labels: Tensor) -> Tensor:
+        coefficients = self._shard_coefficients.popleft()
+        if coefficients.shape != labels.shape:
+            raise ValueError(
+                f"labels: shape {tuple(labels.shape)} of a context-parallel shard, but the coefficients queued for "
+                f"this microbatch have shape {tuple(coefficients.shape)}"
+            )
+        if self.denominator is None:
+            raise RuntimeError(f"LossParityLoss({self.mode!r}) called before precount")
+        logits = pred.float() if pred.dtype in (torch.float16, torch.bfloat16) else pred
+        per_token = F.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(0, 1), reduction="none", ignore_index=IGNORE_INDEX
+        ).view(labels.shape)
+        num = (per_token * coefficients.to(device=per_token.device, dtype=per_token.dtype)).sum()
+        return num / self.denominator.to(num.device)
+
 
 class LossParityTitanMixin:
     """Mix first into torchtitan's ``Trainer``: ``train_step`` fetches the step's microbatches, pre-counts
@@ -195,8 +239,6 @@ class LossParityTitanMixin:
         if not isinstance(loss_fn, LossParityLoss):
             raise TypeError(f"loss_fn: LossParityTitanMixin needs a LossParityLoss, got {type(loss_fn).__name__}")
         dims = self.parallel_dims  # type: ignore[attr-defined]
-        if getattr(dims, "cp_enabled", False) and loss_fn.mode != "per_token":
-            raise ValueError(f"mode {loss_fn.mode!r}: context parallelism is not supported by LossParityTitanMixin")
         terms = self.moe_terms
         if terms is not None:
             for flag in ("pp_enabled", "tp_enabled", "ep_enabled", "cp_enabled"):
@@ -235,3 +277,16 @@ class LossParityTitanMixin:
         if not ended:  # not a logging step: the bias update and the lagged counts still happen once
             terms.end_step(pg)
         return out
+
+    def post_dataloading_process(self, input_dict: dict[str, Tensor], labels: Tensor) -> tuple[Tensor, Tensor, Any]:
+        """torchtitan's own, and under context parallelism (unit modes) the shard's whole-row coefficients:
+        torchtitan's sharding runs on a position index in place of the labels (the same permutation, for any
+        load balancer), the labels and the coefficients are taken at that index."""
+        loss_fn = self.loss_fn  # type: ignore[attr-defined]
+        if not (getattr(self.parallel_dims, "cp_enabled", False) and loss_fn.mode != "per_token"):  # type: ignore[attr-defined]
+            return super().post_dataloading_process(input_dict, labels)  # type: ignore[misc]
+        whole_positions = input_dict.get("positions")
+        index = torch.arange(labels.shape[1], device=labels.device).expand_as(labels).contiguous()
+        inputs, index, extra = super().post_dataloading_process(input_dict, index)  # type: ignore[misc]
+        loss_fn.shard_coefficients(labels, whole_positions, index)
+        return inputs, labels.gather(1, index.to(labels.device)), extra
