@@ -36,6 +36,24 @@ class TinyLM(nn.Module):
         return torch.tanh(h) @ self.out.T
 
 
+class TinyHeadLM(TinyLM):
+    """TinyLM with its output layer as an ``nn.Linear`` (the same weights), which tensor parallelism can shard
+    on the vocabulary (loss parallel: the logits a DTensor with placements ``(Shard(-1),)``)."""
+
+    def __init__(self, seq: int = S):
+        super().__init__(seq)
+        self.head = nn.Linear(H, V, bias=False, dtype=torch.float64)
+        with torch.no_grad():
+            self.head.weight.copy_(self.out)
+        del self.out
+
+    def forward(self, tokens, positions=None):
+        # under TP the other parameters are replicated DTensors (torchtitan's clip_grad_norm_ needs one kind)
+        emb, pos = (p.to_local() if hasattr(p, "to_local") else p for p in (self.emb, self.pos))
+        h = emb[tokens] + (pos[positions] if positions is not None else 0)
+        return self.head(torch.tanh(h))
+
+
 def global_batch(n_rows: int, seq: int = S):
     """Tokens, labels (-100 = ignored; ragged, row 1 has none) and per-document positions (1-3 docs)."""
     S = seq  # noqa: N806 (the module's row length unless told)
@@ -67,11 +85,15 @@ class _Optim:
         self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters()}
 
 
-def titan_step(mode: str, rows: slice, ga: int, mesh=None, cls=None, install=None, cp_mesh=None, seq: int = S):
+def titan_step(
+    mode: str, rows: slice, ga: int, mesh=None, cls=None, install=None, cp_mesh=None, seq: int = S, tp_mesh=None
+):
     """One torchtitan ``train_step`` over ``rows`` of the global batch cut into ``ga`` microbatches.
     ``cls``: the trainer class (default: LossParityTitanMixin + Trainer); ``install(trainer, mode)`` sets
     its loss (default: ``trainer.loss_fn = LossParityLoss(mode)``). ``cp_mesh``: a 1-D ``cp`` mesh, torchtitan's
-    context parallelism (its ``prepare_context_parallel_input``, head-tail load balancing) over rows of ``seq``."""
+    context parallelism (its ``prepare_context_parallel_input``, head-tail load balancing) over rows of ``seq``.
+    ``tp_mesh``: a 1-D ``tp`` mesh; the output layer is sharded on the vocabulary (torch's ``ColwiseParallel``
+    with DTensor output: loss parallel) and its gradient returned whole, under TinyLM's name."""
     from torchtitan.trainer import Trainer
 
     from lossparity.integrations.torchtitan import LossParityLoss, LossParityTitanMixin
@@ -84,6 +106,14 @@ def titan_step(mode: str, rows: slice, ga: int, mesh=None, cls=None, install=Non
     tokens, labels, positions = global_batch(16, seq)
     tokens, labels, positions = tokens[rows], labels[rows], positions[rows]
     model = TinyLM(seq)
+    if tp_mesh is not None:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        model = TinyHeadLM(seq)
+        parallelize_module(model, tp_mesh, {"head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+        model.emb = nn.Parameter(distribute_tensor(model.emb.detach(), tp_mesh, [Replicate()]))
+        model.pos = nn.Parameter(distribute_tensor(model.pos.detach(), tp_mesh, [Replicate()]))
     t = object.__new__(T)
     # gradients summed over the data-parallel ranks, and over the context-parallel ones (FSDP's dp_shard_cp)
     group = mesh.get_group() if mesh is not None else cp_mesh.get_group() if cp_mesh is not None else None
@@ -125,7 +155,12 @@ def titan_step(mode: str, rows: slice, ga: int, mesh=None, cls=None, install=Non
         ]
     )
     t.train_step(data)
-    return t.optimizers.grads
+    grads = t.optimizers.grads
+    if tp_mesh is not None:
+        grads = {
+            ("out" if n == "head.weight" else n): getattr(g, "full_tensor", lambda g=g: g)() for n, g in grads.items()
+        }
+    return grads
 
 
 def run_titan(rank: int, world: int, modes: list[str]):
@@ -144,3 +179,11 @@ def run_titan_cp(rank: int, world: int, modes: list[str], seq: int):
 
     cp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     return {m: titan_step(m, slice(0, 16), 4, cp_mesh=cp_mesh, seq=seq) for m in modes}
+
+
+def run_titan_tp(rank: int, world: int, modes: list[str]):
+    """Every mode with the logits sharded on the vocabulary over a 1-D ``tp`` mesh (loss parallel), GA 4."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    return {m: titan_step(m, slice(0, 16), 4, tp_mesh=tp_mesh) for m in modes}

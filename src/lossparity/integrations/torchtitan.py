@@ -18,7 +18,13 @@ their own global count (``N``, ``Ndoc``, ``D·K``) before the first forward:
 ``per_document`` reads the documents of packed rows from torchtitan's ``positions`` (per-document
 positions restarting at 0, passed to the loss when the dataloader provides them). MoE models: the
 router terms and expert biases of :mod:`lossparity.integrations.titan_moe` (``trainer.moe_terms``). Not
-supported: tensor-parallel loss-parallel logits (DTensor ``pred``) for the unit modes.
+supported: pipeline parallelism with per_document or MTP (torchtitan's schedule passes no ``positions`` to
+the loss), MTP with context parallelism (torchtitan's DeepSeek-V3 refuses it itself).
+
+Loss parallel (tensor parallelism with the logits sharded on the vocabulary, a DTensor ``pred``): the
+per-token losses come from a vocab-parallel cross-entropy on the local shards (three all-reduces over the
+``tp`` group, in the logits' dtype), then the mode's numerator as for plain logits; every TP rank returns
+the same share.
 
 Context parallelism (every mode): the numerators of the unit modes need whole rows (a row's or a document's
 token count), which a CP rank does not hold. :meth:`LossParityTitanMixin.post_dataloading_process` lets
@@ -59,6 +65,69 @@ def _group_of(group: Any) -> Any:
     if group is not None and hasattr(group, "get_group"):
         return group.get_group()
     return group
+
+
+class _SumOverShards(torch.autograd.Function):
+    """Sum over the ranks of ``group`` in the forward, identity in the backward: every rank of the group
+    computes the same loss from the sum, so each shard's gradient is that loss's gradient as it stands."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:  # type: ignore[override]
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def _vocab_parallel_loss(local: Tensor, labels: Tensor, group: Any, vocab: int) -> Tensor:
+    """Per-token cross-entropy ``lse(z) − z_y`` from this rank's vocabulary shard ``local [N, v]`` of the
+    logits (torch.chunk's split of ``vocab`` over ``group``, as DTensor's ``Shard(-1)`` places it), in the
+    logits' dtype: the max (no gradient: it cancels), ``Σ exp`` and the label's logit are summed over the
+    shards. 0 at ignored labels."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunk = -(-vocab // world)
+    start, size = min(vocab, chunk * rank), local.shape[-1]
+    with torch.no_grad():
+        top = local.amax(dim=-1, keepdim=True)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    shifted = local - top
+    sumexp = _SumOverShards.apply(shifted.exp().sum(dim=-1), group)
+    safe = labels.clamp(min=0)
+    mine = (safe >= start) & (safe < start + size)
+    picked = shifted.gather(-1, (safe - start).clamp(0, max(size - 1, 0)).unsqueeze(-1)).squeeze(-1)
+    picked = _SumOverShards.apply(torch.where(mine, picked, torch.zeros_like(picked)), group)
+    loss = sumexp.log() - picked
+    return torch.where(labels != IGNORE_INDEX, loss, torch.zeros_like(loss))
+
+
+def _per_token_loss(pred: Tensor, labels: Tensor) -> Tensor:
+    """Per-token cross-entropy ``[b, S]`` (0 at ignored labels), in float32 at least (as torchtitan; float64
+    stays float64). Logits sharded on the vocabulary over a 1-D ``tp`` mesh (loss parallel: a DTensor with
+    placements ``(Shard(-1),)``) go through :func:`_vocab_parallel_loss`: every TP rank gets the same
+    per-token losses and the backward stays on its vocabulary shard (torchtitan's own vocab-parallel
+    cross-entropy computes in float32, which a float64 run cannot match to 1e-10)."""
+    if type(pred).__name__ == "DTensor":
+        from torch.distributed.tensor import Shard
+
+        dt: Any = pred
+        if dt.device_mesh.ndim != 1 or tuple(dt.placements) != (Shard(pred.dim() - 1),):
+            raise TypeError(
+                f"pred: a DTensor with placements {tuple(dt.placements)}; LossParityLoss takes plain logits or "
+                "logits sharded on the vocabulary over a 1-D tp mesh (loss parallel: placements (Shard(-1),))"
+            )
+        local = dt.to_local()
+        local = local.float() if local.dtype in (torch.float16, torch.bfloat16) else local
+        out = _vocab_parallel_loss(
+            local.flatten(0, 1), labels.flatten(0, 1), dt.device_mesh.get_group(), pred.shape[-1]
+        )
+        return out.view(labels.shape)
+    logits = pred.float() if pred.dtype in (torch.float16, torch.bfloat16) else pred
+    return F.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(0, 1), reduction="none", ignore_index=IGNORE_INDEX
+    ).view(labels.shape)
 
 
 class LossParityLoss:
@@ -157,12 +226,7 @@ class LossParityLoss:
         return self.denominator
 
     def _numerator(self, pred: Tensor, labels: Tensor, seg: Tensor | None) -> Tensor:
-        if type(pred).__name__ == "DTensor":
-            raise TypeError("pred: LossParityLoss takes plain logits; loss-parallel DTensor logits are not supported")
-        logits = pred.float() if pred.dtype in (torch.float16, torch.bfloat16) else pred  # fp32 at least, as torchtitan
-        per_token = F.cross_entropy(
-            logits.flatten(0, 1), labels.flatten(0, 1), reduction="none", ignore_index=IGNORE_INDEX
-        ).view(labels.shape)
+        per_token = _per_token_loss(pred, labels)
         mask = (labels != IGNORE_INDEX).to(per_token.dtype)
         return mode_numerator(self.mode, per_token, mask, seg, self.fixed_length)[0]
 
@@ -211,10 +275,7 @@ class LossParityLoss:
             )
         if self.denominator is None:
             raise RuntimeError(f"LossParityLoss({self.mode!r}) called before precount")
-        logits = pred.float() if pred.dtype in (torch.float16, torch.bfloat16) else pred
-        per_token = F.cross_entropy(
-            logits.flatten(0, 1), labels.flatten(0, 1), reduction="none", ignore_index=IGNORE_INDEX
-        ).view(labels.shape)
+        per_token = _per_token_loss(pred, labels)
         num = (per_token * coefficients.to(device=per_token.device, dtype=per_token.dtype)).sum()
         return num / self.denominator.to(num.device)
 
