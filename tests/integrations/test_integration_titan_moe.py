@@ -144,3 +144,29 @@ def test_two_ranks_ga2_match_naive_reference():
                 f"grads {rel:.1e}, biases {bias:.1e}, objective {obj:.1e}"
             )
             assert rel <= 1e-10 and bias <= 1e-12 and obj <= 1e-10, (case, rank)
+
+
+def test_bad_input_names_the_argument():
+    from _titan_workers import TinyLM
+
+    from lossparity.integrations.titan_moe import TitanMoETerms
+    from lossparity.integrations.torchtitan import LossParityLoss
+
+    model, _ = build_model()
+    with pytest.raises(ValueError, match="aux_scope"):
+        TitanMoETerms(model, "global_running")
+    with pytest.raises(ValueError, match="aux_coeff"):
+        TitanMoETerms(model, aux_coeff=-1.0)
+    with pytest.raises(ValueError, match="model_parts: no torchtitan MoE"):
+        TitanMoETerms(TinyLM())
+    terms = TitanMoETerms(model)
+    with pytest.raises(RuntimeError, match="end_step: begin_step was not called"):
+        terms.end_step()
+    with pytest.raises(ValueError, match=r"labels\[0\]"):
+        terms.begin_step([torch.zeros(3, dtype=torch.long)])
+    terms.remove()
+    with pytest.raises(ValueError, match="mtp_depths"):
+        LossParityLoss(mtp_depths=-1)
+    loss = LossParityLoss(mtp_depths=1)
+    with pytest.raises(ValueError, match="pred: 1 logits tensors for mtp_depths=1"):
+        loss(torch.rand(2, 3, V), torch.zeros(2, 3, dtype=torch.long), positions=torch.zeros(2, 3, dtype=torch.long))
