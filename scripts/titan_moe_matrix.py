@@ -1,6 +1,7 @@
 """torchtitan MoE (tests/integrations/_titan_moe_workers.py): every aux scope × activation checkpointing
-(none, full, selective) × MTP layers (0, 1) × layout (1 process GA 4; 2 gloo ranks × GA 2), two real ``Trainer.train_step``
-calls each, against the naive float64 reference of tests/integrations/test_integration_titan_moe.py.
+(none, full, selective) × MTP layers (0, 1) × layout (1 process GA 4; 2 gloo ranks × GA 2), two real
+``Trainer.train_step`` calls each, against the naive float64 reference of
+tests/integrations/test_integration_titan_moe.py.
 
     nice .venv/bin/python scripts/titan_moe_matrix.py
 
