@@ -44,8 +44,9 @@ forward/backward, then ``end_step(group)`` (one all-reduce), which returns the l
 names: ``load_balancing_loss`` / ``seq_load_balancing_loss`` / ``global_load_balancing_loss`` (``A_l/α``
 averaged over MoE layers), ``z_loss`` (``Σ_x lse²/T`` averaged over layers), ``max_vio`` (of the step's
 dispatch counts, averaged over layers) and ``moe_terms`` (``Σ_l A_l + β·Σ_l z_l``, what the objective adds to
-torchtitan's ``loss``). Not supported (refused by the mixin): pipeline, tensor, expert and context
-parallelism.
+torchtitan's ``loss``). Not supported (refused by the mixin): tensor, expert and context parallelism, and
+pipeline parallelism: torch's pipeline stages run the first microbatch's forward an extra time (with
+gradients on) for shape inference at the first step, which these hooks would record (docs/integrations.md).
 """
 
 from __future__ import annotations
