@@ -30,6 +30,8 @@ REFERENCE: tuple[tuple[str, str, str], ...] = (
     ("integrations-hf-head", "lossparity.integrations.hf_head", "lossparity.integrations.hf_head"),
     ("integrations-hf-moe", "lossparity.integrations.hf_moe", "lossparity.integrations.hf_moe"),
     ("integrations-hf-aux-terms", "lossparity.integrations.hf_aux_terms", "lossparity.integrations.hf_aux_terms"),
+    ("integrations-hf-mtp", "lossparity.integrations.hf_mtp", "lossparity.integrations.hf_mtp"),
+    ("integrations-hf-mtp-terms", "lossparity.integrations.hf_mtp_terms", "lossparity.integrations.hf_mtp_terms"),
     ("integrations-deepspeed", "lossparity.integrations.deepspeed", "lossparity.integrations.deepspeed"),
     ("integrations-megatron", "lossparity.integrations.megatron", "lossparity.integrations.megatron"),
     ("integrations-megatron-moe", "lossparity.integrations.megatron_moe", "lossparity.integrations.megatron_moe"),
@@ -45,6 +47,7 @@ REFERENCE: tuple[tuple[str, str, str], ...] = (
     ),
     ("integrations-torchtitan", "lossparity.integrations.torchtitan", "lossparity.integrations.torchtitan"),
     ("integrations-titan-parity", "lossparity.integrations.titan_parity", "lossparity.integrations.titan_parity"),
+    ("integrations-titan-moe", "lossparity.integrations.titan_moe", "lossparity.integrations.titan_moe"),
     ("jax", "lossparity.jax", "lossparity.jax"),
     ("audit", "lossparity.audit", "lossparity.audit"),
 )

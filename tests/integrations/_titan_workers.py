@@ -22,20 +22,41 @@ V, S, H = 11, 10, 6
 
 
 class TinyLM(nn.Module):
-    def __init__(self):
+    """Token-local (no attention): a context-parallel shard needs nothing from the other shards."""
+
+    def __init__(self, seq: int = S):
         super().__init__()
         g = torch.Generator().manual_seed(11)
         self.emb = nn.Parameter(torch.randn(V, H, generator=g, dtype=torch.float64))
         self.out = nn.Parameter(torch.randn(V, H, generator=g, dtype=torch.float64) / H**0.5)
-        self.pos = nn.Parameter(torch.randn(S, H, generator=g, dtype=torch.float64) / 4)
+        self.pos = nn.Parameter(torch.randn(seq, H, generator=g, dtype=torch.float64) / 4)
 
     def forward(self, tokens, positions=None):
         h = self.emb[tokens] + (self.pos[positions] if positions is not None else 0)
         return torch.tanh(h) @ self.out.T
 
 
-def global_batch(n_rows: int):
+class TinyHeadLM(TinyLM):
+    """TinyLM with its output layer as an ``nn.Linear`` (the same weights), which tensor parallelism can shard
+    on the vocabulary (loss parallel: the logits a DTensor with placements ``(Shard(-1),)``)."""
+
+    def __init__(self, seq: int = S):
+        super().__init__(seq)
+        self.head = nn.Linear(H, V, bias=False, dtype=torch.float64)
+        with torch.no_grad():
+            self.head.weight.copy_(self.out)
+        del self.out
+
+    def forward(self, tokens, positions=None):
+        # under TP the other parameters are replicated DTensors (torchtitan's clip_grad_norm_ needs one kind)
+        emb, pos = (p.to_local() if hasattr(p, "to_local") else p for p in (self.emb, self.pos))
+        h = emb[tokens] + (pos[positions] if positions is not None else 0)
+        return self.head(torch.tanh(h))
+
+
+def global_batch(n_rows: int, seq: int = S):
     """Tokens, labels (-100 = ignored; ragged, row 1 has none) and per-document positions (1-3 docs)."""
+    S = seq  # noqa: N806 (the module's row length unless told)
     g = torch.Generator().manual_seed(4)
     tokens = torch.randint(0, V, (n_rows, S), generator=g)
     labels = torch.randint(0, V, (n_rows, S), generator=g)
@@ -64,10 +85,15 @@ class _Optim:
         self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters()}
 
 
-def titan_step(mode: str, rows: slice, ga: int, mesh=None, cls=None, install=None):
+def titan_step(
+    mode: str, rows: slice, ga: int, mesh=None, cls=None, install=None, cp_mesh=None, seq: int = S, tp_mesh=None
+):
     """One torchtitan ``train_step`` over ``rows`` of the global batch cut into ``ga`` microbatches.
     ``cls``: the trainer class (default: LossParityTitanMixin + Trainer); ``install(trainer, mode)`` sets
-    its loss (default: ``trainer.loss_fn = LossParityLoss(mode)``)."""
+    its loss (default: ``trainer.loss_fn = LossParityLoss(mode)``). ``cp_mesh``: a 1-D ``cp`` mesh, torchtitan's
+    context parallelism (its ``prepare_context_parallel_input``, head-tail load balancing) over rows of ``seq``.
+    ``tp_mesh``: a 1-D ``tp`` mesh; the output layer is sharded on the vocabulary (torch's ``ColwiseParallel``
+    with DTensor output: loss parallel) and its gradient returned whole, under TinyLM's name."""
     from torchtitan.trainer import Trainer
 
     from lossparity.integrations.torchtitan import LossParityLoss, LossParityTitanMixin
@@ -77,22 +103,33 @@ def titan_step(mode: str, rows: slice, ga: int, mesh=None, cls=None, install=Non
 
     T = cls or T
 
-    tokens, labels, positions = global_batch(16)
+    tokens, labels, positions = global_batch(16, seq)
     tokens, labels, positions = tokens[rows], labels[rows], positions[rows]
-    model = TinyLM()
+    model = TinyLM(seq)
+    if tp_mesh is not None:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        model = TinyHeadLM(seq)
+        parallelize_module(model, tp_mesh, {"head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+        model.emb = nn.Parameter(distribute_tensor(model.emb.detach(), tp_mesh, [Replicate()]))
+        model.pos = nn.Parameter(distribute_tensor(model.pos.detach(), tp_mesh, [Replicate()]))
     t = object.__new__(T)
-    group = mesh.get_group() if mesh is not None else None
+    # gradients summed over the data-parallel ranks, and over the context-parallel ones (FSDP's dp_shard_cp)
+    group = mesh.get_group() if mesh is not None else cp_mesh.get_group() if cp_mesh is not None else None
     t.config = SimpleNamespace(
         training=SimpleNamespace(disable_cuda_graphs=False, max_norm=1e6),
-        parallelism=SimpleNamespace(spmd_backend="none"),
+        parallelism=SimpleNamespace(
+            spmd_backend="none", context_parallel_load_balancer="headtail", context_parallel_ptrr_mask_key=None
+        ),
     )
     t.parallel_dims = SimpleNamespace(
         dp_enabled=mesh is not None,
         pp_enabled=False,
-        cp_enabled=False,
+        cp_enabled=cp_mesh is not None,
         ep_enabled=False,
-        dp_cp_enabled=mesh is not None,
-        get_mesh=lambda name: mesh,
+        dp_cp_enabled=mesh is not None or cp_mesh is not None,
+        get_mesh=lambda name: cp_mesh if name == "cp" else mesh,
         get_optional_mesh=lambda name: None,
     )
     t.model_parts, t.model_config, t.device, t.step, t.ntokens_seen = [model], SimpleNamespace(), "cpu", 1, 0
@@ -118,7 +155,12 @@ def titan_step(mode: str, rows: slice, ga: int, mesh=None, cls=None, install=Non
         ]
     )
     t.train_step(data)
-    return t.optimizers.grads
+    grads = t.optimizers.grads
+    if tp_mesh is not None:
+        grads = {
+            ("out" if n == "head.weight" else n): getattr(g, "full_tensor", lambda g=g: g)() for n, g in grads.items()
+        }
+    return grads
 
 
 def run_titan(rank: int, world: int, modes: list[str]):
@@ -128,3 +170,20 @@ def run_titan(rank: int, world: int, modes: list[str]):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("batch",))
     per = 16 // world
     return {m: titan_step(m, slice(rank * per, (rank + 1) * per), 2, mesh) for m in modes}
+
+
+def run_titan_cp(rank: int, world: int, modes: list[str], seq: int):
+    """Every mode with context parallelism 2 × GA 4 × b 4 (each CP rank holds every row, its half of each
+    row as torchtitan's head-tail sharding places it) over a 1-D ``cp`` mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    return {m: titan_step(m, slice(0, 16), 4, cp_mesh=cp_mesh, seq=seq) for m in modes}
+
+
+def run_titan_tp(rank: int, world: int, modes: list[str]):
+    """Every mode with the logits sharded on the vocabulary over a 1-D ``tp`` mesh (loss parallel), GA 4."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    return {m: titan_step(m, slice(0, 16), 4, tp_mesh=tp_mesh) for m in modes}

@@ -9,13 +9,15 @@ normalization) or by one pre-counted before the step (torchtitan). ``J = Σ_mb n
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from ..losses.mode_table import mode_spec, reduce_units
 from ..losses.stats import document_starts, document_sums, masked_token_sum, sample_stats
 
-__all__ = ["document_sums", "mode_numerator", "unit_count"]
+__all__ = ["AttachGrad", "document_sums", "mode_coefficients", "mode_numerator", "unit_count"]
 
 
 def unit_count(mode: str, mask: Tensor, segment_ids: Tensor | None = None) -> Tensor:
@@ -53,3 +55,35 @@ def mode_numerator(
         if spec.unit == "microbatch":
             s, n = s.sum(), n.sum()
     return reduce_units(mode, s, n, fixed_length=fixed_length), count
+
+
+def mode_coefficients(mode: str, mask: Tensor, segment_ids: Tensor | None, fixed_length: int | None) -> Tensor:
+    """``c`` with ``numerator(s) = Σ_t c_t·s_t`` for whole rows ``[b, S]``: the numerators of every mode are
+    linear in the per-token losses ``s`` (docs/semantics.md §1), so ``c = ∂numerator/∂s``, e.g.
+    ``w_t/max(n_i, 1)`` (per_sample) or ``w_t/max(n_j, 1)`` with ``j`` the document of ``t`` (per_document).
+    A context-parallel shard's numerator is then ``Σ_{t in shard} c_t·s_t`` with ``c`` taken on whole rows."""
+    with torch.enable_grad():
+        s = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device, requires_grad=True)
+        num, _ = mode_numerator(mode, s, mask, segment_ids, fixed_length)
+        (c,) = torch.autograd.grad(num, s, allow_unused=True)
+    return torch.zeros_like(s) if c is None else c.detach()
+
+
+class AttachGrad(torch.autograd.Function):
+    """Identity on ``x`` whose backward also back-propagates ``term`` with the weight ``w·grad_scale``
+    (``grad_scale``: Megatron's mixed-precision loss scale of ``config``, when it has one; ``config=None``: 1).
+    How the drop-ins add a router term to the gradient where the framework's loss does not see it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, term: Tensor, weight: float, config: Any) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(term)
+        ctx.weight, ctx.config = weight, config
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:  # type: ignore[override]
+        (term,) = ctx.saved_tensors
+        scale = torch.full_like(term, ctx.weight)
+        if getattr(ctx.config, "grad_scale_func", None) is not None:  # mixed precision: the loss scale
+            scale = scale * ctx.config.grad_scale_func(torch.ones(1, device=term.device)).to(term.dtype)
+        return grad, scale, None, None

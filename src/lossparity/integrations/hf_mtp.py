@@ -159,6 +159,7 @@ class MtpHook:
         return with_mtp_output(output, HIDDEN_KEY, outs)
 
     def remove(self) -> None:
+        """Detach the hook: the model's forward no longer runs the MTP depths (the MTP module stays a submodule)."""
         for h in self.handles:
             h.remove()
 

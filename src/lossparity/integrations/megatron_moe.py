@@ -69,7 +69,7 @@ from ..losses.moe import (
 )
 from ..losses.mtp import mtp_denominators, roll_mask
 from ..options import ALIASES
-from ._common import mode_numerator, unit_count
+from ._common import AttachGrad, mode_coefficients, mode_numerator, unit_count
 from .megatron_pipeline import check_model_chunks
 
 __all__ = ["TERMS_SCOPES", "MoETerms", "zigzag_positions"]
@@ -88,24 +88,6 @@ _REFUSED = {
 }
 
 
-class _AttachGrad(torch.autograd.Function):
-    """Identity on ``x`` whose backward also back-propagates ``term`` with the weight ``w·grad_scale``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, term: Tensor, weight: float, config: Any) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(term)
-        ctx.weight, ctx.config = weight, config
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:  # type: ignore[override]
-        (term,) = ctx.saved_tensors
-        scale = torch.full_like(term, ctx.weight)
-        if getattr(ctx.config, "grad_scale_func", None) is not None:  # mixed precision: the loss scale
-            scale = scale * ctx.config.grad_scale_func(torch.ones(1, device=term.device)).to(term.dtype)
-        return grad, scale, None, None
-
-
 def _chunks(model: Any) -> list[torch.nn.Module]:
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     for i, c in enumerate(chunks):
@@ -121,17 +103,6 @@ def zigzag_positions(rank: int, cp: int, seq: int, device: Any = None) -> Tensor
     c = seq // (2 * cp)
     idx = torch.arange(seq, device=device).view(2 * cp, c)
     return torch.cat([idx[rank], idx[2 * cp - 1 - rank]])
-
-
-def _coefficients(mode: str, mask: Tensor, segment_ids: Tensor | None, fixed_length: int | None) -> Tensor:
-    """``c`` with ``numerator(s) = Σ_t c_t·s_t`` for whole rows ``[b, S]``: the numerators of every mode are
-    linear in the per-token losses ``s`` (docs/semantics.md §1), so ``c = ∂numerator/∂s``, e.g.
-    ``w_t/max(n_i, 1)`` (per_sample) or ``w_t/max(n_j, 1)`` with ``j`` the document of ``t`` (per_document)."""
-    with torch.enable_grad():
-        s = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device, requires_grad=True)
-        num, _ = mode_numerator(mode, s, mask, segment_ids, fixed_length)
-        (c,) = torch.autograd.grad(num, s, allow_unused=True)
-    return torch.zeros_like(s) if c is None else c.detach()
 
 
 def _router_slots(chunks: list[torch.nn.Module], router_cls: Any, pp: int) -> tuple[dict[int, int], int]:
@@ -301,7 +272,7 @@ class MoETerms:
             if self._cp_tables is not None:  # this rank's shard of each depth's mask and coefficients
                 pos = zigzag_positions(self.cp_rank, self.cp, w.shape[1], w.device)
                 self._cp_tables.append(
-                    [(x[:, pos], _coefficients(self.mode, x, s, self.fixed_length)[:, pos]) for x in [w, *rolled]]
+                    [(x[:, pos], mode_coefficients(self.mode, x, s, self.fixed_length)[:, pos]) for x in [w, *rolled]]
                 )
         # TP ranks, PP stages and (whole rows) CP ranks hold the same rows: count them once
         if self.tp_rank != 0 or self.pp_rank != 0 or self.cp_rank != 0:
@@ -374,7 +345,7 @@ class MoETerms:
         acc[off + slot * e : off + (slot + 1) * e] += counts
         off += n_layers * e
         acc[off + slot * e : off + (slot + 1) * e] += routing_map.reshape(-1, e).sum(dim=0).to(torch.float64)
-        probs_out = _AttachGrad.apply(probs_out, term, self.router_weight, self.config)
+        probs_out = AttachGrad.apply(probs_out, term, self.router_weight, self.config)
         return probs_out, routing_map
 
     # ------------------------------------------------------------------ MTP capture
