@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from lossparity.integrations.megatron_moe import _coefficients, zigzag_positions
+from lossparity.integrations._common import mode_coefficients as _coefficients
+from lossparity.integrations.megatron_moe import zigzag_positions
 
 
 def test_zigzag_positions_are_get_batch_on_this_cp_rank_chunks():
