@@ -10,13 +10,14 @@ logged loss must agree to 1e-6 (float32). The ops without a CPU kernel run as te
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import mindspore as ms
 import numpy as np
 import pytest
 from _torch_ref import run
-from mindspore import Tensor
+from mindspore import Parameter, Tensor, ops
 
 import lossparity.mindformers as lpmf
 import lossparity.mindspore as lpm
@@ -126,15 +127,18 @@ def _recording_router_functions(rec: Recorder, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(router_mod, "switch_load_balancing_loss_func", switch)
 
 
-class ForwardTrainer:
-    """MindFormers' ``Trainer._split_micro_batch`` and ``compute_loss`` over ``K`` microbatches, each loss ÷ K
-    summed as ``Trainer.training_step`` logs it; forward only (MindFormers' backward needs hyper_parallel)."""
+class ProbeTrainer:
+    """MindFormers' ``Trainer._split_micro_batch`` / ``compute_loss`` and its ``training_step`` algebra over ``K``
+    microbatches (each loss ÷ K, backward with MindFormers' ``get_loss_sense``, the MTP auto-scaler's scale set as
+    ``Trainer.__init__`` sets it), with ``ms.value_and_grad`` for MindFormers' backward (hyper_parallel's
+    ``Tensor.backward``). The gradient taken is w.r.t. zero probes added to the logits that the hooked loss calls
+    receive (main loss and MTP depth 1): the gradient of the step's objective w.r.t. the logits."""
 
     _split_micro_batch = Trainer._split_micro_batch
     compute_loss = Trainer.compute_loss
 
     def __init__(self, net: Any, k: int) -> None:
-        from types import SimpleNamespace  # noqa: PLC0415
+        from mindformers.pynative.trainer.utils import set_auxiliary_loss_backward_scale  # noqa: PLC0415
 
         self.model = [net]
         self.num_accumulation_steps, self.enable_parallel, self.world_size = k, False, 1
@@ -143,11 +147,40 @@ class ForwardTrainer:
             parallelism=SimpleNamespace(pipeline_parallel=1, context_parallel=1),
             training=SimpleNamespace(local_batch_size=B // k),
         )
+        set_auxiliary_loss_backward_scale(self.config.parallelism, self.enable_parallel, k)
+        zeros = np.zeros((B, S, V), np.float32)
+        self.probes = [Parameter(Tensor(zeros), name="probe_main"), Parameter(Tensor(zeros), name="probe_mtp")]
+        self.micro = 0
+        self.grads: list[np.ndarray] = []
+
+    def probe(self, hooked: Any) -> Any:
+        """``hooked`` (lossparity's loss call) given ``logits + probe`` of this microbatch's rows, in float32
+        (bfloat16 would round the gradient; the bfloat16 logits are exact in float32)."""
+
+        def compute_language_model_loss(labels: Tensor, logits: Tensor, loss_mask: Tensor = None) -> Any:
+            rows = labels.shape[0]
+            probe = self.probes[0 if loss_mask is not None else 1][self.micro * rows : (self.micro + 1) * rows]
+            return hooked(labels, logits.astype(ms.float32) + probe.reshape(logits.shape), loss_mask)
+
+        return compute_language_model_loss
 
     def training_step(self, inputs: dict[str, Tensor], loss: Any, grad_norm: Any, step: int) -> Any:
+        from mindformers.pynative.distributed.utils import get_loss_sense  # noqa: PLC0415
+
         k = self.num_accumulation_steps
+        sense = get_loss_sense(self.config.parallelism, self.enable_parallel, k, apply_gradient_accumulation=False)
+        grads = [ops.zeros((B, S, V), ms.float32) for _ in self.probes]
         for micro in range(k):
-            loss = loss + self.compute_loss(self.model, self._split_micro_batch(inputs, micro)) / k
+            self.micro = micro
+            micro_inputs = self._split_micro_batch(inputs, micro)
+
+            def forward(mi: dict[str, Tensor] = micro_inputs) -> Tensor:
+                return self.compute_loss(self.model, mi) / k
+
+            value, micro_grads = ms.value_and_grad(forward, None, weights=self.probes)()
+            grads = [g + mg * sense for g, mg in zip(grads, micro_grads, strict=True)]
+            loss = loss + value
+        self.grads = [g.asnumpy() for g in grads]
         return loss, grad_norm
 
 
@@ -163,95 +196,123 @@ def _batch() -> dict[str, np.ndarray]:
     }
 
 
-@pytest.fixture(scope="module")
-def model() -> tuple[Any, Recorder]:
-    return _build()
-
-
-def _run(model: tuple[Any, Recorder], mode: str, k: int, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    net, rec = model
+def _run(net: Any, rec: Recorder, mode: str, k: int) -> dict[str, Any]:
+    """One training step of the model at GA ``k`` with the hook installed in ``mode``."""
     for name in vars(rec):
         getattr(rec, name).clear()
-    _recording_router_functions(rec, monkeypatch)
     net.reset_model_temporary_tensors()  # the routers' running counts (MindFormers' own reset)
     get_moe_layer_wise_logging_tracker().clear()
-    x = _batch()
-    inputs = {key: Tensor(v) for key, v in x.items()}
+    inputs = {key: Tensor(v) for key, v in _batch().items()}
     if mode == "per_document":
         inputs["actual_seq_len"] = Tensor(ASL)
-    trainer = ForwardTrainer(net, k)
+    trainer = ProbeTrainer(net, k)
     handle = lpmf.install(trainer, mode)
+    gpt = net.model
+    gpt.compute_language_model_loss = trainer.probe(gpt.compute_language_model_loss)  # above the hook
     try:
         loss, _ = trainer.training_step(inputs, 0.0, 0.0, 0)
     finally:
-        handle.uninstall()
-    tracker = get_moe_layer_wise_logging_tracker()["values"].asnumpy()
-    return {"loss": float(np.asarray(loss.asnumpy()).reshape(-1)[0]), "logs": handle.logs, "tracker": tracker}
+        handle.uninstall()  # puts back the recorder (the probe goes with the hook)
+    return {
+        "loss": float(np.asarray(loss.asnumpy()).reshape(-1)[0]),
+        "lm_objective": handle.logs["lossparity/lm_objective"].asnumpy(),
+        "mtp_objective": handle.logs["lossparity/mtp_objective"].asnumpy(),
+        "tracker": get_moe_layer_wise_logging_tracker()["values"].asnumpy(),
+        "grads": trainer.grads,
+        "main": np.concatenate(rec.main),  # [B, S, V]: the microbatches' rows in order
+        "mtp": np.concatenate(rec.mtp),
+        "aux": np.array(rec.aux).reshape(k, 2).T,  # [router, microbatch]: decoder MoE, then the MTP layer's
+        "probs": np.stack(rec.probs).reshape(k, 2, -1, E).transpose(1, 0, 2, 3),
+        "routing": np.stack(rec.routing).reshape(k, 2, -1, E).transpose(1, 0, 2, 3),
+        "calls": (len(rec.main), len(rec.mtp), len(rec.aux), len(rec.probs), len(rec.routing)),
+    }
 
 
-def _jobs(rec: Recorder, mode: str, k: int) -> dict[str, np.ndarray]:
+def _jobs(tag: str, out: dict[str, Any], mode: str, k: int) -> dict[str, np.ndarray]:
     x = _batch()
     seg = lpm.segment_ids_from_actual_seq_len(Tensor(ASL), S).asnumpy()  # the reference evaluates every mode
-    logits = np.concatenate(rec.main)  # [B, S, V], the microbatches' rows in order
-    mtp = np.concatenate(rec.mtp)[None]  # [1, B, S, V]
     jobs = {
-        "job/lm/kind": np.array("lm"),
-        "job/lm/logits": logits,
-        "job/lm/labels": x["labels"],
-        "job/lm/mask": x["loss_mask"],
-        "job/lm/segment_ids": seg,
-        "job/lm/microbatch_rows": np.array(B // k),
-        "job/mtp/kind": np.array("mtp"),
-        "job/mtp/mtp_logits": mtp,
-        "job/mtp/labels": x["labels"],
-        "job/mtp/mask": x["loss_mask"],
-        "job/mtp/segment_ids": seg,
-        "job/mtp/mode": np.array(mode),
-        "job/mtp/scale": np.array(LAMBDA),
+        f"job/{tag}lm/kind": np.array("lm"),
+        f"job/{tag}lm/logits": out["main"],
+        f"job/{tag}lm/labels": x["labels"],
+        f"job/{tag}lm/mask": x["loss_mask"],
+        f"job/{tag}lm/segment_ids": seg,
+        f"job/{tag}lm/microbatch_rows": np.array(B // k),
+        f"job/{tag}mtp/kind": np.array("mtp"),
+        f"job/{tag}mtp/mtp_logits": out["mtp"][None],  # [D=1, B, S, V]
+        f"job/{tag}mtp/labels": x["labels"],
+        f"job/{tag}mtp/mask": x["loss_mask"],
+        f"job/{tag}mtp/segment_ids": seg,
+        f"job/{tag}mtp/mode": np.array(mode),
+        f"job/{tag}mtp/scale": np.array(LAMBDA),
     }
-    for r in range(2):  # router r's microbatches: calls r, r+2, ... (decoder MoE, then the MTP layer's MoE)
-        probs = np.stack(rec.probs[r::2]).astype(np.float32)
-        routing = np.stack(rec.routing[r::2])
+    for r in range(2):
         jobs.update(
             {
-                f"job/aux{r}/kind": np.array("moe"),
-                f"job/aux{r}/probs": probs,
-                f"job/aux{r}/counts": routing.sum(1),
-                f"job/aux{r}/tokens": np.full(len(probs), probs.shape[1], np.int64),
-                f"job/aux{r}/topk": np.array(TOPK),
-                f"job/aux{r}/coeff": np.array(COEFF),
+                f"job/{tag}aux{r}/kind": np.array("moe"),
+                f"job/{tag}aux{r}/probs": out["probs"][r],
+                f"job/{tag}aux{r}/counts": out["routing"][r].sum(1),
+                f"job/{tag}aux{r}/tokens": np.full(k, out["probs"].shape[2], np.int64),
+                f"job/{tag}aux{r}/topk": np.array(TOPK),
+                f"job/{tag}aux{r}/coeff": np.array(COEFF),
             }
         )
     return jobs
 
 
-def _released_loss(rec: Recorder, k: int) -> float:
+CASES = [("per_sample", 1), ("per_sample", 2), ("per_sample", 4), ("per_token", 2), ("per_document", 4)]
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[tuple[str, int], tuple[dict[str, Any], dict[str, np.ndarray]]]:
+    """Every case run on one model (built once), then one torch-reference call for all of them."""
+    net, rec = _build()
+    patch = pytest.MonkeyPatch()
+    _recording_router_functions(rec, patch)
+    try:
+        outs = {case: _run(net, rec, *case) for case in CASES}
+    finally:
+        patch.undo()
+    jobs: dict[str, np.ndarray] = {}
+    for (mode, k), out in outs.items():
+        jobs.update(_jobs(f"{mode}{k}", out, mode, k))
+    ref = run(jobs)
+    return {
+        (mode, k): (out, {key[len(f"{mode}{k}") :]: v for key, v in ref.items() if key.startswith(f"{mode}{k}")})
+        for (mode, k), out in outs.items()
+    }
+
+
+def _released_loss(logits: np.ndarray, k: int) -> float:
     """MindFormers' logged loss in float64 from the recorded logits: the mean over microbatches of each one's
     masked token mean ``Σ m·l / (Σ m + 1e-8)``."""
     x = _batch()
-    z = np.concatenate(rec.main).astype(np.float64)
+    z = logits.astype(np.float64)
     lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
     nll = lse - np.take_along_axis(z, x["labels"][..., None].astype(np.int64), -1)[..., 0]
     m, rows = x["loss_mask"], B // k
-    return float(
-        sum((nll[r : r + rows] * m[r : r + rows]).sum() / (m[r : r + rows].sum() + 1e-8) for r in range(0, B, rows)) / k
-    )
+    means = [(nll[r : r + rows] * m[r : r + rows]).sum() / (m[r : r + rows].sum() + 1e-8) for r in range(0, B, rows)]
+    return float(sum(means) / k)
 
 
-@pytest.mark.parametrize(
-    ("mode", "k"), [("per_sample", 1), ("per_sample", 2), ("per_sample", 4), ("per_token", 2), ("per_document", 4)]
-)
-def test_tiny_deepseek_v3_objective_mtp_and_aux_match_torch(model, monkeypatch, mode: str, k: int) -> None:
-    out = _run(model, mode, k, monkeypatch)
-    rec = model[1]
-    assert len(rec.main) == k and len(rec.mtp) == k and len(rec.aux) == 2 * k == len(rec.probs)
-    ref = run(_jobs(rec, mode, k))
-    logs = out["logs"]
-    np.testing.assert_allclose(logs["lossparity/lm_objective"].asnumpy(), ref[f"lm/{mode}/objective"], rtol=1e-6)
-    np.testing.assert_allclose(LAMBDA * logs["lossparity/mtp_objective"].asnumpy(), ref["mtp/objective"], rtol=1e-6)
-    np.testing.assert_allclose(out["loss"], _released_loss(rec, k), rtol=1e-6)  # MindFormers' loss, as released
-    aux = np.array(rec.aux).reshape(k, 2).T  # [router, microbatch]
-    for r in range(2):
-        np.testing.assert_allclose(aux[r], ref[f"aux{r}/global_running"], rtol=1e-6)
-    # MindFormers' layer-wise tracker: Σ over layers and microbatches of A_m / coeff
-    np.testing.assert_allclose(out["tracker"].sum() * COEFF, aux.sum(), rtol=1e-6)
+@pytest.mark.parametrize(("mode", "k"), CASES)
+def test_tiny_deepseek_v3_objective_mtp_aux_and_logit_gradients_match_torch(runs, mode: str, k: int) -> None:
+    out, ref = runs[(mode, k)]
+    assert out["calls"] == (k, k, 2 * k, 2 * k, 2 * k)  # per microbatch: 1 main loss, 1 MTP depth, 2 routers
+    np.testing.assert_allclose(out["lm_objective"], ref[f"lm/{mode}/objective"], rtol=1e-6)
+    np.testing.assert_allclose(LAMBDA * out["mtp_objective"], ref["mtp/objective"], rtol=1e-6)
+    np.testing.assert_allclose(out["loss"], _released_loss(out["main"], k), rtol=1e-6)  # MindFormers' own, kept
+    for r in range(2):  # both routers' global_aux_loss A_m, microbatch by microbatch
+        np.testing.assert_allclose(out["aux"][r], ref[f"aux{r}/global_running"], rtol=1e-6)
+    # MindFormers' layer-wise tracker: Σ over its layer slots and the microbatches of A_m / coeff
+    np.testing.assert_allclose(out["tracker"].sum() * COEFF, out["aux"].sum(), rtol=1e-6)
+    np.testing.assert_allclose(out["grads"][0], ref[f"lm/{mode}/grad"], rtol=1e-5, atol=1e-6)
+    # MTP: MindFormers 2.0.0's process_mtp_loss divides each microbatch's depth loss by its own token count
+    # with no guard, so a microbatch without a depth-1 target (GA 4: row 1 alone) back-propagates 0/0 into its
+    # MTP logits, with or without lossparity (the hook's own term is finite there: its log matched above)
+    rows = B // k
+    depth_mask = np.concatenate([_batch()["loss_mask"][:, 1:], np.zeros((B, 1), np.float32)], 1)
+    empty = np.repeat(depth_mask.reshape(k, rows * S).sum(1) == 0, rows)
+    assert empty.any() == (k == 4)
+    assert np.isnan(out["grads"][1][empty]).all()
+    np.testing.assert_allclose(out["grads"][1][~empty], ref["mtp/grad"][0][~empty], rtol=1e-5, atol=1e-6)
