@@ -200,7 +200,8 @@ def _run(net: Any, rec: Recorder, mode: str, k: int) -> dict[str, Any]:
     """One training step of the model at GA ``k`` with the hook installed in ``mode``."""
     for name in vars(rec):
         getattr(rec, name).clear()
-    net.reset_model_temporary_tensors()  # the routers' running counts (MindFormers' own reset)
+    # no reset here: the routers' running counts carry over from the previous case unless the hook's
+    # global_aux_reset fix resets them at the start of the step (the torch reference starts each case fresh)
     get_moe_layer_wise_logging_tracker().clear()
     inputs = {key: Tensor(v) for key, v in _batch().items()}
     if mode == "per_document":
