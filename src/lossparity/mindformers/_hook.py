@@ -322,8 +322,7 @@ class Installed:
             c
             for m in _models(self.trainer)
             for c in _cells(m)
-            if hasattr(c, "compute_language_model_loss")
-            and not isinstance(c.compute_language_model_loss, ms.nn.Cell)
+            if hasattr(c, "compute_language_model_loss") and not isinstance(c.compute_language_model_loss, ms.nn.Cell)
         ]
         if not cells:
             raise MindFormersRefusal("lossparity.mindformers: the model has no compute_language_model_loss")
