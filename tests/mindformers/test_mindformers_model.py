@@ -29,7 +29,11 @@ import _cpu_ops  # noqa: E402 (after the context is set)
 _cpu_ops.enable_model()
 from mindformers.models.deepseek3.configuration_deepseek_v3 import DeepseekV3Config  # noqa: E402
 from mindformers.models.deepseek3.modeling_deepseek_v3_pynative import PyNativeDeepseekV3ForCausalLM  # noqa: E402
+from mindformers.models.deepseek4.configuration_deepseek_v4 import DeepseekV4Config  # noqa: E402
+from mindformers.models.deepseek4.modeling_deepseek_v4_pynative import PyNativeDeepseekV4ForCausalLM  # noqa: E402
 from mindformers.pynative.trainer.trainer import Trainer  # noqa: E402
+from mindformers.pynative.transformers.experimental_attention_variant import csa  # noqa: E402
+from mindformers.pynative.transformers.experimental_attention_variant import utils as indexer_utils  # noqa: E402
 from mindformers.pynative.transformers.moe import router as router_mod  # noqa: E402
 from mindformers.pynative.transformers.moe.moe_utils import get_moe_layer_wise_logging_tracker  # noqa: E402
 
@@ -317,3 +321,69 @@ def test_tiny_deepseek_v3_objective_mtp_aux_and_logit_gradients_match_torch(runs
     assert empty.any() == (k == 4)
     assert np.isnan(out["grads"][1][empty]).all()
     np.testing.assert_allclose(out["grads"][1][~empty], ref["mtp/grad"][0][~empty], rtol=1e-5, atol=1e-6)
+
+
+# -- the tiny DeepSeek-V4 model: the indexer loss over its 3 layers --------------------------------------------
+
+
+def _v4_config() -> Any:
+    """DeepSeek-V4's hybrid attention at toy size: 3 layers, each a compressed sparse attention with an indexer
+    (compress ratio 4), hyper-connections (2 streams), MoE layers. CPU deviations: float32, softmax routing,
+    no hash layers, no MTP, the unfused (naive) indexer and CSA paths (``apply_dsa_kernel_fusion`` off:
+    the fused path is Ascend-only and requires ``csa_window_size`` 128)."""
+    return DeepseekV4Config(
+        vocab_size=V, seq_length=S, max_position_embeddings=S, hidden_size=16, num_hidden_layers=3,
+        num_nextn_predict_layers=0, num_attention_heads=2, num_key_value_heads=1, head_dim=8, qk_nope_head_dim=4,
+        qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=8, o_lora_rank=8, o_groups=2, index_n_heads=2,
+        index_head_dim=4, index_topk=4, num_hash_layers=0, compress_ratios=[4, 4, 4], sliding_window=4,
+        hc_mult=2, n_routed_experts=E, num_experts_per_tok=TOPK, moe_intermediate_size=8,
+        moe_shared_expert_intermediate_size=8, scoring_func="softmax", moe_grouped_gemm=True,
+        moe_router_fusion=False, moe_permute_fusion=False, moe_router_enable_expert_bias=False,
+        moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=COEFF, apply_dsa_kernel_fusion=False,
+        use_fused_mhc=False, dsa_indexer_loss_coeff=0.01, params_dtype="float32", compute_dtype="float32",
+        layernorm_compute_dtype="float32", softmax_compute_dtype="float32", rotary_dtype="float32",
+        router_dense_type="float32", pad_token_id=0,
+    )  # fmt: skip
+
+
+def test_tiny_deepseek_v4_index_loss_is_the_mean_over_its_3_layers(monkeypatch) -> None:
+    """``get_index_loss()`` of the model after a step: with the hook's ``indexer_layers`` fix, the mean over the
+    3 layers of the indexer losses their CSA cores computed; as released (``fixes="mindformers-2.0.0"``),
+    layers 1 and 2 share slot 1 and the sum is divided by the 2 slots."""
+    monkeypatch.setattr(ms.ops, "rms_norm", _cpu_ops._rms_norm)  # the hyper-connections and CSA take it at build
+    net = PyNativeDeepseekV4ForCausalLM(_v4_config())
+    rng = np.random.default_rng(2)
+    for p in net.get_parameters():
+        if p.requires_grad:
+            p.set_data(Tensor(((1.0 if p.ndim == 1 else 0.0) + rng.normal(0.0, 0.3, p.shape)).astype(np.float32)))
+        else:
+            p.set_data(Tensor(np.zeros(p.shape, np.float32)).astype(p.dtype))
+    net.set_train(True)
+    calls: list[tuple[int, float]] = []
+    save = csa.save_to_indexer_losses_tracker
+
+    def record(loss: Tensor, layer_number: int, num_layers: int) -> None:
+        calls.append((int(layer_number), float(loss.asnumpy().reshape(-1)[0])))
+        save(loss, layer_number, num_layers)
+
+    monkeypatch.setattr(csa, "save_to_indexer_losses_tracker", record)
+    inputs = {key: Tensor(v) for key, v in _batch().items()}
+    results = {}
+    for fixes in ("lossparity", "mindformers-2.0.0"):
+        calls.clear()
+        indexer_utils.get_indexer_loss_tracker().clear()
+        trainer = ProbeTrainer(net, 1)
+        handle = lpmf.install(trainer, "per_sample", fixes=fixes)
+        try:  # forward only (one microbatch): the indexer's backward is not part of this check
+            trainer.compute_loss(trainer.model, trainer._split_micro_batch(inputs, 0))
+        finally:
+            handle.uninstall()
+        results[fixes] = (list(calls), float(net.get_index_loss().asnumpy().reshape(-1)[0]))
+    (fixed_calls, fixed), (released_calls, released) = results["lossparity"], results["mindformers-2.0.0"]
+    per_layer = np.array([v for _, v in fixed_calls], np.float64)
+    assert [slot for slot, _ in fixed_calls] == [1, 2, 3]
+    assert [slot for slot, _ in released_calls] == [1, 1, 2]  # MindFormers 2.0.0: max(1, layer_number)
+    np.testing.assert_allclose([v for _, v in released_calls], per_layer, rtol=1e-6)  # the same forward
+    assert per_layer.min() > 0
+    np.testing.assert_allclose(fixed, per_layer.mean(), rtol=1e-6)
+    np.testing.assert_allclose(released, per_layer.sum() / 2, rtol=1e-6)
