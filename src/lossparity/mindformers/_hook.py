@@ -316,7 +316,14 @@ class Installed:
 
     @property
     def _lm_cells(self) -> list[Any]:
-        cells = [c for m in _models(self.trainer) for c in _cells(m) if hasattr(c, "compute_language_model_loss")]
+        # GPTModel's method; not MindFormers' MultiTokenPredictionBlock, whose attribute of that name is a
+        # CrossEntropyLoss sub-cell that its loss path never calls (process_mtp_loss is given GPTModel's method)
+        cells = [
+            c
+            for m in _models(self.trainer)
+            for c in _cells(m)
+            if hasattr(c, "compute_language_model_loss") and not isinstance(c.compute_language_model_loss, ms.nn.Cell)
+        ]
         if not cells:
             raise MindFormersRefusal("lossparity.mindformers: the model has no compute_language_model_loss")
         return cells
