@@ -58,6 +58,12 @@ MEGATRON_TESTS=(  # the representative subset run in it (the full matrix: script
   tests/test_moe_toolkit.py::test_seq_load_balancing_loss_matches_megatron_sb
   tests/test_moe_toolkit.py::test_global_running_matches_megatron_over_microbatches
   tests/test_docs.py::test_moe_worked_example_matches_megatron
+  # MoEAccounting's megatron_quirks against this release's router and metrics tracker (the file's other
+  # tests check lossparity against its naive float64 reference only: nothing release-specific)
+  tests/test_moe_accounting.py::test_megatron_quirks_match_megatron_single_rank
+  tests/test_moe_accounting.py::test_megatron_per_token_loss_deferred_equals_precount
+  tests/test_moe_accounting.py::test_megatron_repeated_mtp_layer
+  tests/test_moe_accounting.py::test_gloo_megatron_global_aux_gradient_is_one_over_d_of_its_log
 )
 
 find_python() {  # $1 = X.Y: prints a Python X.Y interpreter (PYTHONXY, pythonX.Y on PATH, or pyenv's), or nothing

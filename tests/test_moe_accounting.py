@@ -4,6 +4,7 @@ and (``megatron_quirks``) against Megatron-LM's own router/tracker code driven r
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import types
 
@@ -544,6 +545,16 @@ class _Group:
         return self._size
 
 
+def _simulated_all_reduce(vals, group, mean):
+    """One all-reduce over the simulated ranks' tensors: a group of one rank (tp_cp here) leaves each rank's
+    value; a group of all D ranks (tp_dp_cp, dp) gives every rank the sum (or mean)."""
+    if group is None or group.size() == 1:
+        return vals
+    assert group.size() == len(vals), (group.name, group.size(), len(vals))
+    total = sum(vals)
+    return [total / len(vals) if mean else total] * len(vals)
+
+
 _MEG_TYPE = {"microbatch": "aux_loss", "sequence": "seq_aux_loss", "global_running": "global_aux_loss"}
 
 
@@ -564,15 +575,24 @@ def _megatron_step(mp, batch, D, K, *, scope, per_token, alpha=ALPHA, beta=BETA,
 
     Run with megatron-core's own ``TopKRouter._apply_aux_loss / _apply_seq_aux_loss /
     _apply_global_aux_loss / apply_z_loss / attach_and_log_load_balancing_loss``,
-    ``MoEAuxLossAutoScaler`` and ``save_to_aux_losses_tracker`` / ``track_moe_metrics`` on a stand-in
-    router (one per simulated rank and MoE layer). Transcribed: the schedule's aux scale (``cp/K`` or 1
-    with ``calculate_per_token_loss``), DDP's 1/D (or finalize's 1/Ntok), the tracker's cross-rank
-    reductions (sum over the reduce group, DP average), the float64 routing scores, and the Megatron-LM
-    main-branch changes missing from megatron-core 0.16.1: seq ``valid_token_count × bsz``, ×|TP×CP| (=1
-    here), repeated-MTP ``aux / mtp_num_layers`` and z log ``/ mtp_num_layers``, z log DP average."""
+    ``MoEAuxLossAutoScaler`` and the release's metrics tracker on a stand-in router (one per simulated rank
+    and MoE layer). Transcribed: the schedule's aux scale (``cp/K`` or 1 with ``calculate_per_token_loss``),
+    DDP's 1/D (or finalize's 1/Ntok), the tracker's cross-rank reductions, the float64 routing scores.
+
+    Two tracker APIs (chosen by what the installed router module logs through):
+    - megatron-core 0.16.1 (``save_to_aux_losses_tracker`` / ``track_moe_metrics``): the Megatron-LM
+      main-branch changes it lacks are transcribed onto its router: seq ``valid_token_count × bsz``,
+      ×|TP×CP| (=1 here), repeated-MTP ``aux / mtp_num_layers`` and z log ``/ mtp_num_layers``, z log DP
+      average (sum over the reduce group, then DP average unless the group has DP).
+    - megatron-core 0.19.2 (``get_moe_metrics_tracker().record`` / ``.report``): those changes ship in the
+      router itself (the stand-in's MTP router has ``is_mtp_layer`` and ``mtp_use_repeated_layer``); only
+      ``MoEMetricsTracker._sync_metrics``' all-reduces (reduce group sum, avg group average, DP average)
+      are transcribed over the simulated ranks."""
     moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
     router_mod = pytest.importorskip("megatron.core.transformer.moe.router")
     TopKRouter, Scaler = router_mod.TopKRouter, moe_utils.MoEAuxLossAutoScaler
+    # 0.16.1's router imports save_to_aux_losses_tracker; 0.19.2's records through get_moe_metrics_tracker
+    legacy = hasattr(router_mod, "save_to_aux_losses_tracker")
     logits, valid, lm_mask, _ = batch
     n_rows = valid.shape[0]
     leaf = logits[step].clone().requires_grad_(True)
@@ -593,12 +613,13 @@ def _megatron_step(mp, batch, D, K, *, scope, per_token, alpha=ALPHA, beta=BETA,
         return orig_apply(out, aux)
 
     mp.setattr(Scaler, "apply", staticmethod(capture_apply))
-    orig_save = moe_utils.save_to_aux_losses_tracker
+    if legacy:
+        orig_save = moe_utils.save_to_aux_losses_tracker
 
-    def save_newest(name, loss, *a, **k):  # main branch: a repeated MTP layer's z log is / mtp_num_layers
-        return orig_save(name, loss / R if (name == "z_loss" and ctx["repeated"]) else loss, *a, **k)
+        def save_newest(name, loss, *a, **k):  # main branch: a repeated MTP layer's z log is / mtp_num_layers
+            return orig_save(name, loss / R if (name == "z_loss" and ctx["repeated"]) else loss, *a, **k)
 
-    mp.setattr(router_mod, "save_to_aux_losses_tracker", save_newest)
+        mp.setattr(router_mod, "save_to_aux_losses_tracker", save_newest)
 
     def attach_newest(self, activation, coeff, aux, name, group, reduce_group_has_dp=False, valid_token_count=None):
         if ctx["repeated"]:
@@ -610,8 +631,10 @@ def _megatron_step(mp, batch, D, K, *, scope, per_token, alpha=ALPHA, beta=BETA,
         )
 
     config = types.SimpleNamespace(
-        num_layers=slots,
-        mtp_num_layers=None,
+        # 0.19.2 numbers the repeated MTP layer after the main layers and divides its terms by mtp_num_layers
+        num_layers=slots if legacy or not R else L - R,
+        mtp_num_layers=None if legacy or not R else R,
+        mtp_use_repeated_layer=bool(R) and not legacy,
         num_moe_experts=E,
         moe_router_fusion=False,
         moe_aux_loss_coeff=alpha,
@@ -619,12 +642,14 @@ def _megatron_step(mp, batch, D, K, *, scope, per_token, alpha=ALPHA, beta=BETA,
     )
 
     def make_router(slot):
+        mtp = bool(R) and not legacy and slot == slots - 1
         f = types.SimpleNamespace(
             topk=TOPK,
             config=config,
             tp_cp_group=tp_cp,
             tp_dp_cp_group=tp_dp_cp,
-            layer_number=slot + 1,
+            is_mtp_layer=mtp,
+            layer_number=1 if mtp else slot + 1,
             calculate_per_token_loss=per_token,
             training=True,
             routing_type=_MEG_TYPE[scope],
@@ -638,13 +663,19 @@ def _megatron_step(mp, batch, D, K, *, scope, per_token, alpha=ALPHA, beta=BETA,
             "_apply_global_aux_loss",
             "apply_z_loss",
             "get_aux_loss_coeff",
+            "attach_and_log_load_balancing_loss",
         ):
             setattr(f, name, types.MethodType(getattr(TopKRouter, name), f))
-        f.attach_and_log_load_balancing_loss = types.MethodType(attach_newest, f)
+        if legacy:
+            f.attach_and_log_load_balancing_loss = types.MethodType(attach_newest, f)
         return f
 
     routers = [[make_router(s) for s in range(slots)] for _ in range(D)]
-    trackers = [{} for _ in range(D)]
+    if legacy:
+        trackers: list = [{} for _ in range(D)]
+    else:
+        moe_logging = importlib.import_module("megatron.core.transformer.moe.moe_logging")
+        trackers = [moe_logging.MoEMetricsTracker() for _ in range(D)]
     mbs = [microbatches(n_rows, D, r, K) for r in range(D)]
     scale = torch.tensor(1.0 if per_token else 1.0 / K, dtype=torch.float64)  # schedule: cp/num_microbatches
     J = torch.zeros((), dtype=torch.float64)
@@ -661,7 +692,10 @@ def _megatron_step(mp, batch, D, K, *, scope, per_token, alpha=ALPHA, beta=BETA,
                 rmap = torch.zeros_like(lg, dtype=torch.bool).scatter(1, top, True) & ~pad[:, None]
                 views[(r, i)] = (lg, scores * (~pad)[:, None], rmap, pad, b)
         for r in range(D):
-            mp.setattr(moe_utils, "_MOE_LAYER_WISE_LOGGING_TRACKER", trackers[r])
+            if legacy:
+                mp.setattr(moe_utils, "_MOE_LAYER_WISE_LOGGING_TRACKER", trackers[r])
+            else:
+                mp.setattr(moe_logging, "_MOE_METRICS_TRACKER", trackers[r])
             ctx["captured"] = []
             outs = []
             for i in range(L):
@@ -683,20 +717,37 @@ def _megatron_step(mp, batch, D, K, *, scope, per_token, alpha=ALPHA, beta=BETA,
             sum((o * 0).sum() for o in outs).backward()
             J = J + sum(ctx["captured"]) * scale
     ddp = 1.0 / max(float(lm_mask.sum()), 1.0) if per_token else 1.0 / D  # finalize 1/Ntok, or DDP average
-    # tracker reductions: sum over the reduce group (tp_cp: one rank; tp_dp_cp: all), then DP average
-    # unless the group has DP; z (main branch): average over tp_dp_cp.
-    combined = {}
-    for name in trackers[0]:
-        vals = [t[name]["values"] for t in trackers]
-        group = trackers[0][name]["reduce_group"]
-        v = sum(vals) if group is not None and group.name == "tp_dp_cp" else sum(vals) / D
-        combined[name] = {"values": v, "reduce_group": None, "avg_group": None, "reduce_group_has_dp": True}
-    mp.setattr(moe_utils, "_MOE_LAYER_WISE_LOGGING_TRACKER", combined)
+    # The combined tracker holds the reduced values; the release's own report() then runs with its
+    # all-reduces as no-ops (every group below is already reduced).
     mp.setattr(torch.distributed, "all_reduce", lambda *a, **k: None)
     mp.setattr(moe_utils.parallel_state, "get_pipeline_model_parallel_group", lambda *a, **k: None)
     mp.setattr(moe_utils.parallel_state, "get_data_parallel_group", lambda *a, **k: None)
-    logs = {}
-    moe_utils.track_moe_metrics(loss_scale=1.0 / K, iteration=0, total_loss_dict=logs, num_layers=slots)
+    logs: dict = {}
+    if legacy:
+        # tracker reductions: sum over the reduce group (tp_cp: one rank; tp_dp_cp: all), then DP average
+        # unless the group has DP; z (main branch): average over tp_dp_cp.
+        combined = {}
+        for name in trackers[0]:
+            vals = [t[name]["values"] for t in trackers]
+            group = trackers[0][name]["reduce_group"]
+            v = sum(vals) if group is not None and group.name == "tp_dp_cp" else sum(vals) / D
+            combined[name] = {"values": v, "reduce_group": None, "avg_group": None, "reduce_group_has_dp": True}
+        mp.setattr(moe_utils, "_MOE_LAYER_WISE_LOGGING_TRACKER", combined)
+        moe_utils.track_moe_metrics(loss_scale=1.0 / K, iteration=0, total_loss_dict=logs, num_layers=slots)
+    else:
+        # MoEMetricsTracker._sync_metrics' order over the D simulated ranks (PP: one stage): sum over the
+        # entry's reduce_group, average over its avg_group, then average over DP if needs_dp_avg.
+        dp = _Group("dp", D)
+        merged = moe_logging.MoEMetricsTracker()
+        for name, entry in trackers[0].metrics.items():
+            vals = [t.metrics[name].values for t in trackers]
+            vals = _simulated_all_reduce(vals, entry.reduce_group, mean=False)
+            vals = _simulated_all_reduce(vals, entry.avg_group, mean=True)
+            if entry.needs_dp_avg:
+                vals = _simulated_all_reduce(vals, dp, mean=True)
+            merged.metrics[name] = moe_logging.MetricEntry(values=vals[0], needs_dp_avg=False)
+        # the MoE layer count: L - R main layers and the repeated MTP layer counted once (as for 0.16.1)
+        merged.report(loss_scale=1.0 / K, iteration=0, total_loss_dict=logs, num_layers=slots)
     return {"grad": leaf.grad * ddp, "J": float(J) * ddp, "logs": {k: float(v) for k, v in logs.items()}}
 
 
@@ -817,14 +868,27 @@ QUIRK_CONFIGS = {
 KS = {2: [1, 2, 4], 4: [1, 2]}
 
 
-@pytest.fixture(scope="module")
-def gloo_results():
-    jobs2 = [("main", False, KS[2], {**EXACT_CONFIGS, **QUIRK_CONFIGS})]
-    jobs4 = [
+GLOO_JOBS = {
+    2: [("main", False, KS[2], {**EXACT_CONFIGS, **QUIRK_CONFIGS})],
+    4: [
         ("main", False, KS[4], EXACT_CONFIGS),
         ("hollow", True, [2], {"run": EXACT_CONFIGS["run"], "lag": EXACT_CONFIGS["lag"]}),
-    ]
-    return {world: spawn(layout_worker, world, N_ROWS, jobs, timeout_s=90) for world, jobs in ((2, jobs2), (4, jobs4))}
+    ],
+}
+
+
+class _WorldsOnFirstUse(dict):
+    """world -> per-rank results, spawned on first use: a run that selects only 2-rank tests (the Megatron
+    0.19.2 subset in dev.sh) starts no 4-rank world."""
+
+    def __missing__(self, world):
+        self[world] = spawn(layout_worker, world, N_ROWS, GLOO_JOBS[world], timeout_s=90)
+        return self[world]
+
+
+@pytest.fixture(scope="module")
+def gloo_results():
+    return _WorldsOnFirstUse()
 
 
 @pytest.mark.slow
