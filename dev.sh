@@ -187,14 +187,43 @@ print(f"{part:>10}: {status} (exit {rc}, {secs} s): {counts}")
 PYEOF
 }
 
+# The side environments (megatron, maxtext, mindformers, rl) are mostly downloads and unpacking, waiting on the
+# network and the disk: run_parts builds them in the background while the static checks and the main suite run,
+# and waits for a part's own build just before that part (a background job can only be waited for by this shell,
+# not by the part's subshell). The part then calls its ensure_<name>_env itself: a no-op after a build that
+# succeeded; after one that failed, the failure's output is printed and the build runs again in the foreground.
+declare -A PREFETCH_PID=()
+PREFETCH_DIR=""
+prefetch_envs() {  # $@: part names; ensure_<name>_env of each part that has one, in the background
+  local part
+  PREFETCH_DIR="$(mktemp -d "${TMPDIR:-/tmp}/lossparity-envs-XXXXXX")"
+  for part in "$@"; do
+    declare -F "ensure_${part}_env" >/dev/null || continue
+    ("ensure_${part}_env" >"$PREFETCH_DIR/$part.log" 2>&1) &
+    PREFETCH_PID[$part]=$!
+  done
+}
+
+await_env() {  # $1: a part name; waits for its background build, if any
+  local pid="${PREFETCH_PID[$1]:-}"
+  [ -n "$pid" ] || return 0
+  if ! wait "$pid"; then
+    echo "dev.sh: the background build of the $1 environment failed; its output:" >&2
+    cat "$PREFETCH_DIR/$1.log" >&2
+  fi
+  unset "PREFETCH_PID[$1]"
+}
+
 run_parts() {  # runs the parts named (each with the pytest arguments PART_ARGS), then the summary
   local part rc start counts lines=() failed=0
   local -a names=("$@")
+  prefetch_envs "${names[@]}"
   for part in "${names[@]}"; do
     counts="$(mktemp -u "${TMPDIR:-/tmp}/lossparity-$part-XXXXXX.json")"
     start=$SECONDS
     echo "== ./dev.sh test: $part" >&2
     set +e  # a failing part must not stop the others: run it in a subshell that keeps its own set -e
+    await_env "$part"
     (set -e; LOSSPARITY_TEST_SUMMARY="$counts" "${part}_tests" "${PART_ARGS[@]}")
     rc=$?
     set -e
