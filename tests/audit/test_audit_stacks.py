@@ -123,7 +123,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_exit_codes_and_json(tmp_path):
+def test_cli_exit_codes_and_json(tmp_path, capsys):
     out = tmp_path / "r.json"
     p = _cli(
         "--step", f"{STACKS}:mean_over_ga", "--model", f"{STACKS}:tiny_llama", "--classes", "ga", "--json", str(out)
@@ -132,15 +132,23 @@ def test_cli_exit_codes_and_json(tmp_path):
     assert "| K2 b4 | ga | per_microbatch |" in p.stdout
     data = json.loads(out.read_text())
     assert data["first_broken"] == "ga" and data["exit_code"] == 1
-    p = _cli("--step", f"{STACKS}:raising_step", "--model", f"{STACKS}:tiny_llama", "--classes", "ga")
-    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert "the user's step failed" in p.stderr and "_stacks.py:" in p.stderr  # the user's file and line
-    p = _cli("--step", f"{STACKS}:nope", "--model", f"{STACKS}:tiny_llama")
-    assert p.returncode == 2 and "has no attribute 'nope'" in p.stderr and len(p.stderr.strip().splitlines()) == 1
-    p = _cli("--kernel", f"{STACKS}:first_token_kernel")
-    assert p.returncode == 1 and "FAIL" in p.stdout
-    p = _cli("--trainer", f"{STACKS}:trainer_factory", "--classes", "gaa")
-    assert p.returncode == 2 and "unknown class 'gaa'" in p.stderr
+
+    def cli(*args: str) -> tuple[int, str, str]:  # the same CLI in this process (no interpreter start)
+        from lossparity.cli import main
+
+        code = main(["audit", *args])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    code, _, err = cli("--step", f"{STACKS}:raising_step", "--model", f"{STACKS}:tiny_llama", "--classes", "ga")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "the user's step failed" in err and "_stacks.py:" in err  # the user's file and line
+    code, _, err = cli("--step", f"{STACKS}:nope", "--model", f"{STACKS}:tiny_llama")
+    assert code == 2 and "has no attribute 'nope'" in err and len(err.strip().splitlines()) == 1
+    code, out, _ = cli("--kernel", f"{STACKS}:first_token_kernel")
+    assert code == 1 and "FAIL" in out
+    code, _, err = cli("--trainer", f"{STACKS}:trainer_factory", "--classes", "gaa")
+    assert code == 2 and "unknown class 'gaa'" in err
 
 
 def _local_step(model, microbatches, ctx):
