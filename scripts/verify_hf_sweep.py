@@ -113,6 +113,7 @@ def main() -> int:
     with open(args.out, "a") as f:
         f.write("| model_type | result | worst difference | wall s | note |\n|---|---|---|---|---|\n")
     counts: dict[str, int] = {}
+    start, tracebacks = time.perf_counter(), 0
     for mt in todo:
         cmd = [sys.executable, "-m", "lossparity", "verify", "--hf", mt]
         if args.modes:
@@ -135,11 +136,18 @@ def main() -> int:
             note = "float32 floor " + floor.split("its floor is ")[1].split(" ")[0]
         if "Traceback" in err:
             note = "TRACEBACK: " + note
+            tracebacks += 1
         note = note.replace("|", "/")[:240]
         with open(args.out, "a") as f:
             f.write(f"| {mt} | {result} | {_worst(out)} | {wall:.0f} | {note} |\n")
         print(mt, result, f"{wall:.0f} s", note, flush=True)
-    print(" ".join(f"{k} {v}" for k, v in counts.items()), f"of {len(todo)}")
+    # the totals line, also under the table: what the docs quote
+    order = ["PASS", "FAIL", "exit 2", *sorted(set(counts) - {"PASS", "FAIL", "exit 2"})]
+    total = ", ".join(f"{counts.get(k, 0)} {k}" for k in order) + f" of {len(todo)}; {tracebacks} with a traceback"
+    total += f" in {(time.perf_counter() - start) / 60:.0f} min"
+    with open(args.out, "a") as f:
+        f.write(f"\n{total}\n")
+    print(total)
     return 0
 
 
