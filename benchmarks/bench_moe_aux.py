@@ -22,7 +22,10 @@ machine-independent measure). Targets (issue 16): aux path <= 10% of the MoE lay
 with 1).
 
     python -m benchmarks.bench_moe_aux [--quick] [--json PATH] [--repeats N] [--threads N] [--device D]
-                                       [--presets tiny,small,medium,100m]
+                                       [--presets tiny,small,medium,100m] [--compiled]
+
+``--compiled`` prints another table instead: the per-microbatch aux math eager vs ``torch.compile``d, per
+call, with the compile time (benchmarks/moe_aux_compiled.py).
 """
 
 from __future__ import annotations
@@ -226,6 +229,22 @@ def megatron_case(preset: str, b: int, s: int, k: int, layers: int, repeats: int
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def _compiled(
+    args: argparse.Namespace, presets: list[str], shapes: dict, repeats: int, warmup: int, device: torch.device
+) -> dict:
+    """``--compiled``: the table of benchmarks/moe_aux_compiled.py (CPU; ``--repeats`` calls of each variant)."""
+    from .moe_aux_compiled import compiled_table
+
+    if device.type != "cpu":
+        raise SystemExit("--compiled: CPU only (--device cpu)")
+    table, results = compiled_table(presets, shapes, torch.get_num_threads(), repeats * 20, warmup * 10)
+    print(table)
+    payload = {"benchmark": "moe_aux_compiled", "machine": machine_info(device), "cases": results}
+    if args.json:
+        write_json(args.json, payload)
+    return payload
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark, print the Markdown table and return (and optionally write) the JSON payload."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -236,6 +255,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--presets", default="tiny,small", help="comma-separated model presets (default tiny,small)")
     parser.add_argument("--no-megatron", action="store_true", help="skip the megatron-core TopKRouter column")
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="instead: the per-microbatch aux math eager vs torch.compile (benchmarks/moe_aux_compiled.py)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -247,6 +271,8 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [p for p in presets if p not in shapes]
     if unknown:
         parser.error(f"--presets: unknown preset(s) {unknown}; valid: {', '.join(shapes)}")
+    if args.compiled:
+        return _compiled(args, presets, shapes, repeats, warmup, device)
     cases = [bench_case(p, *shapes[p], scope, repeats, warmup, device) for p in presets for scope in SCOPES]
     megatron = {}
     for p in presets:

@@ -54,7 +54,12 @@ def _cases(name):
 
 
 def _check(results, naive, name):
+    """Asserts every case of the layout; under ``-s`` prints, after the per-rank ``measured:`` lines, one
+    ``table row:`` per case (the worst gradient difference over both steps and every rank), in the order and
+    format of docs/megatron.md's table (scripts/megatron_matrix.sh joins both releases' rows into it)."""
+    rows = []
     for case in (c for c in _cases(name) if c != BIAS_CASE):
+        case_worst = 0.0
         for step, (want_logs, want_grads) in enumerate(naive[case[:2]]):
             # every parameter on every rank holding it (the stages hold parts; the embedding is on both ends)
             assert set().union(*(res[case][step][1] for res in results)) == set(want_grads), (name, case)
@@ -67,6 +72,9 @@ def _check(results, naive, name):
                 for key, want in want_logs.items():
                     assert logs[key] == pytest.approx(want, rel=TOL, abs=0), (name, case, step, key)
                 assert set(logs) == set(want_logs) | {"max_vio"}
+                case_worst = max(case_worst, worst)
+        rows.append(f"table row: | {name} | {case[0]} | {case[1]} | {case[2]} | {case_worst:.1e} |")
+    print("\n".join(sorted(rows)))
 
 
 def _check_bias(results, ref, name):
