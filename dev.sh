@@ -64,6 +64,8 @@ MEGATRON_TESTS=(  # the representative subset run in it (the full matrix: script
   tests/test_moe_accounting.py::test_megatron_per_token_loss_deferred_equals_precount
   tests/test_moe_accounting.py::test_megatron_repeated_mtp_layer
   tests/test_moe_accounting.py::test_gloo_megatron_global_aux_gradient_is_one_over_d_of_its_log
+  # the tracker's log arithmetic against this release's metrics tracker (MoEMetricsTracker on 0.19.2)
+  tests/test_moe_mindformers.py::test_tracker_log_value_matches_megatron_track_moe_metrics
 )
 
 find_python() {  # $1 = X.Y: prints a Python X.Y interpreter (PYTHONXY, pythonX.Y on PATH, or pyenv's), or nothing

@@ -289,27 +289,47 @@ def test_tracker_log_value_hand_worked():
 
 
 def test_tracker_log_value_matches_megatron_track_moe_metrics(monkeypatch):
-    # megatron-core's own tracker (0.16.1, one rank: its cross-rank reductions are the identity) on 4 decoder
-    # layers with moe_layer_freq [1, 0, 1, 1] and one MoE MTP layer: MoE layer numbers 1, 3, 4, 5
+    # megatron-core's own tracker (one rank: its cross-rank reductions are the identity) on 4 decoder layers
+    # with moe_layer_freq [1, 0, 1, 1] and one MoE MTP layer: MoE layer numbers 1, 3, 4, 5. Two tracker APIs,
+    # chosen by what the installed release provides: 0.16.1's module-level dict (save_to_aux_losses_tracker /
+    # track_moe_metrics), 0.19.2's MoEMetricsTracker (record / report; the old names are deprecated wrappers
+    # there, and get_moe_layer_wise_logging_tracker returns a copy).
     mu = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
-    monkeypatch.setattr(mu, "reduce_aux_losses_tracker_across_ranks", lambda *a, **k: None)
-    tracker = mu.get_moe_layer_wise_logging_tracker()
-    saved = dict(tracker)
-    tracker.clear()
+    try:
+        import megatron.core.transformer.moe.moe_logging as ml
+    except ImportError:  # 0.16.1
+        ml = None
     coeff, ga, moe_layers = 0.01, 3, [1, 3, 4, 5]
     terms = _randn(ga, len(moe_layers), seed=40).abs() * 0.02
-    try:
-        for m in range(ga):
-            for j, layer in enumerate(moe_layers):  # the router saves aux_loss / coeff (router.py)
-                value = torch.tensor(terms[m, j].item() / coeff, dtype=torch.float32)
-                mu.save_to_aux_losses_tracker("load_balancing_loss", value, layer, 5)
-        logged: dict[str, torch.Tensor] = {}
-        mu.track_moe_metrics(
-            1.0 / ga, 0, total_loss_dict=logged, num_layers=4, moe_layer_freq=[1, 0, 1, 1], mtp_num_layers=1
-        )
-    finally:
+    # the router saves aux_loss / coeff (router.py); float32, as the router's
+    values = [[torch.tensor(terms[m, j].item() / coeff, dtype=torch.float32) for j in range(4)] for m in range(ga)]
+    logged: dict[str, torch.Tensor] = {}
+    report = dict(total_loss_dict=logged, num_layers=4, moe_layer_freq=[1, 0, 1, 1], mtp_num_layers=1)
+    if ml is None:
+        monkeypatch.setattr(mu, "reduce_aux_losses_tracker_across_ranks", lambda *a, **k: None)
+        tracker = mu.get_moe_layer_wise_logging_tracker()
+        saved = dict(tracker)
         tracker.clear()
-        tracker.update(saved)
+        try:
+            for m in range(ga):
+                for j, layer in enumerate(moe_layers):
+                    mu.save_to_aux_losses_tracker("load_balancing_loss", values[m][j], layer, 5)
+            mu.track_moe_metrics(1.0 / ga, 0, **report)
+        finally:
+            tracker.clear()
+            tracker.update(saved)
+    else:
+        # _sync_metrics' all-reduces (PP, reduce group, DP average) on one rank: no-ops
+        monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: None)
+        monkeypatch.setattr(ml.parallel_state, "get_pipeline_model_parallel_group", lambda *a, **k: None)
+        monkeypatch.setattr(ml.parallel_state, "get_data_parallel_group", lambda *a, **k: None)
+        tracker = ml.MoEMetricsTracker()
+        monkeypatch.setattr(ml, "_MOE_METRICS_TRACKER", tracker)  # what the router's record() reaches
+        for m in range(ga):
+            for j, layer in enumerate(moe_layers):
+                ml.get_moe_metrics_tracker().record("load_balancing_loss", values[m][j], layer, 5)
+        ml.get_moe_metrics_tracker().report(1.0 / ga, 0, **report)
+    assert set(logged) == {"load_balancing_loss"}
     got = moe.tracker_log_value(terms.float(), coeff)
     torch.testing.assert_close(got, logged["load_balancing_loss"].float(), rtol=1e-6, atol=0)
 
