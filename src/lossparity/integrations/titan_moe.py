@@ -44,9 +44,15 @@ forward/backward, then ``end_step(group)`` (one all-reduce), which returns the l
 names: ``load_balancing_loss`` / ``seq_load_balancing_loss`` / ``global_load_balancing_loss`` (``A_l/α``
 averaged over MoE layers), ``z_loss`` (``Σ_x lse²/T`` averaged over layers), ``max_vio`` (of the step's
 dispatch counts, averaged over layers) and ``moe_terms`` (``Σ_l A_l + β·Σ_l z_l``, what the objective adds to
-torchtitan's ``loss``). Not supported (refused by the mixin): tensor, expert and context parallelism, and
-pipeline parallelism: torch's pipeline stages run the first microbatch's forward an extra time (with
-gradients on) for shape inference at the first step, which these hooks would record (docs/integrations.md).
+torchtitan's ``loss``). ``end_step`` refuses a step in which a layer's router did not route each of the
+``T`` tokens exactly once (a forward outside the step's microbatches would bias ``f`` and the bias update).
+
+Pipeline parallelism: each rank's ``TitanMoETerms`` holds its stages' MoE layers; ``T``, ``N`` and ``M`` come
+from the step's labels, which every stage fetches. At their first step torch's pipeline stages infer tensor
+metadata with one extra forward and backward (gradients on; the first microbatch on the first stage,
+uninitialized tensors of the received shapes on the others): forwards inside :meth:`paused` are left out,
+and the mixin runs that inference there. ``end_step(group, pipeline_group)`` sums the logs over the stages.
+Not supported (refused by the mixin): tensor, expert and context parallelism.
 """
 
 from __future__ import annotations
@@ -124,7 +130,9 @@ class TitanMoETerms:
         self.alpha = _check_coeff("aux_coeff", aux_coeff) if scope != "none" else 0.0
         self.beta = _check_coeff("z_coeff", z_coeff)
         parts = list(model_parts) if isinstance(model_parts, (list, tuple)) else [model_parts]
-        self.moes: list[Any] = [m for p in parts for m in p.modules() if isinstance(m, MoE)]
+        named = [(n, m) for p in parts for n, m in p.named_modules() if isinstance(m, MoE)]
+        self.moes: list[Any] = [m for _, m in named]
+        self._names = [n for n, _ in named]  # for the errors: slot l is the model's module of that name
         if not self.moes:
             raise ValueError("model_parts: no torchtitan MoE layer found; TitanMoETerms needs a MoE model")
         routers = [m.router for m in self.moes]
@@ -225,9 +233,9 @@ class TitanMoETerms:
         for layer, n in enumerate(routed):
             if n != self._tokens:
                 raise RuntimeError(
-                    f"MoE layer {layer}: its router routed {n:g} tokens in this step, the step's batch has "
-                    f"T = {self._tokens:g} (a router forward outside the step's microbatches, or a microbatch "
-                    "missed); the expert biases and the global_lagged fractions are left as they were"
+                    f"MoE layer {layer} ({self._names[layer]}): its router routed {n:g} tokens in this step, "
+                    f"the step's batch has T = {self._tokens:g} (a router forward outside the step's microbatches, "
+                    "or a microbatch missed); the expert biases and the global_lagged fractions are left as they were"
                 )
         self._frac_prev = top / self._tokens
         if self.own_bias:

@@ -17,9 +17,12 @@ their own global count (``N``, ``Ndoc``, ``D·K``) before the first forward:
 
 ``per_document`` reads the documents of packed rows from torchtitan's ``positions`` (per-document
 positions restarting at 0, passed to the loss when the dataloader provides them). MoE models: the
-router terms and expert biases of :mod:`lossparity.integrations.titan_moe` (``trainer.moe_terms``). Not
-supported: pipeline parallelism with per_document or MTP (torchtitan's schedule passes no ``positions`` to
-the loss), MTP with context parallelism (torchtitan's DeepSeek-V3 refuses it itself).
+router terms and expert biases of :mod:`lossparity.integrations.titan_moe` (``trainer.moe_terms``), with
+data and pipeline parallelism (under PP the stages' metadata-inference forward runs inside
+``TitanMoETerms.paused()`` and the logs are summed over the ``pp`` mesh; ``objective`` is logged on the last
+stage, where torchtitan's loss is). Not supported: pipeline parallelism with per_document or MTP
+(torchtitan's schedule passes no ``positions`` to the loss), MTP with context parallelism (torchtitan's
+DeepSeek-V3 refuses it itself), ``moe_terms`` with tensor, expert or context parallelism.
 
 Loss parallel (tensor parallelism with the logits sharded on the vocabulary, a DTensor ``pred``): the
 per-token losses come from a vocab-parallel cross-entropy on the local shards (three all-reduces over the
