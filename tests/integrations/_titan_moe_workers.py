@@ -165,7 +165,7 @@ def _trainer(parts, cfg, ga: int, pp_microbatches: int, dims: SimpleNamespace, g
     t.parallel_dims = dims
     t.model_parts, t.model_config, t.device, t.step, t.ntokens_seen = parts, cfg, "cpu", 1, 0
     t.gradient_accumulation_steps, t.num_pipeline_parallel_microbatches = ga, pp_microbatches
-    t.optimizers = _OptimWithHooks(parts[0], group)
+    t.optimizers = _OptimWithHooks(parts[0] if len(parts) == 1 else _Parts(parts), group)
     mesh = dims.get_optional_mesh("loss")
     hook_dims = SimpleNamespace(ep_enabled=False, tp=1, get_optional_mesh=lambda name: mesh if name == "loss" else None)
     register_moe_load_balancing_hook(t.optimizers, parts, hook_dims)  # torchtitan's own: must add 0
@@ -243,19 +243,37 @@ def run_titan_moe(rank: int, world: int, cases: list[tuple[str, str, int]]):
 
 def _bridge_step(self, *, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True, **kw):
     """torchtitan 0.3.0's call ``pp_schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=, ...)`` on torch 2.13's
-    single-stage schedules, whose ``step(*args, target=, **kwargs)`` would pass those names to the model: what
-    ``step`` does before its ``_step_microbatches`` (stage flag, runtime state), then that on the given
-    microbatches."""
-    self._stage.has_backward = self._has_backward
-    self._stage.clear_runtime_states()
+    schedules, whose ``step(*args, target=, **kwargs)`` would pass those names to the model: what ``step``
+    does before its ``_step_microbatches`` (stage flags, runtime state), then that on the given microbatches."""
+    for stage in getattr(self, "_stages", None) or [self._stage]:
+        stage.has_backward = self._has_backward
+        stage.clear_runtime_states()
     self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, **kw)
 
 
-def titan_moe_pp_steps(scope: str, ac: str, pp_mesh, *, steps: int = 2, beta=1e-2) -> dict:
-    """PP 2 (torchtitan's ``pipeline_llm``: 1F1B, stage 0 = embeddings + layers 0-1, stage 1 = layer 2 + norm +
-    head, one MoE layer each), GA 2 × 2 pipeline microbatches of 4 rows: ``steps`` ``train_step`` calls on the
+class _Parts:
+    """A rank's model parts (several stages under a looped schedule) as one model for the optimizer stand-in."""
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.parts:
+            p.zero_grad(set_to_none=set_to_none)
+
+    def parameters(self):
+        return [q for p in self.parts for q in p.parameters()]
+
+    def named_parameters(self):
+        return [(n, q) for p in self.parts for n, q in p.named_parameters()]
+
+
+def titan_moe_pp_steps(scope: str, ac: str, pp_mesh, *, schedule: str = "1F1B", steps: int = 2, beta=1e-2) -> dict:
+    """PP 2 (torchtitan's ``pipeline_llm``; 1F1B: stage 0 = embeddings + layers 0-1, stage 1 = layer 2 + norm +
+    head, one MoE layer each; Interleaved1F1B: 4 stages, rank 0 holds embeddings + layer 0 and layer 2, rank 1
+    layer 1 and norm + head), GA 2 × 2 pipeline microbatches of 4 rows: ``steps`` ``train_step`` calls on the
     whole global batch of 16 rows. ``ac`` is applied per stage by the ``parallelize_fn`` (torchtitan's AC
-    classes). Returns this stage's gradients, biases and logs (as :func:`titan_moe_steps`)."""
+    classes). Returns this rank's gradients, biases and logs (as :func:`titan_moe_steps`)."""
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
 
@@ -280,7 +298,7 @@ def titan_moe_pp_steps(scope: str, ac: str, pp_mesh, *, steps: int = 2, beta=1e-
         get_optional_mesh=lambda name: pp_mesh if name == "pp" else None,
     )
     parallelism = SimpleNamespace(
-        pipeline_parallel_schedule="1F1B",
+        pipeline_parallel_schedule=schedule,
         pipeline_parallel_schedule_csv=None,
         pipeline_parallel_layers_per_stage=None,
         pipeline_parallel_first_stage_less_layers=1,
@@ -290,7 +308,7 @@ def titan_moe_pp_steps(scope: str, ac: str, pp_mesh, *, steps: int = 2, beta=1e-
         pipeline_parallel_degree=2,
     )
     trainer: list = []  # the loss is the trainer's, built below: torchtitan's wrapper calls it through this
-    schedule, parts, first, last = pipeline_llm(
+    pp_schedule, parts, first, last = pipeline_llm(
         model,
         parallel_dims=dims,
         training=SimpleNamespace(local_batch_size=8),
@@ -305,14 +323,14 @@ def titan_moe_pp_steps(scope: str, ac: str, pp_mesh, *, steps: int = 2, beta=1e-
     )
     t = _trainer(parts, cfg, 2, 2, dims, None, scope, 0, beta)
     trainer.append(t)
-    schedule.step = types.MethodType(_bridge_step, schedule)
-    t.pp_schedule, t.pp_has_first_stage, t.pp_has_last_stage = schedule, first, last
+    pp_schedule.step = types.MethodType(_bridge_step, pp_schedule)
+    t.pp_schedule, t.pp_has_first_stage, t.pp_has_last_stage = pp_schedule, first, last
     return _run_steps(t, slice(0, 16), 4, steps)
 
 
-def run_titan_moe_pp(rank: int, world: int, cases: list[tuple[str, str]]):
+def run_titan_moe_pp(rank: int, world: int, cases: list[tuple[str, str]], schedule: str = "1F1B"):
     """Each ``(scope, ac)`` with PP 2 over a 1-D ``pp`` mesh of the 2 ranks (:func:`titan_moe_pp_steps`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
-    return {c: titan_moe_pp_steps(c[0], c[1], mesh) for c in cases}
+    return {c: titan_moe_pp_steps(c[0], c[1], mesh, schedule=schedule) for c in cases}

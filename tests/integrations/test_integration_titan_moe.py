@@ -164,29 +164,32 @@ def test_two_ranks_ga2_match_naive_reference():
             assert rel <= 1e-10 and bias <= 1e-12 and obj <= 1e-10, (case, rank)
 
 
-# PP 2 (2 gloo ranks, 1F1B, torchtitan's pipeline_llm split: one MoE layer per stage) × GA 2 × 2 pipeline
-# microbatches; the other scopes × AC: scripts/titan_moe_matrix.py
-def test_pipeline_parallel_matches_naive_reference():
-    cases = [("global_lagged", "full"), ("microbatch", "none")]
-    results = spawn(run_titan_moe_pp, 2, cases, timeout_s=300)
-    for case in cases:
-        ref = _reference(case[0])
-        for rank in range(2):
-            rel, bias, obj = _compare(results[rank][case], ref, stage=True)
-            print(
-                f"measured: torchtitan MoE {case[0]} AC {case[1]} PP 2 x GA 2 x 2 PP microbatches (stage {rank}): "
-                f"grads {rel:.1e}, biases {bias:.1e}, objective {'-' if obj is None else f'{obj:.1e}'}"
-            )
-            assert rel <= 1e-10 and bias <= 1e-12, (case, rank)
-        assert obj is not None and obj <= 1e-10  # the last stage logs the objective (torchtitan's loss + terms)
-        stages = [{_key(n) for n in results[r][case]["grads"]} for r in range(2)]
-        assert not stages[0] & stages[1] and stages[0] | stages[1] == set(ref["grads"])  # each parameter once
-        biases = [{_key(n) for n in results[r][case]["biases"]} for r in range(2)]
-        assert all(biases) and biases[0] | biases[1] == set(ref["biases"])  # a MoE layer on each stage
-        logs = [results[r][case]["logs"] for r in range(2)]
-        assert logs[0]["moe_terms"] == logs[1]["moe_terms"]  # summed over the stages on both
-        wrapped = [any("_checkpoint_wrapped_module" in n for n in results[r][case]["grads"]) for r in range(2)]
-        assert wrapped == [case[1] == "full"] * 2  # full AC wraps the blocks of both stages
+# PP 2 on 2 gloo ranks (torchtitan's pipeline_llm split; 1F1B: one stage per rank, one MoE layer each;
+# Interleaved1F1B: two stages per rank, layers 0 + 2 and layer 1 + head) × GA 2 × 2 pipeline microbatches;
+# every scope × AC of both schedules: scripts/titan_moe_matrix.py
+@pytest.mark.parametrize(
+    ("schedule", "scope", "ac"), [("1F1B", "global_lagged", "full"), ("Interleaved1F1B", "microbatch", "none")]
+)
+def test_pipeline_parallel_matches_naive_reference(schedule, scope, ac):
+    case = (scope, ac)
+    results = spawn(run_titan_moe_pp, 2, [case], schedule, timeout_s=300)
+    ref = _reference(scope)
+    for rank in range(2):
+        rel, bias, obj = _compare(results[rank][case], ref, stage=True)
+        print(
+            f"measured: torchtitan MoE {scope} AC {ac} PP 2 ({schedule}) x GA 2 x 2 PP microbatches (rank {rank}): "
+            f"grads {rel:.1e}, biases {bias:.1e}, objective {'-' if obj is None else f'{obj:.1e}'}"
+        )
+        assert rel <= 1e-10 and bias <= 1e-12, rank
+    assert obj is not None and obj <= 1e-10  # the last stage (rank 1) logs the objective (torchtitan's loss + terms)
+    ranks = [{_key(n) for n in results[r][case]["grads"]} for r in range(2)]
+    assert not ranks[0] & ranks[1] and ranks[0] | ranks[1] == set(ref["grads"])  # each parameter once
+    biases = [{_key(n) for n in results[r][case]["biases"]} for r in range(2)]
+    assert all(biases) and biases[0] | biases[1] == set(ref["biases"])  # a MoE layer on each rank
+    logs = [results[r][case]["logs"] for r in range(2)]
+    assert logs[0]["moe_terms"] == logs[1]["moe_terms"]  # summed over the stages on both
+    wrapped = [any("_checkpoint_wrapped_module" in n for n in results[r][case]["grads"]) for r in range(2)]
+    assert wrapped == [ac == "full"] * 2  # full AC wraps the blocks of every stage
     routers = [n for n in ref["grads"] if "router.gate" in n]
     assert routers and all(float(ref["grads"][n].abs().max()) > 0 for n in routers)
 
