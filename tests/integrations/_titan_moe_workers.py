@@ -268,12 +268,15 @@ class _Parts:
         return [(n, q) for p in self.parts for n, q in p.named_parameters()]
 
 
-def titan_moe_pp_steps(scope: str, ac: str, pp_mesh, *, schedule: str = "1F1B", steps: int = 2, beta=1e-2) -> dict:
+def titan_moe_pp_steps(
+    scope: str, ac: str, pp_mesh, *, schedule: str = "1F1B", dp_mesh=None, steps: int = 2, beta=1e-2
+) -> dict:
     """PP 2 (torchtitan's ``pipeline_llm``; 1F1B: stage 0 = embeddings + layers 0-1, stage 1 = layer 2 + norm +
     head, one MoE layer each; Interleaved1F1B: 4 stages, rank 0 holds embeddings + layer 0 and layer 2, rank 1
-    layer 1 and norm + head), GA 2 × 2 pipeline microbatches of 4 rows: ``steps`` ``train_step`` calls on the
-    whole global batch of 16 rows. ``ac`` is applied per stage by the ``parallelize_fn`` (torchtitan's AC
-    classes). Returns this rank's gradients, biases and logs (as :func:`titan_moe_steps`)."""
+    layer 1 and norm + head), GA 2 × 2 pipeline microbatches: ``steps`` ``train_step`` calls on the global
+    batch of 16 rows (microbatches of 4 rows; with a ``dp_mesh`` of ``D`` ranks, this data-parallel rank's
+    ``16/D`` rows in microbatches of ``4/D``). ``ac`` is applied per stage by the ``parallelize_fn``
+    (torchtitan's AC classes). Returns this rank's gradients, biases and logs (as :func:`titan_moe_steps`)."""
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
 
@@ -286,16 +289,18 @@ def titan_moe_pp_steps(scope: str, ac: str, pp_mesh, *, schedule: str = "1F1B", 
             SelectiveAC(SelectiveAC.Config()).apply(m)
         return m
 
+    dp, d = (dp_mesh.size(), dp_mesh.get_local_rank()) if dp_mesh is not None else (1, 0)
+    meshes = {"pp": pp_mesh, "batch": dp_mesh, "loss": dp_mesh}
     dims = SimpleNamespace(
-        dp_enabled=False,
+        dp_enabled=dp_mesh is not None,
         pp_enabled=True,
         cp_enabled=False,
         ep_enabled=False,
         tp_enabled=False,
-        dp_cp_enabled=False,
+        dp_cp_enabled=dp_mesh is not None,
         pp=2,
-        get_mesh=lambda name: pp_mesh,
-        get_optional_mesh=lambda name: pp_mesh if name == "pp" else None,
+        get_mesh=meshes.get,
+        get_optional_mesh=meshes.get,
     )
     parallelism = SimpleNamespace(
         pipeline_parallel_schedule=schedule,
@@ -304,14 +309,14 @@ def titan_moe_pp_steps(scope: str, ac: str, pp_mesh, *, schedule: str = "1F1B", 
         pipeline_parallel_first_stage_less_layers=1,
         pipeline_parallel_last_stage_less_layers=1,
         module_fqns_per_model_part=None,
-        pipeline_parallel_microbatch_size=4,
+        pipeline_parallel_microbatch_size=4 // dp,
         pipeline_parallel_degree=2,
     )
     trainer: list = []  # the loss is the trainer's, built below: torchtitan's wrapper calls it through this
     pp_schedule, parts, first, last = pipeline_llm(
         model,
         parallel_dims=dims,
-        training=SimpleNamespace(local_batch_size=8),
+        training=SimpleNamespace(local_batch_size=8 // dp),
         parallelism=parallelism,
         compile_config=None,
         ac_config=None,
@@ -321,11 +326,11 @@ def titan_moe_pp_steps(scope: str, ac: str, pp_mesh, *, schedule: str = "1F1B", 
         parallelize_fn=parallelize,
         loss_fn=lambda *args, **kwargs: trainer[0].loss_fn(*args, **kwargs),
     )
-    t = _trainer(parts, cfg, 2, 2, dims, None, scope, 0, beta)
+    t = _trainer(parts, cfg, 2, 2, dims, dp_mesh.get_group() if dp_mesh is not None else None, scope, 0, beta)
     trainer.append(t)
     pp_schedule.step = types.MethodType(_bridge_step, pp_schedule)
     t.pp_schedule, t.pp_has_first_stage, t.pp_has_last_stage = pp_schedule, first, last
-    return _run_steps(t, slice(0, 16), 4, steps)
+    return _run_steps(t, slice(d * 16 // dp, (d + 1) * 16 // dp), 4, steps)
 
 
 def run_titan_moe_pp(rank: int, world: int, cases: list[tuple[str, str]], schedule: str = "1F1B"):
@@ -334,3 +339,12 @@ def run_titan_moe_pp(rank: int, world: int, cases: list[tuple[str, str]], schedu
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     return {c: titan_moe_pp_steps(c[0], c[1], mesh, schedule=schedule) for c in cases}
+
+
+def run_titan_moe_dp_pp(rank: int, world: int, cases: list[tuple[str, str]]):
+    """Each ``(scope, ac)`` on 4 ranks: PP 2 (1F1B) × 2 data-parallel ranks (torchtitan's mesh order, ``pp``
+    outer, ``batch`` inner): GA 2 × 2 pipeline microbatches of 2 rows per rank (:func:`titan_moe_pp_steps`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "batch"))
+    return {c: titan_moe_pp_steps(c[0], c[1], mesh["pp"], dp_mesh=mesh["batch"]) for c in cases}

@@ -54,8 +54,9 @@ def _depth_labels(labels, positions, k):
     return out
 
 
-def _reference(scope: str, steps: int = 2, mtp: int = 0) -> dict:
-    """Gradients of the last step, biases after it and its objective, computed naively."""
+def _reference(scope: str, steps: int = 2, mtp: int = 0, mb_rows: int = 4) -> dict:
+    """Gradients of the last step, biases after it and its objective, computed naively (``microbatch``: the
+    16 rows in consecutive microbatches of ``mb_rows``)."""
     from torchtitan.models.common.moe import MoE
 
     model, _ = build_model("none", mtp)
@@ -90,10 +91,11 @@ def _reference(scope: str, steps: int = 2, mtp: int = 0) -> dict:
 
             if scope == "global_lagged":
                 aux = ALPHA * E / K * (frac_prev[layer] * p.reshape(-1, E).sum(0) / tt).sum()
-            elif scope == "microbatch":  # 4 microbatches of 4 rows in both layouts
-                aux = (
-                    sum(switch(p[a : a + 4].reshape(-1, E), top[a : a + 4].reshape(-1, E)) for a in range(0, 16, 4)) / 4
-                )
+            elif scope == "microbatch":  # every layout here cuts the rows in order
+                blocks = range(0, n_rows, mb_rows)
+                aux = sum(
+                    switch(p[a : a + mb_rows].reshape(-1, E), top[a : a + mb_rows].reshape(-1, E)) for a in blocks
+                ) / len(blocks)
             elif scope == "sequence":
                 aux = sum(switch(p[i], top[i]) for i in range(n_rows)) / n_rows
             else:
