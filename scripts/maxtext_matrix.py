@@ -8,6 +8,9 @@ Run in the MaxText venv (``./dev.sh test-maxtext`` creates it)::
 ``--quick``: the first table of docs/maxtext.md (no packed rows, MTP at GA 1 and 2 only); ``--rest``: only
 the runs that ``--quick`` leaves out (the second table). Prints a Markdown
 table: learning/loss, learning/lm_loss, learning/raw_grad_norm and learning/mtp_loss per run.
+``--indexer``: the third table instead: the DeepSeek-V3.2-style MLA model of tests/maxtext (``INDEXER``,
+sparse indexer stage) at λ = indexer_loss_scaling_factor 0 and 1, GA 1, GA 2, GA 2 tunix; its last column is
+learning/indexer_loss.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "maxte
 os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from _runs import packed_batch, run  # noqa: E402
+from _runs import INDEXER, packed_batch, run  # noqa: E402
 
 
 def configs(quick: bool, rest: bool = False) -> list[tuple[str, list[str], bool]]:
@@ -43,18 +46,33 @@ def configs(quick: bool, rest: bool = False) -> list[tuple[str, list[str], bool]
     return out
 
 
+def indexer_configs() -> list[tuple[str, list[str], bool]]:
+    """(label, MaxText arguments, packed) of the indexer table."""
+    out = []
+    for lam in (0, 1):
+        for ga, tunix in ((1, False), (2, False), (2, True)):
+            if lam == 0 and ga > 1:
+                continue  # λ = 0: the gradient without the indexer term, at GA 1 only
+            args = [*INDEXER, f"indexer_loss_scaling_factor={lam}.0", f"gradient_accumulation_steps={ga}"]
+            if tunix:
+                args.append("use_tunix_gradient_accumulation=true")
+            out.append((f"GA {ga}{' tunix' if tunix else ''} λ={lam}", args, False))
+    return out
+
+
 def main() -> None:
-    quick, rest = "--quick" in sys.argv[1:], "--rest" in sys.argv[1:]
-    print("| run | objective | learning/loss | learning/lm_loss | raw_grad_norm | learning/mtp_loss |")
+    quick, rest, indexer = (f"--{o}" in sys.argv[1:] for o in ("quick", "rest", "indexer"))
+    last = "indexer_loss" if indexer else "mtp_loss"
+    print(f"| run | objective | learning/loss | learning/lm_loss | raw_grad_norm | learning/{last} |")
     print("|---|---|---|---|---|---|")
-    for label, args, packed in configs(quick, rest):
+    for label, args, packed in indexer_configs() if indexer else configs(quick, rest):
         batch = packed_batch() if packed else None
         for mode in (None, "per_document" if packed else "per_sample"):
             m = run(args, mode=mode, batch=batch)["metrics"][0]
             name = "upstream" if mode is None else f"lossparity {mode}"
             print(
                 f"| {label} | {name} | {m['learning/loss']:.7f} | {m['learning/lm_loss']:.9f} | "
-                f"{m['learning/raw_grad_norm']:.7f} | {m['learning/mtp_loss']:.7f} |",
+                f"{m['learning/raw_grad_norm']:.7f} | {m[f'learning/{last}']:.7f} |",
                 flush=True,
             )
 

@@ -3,8 +3,8 @@ fed through MaxText's data-iterator hook, and return the rows of its ``metrics_f
 
 Test bridges (never used by the library): ``create_data_iterator`` is replaced for the run so that the
 batch can hold a row with no target and a one-token row (MaxText's synthetic data has neither), and the
-main / MTP cross-entropy functions can report their logits and per-token losses through
-``jax.debug.callback`` for an independent NumPy recomputation.
+main / MTP cross-entropy functions and the MLA indexer loss can report their inputs or outputs through
+``jax.debug.callback`` for an independent NumPy recomputation (``xent64``, ``per_sample64`` here).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from maxtext.configs import pyconfig  # noqa: F401 (imported first, as MaxText's own entry point does)
 from maxtext.input_pipeline import input_pipeline_interface
-from maxtext.layers import multi_token_prediction
+from maxtext.layers import attention_mla, multi_token_prediction
 from maxtext.trainers.pre_train import train
 from maxtext.utils import max_utils
 
@@ -47,6 +47,39 @@ MODEL = [
     "packing=false",
     "enable_dropout=false",
 ]
+
+# A DeepSeek-V3.2-style model on top of MODEL: MLA attention with the sparse-attention indexer (top 16 of the
+# 64 keys) in its sparse training stage, both layers dense; add indexer_loss_scaling_factor=λ to train it.
+INDEXER = [
+    "decoder_block=deepseek",
+    "attention_type=mla",
+    "first_num_dense_layers=2",
+    "q_lora_rank=16",
+    "kv_lora_rank=16",
+    "qk_nope_head_dim=16",
+    "qk_rope_head_dim=16",
+    "v_head_dim=16",
+    "use_indexer=true",
+    "indexer_n_heads=2",
+    "indexer_head_dim=32",
+    "indexer_topk=16",
+    "indexer_sparse_training=true",
+]
+
+
+def xent64(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Per-token cross-entropy ``logsumexp(x) - x[target]`` in float64."""
+    x = logits.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    lse = m[..., 0] + np.log(np.exp(x - m).sum(axis=-1))
+    return lse - np.take_along_axis(x, targets[..., None].astype(np.int64), axis=-1)[..., 0]
+
+
+def per_sample64(xent: np.ndarray, mask: np.ndarray) -> float:
+    """``(1/B) Σ_i Σ_t x_it m_it / max(n_i, 1)`` in float64."""
+    s = (xent * mask).sum(axis=1)
+    n = mask.sum(axis=1)
+    return float(np.mean(s / np.maximum(n, 1)))
 
 
 def ragged_batch(seed: int = 0) -> dict[str, np.ndarray]:
@@ -127,11 +160,14 @@ def run(
     capture: bool = False,
 ) -> dict[str, Any]:
     """One MaxText run; ``mode=None`` is MaxText untouched. Returns ``{"metrics": rows, "logits": [...],
-    "mtp": [...]}`` (captured arrays only with ``capture``)."""
+    "mtp": [...], "indexer": [...]}`` (captured arrays only with ``capture``; ``indexer``: one
+    ``(indexer_score, query, key, indexer_mask)`` per call of MaxText's ``calculate_indexer_loss``, a layer's
+    forward recomputed in the backward pass (remat) reporting again)."""
     batch = ragged_batch() if batch is None else batch
-    captured: dict[str, list[np.ndarray]] = {"logits": [], "mtp": []}
+    captured: dict[str, list[Any]] = {"logits": [], "mtp": [], "indexer": []}
     real_xent = max_utils.cross_entropy_with_logits
     real_mtp = multi_token_prediction._cross_entropy_with_integer_labels
+    real_indexer_loss = attention_mla.MLA.calculate_indexer_loss
 
     def xent_bridge(logits, targets, z_loss=0.0):  # noqa: ANN001, ANN202
         jax.debug.callback(lambda x: captured["logits"].append(np.asarray(x)), logits)
@@ -142,6 +178,18 @@ def run(
         jax.debug.callback(lambda x: captured["mtp"].append(np.asarray(x)), out)
         return out
 
+    def indexer_bridge(self, indexer_score, query, key, attention_mask, indexer_mask, sparse_loss, scaling_factor):  # noqa: ANN001, ANN202
+        jax.debug.callback(
+            lambda *xs: captured["indexer"].append(tuple(np.asarray(x) for x in xs)),
+            indexer_score,
+            query,
+            key,
+            indexer_mask,
+        )
+        return real_indexer_loss(
+            self, indexer_score, query, key, attention_mask, indexer_mask, sparse_loss, scaling_factor
+        )
+
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         metrics_file = os.path.join(tmp, "metrics.jsonl")
         stack.enter_context(
@@ -150,6 +198,7 @@ def run(
         if capture:
             stack.enter_context(_patched(max_utils, "cross_entropy_with_logits", xent_bridge))
             stack.enter_context(_patched(multi_token_prediction, "_cross_entropy_with_integer_labels", mtp_bridge))
+            stack.enter_context(_patched(attention_mla.MLA, "calculate_indexer_loss", indexer_bridge))
         handle = lpm.install(mode) if mode is not None else None
         try:
             argv = [
@@ -169,4 +218,4 @@ def run(
         with open(metrics_file, encoding="utf8") as f:
             rows = [json.loads(line) for line in f]
         text = open(metrics_file, encoding="utf8").read()
-    return {"metrics": rows, "logits": captured["logits"], "mtp": captured["mtp"], "jsonl": text}
+    return {**captured, "metrics": rows, "jsonl": text}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _runs import LENGTHS, packed_batch, ragged_batch, run
+from _runs import LENGTHS, packed_batch, per_sample64, ragged_batch, run, xent64
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -56,19 +56,6 @@ def step0(name: str) -> dict:
     return get(name)["metrics"][0]
 
 
-def _xent64(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    lse = m[..., 0] + np.log(np.exp(x - m).sum(axis=-1))
-    return lse - np.take_along_axis(x, targets[..., None].astype(np.int64), axis=-1)[..., 0]
-
-
-def _per_sample64(xent: np.ndarray, mask: np.ndarray) -> float:
-    s = (xent * mask).sum(axis=1)
-    n = mask.sum(axis=1)
-    return float(np.mean(s / np.maximum(n, 1)))
-
-
 def test_per_token_installs_nothing_bit_identical() -> None:
     up, pt = step0("upstream_ga1"), step0("per_token_ga1")
     keys = [k for k in up if k.startswith("learning/")]
@@ -87,8 +74,8 @@ def test_per_sample_equals_float64_numpy_from_logits() -> None:
     batch = ragged_batch()
     logits = r["logits"][0]  # step 0, the whole batch (GA 1)
     mask = (batch["targets_segmentation"] != 0).astype(np.float64)
-    xent = _xent64(logits, batch["targets"])
-    expected = _per_sample64(xent, mask)
+    xent = xent64(logits, batch["targets"])
+    expected = per_sample64(xent, mask)
     m = r["metrics"][0]
     assert m["learning/loss"] == pytest.approx(expected, rel=2e-7, abs=0)
     assert m["lossparity/lm_objective"] == pytest.approx(expected, rel=2e-7, abs=0)
@@ -121,7 +108,7 @@ def _mtp_expected(r: dict) -> float:
     mask = (batch["targets_segmentation"] != 0).astype(np.float64)
     rolled = np.zeros_like(mask)
     rolled[:, :-1] = mask[:, 1:]
-    return _per_sample64(r["mtp"][0].astype(np.float64), rolled)  # mtp_loss_scaling_factor default 0.1
+    return per_sample64(r["mtp"][0].astype(np.float64), rolled)  # mtp_loss_scaling_factor default 0.1
 
 
 def test_mtp_per_sample_ga1_and_ga2() -> None:
@@ -143,7 +130,7 @@ def test_per_document_on_packed_rows_ga1_ga2() -> None:
     r1 = run(["packing=true"], mode="per_document", batch=batch, capture=True)
     r2 = run(["packing=true", "gradient_accumulation_steps=2"], mode="per_document", batch=batch)
     seg = batch["targets_segmentation"]
-    xent = _xent64(r1["logits"][0], batch["targets"])
+    xent = xent64(r1["logits"][0], batch["targets"])
     terms = []
     for i in range(seg.shape[0]):
         for j in np.unique(seg[i][seg[i] != 0]):
@@ -189,7 +176,7 @@ def test_moe_load_balancing_term_is_added_once_to_the_per_sample_objective() -> 
     r = get("moe_ps_ga1")
     batch = ragged_batch()
     mask = (batch["targets_segmentation"] != 0).astype(np.float64)
-    lm = _per_sample64(_xent64(r["logits"][0], batch["targets"]), mask)
+    lm = per_sample64(xent64(r["logits"][0], batch["targets"]), mask)
     m = r["metrics"][0]
     assert m["learning/moe_lb_loss"] > 0
     assert m["lossparity/lm_objective"] == pytest.approx(lm, rel=2e-7, abs=0)

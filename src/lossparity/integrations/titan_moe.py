@@ -44,14 +44,21 @@ forward/backward, then ``end_step(group)`` (one all-reduce), which returns the l
 names: ``load_balancing_loss`` / ``seq_load_balancing_loss`` / ``global_load_balancing_loss`` (``A_l/α``
 averaged over MoE layers), ``z_loss`` (``Σ_x lse²/T`` averaged over layers), ``max_vio`` (of the step's
 dispatch counts, averaged over layers) and ``moe_terms`` (``Σ_l A_l + β·Σ_l z_l``, what the objective adds to
-torchtitan's ``loss``). Not supported (refused by the mixin): tensor, expert and context parallelism, and
-pipeline parallelism: torch's pipeline stages run the first microbatch's forward an extra time (with
-gradients on) for shape inference at the first step, which these hooks would record (docs/integrations.md).
+torchtitan's ``loss``). ``end_step`` refuses a step in which a layer's router did not route each of the
+``T`` tokens exactly once (a forward outside the step's microbatches would bias ``f`` and the bias update).
+
+Pipeline parallelism: each rank's ``TitanMoETerms`` holds its stages' MoE layers; ``T``, ``N`` and ``M`` come
+from the step's labels, which every stage fetches. At their first step torch's pipeline stages infer tensor
+metadata with one extra forward and backward (gradients on; the first microbatch on the first stage,
+uninitialized tensors of the received shapes on the others): forwards inside :meth:`paused` are left out,
+and the mixin runs that inference there. ``end_step(group, pipeline_group)`` sums the logs over the stages.
+Not supported (refused by the mixin): tensor, expert and context parallelism.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -123,7 +130,9 @@ class TitanMoETerms:
         self.alpha = _check_coeff("aux_coeff", aux_coeff) if scope != "none" else 0.0
         self.beta = _check_coeff("z_coeff", z_coeff)
         parts = list(model_parts) if isinstance(model_parts, (list, tuple)) else [model_parts]
-        self.moes: list[Any] = [m for p in parts for m in p.modules() if isinstance(m, MoE)]
+        named = [(n, m) for p in parts for n, m in p.named_modules() if isinstance(m, MoE)]
+        self.moes: list[Any] = [m for _, m in named]
+        self._names = [n for n, _ in named]  # for the errors: slot l is the model's module of that name
         if not self.moes:
             raise ValueError("model_parts: no torchtitan MoE layer found; TitanMoETerms needs a MoE model")
         routers = [m.router for m in self.moes]
@@ -148,6 +157,7 @@ class TitanMoETerms:
         )
         self._logits: dict[int, Tensor] = {}
         self._begun = False
+        self._paused = 0
         self._handles = []
         for r in routers:
             self._handles.append(r.gate.register_forward_hook(self._gate_hook(self._slot[id(r)])))
@@ -161,6 +171,18 @@ class TitanMoETerms:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Router forwards inside this context are not part of the step's objective: they count nothing and
+        attach nothing (torch's pipeline stages run one such forward, and its backward, to infer the tensor
+        metadata of their first step; :class:`~lossparity.integrations.torchtitan.LossParityTitanMixin`
+        runs that inference inside this context)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
 
     # ------------------------------------------------------------------ step protocol
     def begin_step(self, labels: Sequence[Tensor], group: Any = None) -> None:
@@ -191,9 +213,12 @@ class TitanMoETerms:
         self._acc = torch.zeros(self.n_layers, 2 + 2 * self.num_experts, dtype=torch.float64, device=dev)
         self._begun = True
 
-    def end_step(self, group: Any = None) -> dict[str, float]:
-        """After the step's backward passes: one all-reduce of the step's records over ``group``, the
-        expert-bias update, the next ``global_lagged`` fractions, and the logs (module docstring)."""
+    def end_step(self, group: Any = None, pipeline_group: Any = None) -> dict[str, float]:
+        """After the step's backward passes: one all-reduce of the step's records over the data-parallel
+        ``group``, a check that every layer routed the step's ``T`` tokens once, the expert-bias update, the
+        next ``global_lagged`` fractions, and the logs (module docstring). ``pipeline_group``: the pipeline
+        stages (each holding its own MoE layers), over which the logs are summed in a second all-reduce so
+        that every stage logs the whole model's terms."""
         if not self._begun:
             raise RuntimeError("TitanMoETerms.end_step: begin_step was not called for this step")
         self._begun = False
@@ -203,6 +228,15 @@ class TitanMoETerms:
         e = self.num_experts
         aux, z = acc[:, 0], acc[:, 1]
         top, disp = acc[:, 2 : 2 + e], acc[:, 2 + e :]
+        # every token of the step routed once per layer: an extra forward (counted) would bias f and c
+        routed = (disp.sum(dim=1) / self.topk).tolist()  # once per step
+        for layer, n in enumerate(routed):
+            if n != self._tokens:
+                raise RuntimeError(
+                    f"MoE layer {layer} ({self._names[layer]}): its router routed {n:g} tokens in this step, "
+                    f"the step's batch has T = {self._tokens:g} (a router forward outside the step's microbatches, "
+                    "or a microbatch missed); the expert biases and the global_lagged fractions are left as they were"
+                )
         self._frac_prev = top / self._tokens
         if self.own_bias:
             with torch.no_grad():
@@ -210,23 +244,36 @@ class TitanMoETerms:
                     if m.load_balance_coeff is not None:
                         new = expert_bias_update(disp[layer], m.expert_bias_E, m.load_balance_coeff, zero_mean=True)
                         m.expert_bias_E.copy_(new)
-        logs = {"moe_terms": float(self.alpha * aux.sum() + self.beta * z.sum())}
+        # [terms, Σ_l aux_l/α, Σ_l z_l, Σ_l max_vio_l, layers]: summed over the pipeline stages' layers
+        sums = torch.stack(
+            [
+                self.alpha * aux.sum() + self.beta * z.sum(),
+                aux.sum(),
+                z.sum(),
+                max_violation(disp).sum().to(acc.dtype),
+                torch.tensor(float(self.n_layers), dtype=acc.dtype, device=acc.device),
+            ]
+        )
+        if pipeline_group is not None:
+            dist.all_reduce(sums, group=pipeline_group)
+        terms, aux_sum, z_sum, vio_sum, layers = sums.tolist()  # once per step
+        logs = {"moe_terms": terms}
         if self.aux_scope != "none":
-            logs[_AUX_LOG[self.aux_scope]] = float(aux.mean())
-        logs["z_loss"] = float(z.mean())
-        logs["max_vio"] = float(max_violation(disp).mean())
+            logs[_AUX_LOG[self.aux_scope]] = aux_sum / layers
+        logs["z_loss"] = z_sum / layers
+        logs["max_vio"] = vio_sum / layers
         return logs
 
     # ------------------------------------------------------------------ hooks
     def _gate_hook(self, slot: int) -> Any:
         def hook(module: Any, args: tuple, output: Tensor) -> None:
-            if module.training and torch.is_grad_enabled():
+            if module.training and torch.is_grad_enabled() and not self._paused:
                 self._logits[slot] = output
 
         return hook
 
     def _router_hook(self, router: Any, args: tuple, output: Any) -> Any:
-        if not router.training:
+        if not router.training or self._paused:
             return None
         slot = self._slot[id(router)]
         if not self._begun:

@@ -17,9 +17,12 @@ their own global count (``N``, ``Ndoc``, ``D·K``) before the first forward:
 
 ``per_document`` reads the documents of packed rows from torchtitan's ``positions`` (per-document
 positions restarting at 0, passed to the loss when the dataloader provides them). MoE models: the
-router terms and expert biases of :mod:`lossparity.integrations.titan_moe` (``trainer.moe_terms``). Not
-supported: pipeline parallelism with per_document or MTP (torchtitan's schedule passes no ``positions`` to
-the loss), MTP with context parallelism (torchtitan's DeepSeek-V3 refuses it itself).
+router terms and expert biases of :mod:`lossparity.integrations.titan_moe` (``trainer.moe_terms``), with
+data and pipeline parallelism (under PP the stages' metadata-inference forward runs inside
+``TitanMoETerms.paused()`` and the logs are summed over the ``pp`` mesh; ``objective`` is logged on the last
+stage, where torchtitan's loss is). Not supported: pipeline parallelism with per_document or MTP
+(torchtitan's schedule passes no ``positions`` to the loss), MTP with context parallelism (torchtitan's
+DeepSeek-V3 refuses it itself), ``moe_terms`` with tensor, expert or context parallelism.
 
 Loss parallel (tensor parallelism with the logits sharded on the vocabulary, a DTensor ``pred``): the
 per-token losses come from a vocab-parallel cross-entropy on the local shards (three all-reduces over the
@@ -280,6 +283,34 @@ class LossParityLoss:
         return num / self.denominator.to(num.device)
 
 
+def _pause_metadata_inference(schedule: Any, terms: Any) -> None:
+    """Run the tensor-metadata inference of ``schedule``'s stages inside ``terms.paused()``: at its first
+    step a torch pipeline stage runs one extra forward and backward (its first microbatch on stage 0,
+    uninitialized tensors of the received shapes on the others) that is no part of the objective. Wraps
+    each stage's ``_prepare_forward_infra`` / ``_prepare_backward_infra`` once (torch 2.13's names)."""
+    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+    for stage in stages:
+        if getattr(stage, "_lossparity_paused", False):
+            continue
+        names = ("_prepare_forward_infra", "_prepare_backward_infra")
+        if stage is None or not all(callable(getattr(stage, n, None)) for n in names):
+            raise ValueError(
+                f"moe_terms: pipeline stage {stage!r} has no {names}; TitanMoETerms needs them to leave the "
+                "stage's metadata-inference forward out of the objective (torch 2.13's PipelineStage has them)"
+            )
+        for name in names:
+            setattr(stage, name, _paused_call(getattr(stage, name), terms))
+        stage._lossparity_paused = True
+
+
+def _paused_call(fn: Any, terms: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with terms.paused():
+            return fn(*args, **kwargs)
+
+    return call
+
+
 class LossParityTitanMixin:
     """Mix first into torchtitan's ``Trainer``: ``train_step`` fetches the step's microbatches, pre-counts
     the loss's normalizer over the ``batch`` mesh (:meth:`LossParityLoss.precount`), then runs torchtitan's
@@ -302,7 +333,7 @@ class LossParityTitanMixin:
         dims = self.parallel_dims  # type: ignore[attr-defined]
         terms = self.moe_terms
         if terms is not None:
-            for flag in ("pp_enabled", "tp_enabled", "ep_enabled", "cp_enabled"):
+            for flag in ("tp_enabled", "ep_enabled", "cp_enabled"):
                 if getattr(dims, flag, False):
                     raise ValueError(f"moe_terms: TitanMoETerms does not support {flag[:-8]} parallelism yet")
         n = self.gradient_accumulation_steps * self.num_pipeline_parallel_microbatches  # type: ignore[attr-defined]
@@ -318,16 +349,23 @@ class LossParityTitanMixin:
         if terms is None:
             return super().train_step(iter(batches))  # type: ignore[misc]
         pg = _group_of(group)
+        pp = getattr(dims, "pp_enabled", False)
+        pipeline = _group_of(dims.get_mesh("pp")) if pp else None
+        if pp:
+            _pause_metadata_inference(self.pp_schedule, terms)  # type: ignore[attr-defined]
         terms.begin_step([lab.to(self.device) for lab in labels], pg)  # type: ignore[attr-defined]
         processor = self.metrics_processor  # type: ignore[attr-defined]
         original = processor.log
         ended: list[dict[str, float]] = []
+        # torchtitan's loss (J_lm) is the model's on the last stage only (the others log a placeholder)
+        has_loss = not pp or bool(getattr(self, "pp_has_last_stage", False))
 
         def log(step: int, global_avg_loss: float, *args: Any, extra_metrics: Any = None, **kwargs: Any) -> Any:
-            ended.append(terms.end_step(pg))  # every rank logs the same step: the all-reduce matches
+            ended.append(terms.end_step(pg, pipeline))  # every rank logs the same step: the all-reduces match
             extra = dict(extra_metrics or {})
             extra.update(ended[0])
-            extra["objective"] = float(global_avg_loss) + ended[0]["moe_terms"]
+            if has_loss:
+                extra["objective"] = float(global_avg_loss) + ended[0]["moe_terms"]
             return original(step, global_avg_loss, *args, extra_metrics=extra, **kwargs)
 
         processor.log = log
@@ -336,7 +374,7 @@ class LossParityTitanMixin:
         finally:
             processor.log = original
         if not ended:  # not a logging step: the bias update and the lagged counts still happen once
-            terms.end_step(pg)
+            terms.end_step(pg, pipeline)
         return out
 
     def post_dataloading_process(self, input_dict: dict[str, Tensor], labels: Tensor) -> tuple[Tensor, Tensor, Any]:

@@ -325,7 +325,8 @@ def install(
     MTP (``mtp_num_layers > 0``) follows the mode with ``mtp_convention`` ``own``
     (``λ·(1/Dm)·Σ_k J_k``, MaxText ``mtp_per_layer_loss_norm=True``) or ``pooled`` (one ``J`` of all depths).
     ``learning/lm_loss`` and ``learning/total_weights`` stay MaxText's global ``Σ xent / Σ w``; ``learning/loss``
-    becomes the objective (LM term + MTP + MoE load balance + indexer, the last two as MaxText adds them).
+    becomes the objective (LM term + MTP + MoE load balance + indexer, the last two MaxText's values, at GA ``K``
+    their plain mean over the microbatches as MaxText logs them, in the value and in the gradient).
     Evaluation is MaxText's, unchanged.
     """
     if mode is not None and mode not in MAXTEXT_MODES:
