@@ -159,8 +159,13 @@ mindformers_tests() {  # the MindFormers tests, for real, in the MindSpore venv 
     "$MINDFORMERS_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/mindformers "$@"
 }
 
+# The test processes of the main part (pytest-xdist workers; 0: in pytest's own process). Run one after another,
+# the suite keeps about 0.8 of the two cores busy (rank start-up, gloo waits, checkpoint writes); two workers
+# fill them. --dist loadfile keeps each file on one worker (the module-scoped fixtures run once).
+WORKERS="${LOSSPARITY_TEST_WORKERS:-2}"
+
 main_tests() {  # the main suite in ./.venv (Python 3.11 or the default python3; the arguments: pytest's)
-  "$VENV/bin/python" -m pytest -q "$@"
+  "$VENV/bin/python" -m pytest -q -n "$WORKERS" --dist loadfile "$@"
 }
 
 lint_tests() {  # the static checks, as the first part of `./dev.sh test`

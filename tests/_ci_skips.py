@@ -76,7 +76,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     path = os.environ.get("LOSSPARITY_TEST_SUMMARY")
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if not path or reporter is None:
+    # under pytest-xdist the controller writes the counts (its reports are every worker's); a worker does not
+    if not path or reporter is None or hasattr(session.config, "workerinput"):
         return
     stats = {k: len(v) for k, v in reporter.stats.items() if k}
     counts = {

@@ -28,7 +28,7 @@ FILES = {
 }
 
 
-def _run(tmp_path: pathlib.Path, ci: str, shared: bool = True) -> tuple[int, dict]:
+def _run(tmp_path: pathlib.Path, ci: str, shared: bool = True, workers: int = 0) -> tuple[int, dict]:
     for name, text in {"conftest.py": CONFTEST, **FILES}.items():
         (tmp_path / name).write_text(text)
     summary = tmp_path / f"summary{ci}.json"
@@ -36,6 +36,8 @@ def _run(tmp_path: pathlib.Path, ci: str, shared: bool = True) -> tuple[int, dic
     (tmp_path / "shared").mkdir(exist_ok=True)  # the developers' shared folder: present, or named but absent
     env["LOSSPARITY_SHARED_DIR"] = str(tmp_path / ("shared" if shared else "no_shared_folder"))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path)]
+    if workers:  # ./dev.sh's main part runs under pytest-xdist
+        cmd += ["-n", str(workers), "--dist", "loadfile"]
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     return out.returncode, json.loads(summary.read_text())
 
@@ -54,3 +56,12 @@ def test_real_log_skips_stay_skips_in_a_clone_without_the_shared_folder(tmp_path
     # the import skips still fail
     code, counts = _run(tmp_path, "true", shared=False)
     assert code == 1 and counts == {**counts, "passed": 1, "failed": 2, "skipped": 2, "ran": 2}
+
+
+def test_under_xdist_workers_the_counts_and_the_exit_status_are_the_same(tmp_path):
+    # the main part runs with two pytest-xdist workers: the skips happen in the workers, the counts and the exit
+    # status come from the controller (a module-level skip reaches it as a collection report)
+    code, counts = _run(tmp_path, "true", workers=2)
+    assert code == 1 and counts == {**counts, "passed": 1, "failed": 3, "skipped": 1, "ran": 2}
+    code, counts = _run(tmp_path, "", workers=2)
+    assert code == 0 and counts == {**counts, "passed": 1, "failed": 0, "skipped": 4, "ran": 1}
