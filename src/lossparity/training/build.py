@@ -1,6 +1,6 @@
 """What a training run is built from, one function each: the model sharded by the layout, the gradient
-engine around it, the MoE accounting of its routers, the optimizer. :class:`~lossparity.training.trainer.Trainer`
-calls them in this order; nothing here runs a step.
+engine around it, the corpus, the MoE accounting of its routers, the optimizer.
+:class:`~lossparity.training.trainer.Trainer` calls them in this order; nothing here runs a step.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from ..model import GPT
 from ..model.config import ModelConfig
 from ..model.context_parallel import ContextParallel
 from .config import TrainConfig
+from .data import Corpus, JsonlCorpus, SyntheticCorpus, TextFileCorpus
 from .forward import LossForward, run_dtypes
 
-__all__ = ["build_model", "wrap_engine", "build_moe_accounting", "build_optimizer"]
+__all__ = ["build_model", "wrap_engine", "build_corpus", "build_moe_accounting", "build_optimizer"]
 
 
 def build_model(
@@ -75,6 +76,24 @@ def wrap_engine(raw: GPT, fwd: LossForward, dims: ParallelDims, world: int) -> n
         return nn.parallel.DistributedDataParallel(
             fwd, broadcast_buffers=False, find_unused_parameters=True, process_group=dims.grad_group
         )
+
+
+def build_corpus(cfg: TrainConfig, vocab_size: int) -> Corpus:
+    """The corpus named by ``cfg.data``: ``synthetic`` (embedded generator), a ``.jsonl`` file or a text file
+    (both with the byte-level tokenizer)."""
+    from .data import ByteTokenizer
+
+    if cfg.data == "synthetic":
+        return SyntheticCorpus(vocab_size=vocab_size, seed=cfg.seed)
+    tok = ByteTokenizer()
+    if tok.vocab_size > vocab_size:
+        raise ValueError(
+            f"model vocab_size {vocab_size} is smaller than the byte tokenizer's {tok.vocab_size} "
+            f"needed by --data {cfg.data}: pass --set vocab_size={tok.vocab_size} (or more)"
+        )
+    if cfg.data.endswith(".jsonl"):
+        return JsonlCorpus(cfg.data, tok, field=cfg.data_field)
+    return TextFileCorpus(cfg.data, tok)
 
 
 def build_moe_accounting(

@@ -233,11 +233,14 @@ class TrainConfig:
         if self.dump_samples:
             raise ValueError("mode 'per_group' is not combined with dump_samples (lossparity gap has no groups)")
 
-    def parallel_dims(self) -> Any:
-        """The layout of this config as a (not yet built) ``ParallelDims``."""
+    def parallel_dims(self, dims: Any = None) -> Any:
+        """The layout of this config as a (not yet built) ``ParallelDims``; with ``dims`` (a caller's own
+        ``ParallelDims``), ``dims`` itself once it describes that layout, else ``ValueError`` naming the fields
+        that differ (the config is the run's record in ``config.json``: it must not say another layout than
+        the one run)."""
         from ..distributed.parallel_dims import ParallelDims
 
-        return ParallelDims(
+        want = ParallelDims(
             dp=self.dp,
             cp=self.cp,
             tp=self.tp,
@@ -247,6 +250,17 @@ class TrainConfig:
             pp_virtual=self.pp_virtual,
             engine=self.engine,
         )
+        if dims is None:
+            return want
+        names = ("dp", "cp", "tp", "pp", "ep", "sp", "pp_virtual", "engine")
+        bad = [
+            f"{n}: config {getattr(want, n)!r}, dims {getattr(dims, n)!r}"
+            for n in names
+            if getattr(want, n) != getattr(dims, n)
+        ]
+        if bad:
+            raise ValueError(f"Trainer(cfg, dims): dims does not describe the layout of cfg ({'; '.join(bad)})")
+        return dims
 
     def _check_layout(self) -> None:
         self.parallel_dims().validate()  # sizes, ep | dp*cp, sp needs tp, engine combinations

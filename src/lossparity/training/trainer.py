@@ -39,9 +39,9 @@ from ..model import RouterRecord, get_config
 from ..model.context_parallel import ContextParallel
 from ..model.sequence_parallel import sp_shard
 from ..notes import Notify, warn_note
-from .build import build_model, build_moe_accounting, build_optimizer, wrap_engine
+from .build import build_corpus, build_model, build_moe_accounting, build_optimizer, wrap_engine
 from .config import TrainConfig
-from .data import IGNORE_INDEX, Batch, Corpus, JsonlCorpus, SyntheticCorpus, TextFileCorpus, global_batch, split_batch
+from .data import IGNORE_INDEX, Batch, global_batch, split_batch
 from .forward import LossForward, head_loss_fn, head_weights, indexer_share, microbatch_share, run_dtypes
 from .grads import clip_grad_norm, sum_replicated_grads_over_tp
 from .parity_stop import make_guard, parity_check
@@ -58,24 +58,6 @@ __all__ = ["TrainConfig", "Trainer", "build_corpus", "run_training", "parallel_d
 def parallel_dims(cfg: TrainConfig) -> ParallelDims:
     """The layout of ``cfg`` as a (not yet built) :class:`ParallelDims`."""
     return cfg.parallel_dims()
-
-
-def build_corpus(cfg: TrainConfig, vocab_size: int) -> Corpus:
-    """The corpus named by ``cfg.data``: ``synthetic`` (embedded generator), a ``.jsonl`` file or a text file
-    (both with the byte-level tokenizer)."""
-    from .data import ByteTokenizer
-
-    if cfg.data == "synthetic":
-        return SyntheticCorpus(vocab_size=vocab_size, seed=cfg.seed)
-    tok = ByteTokenizer()
-    if tok.vocab_size > vocab_size:
-        raise ValueError(
-            f"model vocab_size {vocab_size} is smaller than the byte tokenizer's {tok.vocab_size} "
-            f"needed by --data {cfg.data}: pass --set vocab_size={tok.vocab_size} (or more)"
-        )
-    if cfg.data.endswith(".jsonl"):
-        return JsonlCorpus(cfg.data, tok, field=cfg.data_field)
-    return TextFileCorpus(cfg.data, tok)
 
 
 def _valid_tokens(mb: Batch) -> tuple[Tensor, Tensor]:
@@ -128,21 +110,6 @@ def _pick_device(cfg: TrainConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def _agreeing_dims(cfg: TrainConfig, dims: ParallelDims) -> ParallelDims:
-    """``dims`` when it describes the layout of ``cfg``; else ``ValueError`` naming the fields that differ
-    (the config is the run's record in ``config.json``: it must not say another layout than the one run)."""
-    want = cfg.parallel_dims()
-    names = ("dp", "cp", "tp", "pp", "ep", "sp", "pp_virtual", "engine")
-    bad = [
-        f"{n}: config {getattr(want, n)!r}, dims {getattr(dims, n)!r}"
-        for n in names
-        if getattr(want, n) != getattr(dims, n)
-    ]
-    if bad:
-        raise ValueError(f"Trainer(cfg, dims): dims does not describe the layout of cfg ({'; '.join(bad)})")
-    return dims
-
-
 class Trainer:
     """A reference training run on this process (rank ``dist.get_rank()`` when distributed)."""
 
@@ -152,14 +119,16 @@ class Trainer:
         accounting (one per pipeline chunk under PP), the pipeline schedule, the optimizer and the
         checkpointer. ``notify``: where rank 0's operational notes go (a checkpoint skipped on resume,
         metrics lines dropped); default a ``UserWarning``."""
+        # the device is this process's (its GPU under NCCL, else cfg.device's kind), not part of the run's record
+        device = _pick_device(cfg)
         cfg = cfg.resolved()  # validated copy with the derived values (the caller's config is not changed)
         cfg, extension_note = extended_config(cfg)  # --resume with more steps: the saved schedule is kept
         self.cfg = cfg
         self.model_config = get_config(cfg.model, **dict(cfg.model_overrides))
-        self.dims = parallel_dims(cfg) if dims is None else _agreeing_dims(cfg, dims)
+        self.dims = cfg.parallel_dims(dims)  # from cfg, or the caller's own checked against it
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.device = _pick_device(cfg)
+        self.device = device
         self.dims.build_mesh(self.device.type)
         self.dp_rank = self.dims.dp_rank
         self.cp_ctx = (
@@ -545,13 +514,13 @@ def run_training(cfg: TrainConfig, notify: Notify | None = None) -> list[dict[st
     from ..distributed.launch import init_from_env, spawn
 
     cfg = cfg.resolved()
+    world = cfg.parallel_dims().world_size
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
         init_from_env()
         try:
             return Trainer(cfg, notify=notify).fit()
         finally:
             dist.destroy_process_group()
-    world = parallel_dims(cfg).world_size
     if world == 1:
         return Trainer(cfg, notify=notify).fit()
     return spawn(_train_entry, world, cfg, notify)[0]
