@@ -114,3 +114,34 @@ def test_the_float32_floor_widens_the_tolerance_as_worked_by_hand(r, floor_r, fl
     assert row["diffs"]["objective"] == pytest.approx(r, rel=1e-6)
     if not passes:
         assert row["first"].startswith("objective at step 1")
+
+
+@pytest.mark.parametrize(
+    "repeat_r,words",
+    [
+        (0.0, "the model repeats its 1x1 run bit for bit, but reversing the rows' summation order"),
+        (3e-3, "the model is not deterministic in training mode: the same 1x1 run twice differs by 3.0e-03"),
+    ],
+)
+def test_a_floor_above_1e_5_is_diagnosed_by_running_1x1_again(monkeypatch, repeat_r, words):
+    # floor 2e-5 > FLOOR_MAX: no floor, D2's 5e-9 FAILs at tol 1e-10, and the row becomes an ERROR whose
+    # diagnosis comes from the repeated 1x1 run (here equal to the first, or 3e-3 away in the objective)
+    from lossparity.verify import hf
+    from lossparity.verify.hf_spec import FLOOR, REPEAT, ModelSpec
+    from lossparity.verify.layouts import Layout
+
+    results = {(0, "1x1"): _run(1.5), (0, FLOOR): _run(1.5 * (1 + 2e-5)), (0, "D2"): _run(1.5 * (1 + 5e-9))}
+    spec = ModelSpec(name="m")
+    report = hf._report(0, spec, (Layout("D2", 2, 1),), ("per_token",), 1, results, {}, 0.0)
+    assert report["_floor_over"] == pytest.approx(2e-5, rel=1e-6) and report["floor"] is None
+    asked = []
+
+    def run_needed(needed, *args):
+        asked.extend(needed)
+        return {key: (_run(1.5 * (1 + repeat_r)), 0.0) for key in needed}
+
+    monkeypatch.setattr(hf, "_run_needed", run_needed)
+    hf._unusable_floor([spec], [report], results, ("per_token",), 1, False)
+    (row,) = report["rows"]
+    assert asked == [(0, REPEAT)] and "_floor_over" not in report
+    assert not row["pass"] and row["error"].startswith(words), row["error"]

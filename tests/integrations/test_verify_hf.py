@@ -296,3 +296,28 @@ def test_second_opinion_keeps_a_layout_dependent_model_failing(tmp_path, monkeyp
     assert code == 1, out + err
     line = next(x for x in out.splitlines() if x.startswith("FAIL K=2 per_token"))
     assert "with the model's float32 computation in float64 it still differs" in line
+
+
+def test_a_model_that_draws_random_numbers_is_named_by_the_repeated_run():
+    # Mixtral with its router jitter back on (verify sets it to 0): the rows-reversed floor run moves by far
+    # more than 1e-5, so K=2 cannot be judged; the 1x1 run repeated with another seed differs, which names
+    # random draws (a seeded repeat would have drawn the same noise and looked deterministic)
+    from lossparity.verify.hf import ModelSpec, parse_hf_layouts, run_verify_hf
+    from lossparity.verify.user_models import hf_config, moe_shape
+
+    config = hf_config("mixtral")
+    config.router_jitter_noise = 0.5
+    spec = ModelSpec("mixtral", hf_config=config, vocab=config.vocab_size, moe=moe_shape(config))
+    report = run_verify_hf(spec, parse_hf_layouts("K=2", spec), ("per_token",), progress=False)
+    (row,) = report["rows"]
+    assert not row["pass"], row
+    assert row["error"].startswith("the model is not deterministic in training mode: the same 1x1 run twice"), row
+
+
+def test_a_deterministic_model_with_a_float32_router_passes_by_the_second_opinion(capsys):
+    # longcat_flash (a float32 router): reversing the rows moves one small router gradient by 1.5e-05 of its own
+    # largest entry (3.4e-09 absolute), above the 1e-5 floor limit; with its float32 computation in float64,
+    # K=4 equals 1x1 to float64 rounding. It used to be an ERROR blaming random draws.
+    assert main(["verify", "--hf", "longcat_flash", "--modes", "per_token", "--layouts", "K=4"]) == 0
+    out = capsys.readouterr().out
+    assert "1/1 PASS" in out and "PASS K=4 per_token by the second opinion" in out, out

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..integrations.hf import IGNORE_INDEX, shifted_labels
 from ..losses.hf_aux import hf_lagged_aux, hf_load_balancing_loss, hf_router_sums
-from .hf_spec import FLOOR, LR, N_ROWS, SEQ, ModelSpec
+from .hf_spec import FLOOR, LR, N_ROWS, REPEAT, SEQ, ModelSpec
 from .layouts import Layout
 
 __all__ = ["synthetic_batch", "probe_model"]
@@ -311,6 +311,8 @@ def _step(spec: ModelSpec, wrapped: nn.Module, acc: Any, mine: dict[str, Tensor]
 
 def _run_mode(rank: int, spec: ModelSpec, layout: Layout, mode: str, steps: int) -> dict[str, Any]:
     model = _build(spec, layout)
+    if layout.name == REPEAT:  # the 1x1 run drawing other random numbers: a model that draws any differs
+        torch.manual_seed(1_000_003 + spec.seed)
     if layout.name == FLOOR:
         with torch.no_grad():
             for p in model.parameters():
