@@ -207,6 +207,23 @@ def _run_steps(t, rows: slice, microbatches: int, steps: int) -> dict:
     return {"grads": t.optimizers.grads, "biases": biases, "logs": t.logged[-1]}
 
 
+def _parallel_dims(get_mesh, dp: bool, pp: int = 1) -> SimpleNamespace:
+    """The attributes of torchtitan's ``ParallelDims`` that ``train_step`` and the mixin read: data and
+    pipeline parallelism only, ``get_mesh(name)`` giving each mesh."""
+    more = {"pp": pp} if pp > 1 else {}
+    return SimpleNamespace(
+        dp_enabled=dp,
+        pp_enabled=pp > 1,
+        cp_enabled=False,
+        ep_enabled=False,
+        tp_enabled=False,
+        dp_cp_enabled=dp,
+        get_mesh=get_mesh,
+        get_optional_mesh=get_mesh,
+        **more,
+    )
+
+
 def titan_moe_steps(
     scope: str, rows: slice, ga: int, *, ac: str = "none", mtp: int = 0, mesh=None, steps: int = 2, beta=1e-2
 ):
@@ -215,16 +232,7 @@ def titan_moe_steps(
     mtp_depths=mtp, mtp_weight=0.3)``. Returns the last step's gradients, the
     expert biases after it, and the logs torchtitan's metrics processor received."""
     model, cfg = build_model(ac, mtp)
-    dims = SimpleNamespace(
-        dp_enabled=mesh is not None,
-        pp_enabled=False,
-        cp_enabled=False,
-        ep_enabled=False,
-        tp_enabled=False,
-        dp_cp_enabled=mesh is not None,
-        get_mesh=lambda name: mesh,
-        get_optional_mesh=lambda name: mesh,
-    )
+    dims = _parallel_dims(lambda name: mesh, dp=mesh is not None)
     group = mesh.get_group() if mesh is not None else None
     t = _trainer([model], cfg, ga, 1, dims, group, scope, mtp, beta)
     return _run_steps(t, rows, ga, steps)
@@ -291,17 +299,7 @@ def titan_moe_pp_steps(
 
     dp, d = (dp_mesh.size(), dp_mesh.get_local_rank()) if dp_mesh is not None else (1, 0)
     meshes = {"pp": pp_mesh, "batch": dp_mesh, "loss": dp_mesh}
-    dims = SimpleNamespace(
-        dp_enabled=dp_mesh is not None,
-        pp_enabled=True,
-        cp_enabled=False,
-        ep_enabled=False,
-        tp_enabled=False,
-        dp_cp_enabled=dp_mesh is not None,
-        pp=2,
-        get_mesh=meshes.get,
-        get_optional_mesh=meshes.get,
-    )
+    dims = _parallel_dims(meshes.get, dp=dp_mesh is not None, pp=2)
     parallelism = SimpleNamespace(
         pipeline_parallel_schedule=schedule,
         pipeline_parallel_schedule_csv=None,
